@@ -1,0 +1,62 @@
+"""The `Connector` protocol: how a finished prefill's KV pages reach the decode side.
+
+The prefill side calls `send(handoff)`; the decode side calls `receive(timeout)` to
+get the next handoff (the control plane: metadata, pages possibly still remote),
+then `place(handoff, sharding)` to materialise the pages on the devices of the decode
+shard that owns the request's slot (the data plane). Splitting the two lets the
+decode side allocate its slot and pages *before* the bytes move.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferStats:
+    """What one transfer cost: bytes actually moved and wall time of the move."""
+    num_bytes: int
+    seconds: float
+
+
+@dataclasses.dataclass
+class KVHandoff:
+    """A finished prefill on its way to decode.
+
+    k, v: [L, P, S, K, H] -- only the pages that hold real prompt tokens
+    (P = ceil(num_tokens / S)), never the bucket padding.
+    `payload` carries the request itself (ids, sampling params, timings) untouched.
+    """
+    request_id: str
+    num_tokens: int
+    first_token: int
+    k: jax.Array
+    v: jax.Array
+    payload: Any = None
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.k.nbytes) + int(self.v.nbytes)
+
+
+class Connector(Protocol):
+    """Moves KV pages from prefill to decode."""
+
+    def send(self, handoff: KVHandoff) -> None:
+        """Prefill side: hand over a finished prefill. May block for backpressure."""
+
+    def receive(self, timeout: float | None) -> KVHandoff | None:
+        """Decode side: the next handoff, or None after `timeout` seconds."""
+
+    def place(self, handoff: KVHandoff,
+              sharding: jax.sharding.Sharding) -> tuple[jax.Array, jax.Array, TransferStats]:
+        """Decode side: the handoff's (k, v) pages on `sharding`, and what it cost."""
+
+    def close(self) -> None:
+        """Release queues, servers and threads."""
