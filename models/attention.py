@@ -1,0 +1,71 @@
+"""Attention cores: causal attention over a contiguous prompt, and paged decode attention.
+
+Reference implementations in `jax.numpy`, written for clarity; scores and softmax in
+float32 whatever the activation dtype. GQA: the N query heads are grouped as
+K kv heads x G queries per kv head.
+
+Page 0 of every pool is the *null page*: the allocator never hands it out, empty slots
+point their whole block table at it, so their (discarded) writes land nowhere that
+matters and no branch is needed in the jitted step.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+# Finite, so a fully masked row gives a uniform softmax instead of NaN.
+_MASKED = -1e30
+
+
+def causal_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray) -> jnp.ndarray:
+    """q: [B, T, N, H], k, v: [B, T, K, H] -> [B, T, N, H].
+
+    Padding sits after the real tokens, so a causal mask alone keeps every real
+    token from seeing it.
+    """
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    q = q.reshape(b, t, kh, n // kh, h)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (h ** -0.5)
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = jnp.where(causal, scores, _MASKED)
+    probs = jax_softmax(scores).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(b, t, n, h)
+
+
+def write_pages(pool_LPSKH: jnp.ndarray, layer: int, new_BKH: jnp.ndarray,
+                block_tables: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
+    """Write one token per slot into the pool at its position's page and offset."""
+    page_size = pool_LPSKH.shape[2]
+    slots = jnp.arange(block_tables.shape[0])
+    pages = block_tables[slots, positions // page_size]
+    return pool_LPSKH.at[layer, pages, positions % page_size].set(new_BKH.astype(pool_LPSKH.dtype))
+
+
+def paged_attention(q_BNH: jnp.ndarray, k_pool_PSKH: jnp.ndarray, v_pool_PSKH: jnp.ndarray,
+                    block_tables: jnp.ndarray, lengths: jnp.ndarray) -> jnp.ndarray:
+    """One query token per slot against that slot's pages.
+
+    q: [B, N, H]; pools: [P, S, K, H]; block_tables: [B, max_pages] page ids;
+    lengths: [B] number of valid tokens (keys at index >= length are masked).
+    Returns [B, N, H].
+    """
+    b, n, h = q_BNH.shape
+    _, s, kh, _ = k_pool_PSKH.shape
+    k = k_pool_PSKH[block_tables].reshape(b, -1, kh, h)   # [B, max_pages*S, K, H]
+    v = v_pool_PSKH[block_tables].reshape(b, -1, kh, h)
+    q = q_BNH.reshape(b, kh, n // kh, h)
+    scores = jnp.einsum("BKGH,BSKH->BKGS", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (h ** -0.5)
+    valid = jnp.arange(k.shape[1])[None, :] < lengths[:, None]          # [B, S*]
+    scores = jnp.where(valid[:, None, None, :], scores, _MASKED)
+    probs = jax_softmax(scores).astype(v.dtype)
+    out = jnp.einsum("BKGS,BSKH->BKGH", probs, v)
+    return out.reshape(b, n, h)
+
+
+def jax_softmax(x: jnp.ndarray) -> jnp.ndarray:
+    x = x - jnp.max(x, axis=-1, keepdims=True)
+    e = jnp.exp(x)
+    return e / jnp.sum(e, axis=-1, keepdims=True)

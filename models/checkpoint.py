@@ -1,0 +1,73 @@
+"""Loading a model directory, and orbax save/restore of converted params.
+
+`load(path)` accepts either a Hugging Face checkpoint directory (config.json +
+safetensors [+ tokenizer.json]) or a directory written by `save_converted`
+(config.json + an orbax `params/` checkpoint), and places every weight straight onto
+the shardings it is given.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from models.config import ModelConfig
+from models.hf_io import DTYPES, load_hf_params
+from models.llama import abstract_params
+from models.tokenizer import Tokenizer
+
+ORBAX_DIR = "params"
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    path: str
+    cfg: ModelConfig
+    params: dict
+    tokenizer: Tokenizer | None
+    dtype: str
+
+
+def load(path: str, dtype: str = "float32", shardings=None) -> LoadedModel:
+    """Load config, params (onto `shardings`, a tree like params, or default device) and
+    tokenizer (None when the directory has no tokenizer.json)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    cfg = ModelConfig.from_dir(path)
+    shapes, _ = abstract_params(cfg, DTYPES.get(dtype, jnp.float32))
+    if os.path.isdir(os.path.join(path, ORBAX_DIR)):
+        params = restore_params(os.path.join(path, ORBAX_DIR), cfg, dtype, shardings)
+    else:
+        params = load_hf_params(path, cfg, dtype, shardings,
+                                jax.tree.map(lambda s: s.shape, shapes))
+    tokenizer = Tokenizer(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+    return LoadedModel(path, cfg, params, tokenizer, dtype)
+
+
+def save_params(params, path: str) -> None:
+    """Save a params tree with orbax (overwrites `path`)."""
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path, params)
+        ckpt.wait_until_finished()
+
+
+def restore_params(path: str, cfg: ModelConfig, dtype: str = "float32", shardings=None):
+    """Restore an orbax params checkpoint straight into `shardings` (no host round trip
+    through a default device)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; expected one of {sorted(DTYPES)}")
+    shapes, _ = abstract_params(cfg, DTYPES[dtype])
+    if shardings is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, shapes)
+    target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          shapes, shardings)
+    with ocp.StandardCheckpointer() as ckpt:
+        return ckpt.restore(os.path.abspath(path), target)

@@ -1,0 +1,135 @@
+"""Hugging Face checkpoint <-> params tree.
+
+Reads `model.safetensors` or a sharded `model.safetensors.index.json`; writes a single
+`model.safetensors` (used to ship the default model and to hand our weights to
+transformers in tests). Every missing file, missing tensor or wrong shape is a
+`ValueError`/`FileNotFoundError` naming it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from models.config import ModelConfig
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+def _mapping(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, Callable, Callable]]:
+    """(our path, HF name, HF array -> ours, ours -> HF array) for every weight."""
+    d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    ident = (lambda w: w, lambda w: w)
+    transpose = (lambda w: w.T, lambda w: w.T)
+
+    def proj_in(heads):   # torch Linear [heads*H, D] <-> ours [D, heads, H]
+        return (lambda w: w.T.reshape(d, heads, h), lambda w: w.reshape(d, heads * h).T)
+
+    def bias(heads):
+        return (lambda w: w.reshape(heads, h), lambda w: w.reshape(heads * h))
+
+    yield ("embed_tokens",), "model.embed_tokens.weight", *ident
+    for i in range(cfg.num_layers):
+        p, hf = f"layers_{i}", f"model.layers.{i}"
+        yield (p, "input_norm", "scale"), f"{hf}.input_layernorm.weight", *ident
+        yield (p, "post_norm", "scale"), f"{hf}.post_attention_layernorm.weight", *ident
+        yield (p, "q_proj"), f"{hf}.self_attn.q_proj.weight", *proj_in(n)
+        yield (p, "k_proj"), f"{hf}.self_attn.k_proj.weight", *proj_in(k)
+        yield (p, "v_proj"), f"{hf}.self_attn.v_proj.weight", *proj_in(k)
+        yield ((p, "o_proj"), f"{hf}.self_attn.o_proj.weight",
+               lambda w: w.T.reshape(n, h, d), lambda w: w.reshape(n * h, d).T)
+        if cfg.attention_bias:
+            yield (p, "q_bias"), f"{hf}.self_attn.q_proj.bias", *bias(n)
+            yield (p, "k_bias"), f"{hf}.self_attn.k_proj.bias", *bias(k)
+            yield (p, "v_bias"), f"{hf}.self_attn.v_proj.bias", *bias(k)
+        yield (p, "gate_proj"), f"{hf}.mlp.gate_proj.weight", *transpose
+        yield (p, "up_proj"), f"{hf}.mlp.up_proj.weight", *transpose
+        yield (p, "down_proj"), f"{hf}.mlp.down_proj.weight", *transpose
+    yield ("norm", "scale"), "model.norm.weight", *ident
+    if not cfg.tie_word_embeddings:
+        yield ("lm_head",), "lm_head.weight", *transpose
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """HF tensor name -> file that holds it."""
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        with safe_open(single, "numpy") as f:
+            return {name: single for name in f.keys()}
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = {name: os.path.join(path, fn) for name, fn in weight_map.items()}
+        for fn in sorted(set(files.values())):
+            if not os.path.isfile(fn):
+                raise FileNotFoundError(f"{index} names shard {os.path.basename(fn)}, "
+                                        f"which is missing")
+        return files
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def load_hf_params(path: str, cfg: ModelConfig, dtype: str = "float32",
+                   shardings=None, expected_shapes=None):
+    """Read a HF checkpoint dir into our params tree (numpy -> device arrays).
+
+    `shardings`: optional tree (same structure) of `jax.sharding.Sharding` to place each
+    weight straight onto; `expected_shapes`: tree of shapes to check against.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; expected one of {sorted(DTYPES)}")
+    np_dtype = DTYPES[dtype]
+    files = _weight_files(path)
+    handles: dict[str, object] = {}
+    params: dict = {}
+    try:
+        for ours, name, to_ours, _ in _mapping(cfg):
+            if name not in files:
+                raise ValueError(f"checkpoint {path} is missing weight {name!r}")
+            fn = files[name]
+            if fn not in handles:
+                handles[fn] = safe_open(fn, "numpy").__enter__()
+            w = to_ours(handles[fn].get_tensor(name).astype(np.float32)).astype(np_dtype)
+            want = _get(expected_shapes, ours)
+            if want is not None and tuple(w.shape) != tuple(want):
+                raise ValueError(f"weight {name!r} has shape {tuple(w.shape)} after conversion, "
+                                 f"expected {tuple(want)} from config.json")
+            sharding = _get(shardings, ours)
+            arr = jax.device_put(w, sharding) if sharding is not None else jnp.asarray(w)
+            _set(params, ours, arr)
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    return params
+
+
+def save_hf_params(params, cfg: ModelConfig, path: str, dtype: str = "float32") -> None:
+    """Write our params as `model.safetensors` with HF names (config.json is the caller's)."""
+    np_dtype = DTYPES[dtype]
+    tensors = {}
+    for ours, name, _, to_hf in _mapping(cfg):
+        w = np.asarray(jax.device_get(_get(params, ours))).astype(np.float32)
+        tensors[name] = np.ascontiguousarray(to_hf(w)).astype(np_dtype)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _get(tree, path):
+    if tree is None:
+        return None
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path, value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value

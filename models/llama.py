@@ -1,0 +1,172 @@
+"""Llama-family transformer in Flax (linen), speaking only logical axis names.
+
+Parameters carry logical axes (`embed`, `heads`, `kv_heads`, `head_dim`, `mlp`,
+`vocab`); `sharding/` maps them onto a role's mesh. Three entry points, each a pure
+function of `params` once wrapped by `model.apply`:
+
+- `forward(tokens)`              full logits [B, T, V], no cache (tests, reference).
+- `prefill(tokens, lengths)`     logits of each row's last real token [B, V] and the
+                                 prompt's K and V, [L, B, T, K, H] each.
+- `decode(tokens, positions, k_pool, v_pool, block_tables)`
+                                 one token per slot against the paged pool; returns
+                                 logits [B, V] and the updated pools (donate them).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.attention import causal_attention, paged_attention, write_pages
+from models.config import ModelConfig
+from models.rope import apply_rope, inverse_frequencies
+
+
+def _param(module: nn.Module, name: str, shape: Sequence[int], axes: tuple[str, ...],
+           dtype, init=nn.initializers.normal(0.02)):
+    return module.param(name, nn.with_logical_partitioning(init, axes), tuple(shape), dtype)
+
+
+def constrain(x: jnp.ndarray, axes: tuple[str | None, ...]) -> jnp.ndarray:
+    """Logical sharding hint for an activation (a no-op outside a mesh context)."""
+    return nn.with_logical_constraint(x, axes)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        scale = _param(self, "scale", (x.shape[-1],), ("embed",), self.dtype, nn.initializers.ones)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale * x32.astype(x.dtype)
+
+
+class Block(nn.Module):
+    """One decoder layer, split at the attention core so the caller picks the core."""
+    cfg: ModelConfig
+    dtype: jnp.dtype
+
+    def setup(self):
+        c, dt = self.cfg, self.dtype
+        d, n, k, h, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+        self.input_norm = RMSNorm(c.rms_norm_eps, dt)
+        self.post_norm = RMSNorm(c.rms_norm_eps, dt)
+        self.wq = _param(self, "q_proj", (d, n, h), ("embed", "heads", "head_dim"), dt)
+        self.wk = _param(self, "k_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), dt)
+        self.wv = _param(self, "v_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), dt)
+        self.wo = _param(self, "o_proj", (n, h, d), ("heads", "head_dim", "embed"), dt)
+        if c.attention_bias:
+            zeros = nn.initializers.zeros
+            self.bq = _param(self, "q_bias", (n, h), ("heads", "head_dim"), dt, zeros)
+            self.bk = _param(self, "k_bias", (k, h), ("kv_heads", "head_dim"), dt, zeros)
+            self.bv = _param(self, "v_bias", (k, h), ("kv_heads", "head_dim"), dt, zeros)
+        self.w_gate = _param(self, "gate_proj", (d, f), ("embed", "mlp"), dt)
+        self.w_up = _param(self, "up_proj", (d, f), ("embed", "mlp"), dt)
+        self.w_down = _param(self, "down_proj", (f, d), ("mlp", "embed"), dt)
+
+    def qkv(self, x_BTD, positions_BT, inv_freq):
+        """Normalised input -> rotated q [B,T,N,H], k [B,T,K,H] and v [B,T,K,H]."""
+        x = self.input_norm(x_BTD)
+        q = jnp.einsum("BTD,DNH->BTNH", x, self.wq)
+        k = jnp.einsum("BTD,DKH->BTKH", x, self.wk)
+        v = jnp.einsum("BTD,DKH->BTKH", x, self.wv)
+        if self.cfg.attention_bias:
+            q, k, v = q + self.bq, k + self.bk, v + self.bv
+        q = constrain(apply_rope(q, positions_BT, inv_freq), ("batch", "length", "heads", "head_dim"))
+        k = constrain(apply_rope(k, positions_BT, inv_freq), ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        return q, k, v
+
+    def finish(self, x_BTD, attn_BTNH):
+        """Output projection, residual, SwiGLU MLP, residual."""
+        x = x_BTD + jnp.einsum("BTNH,NHD->BTD", attn_BTNH, self.wo)
+        y = self.post_norm(x)
+        gate = jnp.einsum("BTD,DF->BTF", y, self.w_gate)
+        up = jnp.einsum("BTD,DF->BTF", y, self.w_up)
+        hidden = constrain(nn.silu(gate) * up, ("batch", "length", "mlp"))
+        return x + jnp.einsum("BTF,FD->BTD", hidden, self.w_down)
+
+
+class Llama(nn.Module):
+    cfg: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        c = self.cfg
+        self.embedding = _param(self, "embed_tokens", (c.vocab_size, c.hidden_size),
+                                ("vocab", "embed"), self.dtype)
+        self.layers = [Block(c, self.dtype, name=f"layers_{i}") for i in range(c.num_layers)]
+        self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = _param(self, "lm_head", (c.hidden_size, c.vocab_size),
+                                  ("embed", "vocab"), self.dtype)
+        self.inv_freq = inverse_frequencies(c)
+
+    def _embed(self, tokens):
+        return constrain(self.embedding[tokens], ("batch", "length", "embed"))
+
+    def _logits(self, h_BD):
+        h = self.norm(h_BD)
+        if self.cfg.tie_word_embeddings:
+            logits = jnp.einsum("...D,VD->...V", h, self.embedding, preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("...D,DV->...V", h, self.lm_head, preferred_element_type=jnp.float32)
+        return logits
+
+    def _contiguous(self, tokens_BT):
+        b, t = tokens_BT.shape
+        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        x = self._embed(tokens_BT)
+        ks, vs = [], []
+        for layer in self.layers:
+            q, k, v = layer.qkv(x, positions, self.inv_freq)
+            x = layer.finish(x, causal_attention(q, k, v))
+            ks.append(k)
+            vs.append(v)
+        return x, jnp.stack(ks), jnp.stack(vs)
+
+    def forward(self, tokens_BT):
+        """Full causal forward: logits [B, T, V] (float32)."""
+        x, _, _ = self._contiguous(tokens_BT)
+        return self._logits(x)
+
+    def prefill(self, tokens_BT, lengths_B):
+        """Padded prompts -> (last-token logits [B, V], k [L,B,T,K,H], v [L,B,T,K,H])."""
+        x, k, v = self._contiguous(tokens_BT)
+        last = x[jnp.arange(x.shape[0]), lengths_B - 1]          # [B, D]
+        return self._logits(last), k, v
+
+    def decode(self, tokens_B, positions_B, k_pool_LPSKH, v_pool_LPSKH, block_tables_BP):
+        """One step: token b sits at positions[b]; its K/V are written, then attended with
+        everything before it. Returns (logits [B, V], k_pool, v_pool)."""
+        x = self._embed(tokens_B[:, None])                       # [B, 1, D]
+        pos = positions_B[:, None]
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(x, pos, self.inv_freq)
+            k_pool_LPSKH = write_pages(k_pool_LPSKH, i, k[:, 0], block_tables_BP, positions_B)
+            v_pool_LPSKH = write_pages(v_pool_LPSKH, i, v[:, 0], block_tables_BP, positions_B)
+            attn = paged_attention(q[:, 0], k_pool_LPSKH[i], v_pool_LPSKH[i],
+                                   block_tables_BP, positions_B + 1)
+            x = layer.finish(x, attn[:, None])
+        return self._logits(x[:, 0]), k_pool_LPSKH, v_pool_LPSKH
+
+
+def abstract_params(cfg: ModelConfig, dtype=jnp.float32):
+    """Shapes/dtypes of the params tree (no allocation) and its logical PartitionSpecs."""
+    model = Llama(cfg, dtype)
+    boxed = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32),
+                                              method=Llama.forward))["params"]
+    return nn.unbox(boxed), nn.get_partition_spec(boxed)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):
+    """Random params (normal(0.02) matrices, unit norms): tests and the placeholder model."""
+    model = Llama(cfg, dtype)
+    variables = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, 1), jnp.int32),
+                           method=Llama.forward)
+    return nn.unbox(variables["params"])

@@ -1,0 +1,55 @@
+"""Tiny random Hugging Face checkpoints built locally with `transformers` (no hub)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Several families and options: GQA, Llama 3 rope scaling, qwen2 q/k/v bias, mistral,
+# tied embeddings, MHA with an explicit head_dim.
+CONFIGS = {
+    "llama_gqa": dict(model_type="llama", num_attention_heads=8, num_key_value_heads=2),
+    "llama3_rope": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 32},
+                        rope_theta=500000.0),
+    "qwen2_bias": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2),
+    "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=1,
+                    sliding_window=None),
+    "llama_tied": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4,
+                       tie_word_embeddings=True, head_dim=24),
+}
+
+
+def build_hf_model(name: str, path: str, vocab_size: int = 256, hidden_size: int = 64,
+                   num_layers: int = 2, seed: int = 0):
+    """Create, save (`save_pretrained`) and return a tiny random HF model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(CONFIGS[name])
+    model_type = spec.pop("model_type")
+    cfg = AutoConfig.for_model(
+        model_type, vocab_size=vocab_size, hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+        # Larger than the usual 0.02 so greedy argmaxes are decisive (no float near-ties).
+        initializer_range=0.15, **spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Reference greedy continuation from transformers' `generate`."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logits(model, tokens: list[int]):
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].numpy()
