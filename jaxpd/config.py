@@ -1,0 +1,70 @@
+"""`EngineConfig`: every knob of the engine, validated once, passed explicitly."""
+from __future__ import annotations
+
+import dataclasses
+
+from sharding.mesh import MeshSpec, parse_mesh_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    mesh: str | MeshSpec = "prefill=4,decode=4"
+    dtype: str = "float32"
+    page_size: int = 16
+    max_model_len: int = 1024          # prompt + generated tokens, per request
+    max_prompt_len: int | None = None  # default: max_model_len - 1
+    max_prefill_batch: int = 8
+    max_prefill_tokens: int | None = None  # default: max(8 * 256, largest bucket)
+    bucket_timeout_ms: float = 5.0
+    min_prefill_batch: int = 1
+    slots_per_shard: int = 8
+    pages_per_shard: int | None = None # default: every slot can reach max_model_len
+    max_queued: int = 1024             # requests waiting for prefill before rejection
+    local_prefill_below: int = 0       # prompts shorter than this prefill on the decode mesh
+    transfer_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "mesh", parse_mesh_spec(self.mesh))
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_prompt_len is None:
+            object.__setattr__(self, "max_prompt_len", self.max_model_len - 1)
+        if not 1 <= self.max_prompt_len < self.max_model_len:
+            raise ValueError(f"max_prompt_len must be in [1, max_model_len), got {self.max_prompt_len}")
+        for name in ("max_prefill_batch", "min_prefill_batch", "slots_per_shard", "max_queued"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.bucket_timeout_ms < 0:
+            raise ValueError(f"bucket_timeout_ms must be >= 0, got {self.bucket_timeout_ms}")
+        if self.local_prefill_below < 0:
+            raise ValueError(f"local_prefill_below must be >= 0, got {self.local_prefill_below}")
+        min_pages = self.pages_per_slot + 1
+        if self.pages_per_shard is None:
+            object.__setattr__(self, "pages_per_shard", self.slots_per_shard * self.pages_per_slot + 1)
+        elif self.pages_per_shard < min_pages:
+            raise ValueError(f"pages_per_shard={self.pages_per_shard} cannot hold one request of "
+                             f"max_model_len={self.max_model_len} (needs {min_pages} with the null page)")
+        if self.max_prefill_tokens is None:
+            object.__setattr__(self, "max_prefill_tokens", max(8 * 256, self.buckets[-1]))
+        elif self.max_prefill_tokens < self.buckets[-1]:
+            raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} is below the largest "
+                             f"bucket {self.buckets[-1]}")
+
+    @property
+    def pages_per_slot(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def min_bucket(self) -> int:
+        return max(16, self.page_size)
+
+    @property
+    def buckets(self) -> list[int]:
+        # Up to max_model_len, not max_prompt_len: a preempted request is recomputed from
+        # prompt + generated tokens.
+        from jaxpd.scheduler import length_buckets
+        return length_buckets(self.max_model_len, self.min_bucket)

@@ -1,0 +1,55 @@
+"""What `LLM.generate` / `LLM.stream` hand back."""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpd.request import Request
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestMetrics:
+    """Per-request timings in seconds (None where the phase did not happen)."""
+    queue_s: float | None
+    prefill_s: float | None
+    transfer_s: float
+    transfer_bytes: int
+    ttft_s: float | None
+    tpot_s: float | None          # mean gap between output tokens, first token excluded
+    itl_s: list[float]
+    e2e_s: float | None
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, r: Request) -> "RequestMetrics":
+        t = r.timings
+        times = t.token_times
+        itl = [b - a for a, b in zip(times, times[1:])]
+        return cls(
+            queue_s=None if t.prefill_start is None else t.prefill_start - t.arrival,
+            prefill_s=None if t.prefill_end is None else t.prefill_end - t.prefill_start,
+            transfer_s=t.transfer_s, transfer_bytes=t.transfer_bytes,
+            ttft_s=times[0] - t.arrival if times else None,
+            tpot_s=(times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+            itl_s=itl,
+            e2e_s=None if t.finish is None else t.finish - t.arrival,
+            num_preemptions=t.num_preemptions)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str            # "stop" | "length" | "abort"
+    abort_reason: str | None
+    metrics: RequestMetrics
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamDelta:
+    """New tokens (and their text) of one request since the last delta."""
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None

@@ -1,0 +1,133 @@
+"""A request and its explicit state machine (plain Python, no jax).
+
+    WAITING -> PREFILLING -> TRANSFERRING -> DECODING -> FINISHED
+    any non-final state -> ABORTED (with a reason)
+    DECODING / TRANSFERRING -> WAITING      (preempted: recomputed later)
+    PREFILLING -> FINISHED                  (first token already ends it)
+
+Every request ends in exactly one final state; `finish`/`abort` on a final request is
+a no-op that returns False, so racing cancel and completion cannot double-finish.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import queue
+import threading
+import time
+
+from jaxpd.sampling_params import SamplingParams
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+_ALLOWED = {
+    State.WAITING: {State.PREFILLING},
+    State.PREFILLING: {State.TRANSFERRING, State.FINISHED, State.WAITING},
+    State.TRANSFERRING: {State.DECODING, State.WAITING},
+    State.DECODING: {State.FINISHED, State.WAITING},
+}
+FINAL = (State.FINISHED, State.ABORTED)
+
+
+@dataclasses.dataclass
+class Timings:
+    """Wall-clock stamps (time.perf_counter) and transfer accounting of one request."""
+    arrival: float = 0.0
+    prefill_start: float | None = None
+    prefill_end: float | None = None
+    transfer_s: float = 0.0
+    transfer_bytes: int = 0
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    finish: float | None = None
+    num_preemptions: int = 0
+    local_prefill: bool = False
+
+
+class Request:
+    """One generation request as it moves through the engine.
+
+    `prompt_ids` never changes; after a preemption the prefill input is
+    `prompt_ids + output_ids` (recompute), see `prefill_ids`.
+    """
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...] = ()):
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.seed = params.resolved_seed()
+        self.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(eos_token_ids))
+        self.output_ids: list[int] = []
+        self.state = State.WAITING
+        self.finish_reason: str | None = None   # "stop" | "length" | "abort"
+        self.abort_reason: str | None = None
+        self.timings = Timings(arrival=time.perf_counter())
+        self.events: queue.SimpleQueue = queue.SimpleQueue()  # (new_ids, finished) for streams
+        self._lock = threading.Lock()
+        self.cancel_requested = False
+
+    def __repr__(self):
+        return f"Request({self.request_id}, {self.state.value}, {len(self.output_ids)} out)"
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_final(self) -> bool:
+        return self.state in FINAL
+
+    def transition(self, new: State) -> None:
+        with self._lock:
+            if new not in _ALLOWED.get(self.state, ()):
+                raise RuntimeError(f"request {self.request_id}: illegal transition "
+                                   f"{self.state.value} -> {new.value}")
+            self.state = new
+
+    def append_token(self, token: int, now: float) -> bool:
+        """Record one generated token; True when it ends the request (and it is finished).
+        A request that is already final (e.g. aborted meanwhile) takes no more tokens."""
+        with self._lock:
+            if self.state in FINAL:
+                return True
+            self.output_ids.append(token)
+            self.timings.token_times.append(now)
+        reason = None
+        if token in self.stop_ids:
+            reason = "stop"
+        elif len(self.output_ids) >= self.params.max_tokens:
+            reason = "length"
+        self.events.put(([token], None))
+        if reason is not None:
+            with self._lock:
+                self.state = State.FINISHED
+                self.finish_reason = reason
+            self.timings.finish = now
+            self.events.put(([], reason))
+            return True
+        return False
+
+    def abort(self, reason: str) -> bool:
+        """Move to ABORTED unless already final. Returns whether this call aborted it."""
+        with self._lock:
+            if self.state in FINAL:
+                return False
+            self.state = State.ABORTED
+            self.finish_reason = "abort"
+            self.abort_reason = reason
+        self.timings.finish = time.perf_counter()
+        self.events.put(([], "abort"))
+        return True

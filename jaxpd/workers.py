@@ -1,0 +1,202 @@
+"""Prefill and decode workers: each turns scheduler plans into runner calls.
+
+Neither owns a thread; `engine.py` runs them (two threads when disaggregated, one
+interleaving loop when colocated). Everything here is called from one thread per
+worker, so the schedulers need no locks; requests cross between workers only through
+the connector (prefill -> decode) and `resubmit` (decode -> prefill, preemption).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable
+
+import numpy as np
+
+from jaxpd.page_allocator import pages_for
+from jaxpd.request import Request, State
+from jaxpd.runner import DecodeRunner, PrefillRunner, SamplingArrays
+from jaxpd.scheduler import DecodeScheduler, PrefillScheduler, StepPlan
+from transfer.connector import Connector, KVHandoff
+
+
+@dataclasses.dataclass
+class Counters:
+    """Engine-wide event counts (each written by one thread only)."""
+    prefill_batches: int = 0
+    prefill_tokens: int = 0
+    prefill_padded_tokens: int = 0
+    transfers: int = 0
+    transfer_bytes: int = 0
+    transfer_s: float = 0.0
+    decode_steps: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    aborted: int = 0
+
+
+class PrefillWorker:
+    def __init__(self, runner: PrefillRunner, scheduler: PrefillScheduler, connector: Connector,
+                 page_size: int, counters: Counters):
+        self.runner, self.scheduler, self.connector = runner, scheduler, connector
+        self.page_size, self.counters = page_size, counters
+
+    def run_batch(self, now: float) -> tuple[bool, float | None]:
+        """Run one batch if one is due. Returns (ran, seconds until one may be due)."""
+        batch, wait = self.scheduler.schedule(now)
+        if batch is None:
+            return False, wait
+        live = []
+        for r in batch.requests:
+            r.transition(State.PREFILLING)
+            if r.timings.prefill_start is None:
+                r.timings.prefill_start = time.perf_counter()
+            live.append(r)
+        tokens = np.zeros((batch.batch_size, batch.length), np.int32)
+        lengths = np.ones(batch.batch_size, np.int32)
+        sampling = SamplingArrays.empty(batch.batch_size)
+        for i, r in enumerate(live):
+            ids = r.prefill_ids
+            tokens[i, :len(ids)] = ids
+            lengths[i] = len(ids)
+            sampling.set_row(i, r)
+        first, k, v = self.runner.run(tokens, lengths, sampling)
+        now = time.perf_counter()
+        self.counters.prefill_batches += 1
+        self.counters.prefill_tokens += int(lengths[:len(live)].sum())
+        self.counters.prefill_padded_tokens += tokens.size
+        for i, r in enumerate(live):
+            n = int(lengths[i])
+            if r.timings.prefill_end is None:
+                r.timings.prefill_end = now
+            if r.append_token(int(first[i]), now):
+                self.counters.finished += r.state is State.FINISHED
+                continue                       # finished by its first token, or aborted
+            k_pages, v_pages = self.runner.take_pages(k, v, i, pages_for(n, self.page_size))
+            r.transition(State.TRANSFERRING)
+            self.connector.send(KVHandoff(r.request_id, n, int(first[i]), k_pages, v_pages, r))
+        return True, 0.0
+
+
+class DecodeWorker:
+    """Continuous batching with one step in flight: step k+1 is dispatched before the
+    tokens of step k are read back, so host bookkeeping overlaps device work. A request
+    that finished at step k therefore rides along in step k+1, whose token for it is
+    dropped; its pages were sized with one token of lookahead for exactly that."""
+
+    def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler, connector: Connector,
+                 resubmit: Callable[[Request], None], counters: Counters, max_pages_per_slot: int):
+        self.runner, self.scheduler, self.connector = runner, scheduler, connector
+        self.resubmit, self.counters = resubmit, counters
+        self.max_pages_per_slot = max_pages_per_slot
+        self.pending: collections.deque[KVHandoff] = collections.deque()
+        num_slots = len(scheduler.slots)
+        self._stepped: list[Request | None] = [None] * num_slots  # who each slot fed last step
+        self._first_token = np.zeros(num_slots, np.int32)
+        self._in_flight: tuple[StepPlan, object] | None = None
+        self._preempted: list[Request] = []
+
+    @property
+    def idle(self) -> bool:
+        return not self.pending and self._in_flight is None and self.scheduler.num_active() == 0
+
+    def iterate(self, receive_timeout: float | None) -> None:
+        """Receive, admit, dispatch a step, then read back the previous one."""
+        handoff = self.connector.receive(receive_timeout if self.idle else None)
+        while handoff is not None:
+            self.pending.append(handoff)
+            handoff = self.connector.receive(None)
+        self._release_final()
+        self._admit()
+        plan = self.scheduler.plan_step()
+        for r in plan.preempted:
+            self.counters.preemptions += 1
+            r.timings.num_preemptions += 1
+            self._preempted.append(r)
+        dispatched = None
+        if plan.entries:
+            dispatched = (plan, self._dispatch(plan))
+            self.scheduler.advance(plan)
+        if self._in_flight is not None:
+            self._process(*self._in_flight)
+        self._in_flight = dispatched
+        self._requeue_preempted()
+
+    def drain(self) -> None:
+        """Read back the step in flight (used at shutdown)."""
+        if self._in_flight is not None:
+            self._process(*self._in_flight)
+            self._in_flight = None
+
+    def _release_final(self) -> None:
+        for i, s in enumerate(self.scheduler.slots):
+            if s is not None and s.request.is_final:
+                self.scheduler.release(i)
+
+    def _admit(self) -> None:
+        while self.pending:
+            h = self.pending[0]
+            r: Request = h.payload
+            if r.is_final:                     # cancelled while in transfer
+                self.pending.popleft()
+                continue
+            slot = self.scheduler.find_slot(h.num_tokens)
+            if slot is None:
+                return                         # FIFO: wait for a slot or pages to free
+            self.pending.popleft()
+            pages = self.scheduler.admit(slot, r, h.num_tokens)
+            shard = self.scheduler.shard_of(slot)
+            k, v, stats = self.connector.place(h, self.runner.shard_sharding(shard))
+            self.runner.insert(shard, pages[:h.num_pages], k, v)
+            self.counters.transfers += 1
+            self.counters.transfer_bytes += stats.num_bytes
+            self.counters.transfer_s += stats.seconds
+            r.timings.transfer_s += stats.seconds
+            r.timings.transfer_bytes += stats.num_bytes
+            self._first_token[slot] = h.first_token
+            self._stepped[slot] = None
+            r.transition(State.DECODING)
+
+    def _dispatch(self, plan: StepPlan):
+        n = len(self.scheduler.slots)
+        width = min(1 << (plan.max_pages - 1).bit_length(), self.max_pages_per_slot)
+        override = np.zeros(n, np.int32)
+        use_override = np.ones(n, bool)
+        positions = np.zeros(n, np.int32)
+        block_tables = np.zeros((n, width), np.int32)
+        sampling = SamplingArrays.empty(n)
+        stepped: list[Request | None] = [None] * n
+        for e in plan.entries:
+            s = self.scheduler.slots[e.slot]
+            if self._stepped[e.slot] is e.request:
+                use_override[e.slot] = False   # its input is last step's output, on device
+            else:
+                override[e.slot] = self._first_token[e.slot]
+            positions[e.slot] = e.position
+            block_tables[e.slot, :len(s.pages)] = s.pages
+            sampling.set_row(e.slot, e.request)
+            stepped[e.slot] = e.request
+        self._stepped = stepped
+        self.counters.decode_steps += 1
+        return self.runner.step(override, use_override, positions, block_tables, sampling)
+
+    def _process(self, plan: StepPlan, tokens_device) -> None:
+        tokens = np.asarray(tokens_device)     # the only sync point per step
+        now = time.perf_counter()
+        for e in plan.entries:
+            r = e.request
+            if r.is_final:
+                continue
+            if r.append_token(int(tokens[e.slot]), now):
+                self.counters.finished += r.state is State.FINISHED
+                slot = self.scheduler.slot_of(r)
+                if slot is not None:
+                    self.scheduler.release(slot)
+
+    def _requeue_preempted(self) -> None:
+        for r in self._preempted:
+            if not r.is_final:
+                r.transition(State.WAITING)
+                self.resubmit(r)
+        self._preempted.clear()

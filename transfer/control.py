@@ -1,0 +1,188 @@
+"""The control plane of the cross-process transfer: Offer and Ack over gRPC.
+
+No protobuf codegen: two unary methods registered with
+`grpc.method_handlers_generic_handler`, bodies are msgpack maps. The data itself never
+travels here; an `Offer` says where to pull it from (`transfer_address`, `uuid`) and
+in which layout, an `Ack` tells the sender it may drop its arrays.
+
+Every message carries `wire_version`; a server that receives another version answers
+FAILED_PRECONDITION and the client raises `WireVersionError`, so version skew is an
+error on both sides, never a misread message.
+
+Threads: a `ControlServer` runs gRPC's own thread pool (`max_workers`); handlers only
+validate and hand the message to a callback.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import msgpack
+
+from transfer.layout import (WIRE_VERSION, ArrayLayout, TransferError, WireVersionError,
+                             check_wire_version)
+
+SERVICE = "jaxpd.transfer.Control"
+OFFER_METHOD = f"/{SERVICE}/Offer"
+ACK_METHOD = f"/{SERVICE}/Ack"
+
+_log = logging.getLogger(__name__)
+
+
+class BackpressureError(TransferError):
+    """The receiving side's queue stayed full: it cannot take another handoff now."""
+
+
+def pack(message: dict[str, Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> dict[str, Any]:
+    return msgpack.unpackb(data, raw=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Offer:
+    """Prefill → decode: a finished prefill whose KV waits on `transfer_address`.
+
+    `payload` must be msgpack-able (the request's ids, sampling params, timings).
+    """
+    uuid: int
+    request_id: str
+    num_tokens: int
+    first_token: int
+    k: ArrayLayout
+    v: ArrayLayout
+    transfer_address: str
+    ack_address: str
+    payload: Any = None
+    wire_version: int = WIRE_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "wire_version": self.wire_version, "uuid": self.uuid,
+            "request_id": self.request_id, "num_tokens": self.num_tokens,
+            "first_token": self.first_token, "k": self.k.to_dict(), "v": self.v.to_dict(),
+            "transfer_address": self.transfer_address, "ack_address": self.ack_address,
+            "payload": self.payload,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Offer:
+        check_wire_version(d.get("wire_version"), "Offer")
+        return cls(uuid=int(d["uuid"]), request_id=str(d["request_id"]),
+                   num_tokens=int(d["num_tokens"]), first_token=int(d["first_token"]),
+                   k=ArrayLayout.from_dict(d["k"]), v=ArrayLayout.from_dict(d["v"]),
+                   transfer_address=str(d["transfer_address"]),
+                   ack_address=str(d["ack_address"]), payload=d.get("payload"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ack:
+    """Decode → prefill: the pull of `uuid` is over; `error` is empty when it succeeded."""
+    uuid: int
+    error: str = ""
+    wire_version: int = WIRE_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"wire_version": self.wire_version, "uuid": self.uuid, "error": self.error}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Ack:
+        check_wire_version(d.get("wire_version"), "Ack")
+        return cls(uuid=int(d["uuid"]), error=str(d.get("error", "")))
+
+
+OfferHandler = Callable[[Offer, float | None], None]
+AckHandler = Callable[[Ack], None]
+
+
+class ControlServer:
+    """Serves Offer and/or Ack on `address` ("host:0" picks a free port).
+
+    `on_offer(offer, seconds_left)` may block up to `seconds_left` for backpressure and
+    raises `BackpressureError` when it gives up.
+    """
+
+    def __init__(self, address: str, *, on_offer: OfferHandler | None = None,
+                 on_ack: AckHandler | None = None, max_workers: int = 4):
+        handlers = {}
+        if on_offer is not None:
+            handlers["Offer"] = self._unary(lambda d, ctx: on_offer(
+                Offer.from_dict(d), ctx.time_remaining()))
+        if on_ack is not None:
+            handlers["Ack"] = self._unary(lambda d, ctx: on_ack(Ack.from_dict(d)))
+        self._server = grpc.server(
+            concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="control"))
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        port = self._server.add_insecure_port(address)
+        if port == 0:
+            raise TransferError(f"control server cannot bind {address}")
+        self.address = f"{address.rsplit(':', 1)[0]}:{port}"
+        self._server.start()
+
+    @staticmethod
+    def _unary(handle: Callable[[dict[str, Any], grpc.ServicerContext], None]):
+        def serve(request: dict[str, Any], context: grpc.ServicerContext) -> dict[str, Any]:
+            try:
+                handle(request, context)
+            except WireVersionError as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            except BackpressureError as e:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except (KeyError, TypeError, ValueError, TransferError) as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"malformed message: {type(e).__name__}: {e}")
+            return {}
+        return grpc.unary_unary_rpc_method_handler(
+            serve, request_deserializer=unpack, response_serializer=pack)
+
+    def stop(self) -> None:
+        self._server.stop(grace=None)
+
+
+class ControlClient:
+    """Sends Offers and Acks to one peer's `ControlServer`."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self._channel = grpc.insecure_channel(address)
+        self._offer = self._channel.unary_unary(
+            OFFER_METHOD, request_serializer=pack, response_deserializer=unpack)
+        self._ack = self._channel.unary_unary(
+            ACK_METHOD, request_serializer=pack, response_deserializer=unpack)
+
+    def offer(self, offer: Offer, timeout: float) -> None:
+        """Deliver `offer`; raises a `TransferError` subclass saying why it was refused."""
+        self._call(self._offer, offer.to_dict(), timeout)
+
+    def ack(self, ack: Ack, timeout: float) -> None:
+        """Tell the sender its arrays may go; failures are logged, not raised, because
+        the sender frees them after its TTL anyway."""
+        future = self._ack.future(ack.to_dict(), timeout=timeout)
+        future.add_done_callback(lambda f: f.exception() and _log.warning(
+            "ack of uuid %d to %s failed: %s", ack.uuid, self.address, f.exception()))
+
+    def _call(self, stub, message: dict[str, Any], timeout: float) -> None:
+        try:
+            stub(message, timeout=timeout)
+        except grpc.RpcError as e:
+            raise error_of(e, self.address) from e
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def error_of(e: grpc.RpcError, address: str) -> TransferError:
+    """The `TransferError` subclass that a refused control call stands for."""
+    code, details = e.code(), e.details()
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return WireVersionError(f"{address} refused the message: {details}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return BackpressureError(f"{address} is full: {details}")
+    return TransferError(f"control call to {address} failed: {code.name}: {details}")
