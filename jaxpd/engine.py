@@ -12,16 +12,19 @@ connector's bounded handoff queue (prefill -> decode, backpressure on prefill).
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpd.config import EngineConfig
 from jaxpd.request import Request, State
-from jaxpd.runner import CompileCounter, DecodeRunner, PrefillRunner
+from jaxpd.runner import CompileCounter, DecodeRunner, PrefillRunner, SamplingArrays
 from jaxpd.scheduler import DecodeScheduler, PrefillScheduler
 from jaxpd.workers import Counters, DecodeWorker, PrefillWorker
 from models.checkpoint import LoadedModel
@@ -38,7 +41,8 @@ class QueueFull(RuntimeError):
 
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig,
-                 connector: Connector | None = None):
+                 connector: Connector | None = None, warmup: bool = False,
+                 progress: Callable[[str], None] | None = None):
         self.model, self.config = model, config
         cfg = model.cfg
         self.meshes = build_meshes(config.mesh)
@@ -70,6 +74,8 @@ class Engine:
                                             self.connector, config.page_size, self.counters)
         self.decode_worker = DecodeWorker(self.decode_runner, self.decode_scheduler, self.connector,
                                           self._resubmit, self.counters, config.pages_per_slot)
+        if warmup:
+            self._warmup(progress or (lambda msg: None))
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._live: dict[str, Request] = {}
         self._lock = threading.Lock()
@@ -165,6 +171,34 @@ class Engine:
                 self.counters.aborted += 1
         self.connector.close()
 
+    def _warmup(self, progress: Callable[[str], None]) -> None:
+        """Compile every prefill (batch, length) bucket, every decode context width and
+        every insert size before serving, so steady state compiles nothing. Runs before
+        the threads start; the decode calls only touch the null page."""
+        cfg, sched = self.config, self.prefill_scheduler
+        shapes = sorted({(sched.padded_batch(b, t), t) for t in cfg.buckets
+                         for b in sched.batch_sizes})
+        for i, (b, t) in enumerate(shapes):
+            progress(f"compiling prefill {i + 1}/{len(shapes)}: batch {b} x {t} tokens")
+            self.prefill_runner.run(np.zeros((b, t), np.int32), np.ones(b, np.int32),
+                                    SamplingArrays.empty(b))
+        num_slots = len(self.decode_scheduler.slots)
+        widths = sorted({min(1 << (n - 1).bit_length(), cfg.pages_per_slot)
+                         for n in range(1, cfg.pages_per_slot + 1)})
+        for i, w in enumerate(widths):
+            progress(f"compiling decode step {i + 1}/{len(widths)}: {w} pages of context")
+            self.decode_runner.step(np.zeros(num_slots, np.int32), np.ones(num_slots, bool),
+                                    np.zeros(num_slots, np.int32),
+                                    np.zeros((num_slots, w), np.int32), SamplingArrays.empty(num_slots))
+        cfg_m = self.model.cfg
+        dtype = DTYPES[cfg.dtype]
+        for m in widths:
+            progress(f"compiling page insert for {m} pages")
+            shape = (cfg_m.num_layers, m, cfg.page_size, cfg_m.num_kv_heads, cfg_m.head_dim)
+            pages = jax.device_put(jnp.zeros(shape, dtype), self.decode_runner.shard_sharding(0))
+            self.decode_runner.insert(0, [0] * m, pages, pages)
+        jax.block_until_ready(self.decode_runner.k_pool)
+
     # ---- threads ------------------------------------------------------------------
 
     def _guard(self, loop) -> None:
@@ -178,7 +212,8 @@ class Engine:
             for r in live:
                 if r.abort(f"failed: {e!r}"):
                     self.counters.aborted += 1
-            raise
+            logging.exception("engine thread %s died; every live request was aborted",
+                              threading.current_thread().name)
 
     def _resubmit(self, request: Request) -> None:
         self._inbox.put(request)

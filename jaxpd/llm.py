@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import queue
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from jaxpd.config import EngineConfig
 from jaxpd.default_model import default_model_dir
@@ -20,12 +20,14 @@ class LLM:
     """Load a model, build the meshes, start the engine.
 
     model: a Hugging Face checkpoint directory, or None for the built-in default.
-    mesh: "prefill=P,decode=D[xT]" or "colocated=N". Other keyword arguments go to
-    `EngineConfig` (page_size, max_model_len, slots_per_shard, ...).
+    mesh: "prefill=P,decode=D[xT]" or "colocated=N". warmup: compile every bucket now
+    (reporting through `progress`) instead of on first use. Other keyword arguments go
+    to `EngineConfig` (page_size, max_model_len, slots_per_shard, ...).
     """
 
     def __init__(self, model: str | None = None, mesh: str = "prefill=4,decode=4",
-                 dtype: str = "float32", **engine_options):
+                 dtype: str = "float32", warmup: bool = False,
+                 progress: Callable[[str], None] | None = None, **engine_options):
         loaded = checkpoint.load(model or default_model_dir(), dtype="float32")
         engine_options.setdefault("max_model_len", min(loaded.cfg.max_position_embeddings, 1024))
         self.config = EngineConfig(mesh=mesh, dtype=dtype, **engine_options)
@@ -35,7 +37,7 @@ class LLM:
         self.model_config = loaded.cfg
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
-        self.engine = Engine(loaded, self.config)
+        self.engine = Engine(loaded, self.config, warmup=warmup, progress=progress)
 
     # ---- requests -----------------------------------------------------------------
 

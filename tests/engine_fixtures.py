@@ -1,0 +1,41 @@
+"""Shared fixtures for engine tests: one tiny HF model, its reference outputs."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from jaxpd import LLM
+from tests.hf_fixtures import build_hf_model, hf_greedy
+
+PAGE_SIZE = 16
+
+
+def mixed_prompts(num: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Lengths that cross bucket (16/32/64) and page boundaries."""
+    lengths = [1, 5, 15, 16, 17, 31, 32, 33, 47, 64, 65, 100]
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=lengths[i % len(lengths)]).tolist() for i in range(num)]
+
+
+def wait_idle(llm: LLM, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not llm.engine.is_idle():
+        assert time.monotonic() < deadline, f"engine not idle: {llm.stats()}"
+        time.sleep(0.01)
+
+
+def assert_all_pages_free(llm: LLM) -> None:
+    wait_idle(llm)
+    stats = llm.stats()
+    assert stats["pages_used"] == 0, stats
+    assert stats["slots_active"] == 0, stats
+    for alloc in llm.engine.decode_scheduler.allocators:
+        assert alloc.num_free == alloc.capacity
+
+
+def reference(hf_model, prompts, max_tokens):
+    return [hf_greedy(hf_model, p, n) for p, n in zip(prompts, max_tokens)]
+
+
+__all__ = ["build_hf_model", "mixed_prompts", "wait_idle", "assert_all_pages_free", "reference"]

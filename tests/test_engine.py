@@ -1,0 +1,203 @@
+"""The disaggregated engine end to end on CPU virtual devices, against transformers."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jaxpd import LLM, SamplingParams
+from tests.engine_fixtures import (assert_all_pages_free, build_hf_model, mixed_prompts,
+                                   reference, wait_idle)
+
+NUM_REQUESTS = 28
+MESHES = ["prefill=1,decode=1", "prefill=4,decode=4", "prefill=2,decode=2x2", "colocated=8"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny_llama"))
+    hf_model = build_hf_model("llama_gqa", path)
+    prompts = mixed_prompts(NUM_REQUESTS, 256)
+    max_tokens = [5 + (7 * i) % 26 for i in range(NUM_REQUESTS)]
+    return path, prompts, max_tokens, reference(hf_model, prompts, max_tokens)
+
+
+def _greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_greedy_matches_hf_on_every_mesh_with_staggered_arrivals(tiny, mesh):
+    path, prompts, max_tokens, expected = tiny
+    with LLM(path, mesh=mesh, max_model_len=160, slots_per_shard=4) as llm:
+        half = NUM_REQUESTS // 2
+        first = [llm.submit(llm.make_request(prompt_token_ids=p, sampling_params=_greedy(n)))
+                 for p, n in zip(prompts[:half], max_tokens[:half])]
+        # The second wave arrives while the first is decoding.
+        deadline = time.monotonic() + 30
+        while llm.stats()["decode_steps"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        outs = llm.generate(prompt_token_ids=prompts[half:],
+                            sampling_params=[_greedy(n) for n in max_tokens[half:]])
+        outs = [llm._wait(r) for r in first] + outs
+        for out, exp in zip(outs, expected):
+            assert out.finish_reason == "length"
+            assert out.token_ids == exp
+        assert_all_pages_free(llm)
+        stats = llm.stats()
+        assert stats["finished"] == NUM_REQUESTS and stats["aborted"] == 0
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    path = tiny[0]
+    with LLM(path, mesh="prefill=2,decode=2", max_model_len=160, slots_per_shard=4) as llm:
+        yield llm
+
+
+def test_transfer_bytes_are_exactly_the_used_pages(llm, tiny):
+    _, prompts, _, _ = tiny
+    cfg = llm.model_config
+    page_bytes = cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4   # float32, one of K/V
+    outs = llm.generate(prompt_token_ids=prompts[:12], sampling_params=_greedy(3))
+    for p, out in zip(prompts, outs):
+        assert out.metrics.transfer_bytes == 2 * page_bytes * (-(-len(p) // 16))
+    assert_all_pages_free(llm)
+
+
+def test_seeded_sampling_is_independent_of_batch(llm, tiny):
+    _, prompts, _, _ = tiny
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_k=50, top_p=0.95, seed=1234,
+                            ignore_eos=True)
+    alone = llm.generate(prompt_token_ids=[prompts[3]], sampling_params=params)[0].token_ids
+    crowd = llm.generate(prompt_token_ids=prompts[:9],
+                         sampling_params=[SamplingParams(max_tokens=15, temperature=1.0, seed=i)
+                                          for i in range(3)] + [params] +
+                                         [_greedy(7)] * 5)[3].token_ids
+    assert alone == crowd
+    other = llm.generate(prompt_token_ids=[prompts[3]],
+                         sampling_params=SamplingParams(max_tokens=20, temperature=0.9, top_k=50,
+                                                        top_p=0.95, seed=99, ignore_eos=True))[0]
+    assert other.token_ids != alone
+    assert_all_pages_free(llm)
+
+
+def test_stream_deltas_add_up_to_the_completion(llm, tiny):
+    _, prompts, max_tokens, expected = tiny
+    deltas = list(llm.stream(prompt_token_ids=prompts[5], sampling_params=_greedy(max_tokens[5])))
+    assert [t for d in deltas for t in d.token_ids] == expected[5]
+    assert deltas[-1].finish_reason == "length"
+    assert all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_stop_token_ends_with_reason_stop(llm, tiny):
+    _, prompts, max_tokens, expected = tiny
+    stop = expected[7][4]
+    out = llm.generate(prompt_token_ids=[prompts[7]],
+                       sampling_params=SamplingParams(max_tokens=30, temperature=0,
+                                                      stop_token_ids=(stop,)))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == expected[7][:expected[7].index(stop) + 1]
+
+
+def test_abort_frees_slot_and_pages(llm, tiny):
+    _, prompts, _, _ = tiny
+    r = llm.submit(llm.make_request(prompt_token_ids=prompts[1], sampling_params=_greedy(140)))
+    while len(r.output_ids) < 3:
+        time.sleep(0.002)
+    assert llm.abort(r.request_id)
+    out = llm._wait(r)
+    assert out.finish_reason == "abort" and out.abort_reason == "cancelled"
+    assert not llm.abort(r.request_id)          # already final: nothing to do
+    assert_all_pages_free(llm)
+
+
+def test_no_compilation_in_steady_state(llm, tiny):
+    _, prompts, max_tokens, _ = tiny
+    run = lambda: llm.generate(prompt_token_ids=prompts, sampling_params=[_greedy(n) for n in max_tokens])
+    run()
+    before = llm.stats()["compiled_programs"]
+    run()
+    assert llm.stats()["compiled_programs"] == before
+    assert before["prefill"] <= len(llm.config.buckets) * 4     # (length, batch) buckets
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(prompt_token_ids=[]), "prompt_token_ids"),
+    (dict(prompt_token_ids=[1, 9999]), "prompt_token_ids"),
+    (dict(prompt_token_ids=[1, -1]), "prompt_token_ids"),
+    (dict(prompt_token_ids=list(range(1, 200))), "max_prompt_len"),
+    (dict(prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=159)), "max_tokens"),
+    (dict(prompt="hello"), "tokenizer"),
+    (dict(prompt_token_ids=[1], sampling_params=SamplingParams(stop_token_ids=(300,))), "stop_token_ids"),
+])
+def test_bad_requests_name_the_field(llm, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        llm.make_request(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(max_tokens=-1), "max_tokens"), (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=float("nan")), "temperature"), (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
+    (dict(seed=-3), "seed"), (dict(stop_token_ids=(-1,)), "stop_token_ids"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_preemption_with_a_tiny_pool_keeps_outputs(tiny):
+    path, prompts, max_tokens, expected = tiny
+    # 11 usable pages per shard for 4 slots: requests must be preempted and recomputed.
+    with LLM(path, mesh="prefill=2,decode=2", max_model_len=160, slots_per_shard=4,
+             pages_per_shard=11) as llm:
+        outs = llm.generate(prompt_token_ids=prompts,
+                            sampling_params=[_greedy(n) for n in max_tokens])
+        assert [o.token_ids for o in outs] == expected
+        assert llm.stats()["preemptions"] > 0
+        assert sum(o.metrics.num_preemptions for o in outs) == llm.stats()["preemptions"]
+        assert_all_pages_free(llm)
+
+
+def test_engine_failure_aborts_requests_and_surfaces(tiny, monkeypatch):
+    path, prompts, _, _ = tiny
+    llm = LLM(path, mesh="prefill=1,decode=1", max_model_len=64)
+    try:
+        def broken(*a, **k):
+            raise RuntimeError("device on fire")
+        monkeypatch.setattr(llm.engine.decode_runner, "step", broken)
+        out = llm.generate(prompt_token_ids=[prompts[2]], sampling_params=_greedy(5))[0]
+        assert out.finish_reason == "abort" and "device on fire" in out.abort_reason
+        with pytest.raises(RuntimeError, match="engine failed"):
+            llm.submit(llm.make_request(prompt_token_ids=[1, 2], sampling_params=_greedy(2)))
+    finally:
+        llm.shutdown()
+
+
+def test_shutdown_leaves_no_thread_and_aborts_in_flight(tiny):
+    path, prompts, _, _ = tiny
+    llm = LLM(path, mesh="colocated=2", max_model_len=160)
+    r = llm.submit(llm.make_request(prompt_token_ids=prompts[1], sampling_params=_greedy(150)))
+    while not r.output_ids:
+        time.sleep(0.002)
+    llm.shutdown()
+    assert r.is_final and (r.finish_reason == "length" or r.abort_reason == "shutdown")
+    assert not [t for t in threading.enumerate() if t.name.startswith("jaxpd-")]
+
+
+def test_warmup_compiles_everything_a_workload_needs(tiny):
+    path, prompts, max_tokens, expected = tiny
+    messages = []
+    short = [i for i, p in enumerate(prompts) if len(p) + max_tokens[i] <= 64]
+    with LLM(path, mesh="prefill=2,decode=2", max_model_len=64, slots_per_shard=4,
+             max_prefill_batch=4, warmup=True, progress=messages.append) as llm:
+        before = llm.stats()["compiled_programs"]
+        outs = llm.generate(prompt_token_ids=[prompts[i] for i in short],
+                            sampling_params=[_greedy(max_tokens[i]) for i in short])
+        after = llm.stats()["compiled_programs"]
+        assert len(short) >= 10
+        assert [o.token_ids for o in outs] == [expected[i] for i in short]
+        # Page slicing for the connector compiles lazily per (bucket, pages); nothing else.
+        assert {k: v for k, v in after.items() if k != "take_pages"} == before
+        assert any("prefill" in m for m in messages) and any("decode" in m for m in messages)

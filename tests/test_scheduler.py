@@ -1,0 +1,115 @@
+"""Schedulers in isolation: plain Python, hand-checkable."""
+import pytest
+
+from jaxpd.request import Request, State
+from jaxpd.sampling_params import SamplingParams
+from jaxpd.scheduler import (DecodeScheduler, PrefillScheduler, batch_buckets, length_buckets)
+
+
+def req(n, arrival, rid=None):
+    r = Request(rid or f"r{arrival}-{n}", list(range(1, n + 1)), SamplingParams(max_tokens=4))
+    r.timings.arrival = arrival
+    return r
+
+
+def test_buckets():
+    assert length_buckets(100) == [16, 32, 64, 128]
+    assert length_buckets(16) == [16]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(6) == [1, 2, 4, 6]
+
+
+def test_full_bucket_runs_at_once_and_pads_batch():
+    s = PrefillScheduler([16, 32], max_batch=2, max_tokens=64, bucket_timeout_s=1.0)
+    s.add(req(3, 0.0))
+    assert s.schedule(0.0)[0] is None
+    s.add(req(10, 0.1))
+    batch, _ = s.schedule(0.1)
+    assert [len(r.prompt_ids) for r in batch.requests] == [3, 10]
+    assert (batch.batch_size, batch.length) == (2, 16)
+    assert len(s) == 0
+
+
+def test_timeout_releases_a_partial_batch_and_reports_wait():
+    s = PrefillScheduler([16, 32], max_batch=4, max_tokens=128, bucket_timeout_s=0.005)
+    s.add(req(20, 1.0))
+    batch, wait = s.schedule(1.001)
+    assert batch is None and wait == pytest.approx(0.004)
+    batch, _ = s.schedule(1.006)
+    assert batch.length == 32 and batch.batch_size == 1
+
+
+def test_oldest_bucket_first_no_starvation():
+    s = PrefillScheduler([16, 32], max_batch=2, max_tokens=128, bucket_timeout_s=0.005)
+    old = req(20, 0.0)
+    s.add(old)
+    for i in range(6):  # a stream of short requests keeps filling bucket 16
+        s.add(req(4, 0.001 + i * 1e-4))
+    first, _ = s.schedule(0.0065)
+    assert first.requests == [old]
+
+
+def test_max_prefill_tokens_caps_batch():
+    s = PrefillScheduler([16, 64], max_batch=8, max_tokens=128, bucket_timeout_s=0)
+    for i in range(5):
+        s.add(req(40, i * 0.1))
+    batch, _ = s.schedule(1.0)
+    assert len(batch.requests) == 2 and batch.batch_size == 2
+
+
+def test_min_batch_mixes_shorter_buckets_after_timeout():
+    s = PrefillScheduler([16, 32], max_batch=4, max_tokens=128, bucket_timeout_s=0, min_batch=2)
+    s.add(req(20, 0.0))
+    s.add(req(5, 0.1))
+    batch, _ = s.schedule(1.0)
+    assert len(batch.requests) == 2 and batch.length == 32
+
+
+def test_aborted_requests_are_dropped():
+    s = PrefillScheduler([16], max_batch=4, max_tokens=64, bucket_timeout_s=0)
+    r = req(3, 0.0)
+    s.add(r)
+    r.abort("cancelled")
+    assert s.schedule(1.0) == (None, None)
+
+
+def test_too_long_prompt_is_refused():
+    s = PrefillScheduler([16, 32], max_batch=4, max_tokens=64)
+    with pytest.raises(ValueError, match="longer than the largest"):
+        s.add(req(33, 0.0))
+
+
+def _decoding(n, arrival):
+    r = req(n, arrival)
+    r.state = State.DECODING
+    return r
+
+
+def test_decode_admission_picks_shard_with_most_free_pages():
+    d = DecodeScheduler(num_shards=2, slots_per_shard=2, pages_per_shard=9, page_size=4)
+    a = d.find_slot(10)
+    d.admit(a, _decoding(10, 0), 10)              # 3 pages (10 tokens + 1 lookahead)
+    b = d.find_slot(10)
+    assert d.shard_of(b) != d.shard_of(a)
+    assert d.num_free_pages() == 16 - 3
+
+
+def test_decode_growth_and_preemption_of_youngest():
+    d = DecodeScheduler(num_shards=1, slots_per_shard=2, pages_per_shard=5, page_size=4)
+    old, young = _decoding(7, 0.0), _decoding(7, 1.0)
+    d.admit(0, old, 7)                            # pages for positions 0..7: 2
+    d.admit(1, young, 7)                          # 2 more: 0 free
+    plan = d.plan_step()
+    assert [e.position for e in plan.entries] == [7, 7] and not plan.preempted
+    d.advance(plan)                               # both need page 3 for position 8
+    plan = d.plan_step()
+    assert plan.preempted == [young]
+    assert [e.request for e in plan.entries] == [old]
+    assert d.num_free_pages() == 4 - 3
+    d.release(0)
+    assert d.num_free_pages() == 4 and d.num_active() == 0
+
+
+def test_fits_ever():
+    d = DecodeScheduler(num_shards=1, slots_per_shard=1, pages_per_shard=3, page_size=4)
+    assert d.fits_ever(8) and not d.fits_ever(9)

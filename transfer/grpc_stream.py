@@ -1,0 +1,341 @@
+"""KV pages as a gRPC byte stream: the fallback when no JAX transfer server is usable.
+
+Wire format, one client-streaming call `/jaxpd.transfer.KVStream/Send` per handoff:
+  message 0   msgpack header: wire_version, request_id, num_tokens, first_token,
+              payload, arrays [{name, shape, dtype, num_bytes}], num_bytes, crc32
+  message 1.. raw bytes, at most `chunk_size` (<= 4 MiB, gRPC's default message cap),
+              k's bytes then v's, C order.
+The receiver answers an empty map, or a status the sender raises as an error:
+FAILED_PRECONDITION version skew, DATA_LOSS fewer/more bytes than announced or a
+crc32 mismatch, INVALID_ARGUMENT malformed header, RESOURCE_EXHAUSTED queue full.
+A damaged stream is never queued, so it can only cost a retry, not wrong tokens.
+
+The pages travel through host memory on both ends (gather, bytes, `device_put`), which
+is why this is the fallback and not the default.
+
+Threads: the decode side runs one gRPC server (its own small pool); each stream is
+decoded on a pool thread and queued (bounded: a full queue pushes back on the sender).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import math
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal
+
+import grpc
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transfer.connector import KVHandoff, TransferStats
+from transfer.control import BackpressureError, error_of, pack, unpack
+from transfer.layout import WIRE_VERSION, TransferError, WireVersionError, check_wire_version
+
+SERVICE = "jaxpd.transfer.KVStream"
+SEND_METHOD = f"/{SERVICE}/Send"
+MiB = 1 << 20
+MAX_CHUNK_SIZE = 4 * MiB
+# Headers carry the request payload; allow it room beyond one chunk.
+MAX_MESSAGE_SIZE = 16 * MiB
+
+Role = Literal["prefill", "decode"]
+_log = logging.getLogger(__name__)
+
+
+class StreamDataError(TransferError):
+    """The bytes that arrived are not the bytes that were announced."""
+
+
+class TruncatedStreamError(StreamDataError):
+    """The stream ended before (or ran past) the announced number of bytes."""
+
+
+class ChecksumMismatchError(StreamDataError):
+    """All bytes arrived but their crc32 differs from the header's."""
+
+
+class MalformedHeaderError(TransferError):
+    """The first message is not a valid stream header."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpcStreamOptions:
+    """chunk_size: bytes per stream message; max_handoff_bytes: refuse larger
+    announcements before allocating for them."""
+    chunk_size: int = MAX_CHUNK_SIZE
+    rpc_timeout_s: float = 60.0
+    max_pending: int = 64
+    max_handoff_bytes: int = 16 << 30
+
+    def __post_init__(self):
+        if not 0 < self.chunk_size <= MAX_CHUNK_SIZE:
+            raise ValueError(f"chunk_size must be in (0, {MAX_CHUNK_SIZE}], got {self.chunk_size}")
+        if self.rpc_timeout_s <= 0 or self.max_pending <= 0 or self.max_handoff_bytes <= 0:
+            raise ValueError("rpc_timeout_s, max_pending and max_handoff_bytes must be positive")
+
+
+@dataclasses.dataclass
+class StreamedKVHandoff(KVHandoff):
+    """A handoff received over the stream: k and v are host numpy arrays until `place`.
+
+    `stream_seconds`: first to last message, so stats cover the whole move.
+    """
+    stream_seconds: float = dataclasses.field(kw_only=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedHandoff:
+    """A handoff ready to stream: packed header plus k's and v's bytes (no copy yet)."""
+    header: bytes
+    body: tuple[memoryview, ...]
+
+    def messages(self, chunk_size: int = MAX_CHUNK_SIZE) -> Iterator[bytes]:
+        yield self.header
+        for buf in self.body:
+            for start in range(0, len(buf), chunk_size):
+                yield bytes(buf[start:start + chunk_size])
+
+
+def encode_handoff(handoff: KVHandoff) -> EncodedHandoff:
+    """Gather k and v to host, checksum them and pack the header."""
+    arrays = {"k": np.ascontiguousarray(np.asarray(handoff.k)),
+              "v": np.ascontiguousarray(np.asarray(handoff.v))}
+    body = tuple(memoryview(a.reshape(-1).view(np.uint8)) for a in arrays.values())
+    crc = 0
+    for buf in body:
+        crc = zlib.crc32(buf, crc)
+    header = {
+        "wire_version": WIRE_VERSION, "request_id": handoff.request_id,
+        "num_tokens": handoff.num_tokens, "first_token": handoff.first_token,
+        "payload": handoff.payload,
+        "arrays": [{"name": name, "shape": list(a.shape), "dtype": a.dtype.name,
+                    "num_bytes": a.nbytes} for name, a in arrays.items()],
+        "num_bytes": sum(len(b) for b in body), "crc32": crc,
+    }
+    try:
+        packed = pack(header)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"payload of {handoff.request_id!r} must be msgpack-able "
+                        f"(dicts, lists, str, numbers, bytes): {e}") from e
+    if len(packed) > MAX_MESSAGE_SIZE:
+        raise ValueError(f"stream header is {len(packed)} bytes, over {MAX_MESSAGE_SIZE}: "
+                         "the payload is too large")
+    return EncodedHandoff(packed, body)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ArraySpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    num_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Header:
+    """A checked stream header: every field present and consistent."""
+    request_id: str
+    num_tokens: int
+    first_token: int
+    payload: Any
+    arrays: tuple[_ArraySpec, ...]
+    num_bytes: int
+    crc32: int
+
+
+def _parse_header(message: bytes, max_bytes: int) -> _Header:
+    try:
+        d = unpack(message)
+    except Exception as e:  # noqa: BLE001 -- msgpack raises several unrelated types
+        raise MalformedHeaderError(f"stream header is not msgpack: {e}") from e
+    if not isinstance(d, dict):
+        raise MalformedHeaderError(f"stream header is a {type(d).__name__}, not a map")
+    check_wire_version(d.get("wire_version"), "KV stream header")
+    try:
+        header = _Header(
+            request_id=str(d["request_id"]), num_tokens=int(d["num_tokens"]),
+            first_token=int(d["first_token"]), payload=d.get("payload"),
+            arrays=tuple(_ArraySpec(str(a["name"]), tuple(int(n) for n in a["shape"]),
+                                    jnp.dtype(a["dtype"]), int(a["num_bytes"]))
+                         for a in d["arrays"]),
+            num_bytes=int(d["num_bytes"]), crc32=int(d["crc32"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise MalformedHeaderError(f"stream header lacks or garbles a field: {e!r}") from e
+    names = [a.name for a in header.arrays]
+    if names != ["k", "v"]:
+        raise MalformedHeaderError(f"stream must carry arrays k then v, got {names}")
+    for a in header.arrays:
+        if a.num_bytes != math.prod(a.shape) * a.dtype.itemsize:
+            raise MalformedHeaderError(f"{a.name}: {a.num_bytes} bytes announced for "
+                                       f"{a.shape} {a.dtype}")
+    if header.num_bytes != sum(a.num_bytes for a in header.arrays):
+        raise MalformedHeaderError(f"num_bytes {header.num_bytes} is not the sum of the arrays'")
+    if header.num_bytes > max_bytes:
+        raise MalformedHeaderError(f"{header.num_bytes} bytes announced, limit is {max_bytes}")
+    return header
+
+
+def decode_handoff(messages: Iterable[bytes],
+                   max_bytes: int = GrpcStreamOptions.max_handoff_bytes) -> StreamedKVHandoff:
+    """Rebuild a handoff from stream messages; raise rather than return damaged pages."""
+    it = iter(messages)
+    try:
+        first = next(it)
+    except StopIteration:
+        raise TruncatedStreamError("stream ended before its header") from None
+    start = time.perf_counter()
+    header = _parse_header(first, max_bytes)
+    total, who = header.num_bytes, repr(header.request_id)
+    buf = bytearray(total)
+    view = memoryview(buf)
+    offset, crc = 0, 0
+    for chunk in it:
+        if offset + len(chunk) > total:
+            raise TruncatedStreamError(f"{who}: more bytes than the {total} announced")
+        view[offset:offset + len(chunk)] = chunk
+        crc = zlib.crc32(chunk, crc)
+        offset += len(chunk)
+    if offset != total:
+        raise TruncatedStreamError(f"{who}: stream truncated after {offset} of {total} "
+                                   f"announced bytes")
+    if crc != header.crc32:
+        raise ChecksumMismatchError(f"{who}: crc32 {crc:#010x} of the received bytes, "
+                                    f"header says {header.crc32:#010x}")
+    arrays, at = {}, 0
+    for a in header.arrays:
+        arrays[a.name] = np.frombuffer(buf, dtype=a.dtype, count=a.num_bytes // a.dtype.itemsize,
+                                       offset=at).reshape(a.shape)
+        at += a.num_bytes
+    return StreamedKVHandoff(
+        request_id=header.request_id, num_tokens=header.num_tokens,
+        first_token=header.first_token, k=arrays["k"], v=arrays["v"],
+        payload=header.payload, stream_seconds=time.perf_counter() - start)
+
+
+_STATUS_OF = {
+    WireVersionError: grpc.StatusCode.FAILED_PRECONDITION,
+    StreamDataError: grpc.StatusCode.DATA_LOSS,
+    MalformedHeaderError: grpc.StatusCode.INVALID_ARGUMENT,
+    BackpressureError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+class GrpcConnector:
+    """`Connector` over a gRPC byte stream, for prefill and decode in separate processes.
+
+    role="decode" serves on `address` ("host:0" picks a port; see `.address`);
+    role="prefill" streams to `decode_address`.
+    """
+
+    def __init__(self, role: Role, *, address: str = "127.0.0.1:0",
+                 decode_address: str | None = None,
+                 options: GrpcStreamOptions = GrpcStreamOptions()):
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+        if (role == "prefill") != (decode_address is not None):
+            raise ValueError("decode_address is required for role='prefill' "
+                             "and not accepted for role='decode'")
+        self.role = role
+        self.options = options
+        self.num_failed = 0
+        self._closed = False
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[StreamedKVHandoff] = queue.Queue(maxsize=options.max_pending)
+        limits = [("grpc.max_receive_message_length", MAX_MESSAGE_SIZE),
+                  ("grpc.max_send_message_length", MAX_MESSAGE_SIZE)]
+        if role == "prefill":
+            self.address = decode_address
+            self._channel = grpc.insecure_channel(decode_address, options=limits)
+            self._send = self._channel.stream_unary(
+                SEND_METHOD, request_serializer=None, response_deserializer=unpack)
+        else:
+            self._server = grpc.server(
+                concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kv-stream"),
+                options=limits)
+            handler = grpc.stream_unary_rpc_method_handler(
+                self._serve, request_deserializer=None, response_serializer=pack)
+            self._server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler(SERVICE, {"Send": handler}),))
+            port = self._server.add_insecure_port(address)
+            if port == 0:
+                raise TransferError(f"KV stream server cannot bind {address}")
+            self.address = f"{address.rsplit(':', 1)[0]}:{port}"
+            self._server.start()
+
+    def send(self, handoff: KVHandoff) -> None:
+        """Stream the pages; returns once the decode side has checked and queued them."""
+        self._require("prefill", "send")
+        encoded = encode_handoff(handoff)
+        try:
+            self._send(encoded.messages(self.options.chunk_size),
+                       timeout=self.options.rpc_timeout_s)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DATA_LOSS:
+                raise StreamDataError(f"{self.address} rejected the stream of "
+                                      f"{handoff.request_id!r}: {e.details()}") from e
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise MalformedHeaderError(f"{self.address}: {e.details()}") from e
+            raise error_of(e, self.address) from e
+
+    def _serve(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> dict:
+        try:
+            handoff = decode_handoff(messages, self.options.max_handoff_bytes)
+            if self._closed:
+                raise BackpressureError("decode side is closed")
+            try:
+                self._queue.put(handoff, timeout=max(0.0, (context.time_remaining() or 1.0) - 0.1))
+            except queue.Full:
+                raise BackpressureError(
+                    f"{self._queue.maxsize} handoffs already wait to be placed") from None
+        except tuple(_STATUS_OF) as e:
+            self._count_failure(e)
+            context.abort(next(s for t, s in _STATUS_OF.items() if isinstance(e, t)), str(e))
+        except grpc.RpcError:
+            # The request iterator raises this when the sender cancels or dies mid-stream;
+            # nobody is left to answer, so only count it.
+            self._count_failure(TruncatedStreamError("sender cancelled the stream"))
+        return {}
+
+    def _count_failure(self, error: Exception) -> None:
+        with self._lock:
+            self.num_failed += 1
+        _log.warning("rejected a KV stream: %s: %s", type(error).__name__, error)
+
+    def receive(self, timeout: float | None) -> StreamedKVHandoff | None:
+        """The next checked handoff; None after `timeout` seconds (None or 0: do not
+        wait), like `DevicePutConnector`."""
+        self._require("decode", "receive")
+        try:
+            return self._queue.get(timeout=timeout) if timeout else self._queue.get_nowait()
+        except queue.Empty:
+            return None
+
+    def place(self, handoff: KVHandoff, sharding: jax.sharding.Sharding
+              ) -> tuple[jax.Array, jax.Array, TransferStats]:
+        """Host pages onto `sharding`; the stats include the time spent streaming."""
+        self._require("decode", "place")
+        start = time.perf_counter()
+        k, v = jax.block_until_ready(jax.device_put((handoff.k, handoff.v), sharding))
+        seconds = time.perf_counter() - start + getattr(handoff, "stream_seconds", 0.0)
+        return k, v, TransferStats(int(k.nbytes) + int(v.nbytes), seconds)
+
+    def _require(self, role: Role, method: str) -> None:
+        if self.role != role:
+            raise RuntimeError(f"{method}() is for role={role!r}; this connector is "
+                               f"role={self.role!r}")
+        if self._closed:
+            raise TransferError("GrpcConnector is closed")
+
+    def close(self) -> None:
+        self._closed = True
+        if self.role == "prefill":
+            self._channel.close()
+        else:
+            self._server.stop(grace=None)
