@@ -72,11 +72,29 @@ class Engine:
         self.connector = connector or DevicePutConnector()
         self.prefill_worker = PrefillWorker(self.prefill_runner, self.prefill_scheduler,
                                             self.connector, config.page_size, self.counters)
-        self.decode_worker = DecodeWorker(self.decode_runner, self.decode_scheduler, self.connector,
+        connectors = [self.connector]
+        self.local_worker = None
+        if config.local_prefill_below and not config.mesh.colocated:
+            # Short prompts prefill on the decode mesh itself, between decode steps, with
+            # the decode params (replicated over dp): no cross-mesh transfer, whose fixed
+            # cost dominates for them.
+            local_connector = DevicePutConnector()
+            connectors.append(local_connector)
+            local_runner = PrefillRunner(cfg, decode_params, self.meshes.decode, decode_rules,
+                                         config.page_size, self.counter, dtype, name="local_prefill")
+            local_buckets = [b for b in config.buckets if b < config.local_prefill_below] or \
+                config.buckets[:1]
+            self.local_scheduler = PrefillScheduler(
+                local_buckets, config.max_prefill_batch, max(config.max_prefill_tokens, local_buckets[-1]),
+                config.bucket_timeout_ms / 1000, config.min_prefill_batch)
+            self.local_worker = PrefillWorker(local_runner, self.local_scheduler, local_connector,
+                                              config.page_size, self.counters, local=True)
+        self.decode_worker = DecodeWorker(self.decode_runner, self.decode_scheduler, connectors,
                                           self._resubmit, self.counters, config.pages_per_slot)
         if warmup:
             self._warmup(progress or (lambda msg: None))
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._local_inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._live: dict[str, Request] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -149,6 +167,7 @@ class Engine:
             "transfer_s": c.transfer_s,
             "decode_steps": c.decode_steps,
             "preemptions": c.preemptions,
+            "local_prefills": c.local_prefills,
             "finished": c.finished,
             "aborted": c.aborted,
             "slots_total": len(sched.slots),
@@ -225,8 +244,21 @@ class Engine:
                 r = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if not r.is_final:
+            if r.is_final:
+                continue
+            if self.local_worker is not None and r.num_tokens < self.config.local_prefill_below:
+                self._local_inbox.put(r)
+            else:
                 self.prefill_scheduler.add(r)
+
+    def _drain_local_inbox(self) -> None:
+        while True:
+            try:
+                r = self._local_inbox.get_nowait()
+            except queue.Empty:
+                return
+            if not r.is_final:
+                self.local_scheduler.add(r)
 
     def _prefill_loop(self) -> None:
         while not self._stop.is_set():
@@ -238,6 +270,9 @@ class Engine:
 
     def _decode_loop(self) -> None:
         while not self._stop.is_set():
+            if self.local_worker is not None:
+                self._drain_local_inbox()
+                self.local_worker.run_batch(time.perf_counter())
             self.decode_worker.iterate(receive_timeout=0.02)
         self.decode_worker.drain()
 

@@ -69,9 +69,9 @@ class CompileCounter:
 
 class PrefillRunner:
     def __init__(self, cfg: ModelConfig, params, mesh: Mesh, rules, page_size: int,
-                 counter: CompileCounter, dtype=jnp.float32):
+                 counter: CompileCounter, dtype=jnp.float32, name: str = "prefill"):
         self.cfg, self.params, self.mesh, self.page_size = cfg, params, mesh, page_size
-        self.counter = counter
+        self.counter, self.name = counter, name
         model = Llama(cfg, dtype)
         replicated = NamedSharding(mesh, P())
 
@@ -88,14 +88,14 @@ class PrefillRunner:
 
     def run(self, tokens: np.ndarray, lengths: np.ndarray, sampling: SamplingArrays):
         """tokens [B, T] -> (first tokens as numpy [B], k, v [L, B, T, K, H] on the mesh)."""
-        self.counter.note("prefill", tokens.shape)
+        self.counter.note(self.name, tokens.shape)
         inputs = jax.device_put((tokens, lengths) + sampling.tuple(), self._replicated)
         first, k, v = self._prefill(self.params, *inputs)
         return np.asarray(first), k, v
 
     def take_pages(self, k, v, row: int, num_pages: int):
         """The `num_pages` pages of row `row`: ([L, P, S, K, H], same) -- no padding."""
-        self.counter.note("take_pages", (k.shape, num_pages))
+        self.counter.note(f"{self.name}_take_pages", (k.shape, num_pages))
         return self._take(k, v, row, num_pages)
 
     def _take_pages(self, k, v, row, num_pages):

@@ -32,15 +32,17 @@ class Counters:
     transfer_s: float = 0.0
     decode_steps: int = 0
     preemptions: int = 0
+    local_prefills: int = 0
     finished: int = 0
     aborted: int = 0
 
 
 class PrefillWorker:
     def __init__(self, runner: PrefillRunner, scheduler: PrefillScheduler, connector: Connector,
-                 page_size: int, counters: Counters):
+                 page_size: int, counters: Counters, local: bool = False):
         self.runner, self.scheduler, self.connector = runner, scheduler, connector
         self.page_size, self.counters = page_size, counters
+        self.local = local   # prefilling on the decode mesh (counted apart)
 
     def run_batch(self, now: float) -> tuple[bool, float | None]:
         """Run one batch if one is due. Returns (ran, seconds until one may be due)."""
@@ -50,6 +52,8 @@ class PrefillWorker:
         live = []
         for r in batch.requests:
             r.transition(State.PREFILLING)
+            r.timings.local_prefill |= self.local
+            self.counters.local_prefills += self.local
             if r.timings.prefill_start is None:
                 r.timings.prefill_start = time.perf_counter()
             live.append(r)
@@ -85,12 +89,14 @@ class DecodeWorker:
     that finished at step k therefore rides along in step k+1, whose token for it is
     dropped; its pages were sized with one token of lookahead for exactly that."""
 
-    def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler, connector: Connector,
-                 resubmit: Callable[[Request], None], counters: Counters, max_pages_per_slot: int):
-        self.runner, self.scheduler, self.connector = runner, scheduler, connector
+    def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler,
+                 connectors: list[Connector], resubmit: Callable[[Request], None],
+                 counters: Counters, max_pages_per_slot: int):
+        self.runner, self.scheduler, self.connectors = runner, scheduler, connectors
         self.resubmit, self.counters = resubmit, counters
         self.max_pages_per_slot = max_pages_per_slot
-        self.pending: collections.deque[KVHandoff] = collections.deque()
+        # Handoffs received but not yet admitted, with the connector that places them.
+        self.pending: collections.deque[tuple[KVHandoff, Connector]] = collections.deque()
         num_slots = len(scheduler.slots)
         self._stepped: list[Request | None] = [None] * num_slots  # who each slot fed last step
         self._first_token = np.zeros(num_slots, np.int32)
@@ -103,10 +109,13 @@ class DecodeWorker:
 
     def iterate(self, receive_timeout: float | None) -> None:
         """Receive, admit, dispatch a step, then read back the previous one."""
-        handoff = self.connector.receive(receive_timeout if self.idle else None)
-        while handoff is not None:
-            self.pending.append(handoff)
-            handoff = self.connector.receive(None)
+        timeout = receive_timeout if self.idle else None
+        for connector in self.connectors:
+            handoff = connector.receive(timeout)
+            while handoff is not None:
+                self.pending.append((handoff, connector))
+                handoff = connector.receive(None)
+            timeout = None
         self._release_final()
         self._admit()
         plan = self.scheduler.plan_step()
@@ -136,7 +145,7 @@ class DecodeWorker:
 
     def _admit(self) -> None:
         while self.pending:
-            h = self.pending[0]
+            h, connector = self.pending[0]
             r: Request = h.payload
             if r.is_final:                     # cancelled while in transfer
                 self.pending.popleft()
@@ -147,13 +156,14 @@ class DecodeWorker:
             self.pending.popleft()
             pages = self.scheduler.admit(slot, r, h.num_tokens)
             shard = self.scheduler.shard_of(slot)
-            k, v, stats = self.connector.place(h, self.runner.shard_sharding(shard))
+            k, v, stats = connector.place(h, self.runner.shard_sharding(shard))
             self.runner.insert(shard, pages[:h.num_pages], k, v)
-            self.counters.transfers += 1
-            self.counters.transfer_bytes += stats.num_bytes
-            self.counters.transfer_s += stats.seconds
-            r.timings.transfer_s += stats.seconds
-            r.timings.transfer_bytes += stats.num_bytes
+            if connector is self.connectors[0]:   # the others are on-mesh (local prefill)
+                self.counters.transfers += 1
+                self.counters.transfer_bytes += stats.num_bytes
+                self.counters.transfer_s += stats.seconds
+                r.timings.transfer_s += stats.seconds
+                r.timings.transfer_bytes += stats.num_bytes
             self._first_token[slot] = h.first_token
             self._stepped[slot] = None
             r.transition(State.DECODING)
