@@ -40,57 +40,27 @@ class QueueFull(RuntimeError):
 
 
 class Engine:
+    """Runs whichever phases this process's mesh spec has: both (one process, or
+    colocated), prefill only, or decode only (multi-process deployments, where the
+    connector crosses processes and payloads travel in wire form)."""
+
     def __init__(self, model: LoadedModel, config: EngineConfig,
                  connector: Connector | None = None, warmup: bool = False,
                  progress: Callable[[str], None] | None = None):
         self.model, self.config = model, config
-        cfg = model.cfg
-        self.meshes = build_meshes(config.mesh)
-        dtype = DTYPES[config.dtype]
-        _, logical = abstract_params(cfg, dtype)
+        spec = config.mesh
+        self.meshes = build_meshes(spec)
+        self.dtype = DTYPES[config.dtype]
+        _, self._logical = abstract_params(model.cfg, self.dtype)
         self.counter = CompileCounter()
         self.counters = Counters()
-        prefill_rules = logical_rules(cfg, self.meshes.prefill)
-        decode_rules = logical_rules(cfg, self.meshes.decode)
-        cast = lambda p: jax.tree.map(lambda a: a.astype(dtype), p)
-        prefill_params = jax.device_put(cast(model.params),
-                                        named_shardings(logical, self.meshes.prefill, prefill_rules))
-        decode_params = jax.device_put(cast(model.params),
-                                       named_shardings(logical, self.meshes.decode, decode_rules))
-        self.prefill_runner = PrefillRunner(cfg, prefill_params, self.meshes.prefill, prefill_rules,
-                                            config.page_size, self.counter, dtype)
-        num_shards = config.mesh.decode_dp
-        self.decode_runner = DecodeRunner(cfg, decode_params, self.meshes.decode, decode_rules,
-                                          num_shards * config.slots_per_shard,
-                                          config.pages_per_shard, config.page_size,
-                                          self.counter, dtype)
-        self.prefill_scheduler = PrefillScheduler(
-            config.buckets, config.max_prefill_batch, config.max_prefill_tokens,
-            config.bucket_timeout_ms / 1000, config.min_prefill_batch)
-        self.decode_scheduler = DecodeScheduler(num_shards, config.slots_per_shard,
-                                                config.pages_per_shard, config.page_size)
         self.connector = connector or DevicePutConnector()
-        self.prefill_worker = PrefillWorker(self.prefill_runner, self.prefill_scheduler,
-                                            self.connector, config.page_size, self.counters)
-        connectors = [self.connector]
-        self.local_worker = None
-        if config.local_prefill_below and not config.mesh.colocated:
-            # Short prompts prefill on the decode mesh itself, between decode steps, with
-            # the decode params (replicated over dp): no cross-mesh transfer, whose fixed
-            # cost dominates for them.
-            local_connector = DevicePutConnector()
-            connectors.append(local_connector)
-            local_runner = PrefillRunner(cfg, decode_params, self.meshes.decode, decode_rules,
-                                         config.page_size, self.counter, dtype, name="local_prefill")
-            local_buckets = [b for b in config.buckets if b < config.local_prefill_below] or \
-                config.buckets[:1]
-            self.local_scheduler = PrefillScheduler(
-                local_buckets, config.max_prefill_batch, max(config.max_prefill_tokens, local_buckets[-1]),
-                config.bucket_timeout_ms / 1000, config.min_prefill_batch)
-            self.local_worker = PrefillWorker(local_runner, self.local_scheduler, local_connector,
-                                              config.page_size, self.counters, local=True)
-        self.decode_worker = DecodeWorker(self.decode_runner, self.decode_scheduler, connectors,
-                                          self._resubmit, self.counters, config.pages_per_slot)
+        self.prefill_worker = self.local_worker = self.decode_worker = None
+        self.decode_scheduler = None
+        if spec.has_prefill:
+            self._build_prefill(wire=not spec.has_decode)
+        if spec.has_decode:
+            self._build_decode()
         if warmup:
             self._warmup(progress or (lambda msg: None))
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
@@ -101,17 +71,61 @@ class Engine:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._wake = threading.Event()
-        if config.mesh.colocated:
-            self._threads = [threading.Thread(target=self._guard, args=(self._colocated_loop,),
-                                              name="jaxpd-engine", daemon=True)]
-        else:
-            self._threads = [
-                threading.Thread(target=self._guard, args=(self._prefill_loop,),
-                                 name="jaxpd-prefill", daemon=True),
-                threading.Thread(target=self._guard, args=(self._decode_loop,),
-                                 name="jaxpd-decode", daemon=True)]
+        loops = ([("jaxpd-engine", self._colocated_loop)] if spec.colocated else
+                 [("jaxpd-prefill", self._prefill_loop)] * spec.has_prefill +
+                 [("jaxpd-decode", self._decode_loop)] * spec.has_decode)
+        self._threads = [threading.Thread(target=self._guard, args=(loop,), name=name, daemon=True)
+                         for name, loop in loops]
         for t in self._threads:
             t.start()
+
+    def _params_on(self, mesh):
+        rules = logical_rules(self.model.cfg, mesh)
+        params = jax.tree.map(lambda a: a.astype(self.dtype), self.model.params)
+        return jax.device_put(params, named_shardings(self._logical, mesh, rules)), rules
+
+    def _prefill_scheduler(self, buckets: list[int]) -> PrefillScheduler:
+        c = self.config
+        return PrefillScheduler(buckets, c.max_prefill_batch, max(c.max_prefill_tokens, buckets[-1]),
+                                c.bucket_timeout_ms / 1000, c.min_prefill_batch)
+
+    def _build_prefill(self, wire: bool) -> None:
+        c, mesh = self.config, self.meshes.prefill
+        params, rules = self._params_on(mesh)
+        self.prefill_runner = PrefillRunner(self.model.cfg, params, mesh, rules, c.page_size,
+                                            self.counter, self.dtype)
+        self.prefill_scheduler = self._prefill_scheduler(c.buckets)
+        self.prefill_worker = PrefillWorker(self.prefill_runner, self.prefill_scheduler,
+                                            self.connector, c.page_size, self.counters,
+                                            wire=wire, on_handed_off=self._handed_off)
+
+    def _build_decode(self) -> None:
+        c, mesh, spec = self.config, self.meshes.decode, self.config.mesh
+        params, rules = self._params_on(mesh)
+        num_shards = spec.decode_dp
+        self.decode_runner = DecodeRunner(self.model.cfg, params, mesh, rules,
+                                          num_shards * c.slots_per_shard, c.pages_per_shard,
+                                          c.page_size, self.counter, self.dtype)
+        self.decode_scheduler = DecodeScheduler(num_shards, c.slots_per_shard, c.pages_per_shard,
+                                                c.page_size)
+        connectors = [self.connector]
+        if not spec.colocated and (c.local_prefill_below or not spec.has_prefill):
+            # Prefill on the decode mesh itself, between decode steps, with the decode
+            # params (replicated over dp): for short prompts (opt-in: the transfer's fixed
+            # cost dominates for them) and, in a decode-only process, to re-prefill a
+            # request whose transfer failed.
+            local_connector = DevicePutConnector()
+            connectors.append(local_connector)
+            runner = PrefillRunner(self.model.cfg, params, mesh, rules, c.page_size,
+                                   self.counter, self.dtype, name="local_prefill")
+            buckets = ([b for b in c.buckets if b < c.local_prefill_below] or c.buckets[:1]
+                       if spec.has_prefill else c.buckets)
+            self.local_scheduler = self._prefill_scheduler(buckets)
+            self.local_worker = PrefillWorker(runner, self.local_scheduler, local_connector,
+                                              c.page_size, self.counters, local=True)
+        self.decode_worker = DecodeWorker(self.decode_runner, self.decode_scheduler, connectors,
+                                          self._resubmit, self._resolve, self.counters,
+                                          c.pages_per_slot)
 
     # ---- public -------------------------------------------------------------------
 
@@ -133,9 +147,16 @@ class Engine:
             if request.request_id in self._live:
                 raise ValueError(f"request_id {request.request_id!r} is already in flight")
             self._live[request.request_id] = request
-        self._inbox.put(request)
-        self._wake.set()
+        self._route(request)
         return request
+
+    def register(self, request: Request) -> None:
+        """Decode-only process: announce a request whose KV will arrive through the
+        connector (its handoff then resolves to this object, whose events stream)."""
+        request.state = State.TRANSFERRING    # it waits for KV prefilled elsewhere
+        with self._lock:
+            self._prune()
+            self._live[request.request_id] = request
 
     def abort(self, request_id: str, reason: str = "cancelled") -> bool:
         """Abort at once; its slot and pages are freed by the workers' next iteration."""
@@ -149,12 +170,12 @@ class Engine:
 
     def is_idle(self) -> bool:
         with self._lock:
-            return (all(r.is_final for r in self._live.values()) and self.decode_worker.idle
-                    and self.decode_scheduler.num_active() == 0)
+            done = all(r.is_final for r in self._live.values())
+        return done and (self.decode_worker is None or self.decode_worker.idle)
 
     def stats(self) -> dict:
         c = self.counters
-        sched = self.decode_scheduler
+        sched = self.decode_scheduler or DecodeScheduler(0, 0, 2, self.config.page_size)
         return {
             "mesh": str(self.config.mesh),
             "compiled_programs": self.counter.counts(),
@@ -168,6 +189,7 @@ class Engine:
             "decode_steps": c.decode_steps,
             "preemptions": c.preemptions,
             "local_prefills": c.local_prefills,
+            "transfer_failures": c.transfer_failures,
             "finished": c.finished,
             "aborted": c.aborted,
             "slots_total": len(sched.slots),
@@ -194,13 +216,20 @@ class Engine:
         """Compile every prefill (batch, length) bucket, every decode context width and
         every insert size before serving, so steady state compiles nothing. Runs before
         the threads start; the decode calls only touch the null page."""
-        cfg, sched = self.config, self.prefill_scheduler
-        shapes = sorted({(sched.padded_batch(b, t), t) for t in cfg.buckets
-                         for b in sched.batch_sizes})
-        for i, (b, t) in enumerate(shapes):
-            progress(f"compiling prefill {i + 1}/{len(shapes)}: batch {b} x {t} tokens")
-            self.prefill_runner.run(np.zeros((b, t), np.int32), np.ones(b, np.int32),
-                                    SamplingArrays.empty(b))
+        cfg = self.config
+        for worker in (self.prefill_worker, self.local_worker):
+            if worker is None:
+                continue
+            sched = worker.scheduler
+            shapes = sorted({(sched.padded_batch(b, t), t) for t in sched.buckets
+                             for b in sched.batch_sizes})
+            for i, (b, t) in enumerate(shapes):
+                progress(f"compiling {worker.runner.name} {i + 1}/{len(shapes)}: "
+                         f"batch {b} x {t} tokens")
+                worker.runner.run(np.zeros((b, t), np.int32), np.ones(b, np.int32),
+                                  SamplingArrays.empty(b))
+        if self.decode_worker is None:
+            return
         num_slots = len(self.decode_scheduler.slots)
         widths = sorted({min(1 << (n - 1).bit_length(), cfg.pages_per_slot)
                          for n in range(1, cfg.pages_per_slot + 1)})
@@ -234,36 +263,48 @@ class Engine:
             logging.exception("engine thread %s died; every live request was aborted",
                               threading.current_thread().name)
 
-    def _resubmit(self, request: Request) -> None:
-        self._inbox.put(request)
+    def _route(self, request: Request) -> None:
+        """To the prefill mesh, or to the decode mesh's local prefill (short prompts,
+        or a decode-only process)."""
+        local = self.local_worker is not None and (
+            self.prefill_worker is None or request.num_tokens < self.config.local_prefill_below)
+        (self._local_inbox if local else self._inbox).put(request)
         self._wake.set()
 
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                r = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if r.is_final:
-                continue
-            if self.local_worker is not None and r.num_tokens < self.config.local_prefill_below:
-                self._local_inbox.put(r)
-            else:
-                self.prefill_scheduler.add(r)
+    def _resubmit(self, request: Request) -> None:
+        """Preempted, or its transfer failed: prefill it again (prompt + output so far)."""
+        self._route(request)
 
-    def _drain_local_inbox(self) -> None:
+    def _resolve(self, payload) -> Request | None:
+        """The request a handoff belongs to: the object itself in one process; across
+        processes, the registered mirror (or a new one) built from the wire form."""
+        if isinstance(payload, Request):
+            return payload
+        with self._lock:
+            r = self._live.get(payload["request_id"])
+            if r is None:
+                r = self._live[payload["request_id"]] = Request.from_wire(payload)
+        return r
+
+    def _handed_off(self, request: Request) -> None:
+        """Prefill-only process: the request now lives on the decode side."""
+        with self._lock:
+            self._live.pop(request.request_id, None)
+
+    @staticmethod
+    def _drain(inbox: queue.SimpleQueue, scheduler: PrefillScheduler) -> None:
         while True:
             try:
-                r = self._local_inbox.get_nowait()
+                r = inbox.get_nowait()
             except queue.Empty:
                 return
             if not r.is_final:
-                self.local_scheduler.add(r)
+                scheduler.add(r)
 
     def _prefill_loop(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
-            self._drain_inbox()
+            self._drain(self._inbox, self.prefill_scheduler)
             ran, wait = self.prefill_worker.run_batch(time.perf_counter())
             if not ran:
                 self._wake.wait(timeout=0.05 if wait is None else max(wait, 1e-4))
@@ -271,7 +312,7 @@ class Engine:
     def _decode_loop(self) -> None:
         while not self._stop.is_set():
             if self.local_worker is not None:
-                self._drain_local_inbox()
+                self._drain(self._local_inbox, self.local_scheduler)
                 self.local_worker.run_batch(time.perf_counter())
             self.decode_worker.iterate(receive_timeout=0.02)
         self.decode_worker.drain()
@@ -279,7 +320,7 @@ class Engine:
     def _colocated_loop(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
-            self._drain_inbox()
+            self._drain(self._inbox, self.prefill_scheduler)
             ran, wait = self.prefill_worker.run_batch(time.perf_counter())
             if self.decode_worker.idle and not ran:
                 # Nothing to decode: sleep until a request arrives or a bucket is due.

@@ -75,6 +75,34 @@ class Request:
         self._lock = threading.Lock()
         self.cancel_requested = False
 
+    def to_wire(self, num_tokens: int | None = None) -> dict:
+        """Msgpack-able form for another process. `num_tokens`: how many of
+        prompt + output the accompanying KV covers (the output beyond it, i.e. the
+        first token just sampled, is left for the handoff's `first_token`)."""
+        n = self.num_tokens if num_tokens is None else num_tokens
+        p = self.params
+        return {
+            "request_id": self.request_id,
+            "prompt_ids": self.prompt_ids,
+            "output_ids": self.output_ids[:n - len(self.prompt_ids)],
+            "seed": self.seed,
+            "stop_ids": sorted(self.stop_ids),
+            "params": {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k,
+                       "top_p": p.top_p, "seed": p.seed, "stop_token_ids": list(p.stop_token_ids),
+                       "ignore_eos": p.ignore_eos},
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Request":
+        """A decode-side mirror of a request prefilled elsewhere (state TRANSFERRING)."""
+        params = SamplingParams(**{**d["params"], "stop_token_ids": tuple(d["params"]["stop_token_ids"])})
+        r = cls(d["request_id"], d["prompt_ids"], params)
+        r.seed = int(d["seed"])
+        r.stop_ids = frozenset(d["stop_ids"])
+        r.output_ids = list(d["output_ids"])
+        r.state = State.TRANSFERRING
+        return r
+
     def __repr__(self):
         return f"Request({self.request_id}, {self.state.value}, {len(self.output_ids)} out)"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from typing import Callable
 
@@ -18,7 +19,7 @@ from jaxpd.page_allocator import pages_for
 from jaxpd.request import Request, State
 from jaxpd.runner import DecodeRunner, PrefillRunner, SamplingArrays
 from jaxpd.scheduler import DecodeScheduler, PrefillScheduler, StepPlan
-from transfer.connector import Connector, KVHandoff
+from transfer.connector import Connector, KVHandoff, TransferError
 
 
 @dataclasses.dataclass
@@ -32,6 +33,7 @@ class Counters:
     transfer_s: float = 0.0
     decode_steps: int = 0
     preemptions: int = 0
+    transfer_failures: int = 0
     local_prefills: int = 0
     finished: int = 0
     aborted: int = 0
@@ -39,10 +41,13 @@ class Counters:
 
 class PrefillWorker:
     def __init__(self, runner: PrefillRunner, scheduler: PrefillScheduler, connector: Connector,
-                 page_size: int, counters: Counters, local: bool = False):
+                 page_size: int, counters: Counters, local: bool = False, wire: bool = False,
+                 on_handed_off: Callable[[Request], None] | None = None):
         self.runner, self.scheduler, self.connector = runner, scheduler, connector
         self.page_size, self.counters = page_size, counters
         self.local = local   # prefilling on the decode mesh (counted apart)
+        self.wire = wire     # the decode side is another process: send the wire form
+        self.on_handed_off = on_handed_off
 
     def run_batch(self, now: float) -> tuple[bool, float | None]:
         """Run one batch if one is due. Returns (ran, seconds until one may be due)."""
@@ -79,7 +84,18 @@ class PrefillWorker:
                 continue                       # finished by its first token, or aborted
             k_pages, v_pages = self.runner.take_pages(k, v, i, pages_for(n, self.page_size))
             r.transition(State.TRANSFERRING)
-            self.connector.send(KVHandoff(r.request_id, n, int(first[i]), k_pages, v_pages, r))
+            payload = r.to_wire(num_tokens=n) if self.wire else r
+            try:
+                self.connector.send(KVHandoff(r.request_id, n, int(first[i]), k_pages, v_pages,
+                                              payload))
+            except TransferError as e:
+                # The decode side is unreachable or full: fail this request so the
+                # router can retry it elsewhere; the worker keeps serving.
+                self.counters.transfer_failures += 1
+                r.abort(f"failed: transfer: {e}")
+                continue
+            if self.wire and self.on_handed_off is not None:
+                self.on_handed_off(r)
         return True, 0.0
 
 
@@ -91,9 +107,10 @@ class DecodeWorker:
 
     def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler,
                  connectors: list[Connector], resubmit: Callable[[Request], None],
-                 counters: Counters, max_pages_per_slot: int):
+                 resolve: Callable[[object], Request], counters: Counters,
+                 max_pages_per_slot: int):
         self.runner, self.scheduler, self.connectors = runner, scheduler, connectors
-        self.resubmit, self.counters = resubmit, counters
+        self.resubmit, self.resolve, self.counters = resubmit, resolve, counters
         self.max_pages_per_slot = max_pages_per_slot
         # Handoffs received but not yet admitted, with the connector that places them.
         self.pending: collections.deque[tuple[KVHandoff, Connector]] = collections.deque()
@@ -146,8 +163,12 @@ class DecodeWorker:
     def _admit(self) -> None:
         while self.pending:
             h, connector = self.pending[0]
-            r: Request = h.payload
-            if r.is_final:                     # cancelled while in transfer
+            r = self.resolve(h.payload)
+            if r.num_tokens == h.num_tokens and not r.is_final:
+                # A mirror from another process: its first token travelled with the KV.
+                if r.append_token(h.first_token, time.perf_counter()):
+                    self.counters.finished += r.state is State.FINISHED
+            if r.is_final:                     # cancelled in transfer, or done at once
                 self.pending.popleft()
                 continue
             slot = self.scheduler.find_slot(h.num_tokens)
@@ -156,7 +177,16 @@ class DecodeWorker:
             self.pending.popleft()
             pages = self.scheduler.admit(slot, r, h.num_tokens)
             shard = self.scheduler.shard_of(slot)
-            k, v, stats = connector.place(h, self.runner.shard_sharding(shard))
+            try:
+                k, v, stats = connector.place(h, self.runner.shard_sharding(shard))
+            except TransferError as e:
+                # Never decode from pages we do not have: free the slot, prefill again.
+                logging.warning("transfer of %s failed (%s); re-prefilling", r.request_id, e)
+                self.scheduler.release(slot)
+                self.counters.transfer_failures += 1
+                r.transition(State.WAITING)
+                self.resubmit(r)
+                continue
             self.runner.insert(shard, pages[:h.num_pages], k, v)
             if connector is self.connectors[0]:   # the others are on-mesh (local prefill)
                 self.counters.transfers += 1

@@ -4,6 +4,7 @@ Spec grammar (comma-separated `role=size` parts):
   prefill=P,decode=D      P devices with axis tp; D devices with axes (dp=D, tp=1)
   prefill=P,decode=DxT    decode mesh of D data-parallel shards, each T-way tensor parallel
   colocated=N             one set of N devices doing both phases, interleaved
+  prefill=P  /  decode=D  one phase only: a process of a multi-process deployment
 Devices are taken in order and never shared between the prefill and decode meshes
 (except in `colocated`, where sharing is the point).
 """
@@ -27,9 +28,14 @@ class MeshSpec:
     colocated: bool = False
 
     def __post_init__(self):
-        for name in ("prefill_tp", "decode_dp", "decode_tp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"mesh: {name} must be >= 1, got {getattr(self, name)}")
+        # 0 means "this process has no such mesh" (single-role processes).
+        for name in ("prefill_tp", "decode_dp"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"mesh: {name} must be >= 0, got {getattr(self, name)}")
+        if self.decode_tp < 1:
+            raise ValueError(f"mesh: decode_tp must be >= 1, got {self.decode_tp}")
+        if not self.prefill_tp and not self.decode_dp:
+            raise ValueError("mesh: needs a prefill or a decode mesh (or both)")
         if self.colocated and self.prefill_tp != self.decode_dp * self.decode_tp:
             raise ValueError("mesh: colocated prefill and decode must span the same devices")
 
@@ -39,11 +45,21 @@ class MeshSpec:
             return self.prefill_tp
         return self.prefill_tp + self.decode_dp * self.decode_tp
 
+    @property
+    def has_prefill(self) -> bool:
+        return self.prefill_tp > 0
+
+    @property
+    def has_decode(self) -> bool:
+        return self.decode_dp > 0
+
     def __str__(self) -> str:
         if self.colocated:
             return f"colocated={self.prefill_tp}"
-        decode = f"{self.decode_dp}" + (f"x{self.decode_tp}" if self.decode_tp > 1 else "")
-        return f"prefill={self.prefill_tp},decode={decode}"
+        parts = [f"prefill={self.prefill_tp}"] if self.has_prefill else []
+        if self.has_decode:
+            parts.append(f"decode={self.decode_dp}" + (f"x{self.decode_tp}" if self.decode_tp > 1 else ""))
+        return ",".join(parts)
 
 
 def parse_mesh_spec(spec: str | MeshSpec) -> MeshSpec:
@@ -72,21 +88,15 @@ def parse_mesh_spec(spec: str | MeshSpec) -> MeshSpec:
             raise ValueError(f"mesh: colocated=N stands alone, got {spec!r}")
         n = parts["colocated"][0]
         return MeshSpec(prefill_tp=n, decode_dp=n, decode_tp=1, colocated=True)
-    missing = {"prefill", "decode"} - parts.keys()
-    if missing:
-        raise ValueError(f"mesh: {spec!r} lacks {' and '.join(sorted(missing))}=N")
-    dp, tp = parts["decode"]
-    return MeshSpec(prefill_tp=parts["prefill"][0], decode_dp=dp, decode_tp=tp)
+    dp, tp = parts.get("decode", (0, 1))
+    return MeshSpec(prefill_tp=parts.get("prefill", (0, 1))[0], decode_dp=dp, decode_tp=tp)
 
 
 @dataclasses.dataclass(frozen=True)
 class Meshes:
     spec: MeshSpec
-    prefill: Mesh   # axes ("tp",)
-    decode: Mesh    # axes ("dp", "tp")
-
-    def decode_shard_devices(self, shard: int) -> list:
-        return list(self.decode.devices[shard])
+    prefill: Mesh | None   # axes ("tp",); None in a decode-only process
+    decode: Mesh | None    # axes ("dp", "tp"); None in a prefill-only process
 
 
 def build_meshes(spec: str | MeshSpec, devices=None) -> Meshes:
@@ -102,6 +112,7 @@ def build_meshes(spec: str | MeshSpec, devices=None) -> Meshes:
     prefill_devs = devices[:spec.prefill_tp]
     start = 0 if spec.colocated else spec.prefill_tp
     decode_devs = devices[start:start + spec.decode_dp * spec.decode_tp]
-    prefill = Mesh(np.array(prefill_devs), ("tp",))
-    decode = Mesh(np.array(decode_devs).reshape(spec.decode_dp, spec.decode_tp), ("dp", "tp"))
+    prefill = Mesh(np.array(prefill_devs), ("tp",)) if spec.has_prefill else None
+    decode = (Mesh(np.array(decode_devs).reshape(spec.decode_dp, spec.decode_tp), ("dp", "tp"))
+              if spec.has_decode else None)
     return Meshes(spec, prefill, decode)

@@ -183,7 +183,9 @@ def test_shutdown_leaves_no_thread_and_aborts_in_flight(tiny):
         time.sleep(0.002)
     llm.shutdown()
     assert r.is_final and (r.finish_reason == "length" or r.abort_reason == "shutdown")
-    assert not [t for t in threading.enumerate() if t.name.startswith("jaxpd-")]
+    mine = llm.engine._threads
+    assert mine and not any(t.is_alive() for t in mine)
+    assert not set(mine) & set(threading.enumerate())
 
 
 def test_warmup_compiles_everything_a_workload_needs(tiny):

@@ -3,7 +3,9 @@
 One small interface, `Connector`, chosen at construction; the workers never branch
 on the backend.
 """
-from transfer.connector import Connector, KVHandoff, TransferStats
+from transfer.connector import (Connector, KVHandoff, LayoutMismatchError, TransferError,
+                                TransferStats, WireVersionError)
 from transfer.device_put import DevicePutConnector
 
-__all__ = ["Connector", "KVHandoff", "TransferStats", "DevicePutConnector"]
+__all__ = ["Connector", "KVHandoff", "TransferStats", "TransferError", "WireVersionError",
+           "LayoutMismatchError", "DevicePutConnector"]

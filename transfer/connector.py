@@ -14,6 +14,18 @@ from typing import Any, Protocol
 import jax
 
 
+class TransferError(RuntimeError):
+    """A handoff could not be moved; the decode side re-prefills or the router retries."""
+
+
+class WireVersionError(TransferError):
+    """The peer speaks another wire-format version: never guess at its bytes."""
+
+
+class LayoutMismatchError(TransferError):
+    """An array's layout differs from the one announced, or cannot be rebuilt here."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TransferStats:
     """What one transfer cost: bytes actually moved and wall time of the move."""
@@ -27,7 +39,8 @@ class KVHandoff:
 
     k, v: [L, P, S, K, H] -- only the pages that hold real prompt tokens
     (P = ceil(num_tokens / S)), never the bucket padding.
-    `payload` carries the request itself (ids, sampling params, timings) untouched.
+    `payload` carries the request: the `Request` object itself in one process, its
+    msgpack-able wire form (`jaxpd.request.Request.to_wire`) across processes.
     """
     request_id: str
     num_tokens: int
@@ -52,11 +65,13 @@ class Connector(Protocol):
         """Prefill side: hand over a finished prefill. May block for backpressure."""
 
     def receive(self, timeout: float | None) -> KVHandoff | None:
-        """Decode side: the next handoff, or None after `timeout` seconds."""
+        """Decode side: the next handoff, or None after `timeout` seconds; with
+        `timeout=None` it does not wait at all."""
 
     def place(self, handoff: KVHandoff,
               sharding: jax.sharding.Sharding) -> tuple[jax.Array, jax.Array, TransferStats]:
-        """Decode side: the handoff's (k, v) pages on `sharding`, and what it cost."""
+        """Decode side: the handoff's (k, v) pages on `sharding`, and what it cost.
+        Raises `TransferError` when the pages cannot be had: the caller re-prefills."""
 
     def close(self) -> None:
         """Release queues, servers and threads."""

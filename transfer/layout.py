@@ -22,23 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from transfer.connector import LayoutMismatchError, TransferError, WireVersionError  # noqa: F401  (re-exported)
+
 # Bump on any change to Offer/Ack, the stream header or ArrayLayout's dict form.
 WIRE_VERSION = 1
 
 # A PartitionSpec entry in plain form: replicated, one mesh axis, or several.
 SpecEntry = None | str | tuple[str, ...]
-
-
-class TransferError(RuntimeError):
-    """A handoff could not be moved; the decode side re-prefills or the router retries."""
-
-
-class WireVersionError(TransferError):
-    """The peer speaks another wire-format version: never guess at its bytes."""
-
-
-class LayoutMismatchError(TransferError):
-    """An array's layout differs from the one announced, or cannot be rebuilt here."""
 
 
 def check_wire_version(received: Any, where: str) -> None:

@@ -1,0 +1,379 @@
+"""`python -m jaxpd.bench`: serving benchmarks of disaggregated vs colocated (vs transformers).
+
+    python -m jaxpd.bench --mesh prefill=4,decode=4 --compare colocated=8,hf \\
+        --rates 0.5,1,2 --num_requests 32 --prompt_lens 64:3,512:4 --output_lens 128 \\
+        --slo_ttft 1.0 --slo_tpot 0.1 --json out.json --plot out.png
+    python -m jaxpd.bench --roofline [--json roofline.json]
+
+Every run serves the same requests (`make_workload` from `--seed`, prompt ids drawn
+from the same seed) with Poisson arrivals honoured on the wall clock. The meshes run
+one after the other in this one process, each engine built, compiled (warmup=True)
+and fed a few warm-up requests before its clock starts; `hf` is Hugging Face
+transformers `generate` with static batching on the same weights (see bench_hf.py).
+Per run: TTFT, TPOT (first token excluded), ITL, E2E at mean/p50/p90/p99, output
+tokens/s, requests/s, SLO attainment and, with `--goodput`, the goodput found by
+bisection over the rate (the workload re-run at each probed rate).
+
+Flags are parsed before jax is touched: on CPU the number of virtual devices
+(`--xla_force_host_platform_device_count`) must be set before jax starts its backend.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Sequence
+
+from jaxpd.bench_driver import (Backend, Progress, RunResult, ensure_cpu_devices,
+                                make_bench_requests)
+from jaxpd.metrics import find_goodput, run_report, slo_attainment, format_table
+from jaxpd.workload import make_workload, parse_length_mix
+
+HF = "hf"
+
+
+# ---- flags --------------------------------------------------------------------------
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def _rates(text: str) -> list[float]:
+    parts = [p.strip() for p in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates like 0.5,1,2, got {text!r}")
+    return [_positive_float(p) for p in parts]
+
+
+def _length_mix(text: str) -> str:
+    try:
+        parse_length_mix(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _mesh(text: str) -> str:
+    from sharding.mesh import parse_mesh_spec
+    try:
+        return str(parse_mesh_spec(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_compare(text: str) -> list[str]:
+    """`"colocated=8,hf"` -> ["colocated=8", "hf"]; a `prefill=P,decode=D` pair stays whole.
+
+    Empty or "none" compares nothing. Raises ValueError naming the bad part.
+    """
+    if text.strip().lower() in ("", "none"):
+        return []
+    parts = [p.strip() for p in text.split(",")]
+    out: list[str] = []
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        if part == HF:
+            out.append(HF)
+        elif part.startswith("prefill=") and i + 1 < len(parts) and parts[i + 1].startswith("decode="):
+            out.append(_mesh_or_value_error(f"{part},{parts[i + 1]}"))
+            i += 1
+        elif part.startswith(("colocated=", "prefill=", "decode=")):
+            out.append(_mesh_or_value_error(part))
+        else:
+            raise ValueError(f"bad entry {part!r} in {text!r}: expected 'hf', 'colocated=N' "
+                             f"or 'prefill=P,decode=D'")
+        i += 1
+    if len(set(out)) != len(out):
+        raise ValueError(f"{text!r} names a run twice")
+    return out
+
+
+def _mesh_or_value_error(text: str) -> str:
+    from sharding.mesh import parse_mesh_spec
+    return str(parse_mesh_spec(text))
+
+
+def _compare(text: str) -> list[str]:
+    try:
+        return parse_compare(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's flags; every one has a documented default (shown by --help)."""
+    p = argparse.ArgumentParser(
+        prog="python -m jaxpd.bench", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    w = p.add_argument_group("workload")
+    w.add_argument("--rate", type=_positive_float, default=1.0,
+                   help="Poisson arrival rate, requests/s (ignored when --rates is given)")
+    w.add_argument("--rates", type=_rates, default=None,
+                   help="comma-separated rates to sweep, e.g. 0.5,1,2,4; every backend runs each")
+    w.add_argument("--num_requests", type=_positive_int, default=32, help="requests per run")
+    w.add_argument("--prompt_lens", type=_length_mix, default="64:3,512:4,768:1",
+                   help="prompt length mix 'len:weight,...'")
+    w.add_argument("--output_lens", type=_length_mix, default="128",
+                   help="output length mix 'len:weight,...' (EOS ignored: exactly this many)")
+    w.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and prompt ids")
+    s = p.add_argument_group("what runs")
+    s.add_argument("--model", default=None,
+                   help="Hugging Face checkpoint directory (default: the built-in default model)")
+    s.add_argument("--mesh", type=_mesh, default="prefill=4,decode=4",
+                   help="the engine mesh under test")
+    s.add_argument("--compare", type=_compare, default=["colocated=8"],
+                   help="comma-separated baselines run on the same requests: meshes "
+                        "(colocated=N, prefill=P,decode=D) and/or 'hf'; 'none' for none")
+    s.add_argument("--max_model_len", type=_positive_int, default=None,
+                   help="engine max_model_len (default: longest prompt + longest output)")
+    s.add_argument("--slots_per_shard", type=_positive_int, default=8,
+                   help="engine decode slots per dp shard")
+    s.add_argument("--max_prefill_batch", type=_positive_int, default=8,
+                   help="engine prompts per prefill batch")
+    s.add_argument("--hf_batch", type=_positive_int, default=8,
+                   help="largest static batch of the hf baseline")
+    s.add_argument("--warmup_requests", type=_nonnegative_int, default=2,
+                   help="requests served by each backend before its clock starts")
+    m = p.add_argument_group("metrics and output")
+    m.add_argument("--slo_ttft", type=_positive_float, default=1.0, help="TTFT SLO, seconds")
+    m.add_argument("--slo_tpot", type=_positive_float, default=0.1, help="TPOT SLO, seconds")
+    m.add_argument("--goodput", action="store_true",
+                   help="also find each backend's goodput by bisection over the rate")
+    m.add_argument("--goodput_min_rate", type=_positive_float, default=0.1,
+                   help="lowest rate the goodput search probes, requests/s")
+    m.add_argument("--goodput_max_rate", type=_positive_float, default=None,
+                   help="highest rate the goodput search probes (default: 4 x the largest rate)")
+    m.add_argument("--goodput_max_iters", type=_nonnegative_int, default=4,
+                   help="bisection steps of the goodput search (plus its two end probes)")
+    m.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
+    m.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="write TTFT/ITL CDFs (and attainment vs rate) here; needs matplotlib")
+    m.add_argument("--no_progress", action="store_true", help="no progress bar on stderr")
+    r = p.add_argument_group("roofline")
+    r.add_argument("--roofline", action="store_true",
+                   help="instead of serving: measure bandwidth and matmul rate, then time "
+                        "prefill per bucket and decode steps against those bounds")
+    r.add_argument("--roofline_batches", type=_rates, default=[1, 4, 16],
+                   help="decode batch sizes timed by --roofline")
+    r.add_argument("--roofline_contexts", type=_rates, default=[128, 512],
+                   help="decode context lengths timed by --roofline")
+    r.add_argument("--roofline_max_len", type=_positive_int, default=1024,
+                   help="longest prefill bucket timed by --roofline (capped by the model)")
+    r.add_argument("--roofline_repeats", type=_positive_int, default=5,
+                   help="timed calls per shape (the best one counts)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and cross-check flags; exits with a message naming the flag on error."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.rates = args.rates or [args.rate]
+    if args.mesh in args.compare:
+        parser.error(f"--compare: {args.mesh} is already the --mesh under test")
+    if args.goodput_max_rate is not None and args.goodput_max_rate < args.goodput_min_rate:
+        parser.error(f"--goodput_max_rate={args.goodput_max_rate} is below "
+                     f"--goodput_min_rate={args.goodput_min_rate}")
+    for name in ("roofline_batches", "roofline_contexts"):
+        values = getattr(args, name)
+        if any(v != int(v) for v in values):
+            parser.error(f"--{name}: expected integers, got {values}")
+        setattr(args, name, [int(v) for v in values])
+    return args
+
+
+def meshes_of(args: argparse.Namespace) -> list[str]:
+    """The engine meshes to run, the one under test first."""
+    return [args.mesh] + [c for c in args.compare if c != HF]
+
+
+def num_devices_needed(args: argparse.Namespace) -> int:
+    from sharding.mesh import parse_mesh_spec
+    return max(parse_mesh_spec(m).num_devices for m in meshes_of(args))
+
+
+# ---- running ------------------------------------------------------------------------
+
+def _resolve_model(model: str | None) -> str:
+    from jaxpd.default_model import default_model_dir
+    if model is not None:
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise SystemExit(f"--model: {model} has no config.json (not a Hugging Face "
+                             f"checkpoint directory)")
+        return model
+    try:
+        return default_model_dir()
+    except FileNotFoundError as e:
+        raise SystemExit(f"--model not given and {e}") from None
+
+
+def _run_name(backend: str, rate: float, args: argparse.Namespace) -> str:
+    return backend if len(args.rates) == 1 else f"{backend}@{rate:g}/s"
+
+
+class Benchmark:
+    """Runs every backend over the workload at every rate and collects reports."""
+
+    def __init__(self, args: argparse.Namespace, model_dir: str):
+        from models.config import ModelConfig
+        self.args, self.model_dir = args, model_dir
+        cfg = ModelConfig.from_dir(model_dir)
+        self.vocab_size = cfg.vocab_size
+        prompts = [n for n, _ in parse_length_mix(args.prompt_lens)]
+        outputs = [n for n, _ in parse_length_mix(args.output_lens)]
+        self.max_model_len = args.max_model_len or max(prompts) + max(outputs)
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise SystemExit(f"--prompt_lens/--output_lens: the longest request needs "
+                             f"{self.max_model_len} positions, the model has "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        self.engine_options = dict(max_model_len=self.max_model_len,
+                                   slots_per_shard=args.slots_per_shard,
+                                   max_prefill_batch=args.max_prefill_batch)
+        # The shortest and the longest prompt of the mix: both prefill paths get exercised.
+        warm_len = min(max(outputs), 8)
+        warm = make_bench_requests(make_workload(1, 1.0, [(min(prompts), 1)], [(warm_len, 1)],
+                                                 args.seed + 1), self.vocab_size, args.seed + 1)
+        warm += make_bench_requests(make_workload(1, 1.0, [(max(prompts), 1)], [(warm_len, 1)],
+                                                  args.seed + 2), self.vocab_size, args.seed + 2)
+        self.warmup = (warm * args.warmup_requests)[:args.warmup_requests]
+        self.reports: list[dict] = []
+        self.timelines: dict[str, list] = {}
+
+    def requests_at(self, rate: float):
+        a = self.args
+        workload = make_workload(a.num_requests, rate, a.prompt_lens, a.output_lens, a.seed)
+        return make_bench_requests(workload, self.vocab_size, a.seed)
+
+    def open(self, name: str) -> Backend:
+        if name == HF:
+            from jaxpd.bench_hf import HFBackend
+            return HFBackend(self.model_dir, self.args.hf_batch, self.warmup)
+        from jaxpd.bench_driver import EngineBackend
+        return EngineBackend(self.model_dir, name, self.engine_options, self.warmup)
+
+    def run_once(self, backend: Backend, rate: float, label: str) -> RunResult:
+        progress = Progress(self.args.num_requests, label, not self.args.no_progress)
+        try:
+            return backend.run(self.requests_at(rate), progress.update)
+        finally:
+            progress.close()
+
+    def run_backend(self, name: str) -> None:
+        a = self.args
+        _log(f"[{name}] building and warming up")
+        backend = self.open(name)
+        try:
+            measured: dict[float, RunResult] = {}
+            for rate in a.rates:
+                measured[rate] = self.run_once(backend, rate, f"{name} @ {rate:g} req/s")
+            goodput = None
+            if a.goodput:
+                def attainment(rate: float) -> float:
+                    if rate not in measured:
+                        measured[rate] = self.run_once(backend, rate,
+                                                       f"{name} goodput probe @ {rate:.3g} req/s")
+                    return slo_attainment(measured[rate].timelines, a.slo_ttft, a.slo_tpot)
+                hi = a.goodput_max_rate or 4 * max(a.rates)
+                goodput = find_goodput(attainment, min(a.goodput_min_rate, hi), hi,
+                                       max_iters=a.goodput_max_iters)
+        finally:
+            backend.close()
+        for rate in a.rates:
+            result = measured[rate]
+            run_name = _run_name(name, rate, a)
+            report = run_report(run_name, result.timelines, result.duration_s, a.slo_ttft,
+                                a.slo_tpot, goodput)
+            report.update(backend=name, rate=rate, num_aborted=result.num_aborted,
+                          engine_stats=result.stats)
+            if a.goodput:
+                report["goodput_probes"] = {
+                    f"{r:.6g}": slo_attainment(m.timelines, a.slo_ttft, a.slo_tpot)
+                    for r, m in sorted(measured.items())}
+            self.reports.append(report)
+            self.timelines[run_name] = result.timelines
+
+    def results(self) -> dict:
+        """The JSON document: runs, workload, devices."""
+        a = self.args
+        return {
+            "runs": self.reports,
+            "workload": {"num_requests": a.num_requests, "rates": a.rates,
+                         "prompt_lens": a.prompt_lens, "output_lens": a.output_lens,
+                         "seed": a.seed, "slo_ttft_s": a.slo_ttft, "slo_tpot_s": a.slo_tpot,
+                         "model": self.model_dir, "max_model_len": self.max_model_len,
+                         "engine_options": self.engine_options},
+            "devices": describe_devices(),
+        }
+
+
+def describe_devices() -> dict:
+    """What the numbers were measured on (devices, host cores, load when measured)."""
+    import jax
+    devices = jax.devices()
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"platform": devices[0].platform, "num_devices": len(devices),
+            "device_kind": devices[0].device_kind, "host_cpu_count": os.cpu_count(),
+            "load_avg_1m": None if load is None else round(load[0], 2)}
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Run the benchmark the flags describe; returns the JSON document it wrote/printed."""
+    args = parse_args(argv)
+    if args.plot:
+        from jaxpd.bench_plot import require_matplotlib
+        require_matplotlib()   # fail before minutes of benchmarking, not after
+    if args.roofline:
+        from jaxpd.roofline import run_roofline
+        model_dir = _resolve_model(args.model)
+        return run_roofline(model_dir, args)
+    ensure_cpu_devices(num_devices_needed(args))
+    model_dir = _resolve_model(args.model)
+    bench = Benchmark(args, model_dir)
+    for name in meshes_of(args) + ([HF] if HF in args.compare else []):
+        bench.run_backend(name)
+    results = bench.results()
+    print(format_table(results["runs"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.plot:
+        from jaxpd.bench_plot import plot_runs
+        plot_runs(bench.timelines, results["runs"], args.plot)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "token_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos", "request_id")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    token_ids: TokenIds
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    request_id: str
+    def __init__(self, prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class RequestMetrics(_message.Message):
+    __slots__ = ("ttft_s", "tpot_s", "queue_s", "prefill_s", "transfer_s", "transfer_bytes", "e2e_s", "num_preemptions", "abort_reason")
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    TPOT_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    E2E_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    ABORT_REASON_FIELD_NUMBER: _ClassVar[int]
+    ttft_s: float
+    tpot_s: float
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    transfer_bytes: int
+    e2e_s: float
+    num_preemptions: int
+    abort_reason: str
+    def __init__(self, ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., e2e_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., abort_reason: _Optional[str] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "metrics")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: str
+    metrics: RequestMetrics
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ...) -> None: ...
+
+class CompleteResponse(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "token_ids", "text", "finish_reason", "metrics")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: str
+    metrics: RequestMetrics
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfoResponse(_message.Message):
+    __slots__ = ("model_path", "vocab_size", "max_prompt_len", "max_model_len", "mesh", "eos_token_ids", "has_tokenizer", "dtype", "page_size")
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MESH_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model_path: str
+    vocab_size: int
+    max_prompt_len: int
+    max_model_len: int
+    mesh: str
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    has_tokenizer: bool
+    dtype: str
+    page_size: int
+    def __init__(self, model_path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_prompt_len: _Optional[int] = ..., max_model_len: _Optional[int] = ..., mesh: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("mesh", "queue_waiting", "slots_active", "slots_total", "pages_used", "pages_total", "transfers", "transfer_bytes", "transfer_s", "num_compiled_programs", "compiled_programs", "rejections", "rejections_queue_full", "rejections_slo", "preemptions", "finished", "aborted", "prefill_batches", "prefill_tokens", "decode_steps", "local_prefills", "prefill_s_per_token")
+    class CompiledProgramsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    MESH_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAITING_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PAGES_USED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPILED_PROGRAMS_FIELD_NUMBER: _ClassVar[int]
+    COMPILED_PROGRAMS_FIELD_NUMBER: _ClassVar[int]
+    REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    REJECTIONS_QUEUE_FULL_FIELD_NUMBER: _ClassVar[int]
+    REJECTIONS_SLO_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    mesh: str
+    queue_waiting: int
+    slots_active: int
+    slots_total: int
+    pages_used: int
+    pages_total: int
+    transfers: int
+    transfer_bytes: int
+    transfer_s: float
+    num_compiled_programs: int
+    compiled_programs: _containers.ScalarMap[str, int]
+    rejections: int
+    rejections_queue_full: int
+    rejections_slo: int
+    preemptions: int
+    finished: int
+    aborted: int
+    prefill_batches: int
+    prefill_tokens: int
+    decode_steps: int
+    local_prefills: int
+    prefill_s_per_token: float
+    def __init__(self, mesh: _Optional[str] = ..., queue_waiting: _Optional[int] = ..., slots_active: _Optional[int] = ..., slots_total: _Optional[int] = ..., pages_used: _Optional[int] = ..., pages_total: _Optional[int] = ..., transfers: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., num_compiled_programs: _Optional[int] = ..., compiled_programs: _Optional[_Mapping[str, int]] = ..., rejections: _Optional[int] = ..., rejections_queue_full: _Optional[int] = ..., rejections_slo: _Optional[int] = ..., preemptions: _Optional[int] = ..., finished: _Optional[int] = ..., aborted: _Optional[int] = ..., prefill_batches: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_steps: _Optional[int] = ..., local_prefills: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,63 @@
+import jax
+import pytest
+
+from sharding import build_meshes, logical_rules, parse_mesh_spec
+from sharding.mesh import MeshSpec
+from models.config import ModelConfig
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("prefill=4,decode=4", MeshSpec(4, 4, 1)),
+    ("prefill=2,decode=2x2", MeshSpec(2, 2, 2)),
+    ("prefill=1,decode=1", MeshSpec(1, 1, 1)),
+    (" decode=3 , prefill=1 ", MeshSpec(1, 3, 1)),
+    ("colocated=8", MeshSpec(8, 8, 1, colocated=True)),
+    ("prefill=4", MeshSpec(4, 0, 1)),
+    ("decode=2x2", MeshSpec(0, 2, 2)),
+])
+def test_parse(spec, expected):
+    parsed = parse_mesh_spec(spec)
+    assert parsed == expected
+    assert parse_mesh_spec(str(parsed)) == parsed
+
+
+@pytest.mark.parametrize("spec,bad", [
+    ("prefill=4,decoder=4", "decoder=4"), ("prefill=x,decode=4", "prefill=x"),
+    ("prefill=4,decode=4,prefill=2", "given twice"), ("colocated=4,decode=2", "stands alone"),
+    ("prefill=2x2,decode=2", "DxT"), ("prefill=0,decode=0", "sizes must be >= 1"),
+    ("", "expected a spec"), ("prefill4", "prefill4"),
+])
+def test_malformed_specs_name_the_bad_part(spec, bad):
+    with pytest.raises(ValueError, match=bad):
+        parse_mesh_spec(spec)
+
+
+def test_meshes_are_disjoint_and_ordered():
+    m = build_meshes("prefill=4,decode=2x2")
+    devices = jax.devices()
+    assert list(m.prefill.devices) == devices[:4]
+    assert m.decode.devices.tolist() == [devices[4:6], devices[6:8]]
+    assert m.decode.axis_names == ("dp", "tp")
+    co = build_meshes("colocated=8")
+    assert list(co.prefill.devices) == co.decode.devices.reshape(-1).tolist() == devices
+
+
+def test_single_role_meshes():
+    assert build_meshes("prefill=4").decode is None
+    assert build_meshes("decode=4").prefill is None
+
+
+def test_too_many_devices_says_how_to_get_more():
+    with pytest.raises(ValueError, match="xla_force_host_platform_device_count=12"):
+        build_meshes("prefill=8,decode=4")
+
+
+def test_rules_replicate_what_does_not_divide():
+    cfg = ModelConfig("llama", vocab_size=102, hidden_size=64, intermediate_size=128,
+                      num_layers=1, num_heads=8, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=64)
+    rules = dict(logical_rules(cfg, build_meshes("prefill=4,decode=4").prefill))
+    assert rules["heads"] == "tp" and rules["mlp"] == "tp"
+    assert rules["kv_heads"] is None            # 2 kv heads over tp=4: replicated
+    assert rules["vocab"] is None               # 102 rows do not split 4 ways
+    assert all(axis in (None, "tp") for axis in rules.values())   # never dp on weights
