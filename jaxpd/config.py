@@ -21,7 +21,7 @@ class EngineConfig:
     pages_per_shard: int | None = None # default: every slot can reach max_model_len
     max_queued: int = 1024             # requests waiting for prefill before rejection
     local_prefill_below: int = 0       # prompts shorter than this prefill on the decode mesh
-    transfer_timeout_s: float = 30.0
+    kv_transfer_dtype: str | None = None  # "int8" / "fp8": compressed, lossy transfer
 
     def __post_init__(self):
         object.__setattr__(self, "mesh", parse_mesh_spec(self.mesh))
@@ -40,6 +40,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.bucket_timeout_ms < 0:
             raise ValueError(f"bucket_timeout_ms must be >= 0, got {self.bucket_timeout_ms}")
+        if self.kv_transfer_dtype not in (None, "int8", "fp8"):
+            raise ValueError(f"kv_transfer_dtype must be None, 'int8' or 'fp8', "
+                             f"got {self.kv_transfer_dtype!r}")
         if self.local_prefill_below < 0:
             raise ValueError(f"local_prefill_below must be >= 0, got {self.local_prefill_below}")
         min_pages = self.pages_per_slot + 1

@@ -31,6 +31,7 @@ from models.checkpoint import LoadedModel
 from models.hf_io import DTYPES
 from models.llama import abstract_params
 from sharding import build_meshes, logical_rules, named_shardings
+from transfer.compressed import CompressingConnector
 from transfer.connector import Connector
 from transfer.device_put import DevicePutConnector
 
@@ -55,6 +56,11 @@ class Engine:
         self.counter = CompileCounter()
         self.counters = Counters()
         self.connector = connector or DevicePutConnector()
+        if config.kv_transfer_dtype is not None:
+            c = model.cfg
+            self.connector = CompressingConnector(
+                self.connector, config.kv_transfer_dtype,
+                (config.page_size, c.num_kv_heads, c.head_dim), config.dtype)
         self.prefill_worker = self.local_worker = self.decode_worker = None
         self.decode_scheduler = None
         if spec.has_prefill:
@@ -290,6 +296,22 @@ class Engine:
         """Prefill-only process: the request now lives on the decode side."""
         with self._lock:
             self._live.pop(request.request_id, None)
+        request.events.put(([], "handed_off"))
+
+    def reprefill(self, request_id: str) -> bool:
+        """Decode side: a registered request whose KV will not come (its prefill worker
+        failed) is prefilled here instead. False if it is not waiting for KV."""
+        with self._lock:
+            r = self._live.get(request_id)
+        if r is None or self.local_worker is None:
+            return False
+        try:
+            r.transition(State.WAITING)
+        except RuntimeError:
+            return False
+        self.counters.transfer_failures += 1
+        self._route(r)
+        return True
 
     @staticmethod
     def _drain(inbox: queue.SimpleQueue, scheduler: PrefillScheduler) -> None:

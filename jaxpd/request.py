@@ -73,7 +73,7 @@ class Request:
         self.timings = Timings(arrival=time.perf_counter())
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # (new_ids, finished) for streams
         self._lock = threading.Lock()
-        self.cancel_requested = False
+        self.destination: str | None = None   # decode peer for its KV (multi-process)
 
     def to_wire(self, num_tokens: int | None = None) -> dict:
         """Msgpack-able form for another process. `num_tokens`: how many of

@@ -87,7 +87,7 @@ class PrefillWorker:
             payload = r.to_wire(num_tokens=n) if self.wire else r
             try:
                 self.connector.send(KVHandoff(r.request_id, n, int(first[i]), k_pages, v_pages,
-                                              payload))
+                                              payload, r.destination))
             except TransferError as e:
                 # The decode side is unreachable or full: fail this request so the
                 # router can retry it elsewhere; the worker keeps serving.
@@ -164,6 +164,11 @@ class DecodeWorker:
         while self.pending:
             h, connector = self.pending[0]
             r = self.resolve(h.payload)
+            if r.state is not State.TRANSFERRING and not r.is_final:
+                # Stale: the request was re-prefilled meanwhile (e.g. the router gave up
+                # on this transfer); its new KV comes by another handoff.
+                self.pending.popleft()
+                continue
             if r.num_tokens == h.num_tokens and not r.is_final:
                 # A mirror from another process: its first token travelled with the KV.
                 if r.append_token(h.first_token, time.perf_counter()):

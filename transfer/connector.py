@@ -48,6 +48,9 @@ class KVHandoff:
     k: jax.Array
     v: jax.Array
     payload: Any = None
+    # Which decode peer gets it (a cross-process connector's address for that peer);
+    # None: the connector's default. In one process there is only one.
+    destination: str | None = None
 
     @property
     def num_pages(self) -> int:

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import grpc
@@ -231,7 +231,8 @@ class GrpcConnector:
     """`Connector` over a gRPC byte stream, for prefill and decode in separate processes.
 
     role="decode" serves on `address` ("host:0" picks a port; see `.address`);
-    role="prefill" streams to `decode_address`.
+    role="prefill" streams to each handoff's `destination` (a decode side's `address`),
+    or to `decode_address` when it has none.
     """
 
     def __init__(self, role: Role, *, address: str = "127.0.0.1:0",
@@ -239,9 +240,8 @@ class GrpcConnector:
                  options: GrpcStreamOptions = GrpcStreamOptions()):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
-        if (role == "prefill") != (decode_address is not None):
-            raise ValueError("decode_address is required for role='prefill' "
-                             "and not accepted for role='decode'")
+        if role == "decode" and decode_address is not None:
+            raise ValueError("decode_address is not accepted for role='decode'")
         self.role = role
         self.options = options
         self.num_failed = 0
@@ -250,11 +250,10 @@ class GrpcConnector:
         self._queue: queue.Queue[StreamedKVHandoff] = queue.Queue(maxsize=options.max_pending)
         limits = [("grpc.max_receive_message_length", MAX_MESSAGE_SIZE),
                   ("grpc.max_send_message_length", MAX_MESSAGE_SIZE)]
+        self._limits = limits
         if role == "prefill":
             self.address = decode_address
-            self._channel = grpc.insecure_channel(decode_address, options=limits)
-            self._send = self._channel.stream_unary(
-                SEND_METHOD, request_serializer=None, response_deserializer=unpack)
+            self._senders: dict[str, tuple[grpc.Channel, Callable]] = {}
         else:
             self._server = grpc.server(
                 concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kv-stream"),
@@ -273,9 +272,13 @@ class GrpcConnector:
         """Stream the pages; returns once the decode side has checked and queued them."""
         self._require("prefill", "send")
         encoded = encode_handoff(handoff)
+        address = handoff.destination or self.address
+        if address is None:
+            raise TransferError(f"handoff {handoff.request_id!r} names no decode destination "
+                                f"and the connector has no default")
         try:
-            self._send(encoded.messages(self.options.chunk_size),
-                       timeout=self.options.rpc_timeout_s)
+            self._sender(address)(encoded.messages(self.options.chunk_size),
+                                  timeout=self.options.rpc_timeout_s)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DATA_LOSS:
                 raise StreamDataError(f"{self.address} rejected the stream of "
@@ -283,6 +286,14 @@ class GrpcConnector:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise MalformedHeaderError(f"{self.address}: {e.details()}") from e
             raise error_of(e, self.address) from e
+
+    def _sender(self, address: str) -> Callable:
+        with self._lock:
+            if address not in self._senders:
+                channel = grpc.insecure_channel(address, options=self._limits)
+                self._senders[address] = (channel, channel.stream_unary(
+                    SEND_METHOD, request_serializer=None, response_deserializer=unpack))
+            return self._senders[address][1]
 
     def _serve(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> dict:
         try:
@@ -336,6 +347,8 @@ class GrpcConnector:
     def close(self) -> None:
         self._closed = True
         if self.role == "prefill":
-            self._channel.close()
+            with self._lock:
+                for channel, _ in self._senders.values():
+                    channel.close()
         else:
             self._server.stop(grace=None)

@@ -142,8 +142,9 @@ def _advertised(address: str, host: str | None) -> str:
 class TransferServerConnector:
     """`Connector` for prefill and decode in separate processes or hosts.
 
-    role="prefill" needs `decode_control_address` (the decode side's
-    `control_address`); role="decode" takes none: offers say where to pull from.
+    role="prefill": offers go to each handoff's `destination` (a decode side's
+    `control_address`), or to `decode_control_address` when it has none; role="decode"
+    takes neither: offers say where to pull from.
     """
 
     def __init__(self, role: Role, *, control_address: str = "127.0.0.1:0",
@@ -151,9 +152,8 @@ class TransferServerConnector:
                  options: TransferServerOptions = TransferServerOptions()):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
-        if (role == "prefill") != (decode_control_address is not None):
-            raise ValueError("decode_control_address is required for role='prefill' "
-                             "and not accepted for role='decode'")
+        if role == "decode" and decode_control_address is not None:
+            raise ValueError("decode_control_address is not accepted for role='decode'")
         self.role = role
         self.options = options
         self._server = start_transfer_server(options)
@@ -164,7 +164,8 @@ class TransferServerConnector:
         self._closed = False
         if role == "prefill":
             self._control = ControlServer(control_address, on_ack=self._on_ack)
-            self._decode = ControlClient(decode_control_address)
+            self._default_destination = decode_control_address
+            self._decode_clients: dict[str, ControlClient] = {}
         else:
             self._control = ControlServer(control_address, on_offer=self._on_offer)
         self.control_address = _advertised(self._control.address, options.advertise_host)
@@ -196,11 +197,21 @@ class TransferServerConnector:
         with self._lock:
             self._pending[uuid] = _Pending(handoff.k, handoff.v, time.monotonic() + ttl)
         try:
-            self._decode.offer(offer, timeout=self.options.rpc_timeout_s)
+            self._decode_client(handoff).offer(offer, timeout=self.options.rpc_timeout_s)
         except TransferError:
             # The transfer server keeps the uuid until its TTL; nobody will pull it.
             self._release(uuid)
             raise
+
+    def _decode_client(self, handoff: KVHandoff) -> ControlClient:
+        address = handoff.destination or self._default_destination
+        if address is None:
+            raise TransferError(f"handoff {handoff.request_id!r} names no decode destination "
+                                f"and the connector has no default")
+        with self._lock:
+            if address not in self._decode_clients:
+                self._decode_clients[address] = ControlClient(address)
+            return self._decode_clients[address]
 
     def pending(self) -> int:
         """Offers not yet acked and not yet expired."""
@@ -318,7 +329,8 @@ class TransferServerConnector:
             self._lock.notify_all()
         self._control.stop()
         if self.role == "prefill":
-            self._decode.close()
+            for client in self._decode_clients.values():
+                client.close()
         for client in self._ack_clients.values():
             client.close()
 

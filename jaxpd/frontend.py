@@ -1,0 +1,161 @@
+"""What every front end shares: request validation, `generate`, `stream`, events.
+
+`LLM` (an engine in this process) and `Router` (workers in other processes) are both
+front ends; they differ only in how a validated request is run (`submit`, `abort`)
+and in how a dead back end shows (`failure`).
+"""
+from __future__ import annotations
+
+import queue
+from typing import Iterator, Sequence
+
+from jaxpd.config import EngineConfig
+from jaxpd.outputs import CompletionOutput, RequestMetrics, StreamDelta
+from jaxpd.request import Request
+from jaxpd.sampling_params import SamplingParams
+from models.config import ModelConfig
+from models.tokenizer import IncrementalDecoder, Tokenizer
+
+_POLL_S = 0.5
+
+
+class Frontend:
+    config: EngineConfig
+    model_config: ModelConfig
+    model_path: str
+    tokenizer: Tokenizer | None
+
+    def submit(self, request: Request) -> Request:
+        raise NotImplementedError
+
+    def abort(self, request_id: str, reason: str = "cancelled") -> bool:
+        raise NotImplementedError
+
+    def new_request_id(self) -> str:
+        raise NotImplementedError
+
+    def failure(self) -> BaseException | None:
+        """The error that killed the back end, if it died."""
+        return None
+
+    def stats(self) -> dict:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+    def make_request(self, prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
+                     sampling_params: SamplingParams | None = None,
+                     request_id: str | None = None) -> Request:
+        """Validate and build a request (not yet submitted). ValueError names the field."""
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt and prompt_token_ids")
+        vocab = self.model_config.vocab_size
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer.json; "
+                                 "pass prompt_token_ids instead")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt_token_ids)
+            if not ids:
+                raise ValueError("prompt_token_ids is empty")
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt_token_ids: {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {vocab})")
+        cfg = self.config
+        if len(ids) > cfg.max_prompt_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_prompt_len="
+                             f"{cfg.max_prompt_len}")
+        if len(ids) + params.max_tokens > cfg.max_model_len:
+            raise ValueError(f"max_tokens={params.max_tokens} with a {len(ids)}-token prompt "
+                             f"exceeds max_model_len={cfg.max_model_len}")
+        return Request(request_id or self.new_request_id(), ids, params,
+                       self.model_config.eos_token_ids)
+
+    # ---- generation ---------------------------------------------------------------
+
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None) -> list[CompletionOutput]:
+        """Generate for every prompt (all submitted at once); outputs in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompts and prompt_token_ids")
+        items = list(prompts) if prompts is not None else list(prompt_token_ids)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(items):
+                raise ValueError(f"sampling_params: {len(sampling_params)} given for "
+                                 f"{len(items)} prompts")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params] * len(items)
+        requests = [self.make_request(prompt=x, sampling_params=p) if prompts is not None else
+                    self.make_request(prompt_token_ids=x, sampling_params=p)
+                    for x, p in zip(items, params)]
+        submitted = []
+        try:
+            for r in requests:
+                submitted.append(self.submit(r))
+            return [self._wait(r) for r in submitted]
+        finally:
+            for r in submitted:
+                if not r.is_final:
+                    self.abort(r.request_id, "caller gave up")
+
+    def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
+               prompt_token_ids: Sequence[int] | None = None) -> Iterator[StreamDelta]:
+        """Yield `StreamDelta`s as tokens are produced; the last one has finish_reason."""
+        r = self.submit(self.make_request(prompt, prompt_token_ids, sampling_params))
+        decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer else None
+        try:
+            for ids, finish in self.events(r):
+                text = decoder.push(ids) if decoder else ""
+                if finish is not None and decoder:
+                    text += decoder.flush()
+                yield StreamDelta(r.request_id, ids, text, finish)
+        finally:
+            if not r.is_final:
+                self.abort(r.request_id, "stream closed")
+
+    def events(self, request: Request) -> Iterator[tuple[list[int], str | None]]:
+        """(new token ids, finish reason or None) until the request ends; never hangs on a
+        dead engine (the engine aborts every live request when it fails)."""
+        while True:
+            try:
+                ids, finish = request.events.get(timeout=_POLL_S)
+            except queue.Empty:
+                error = self.failure()
+                if error is not None and not request.is_final:
+                    request.abort(f"failed: {error!r}")
+                continue
+            yield ids, finish
+            if finish is not None:
+                return
+
+    def completion(self, r: Request) -> CompletionOutput:
+        text = self.tokenizer.decode(r.output_ids) if self.tokenizer else None
+        return CompletionOutput(r.request_id, list(r.prompt_ids), list(r.output_ids), text,
+                                r.finish_reason or "abort", r.abort_reason, RequestMetrics.of(r))
+
+    def _wait(self, r: Request) -> CompletionOutput:
+        for _ in self.events(r):
+            pass
+        return self.completion(r)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
