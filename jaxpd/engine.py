@@ -305,9 +305,7 @@ class Engine:
             r = self._live.get(request_id)
         if r is None or self.local_worker is None:
             return False
-        try:
-            r.transition(State.WAITING)
-        except RuntimeError:
+        if r.state is not State.TRANSFERRING or not r.transition(State.WAITING):
             return False
         self.counters.transfer_failures += 1
         self._route(r)

@@ -2,8 +2,9 @@
 
 Start-up order matters:
 1. flags are parsed and, on CPU, XLA_FLAGS gets as many virtual devices as the mesh
-   needs -- before jax initialises a backend (importing the `jaxpd` package imports
-   jax but initialises nothing; the engine modules are imported only after this);
+   needs. jax reads XLA_FLAGS once, when its first backend initialises; `python -m`
+   has already imported the `jaxpd` package (and jax with it) by then, which is fine
+   as long as nothing touches a device first -- so the engine is imported only after;
 2. the gRPC server starts listening at once with health NOT_SERVING, so orchestrators
    can watch the (long) load and compile;
 3. the model loads and every bucket compiles (progress printed), then health flips to
@@ -60,8 +61,21 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("max_concurrent_rpcs", 128, "Concurrent RPCs (one thread each) "
                          "before gRPC itself answers RESOURCE_EXHAUSTED.", lower_bound=1,
                          flag_values=fv)
+    flags.DEFINE_enum("role", "", ["", "prefill", "decode", "router"],
+                      "Multi-process deployments: run one role (its --mesh is then prefill=P or "
+                      "decode=D[xT]; the router needs none). Empty: both phases in this "
+                      "process.", flag_values=fv)
+    flags.DEFINE_string("router", None, "prefill/decode roles: host:port of the router to "
+                        "register with (retried with backoff until it answers).", flag_values=fv)
+    flags.DEFINE_list("prefill_workers", [], "router role: host:port of prefill workers "
+                      "(workers may also register themselves).", flag_values=fv)
+    flags.DEFINE_list("decode_workers", [], "router role: host:port of decode workers.",
+                      flag_values=fv)
+    flags.DEFINE_enum("kv_transport", "transfer_server", ["transfer_server", "grpc"],
+                      "prefill/decode roles: how KV pages cross processes (the JAX transfer "
+                      "server, or a gRPC byte stream where it is unavailable).", flag_values=fv)
     flags.DEFINE_string("once", None, "Instead of serving, generate greedily for this prompt, "
-                        "print the text and exit (default: unset, serve).", flag_values=fv)
+                        "print the completion and exit (default: unset, serve).", flag_values=fv)
     flags.DEFINE_integer("once_max_tokens", 32, "Tokens to generate with --once.",
                          lower_bound=1, flag_values=fv)
 
@@ -98,6 +112,8 @@ def _say(message: str) -> None:
 
 def run(fv: flags.FlagValues) -> int:
     """Serve (or generate once) as the flags say; returns the exit status."""
+    if fv.role == "router":
+        return _run_router(fv)
     try:
         set_cpu_device_count(fv.mesh)
     except ValueError as e:
@@ -107,9 +123,16 @@ def run(fv: flags.FlagValues) -> int:
 
     if fv.once is not None:
         return _run_once(fv, LLM)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = _stop_on_signals()
+    if fv.role in ("prefill", "decode"):
+        from jaxpd.worker_service import serve_worker
+        options = dict(engine_options(fv), warmup=fv.warmup)
+        try:
+            return serve_worker(fv.role, fv.model, fv.host, fv.port, fv.router, fv.kv_transport,
+                                stop, _say, options)
+        except (OSError, ValueError) as e:
+            print(f"cannot start the {fv.role} worker: {e}", file=sys.stderr)
+            return 1
     from jaxpd.server import InferenceServer
 
     server = InferenceServer(fv.host, fv.port, fv.slo_ttft_ms,
@@ -143,6 +166,44 @@ def run(fv: flags.FlagValues) -> int:
     return 0
 
 
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def _run_router(fv: flags.FlagValues) -> int:
+    """The front door: Generation service over a `Router`; SERVING once at least one
+    prefill and one decode worker answer."""
+    from jaxpd.default_model import default_model_dir
+    from jaxpd.router import Router, RouterConfig
+    from jaxpd.server import InferenceServer
+
+    stop = _stop_on_signals()
+    config = RouterConfig(max_model_len=fv.max_model_len or 1024, max_queued=fv.max_queued,
+                          dtype=fv.dtype, page_size=fv.page_size)
+    router = Router(fv.model or default_model_dir(), config, tuple(fv.prefill_workers),
+                    tuple(fv.decode_workers))
+    server = InferenceServer(fv.host, fv.port, fv.slo_ttft_ms, metrics_port=fv.metrics_port or None,
+                             max_concurrent_rpcs=fv.max_concurrent_rpcs,
+                             extra_handlers=(router.handlers(),))
+    try:
+        _say(f"jaxpd router listening on {fv.host}:{server.port} (NOT_SERVING until a prefill "
+             f"and a decode worker answer)")
+        while not stop.is_set() and not router.ready():
+            stop.wait(0.2)
+        if not stop.is_set():
+            server.attach(router)
+            _say(f"jaxpd serving {router.model_path} on {fv.host}:{server.port} (mesh router)")
+            stop.wait()
+        _say("jaxpd shutting down")
+    finally:
+        server.stop(fv.shutdown_grace_s)
+        router.shutdown()
+    return 0
+
+
 def _run_once(fv: flags.FlagValues, llm_class) -> int:
     from jaxpd.sampling_params import SamplingParams
 
@@ -153,7 +214,7 @@ def _run_once(fv: flags.FlagValues, llm_class) -> int:
             return 2
         params = SamplingParams(max_tokens=fv.once_max_tokens, temperature=0.0)
         out = llm.generate([fv.once], params)[0]
-        _say(fv.once + out.text)
+        _say(out.text)
         m = out.metrics
         print(f"[{out.finish_reason}] {len(out.token_ids)} tokens, TTFT "
               f"{m.ttft_s * 1e3:.1f} ms" + (f", TPOT {m.tpot_s * 1e3:.1f} ms" if m.tpot_s else ""),

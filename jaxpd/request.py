@@ -118,12 +118,17 @@ class Request:
     def is_final(self) -> bool:
         return self.state in FINAL
 
-    def transition(self, new: State) -> None:
+    def transition(self, new: State) -> bool:
+        """Move to `new`; False (no change) if the request was aborted meanwhile: an abort
+        from another thread wins any race with a worker's transition."""
         with self._lock:
+            if self.state is State.ABORTED:
+                return False
             if new not in _ALLOWED.get(self.state, ()):
                 raise RuntimeError(f"request {self.request_id}: illegal transition "
                                    f"{self.state.value} -> {new.value}")
             self.state = new
+            return True
 
     def append_token(self, token: int, now: float) -> bool:
         """Record one generated token; True when it ends the request (and it is finished).

@@ -29,8 +29,9 @@ class SamplingParams:
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) \
                 or math.isinf(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) \
+                or not 0 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be an integer in [0, 2**31) (0 = off), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or math.isnan(self.top_p) \
                 or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")

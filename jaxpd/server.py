@@ -1,6 +1,8 @@
 """The gRPC `jaxpd.v1.Generation` service over an `LLM`, and the server's lifecycle.
 
-`GenerationServicer` turns RPCs into engine requests:
+`GenerationServicer` turns RPCs into requests of a front end -- an `LLM` (engine in
+this process) or anything with its interface (`make_request`, `submit`, `abort`,
+`events`, `completion`, `stats`, `tokenizer`, `config`, `model_config`, `model_path`):
 - bad input is INVALID_ARGUMENT with a message naming the field (the `ValueError`s of
   `SamplingParams` and `LLM.make_request`, plus the proto-level checks here);
 - overload is RESOURCE_EXHAUSTED before any work is done: the engine's bounded queue
@@ -11,12 +13,13 @@
 `InferenceServer` owns the grpc server (a thread pool named `jaxpd-grpc-*`), standard
 health checking (`grpc.health.v1`: NOT_SERVING until `attach(llm)` -- model loaded and
 warm -- SERVING then, NOT_SERVING from `stop()` on), server reflection, and the
-optional Prometheus endpoint. It does not own the `LLM`: whoever built it shuts it down.
+optional Prometheus endpoint. It does not own the front end: whoever built it shuts it down.
 """
 from __future__ import annotations
 
 import threading
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,13 +27,15 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxpd.admission import AdmissionController
 from jaxpd.engine import QueueFull
-from jaxpd.llm import LLM
 from jaxpd.outputs import RequestMetrics
 from jaxpd.prometheus import MetricsEndpoint, ServingMetrics
 from jaxpd.proto import jaxpd_pb2, jaxpd_pb2_grpc
 from jaxpd.request import Request, State
 from jaxpd.sampling_params import SamplingParams
 from models.tokenizer import IncrementalDecoder
+
+if TYPE_CHECKING:
+    from jaxpd.llm import LLM
 
 SERVICE_NAME = jaxpd_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 _DEFAULTS = SamplingParams()
@@ -145,11 +150,9 @@ class GenerationServicer(jaxpd_pb2_grpc.GenerationServicer):
 
     def Stats(self, request, context):
         self._llm(context)
-        stats = self.stats()
         fields = jaxpd_pb2.StatsResponse.DESCRIPTOR.fields_by_name
-        msg = jaxpd_pb2.StatsResponse(**{k: v for k, v in stats.items()
-                                         if k in fields and v is not None})
-        return msg
+        return jaxpd_pb2.StatsResponse(**{k: v for k, v in self.stats().items()
+                                          if k in fields and v is not None})
 
     def stats(self) -> dict:
         """The engine's stats plus the server's own counts (one dict for Stats and /metrics)."""
@@ -273,7 +276,8 @@ class InferenceServer:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, slo_ttft_ms: float = 0.0,
-                 metrics_port: int | None = None, max_concurrent_rpcs: int = 128):
+                 metrics_port: int | None = None, max_concurrent_rpcs: int = 128,
+                 extra_handlers: tuple[grpc.GenericRpcHandler, ...] = ()):
         self.metrics = ServingMetrics()
         self.servicer = GenerationServicer(AdmissionController(slo_ttft_ms / 1000), self.metrics)
         self.health = health.HealthServicer()
@@ -286,6 +290,7 @@ class InferenceServer:
         self._grpc = grpc.server(self._executor, maximum_concurrent_rpcs=max_concurrent_rpcs)
         jaxpd_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        self._grpc.add_generic_rpc_handlers(extra_handlers)   # e.g. the router's Register
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

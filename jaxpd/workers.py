@@ -56,7 +56,8 @@ class PrefillWorker:
             return False, wait
         live = []
         for r in batch.requests:
-            r.transition(State.PREFILLING)
+            if not r.transition(State.PREFILLING):
+                continue                       # aborted since it was scheduled
             r.timings.local_prefill |= self.local
             self.counters.local_prefills += self.local
             if r.timings.prefill_start is None:
@@ -83,7 +84,8 @@ class PrefillWorker:
                 self.counters.finished += r.state is State.FINISHED
                 continue                       # finished by its first token, or aborted
             k_pages, v_pages = self.runner.take_pages(k, v, i, pages_for(n, self.page_size))
-            r.transition(State.TRANSFERRING)
+            if not r.transition(State.TRANSFERRING):
+                continue
             payload = r.to_wire(num_tokens=n) if self.wire else r
             try:
                 self.connector.send(KVHandoff(r.request_id, n, int(first[i]), k_pages, v_pages,
@@ -189,8 +191,8 @@ class DecodeWorker:
                 logging.warning("transfer of %s failed (%s); re-prefilling", r.request_id, e)
                 self.scheduler.release(slot)
                 self.counters.transfer_failures += 1
-                r.transition(State.WAITING)
-                self.resubmit(r)
+                if r.transition(State.WAITING):
+                    self.resubmit(r)
                 continue
             self.runner.insert(shard, pages[:h.num_pages], k, v)
             if connector is self.connectors[0]:   # the others are on-mesh (local prefill)
@@ -241,7 +243,6 @@ class DecodeWorker:
 
     def _requeue_preempted(self) -> None:
         for r in self._preempted:
-            if not r.is_final:
-                r.transition(State.WAITING)
+            if r.transition(State.WAITING):
                 self.resubmit(r)
         self._preempted.clear()

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -274,15 +275,17 @@ def test_deadline_aborts_at_once(llm, stub, monkeypatch):
     assert_all_pages_free(llm)
 
 
-def test_full_queue_is_resource_exhausted(llm, stub, monkeypatch, server):
+def test_full_queue_is_resource_exhausted(llm, stub, monkeypatch):
     monkeypatch.setattr(llm.engine, "config", dataclasses.replace(llm.engine.config,
                                                                   max_queued=1))
     before = stub.Stats(jaxpd_pb2.StatsRequest())
     with futures.ThreadPoolExecutor(2, thread_name_prefix="test-client") as pool:
         with prefill_blocked(llm) as prefilling:
-            first = pool.submit(collect, stub, gen_request([1, 2, 3], max_tokens=3))
+            first = pool.submit(collect, stub, gen_request([1, 2, 3], max_tokens=3,
+                                                              ignore_eos=True))
             assert prefilling.wait(timeout=30)
-            second = pool.submit(collect, stub, gen_request([4, 5], max_tokens=3))
+            second = pool.submit(collect, stub, gen_request([4, 5], max_tokens=3,
+                                                               ignore_eos=True))
             wait_for(lambda: llm.stats()["queue_waiting"] == 1, what="a waiting request")
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Generate(gen_request([6, 7], max_tokens=3)))
@@ -308,7 +311,8 @@ def test_predicted_ttft_above_slo_is_resource_exhausted(llm, monkeypatch):
             assert server.servicer.admission.s_per_token > 0
             with futures.ThreadPoolExecutor(1, thread_name_prefix="test-client") as pool:
                 with prefill_blocked(llm):
-                    ahead = pool.submit(collect, stub, gen_request([4, 5, 6], max_tokens=2))
+                    ahead = pool.submit(collect, stub, gen_request([4, 5, 6], max_tokens=2,
+                                                                   ignore_eos=True))
                     wait_for(lambda: server.servicer.stats()["requests_in_flight"] == 1,
                              what="the request ahead")
                     with pytest.raises(grpc.RpcError) as err:
@@ -349,7 +353,7 @@ def test_stats_rpc_and_prometheus_endpoint(llm, stub, server):
     for key in ("finished", "aborted", "transfer_bytes", "num_compiled_programs", "preemptions",
                 "slots_total", "pages_total", "decode_steps"):
         assert getattr(stats, key) == engine[key], key
-    assert stats.pages_used == 0 and stats.queue_waiting == 0
+    assert stats.pages_used == 0 and stats.queue_waiting == 0 and stats.requests_in_flight == 0
     assert dict(stats.compiled_programs) == engine["compiled_programs"]
     assert stats.HasField("prefill_s_per_token")
     url = f"http://127.0.0.1:{server.metrics_port}"
@@ -459,10 +463,15 @@ def test_launch_flags_document_their_defaults_and_match_engine_config():
 
 def test_launch_serves_until_sigterm_and_exits_zero(model_dir, tmp_path):
     log_path = tmp_path / "launch.log"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    # No device count in XLA_FLAGS: the launcher must ask for the 2 devices itself.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, XLA_FLAGS="")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "jaxpd.launch", f"--model={model_dir}",
            "--mesh=prefill=1,decode=1", "--port=0", "--max_model_len=32",
-           "--max_prefill_batch=1", "--slots_per_shard=2", "--shutdown_grace_s=1"]
+           "--max_prefill_batch=1", "--slots_per_shard=2", "--shutdown_grace_s=1",
+           f"--metrics_port={metrics_port}"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     try:
@@ -484,6 +493,8 @@ def test_launch_serves_until_sigterm_and_exits_zero(model_dir, tmp_path):
             stub = jaxpd_pb2_grpc.GenerationStub(channel)
             out = stub.Complete(gen_request(prompt="a small model", max_tokens=4), timeout=60)
             assert len(out.token_ids) == 4 or out.finish_reason == "stop"
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            assert "jaxpd_ttft_seconds_count 1" in r.read().decode()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log_path.read_text()
         assert "threads still running" not in log_path.read_text()
@@ -491,3 +502,21 @@ def test_launch_serves_until_sigterm_and_exits_zero(model_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- races ----------------------------------------------------------------------------
+
+def test_cancels_racing_prefill_transfer_and_admission_leave_the_engine_alive(llm, stub):
+    # Last in the module: when this fails the engine is dead for every later test.
+    # Cancels land while the request is being prefilled, transferred or admitted to a
+    # decode slot (the first token arrives from prefill, before decode has it).
+    for i in range(24):
+        call = stub.Generate(gen_request([3 + i] * (1 + 4 * i), max_tokens=20, ignore_eos=True))
+        if i % 3:
+            next(call)
+        call.cancel()
+    wait_idle(llm)
+    assert llm.failure() is None
+    assert collect(stub, gen_request([1, 2], max_tokens=3, ignore_eos=True))[2].finish_reason \
+        == "length"
+    assert_all_pages_free(llm)

@@ -1,0 +1,174 @@
+"""Router + prefill + decode as separate processes on 127.0.0.1, killed at chosen moments.
+
+Every request must end finished (with the single-process greedy tokens) or aborted with
+a reason; no process may hang past its timeout.
+"""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from jaxpd.proto import jaxpd_pb2, jaxpd_pb2_grpc
+from jaxpd.worker_rpc import WorkerClient
+from tests.engine_fixtures import build_hf_model, mixed_prompts, reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUM = 8
+COMMON = ["--max_model_len", "160", "--nowarmup", "--host", "127.0.0.1"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("router_model"))
+    hf = build_hf_model("llama_gqa", path)
+    prompts = mixed_prompts(NUM, 256, seed=5)
+    max_tokens = [6 + 2 * i for i in range(NUM)]
+    long_tokens = [min(n * 4, 160 - len(p)) for p, n in zip(prompts, max_tokens)]
+    return (path, prompts, max_tokens, reference(hf, prompts, max_tokens), long_tokens,
+            reference(hf, prompts, long_tokens))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Procs:
+    """Started processes, all killed at the end whatever happens."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, args, fault=None) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONPATH": ROOT}
+        env.pop("XLA_FLAGS", None)
+        cmd = ([sys.executable, os.path.join(ROOT, "tests", "fault_launch.py"), fault] if fault
+               else [sys.executable, "-m", "jaxpd.launch"])
+        p = subprocess.Popen(cmd + args, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        p.lines = []
+        threading.Thread(target=lambda: [p.lines.append(l) for l in p.stdout], daemon=True).start()
+        self.procs.append(p)
+        return p
+
+    def wait_line(self, p, pattern, timeout=180) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(p.lines):
+                m = re.search(pattern, line)
+                if m:
+                    return m
+            assert p.poll() is None, "".join(p.lines)
+            time.sleep(0.05)
+        raise AssertionError(f"no {pattern!r} in:\n{''.join(p.lines)}")
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture
+def procs():
+    p = Procs()
+    yield p
+    p.close()
+
+
+def _deployment(procs, path, num_decode=1, prefill_fault=None):
+    router_port = _free_port()
+    router_addr = f"127.0.0.1:{router_port}"
+    # Workers first: they retry registering until the router is up (any start order).
+    workers = [procs.start(["--role", "prefill", "--mesh", "prefill=2", "--model", path,
+                            "--port", "0", "--router", router_addr] + COMMON, fault=prefill_fault)]
+    workers += [procs.start(["--role", "decode", "--mesh", "decode=2", "--model", path,
+                             "--port", "0", "--router", router_addr, "--slots_per_shard", "4"]
+                            + COMMON) for _ in range(num_decode)]
+    router = procs.start(["--role", "router", "--model", path, "--port", str(router_port)] + COMMON)
+    procs.wait_line(router, r"jaxpd serving")
+    return router_addr, router, workers
+
+
+def _generate_all(addr, prompts, max_tokens, timeout=120):
+    results = [None] * len(prompts)
+    with grpc.insecure_channel(addr) as channel:
+        stub = jaxpd_pb2_grpc.GenerationStub(channel)
+
+        def one(i):
+            req = jaxpd_pb2.GenerateRequest(token_ids=jaxpd_pb2.TokenIds(ids=prompts[i]),
+                                            max_tokens=max_tokens[i], temperature=0.0,
+                                            ignore_eos=True)
+            results[i] = stub.Complete(req, timeout=timeout)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout + 5)
+    return results
+
+
+def test_router_prefill_decode_processes_match_single_process(model, procs):
+    path, prompts, max_tokens, expected, long_tokens, expected_long = model
+    addr, router, _ = _deployment(procs, path)
+    outs = _generate_all(addr, prompts, max_tokens)
+    assert [list(o.token_ids) for o in outs] == expected
+    assert all(o.finish_reason == "length" for o in outs)
+    router.send_signal(signal.SIGTERM)
+    assert router.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize("fault", ["die_before_offer:3", "die_after_offer:3"])
+def test_prefill_worker_killed_requests_still_finish(model, procs, fault):
+    path, prompts, max_tokens, expected, long_tokens, expected_long = model
+    addr, _, workers = _deployment(procs, path, prefill_fault=fault)
+    outs = _generate_all(addr, prompts, max_tokens)
+    assert workers[0].wait(timeout=60) == -signal.SIGKILL
+    # The requests the dead worker held were prefilled again on the decode worker.
+    assert [list(o.token_ids) for o in outs] == expected
+
+
+def test_decode_worker_killed_fails_over_to_another(model, procs):
+    path, prompts, max_tokens, expected, long_tokens, expected_long = model
+    addr, _, workers = _deployment(procs, path, num_decode=2)
+    holder = {}
+
+    def run():
+        holder["outs"] = _generate_all(addr, prompts, long_tokens)
+
+    t = threading.Thread(target=run)
+    t.start()
+    # Kill whichever decode worker first holds two requests mid-stream.
+    clients = [WorkerClient(procs.wait_line(w, r"decode worker on (\S+)").group(1))
+               for w in workers[1:]]
+    deadline = time.monotonic() + 120
+    victim = None
+    while victim is None and time.monotonic() < deadline:
+        for w, c in zip(workers[1:], clients):
+            info = c.info(timeout=10)
+            if info["free_slots"] <= 8 - 2:
+                victim = w
+                break
+        time.sleep(0.02)
+    assert victim is not None
+    victim.kill()
+    t.join(180)
+    outs = holder["outs"]
+    assert all(o.finish_reason == "length" for o in outs)   # the other worker took over
+    assert [list(o.token_ids) for o in outs] == expected_long
+    # Failover recomputes from prompt + tokens so far: greedy output is unchanged.
+    with grpc.insecure_channel(addr) as channel:
+        stats = jaxpd_pb2_grpc.GenerationStub(channel).Stats(jaxpd_pb2.StatsRequest(), timeout=30)
+    assert stats.decode_failovers > 0
