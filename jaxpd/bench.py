@@ -82,11 +82,24 @@ def _length_mix(text: str) -> str:
 
 
 def _mesh(text: str) -> str:
-    from sharding.mesh import parse_mesh_spec
     try:
-        return str(parse_mesh_spec(text))
+        return serving_mesh(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def serving_mesh(text: str) -> str:
+    """The canonical spelling of a mesh that serves alone: both phases, or colocated.
+
+    A single-phase spec (`prefill=4`) is one process of a multi-process deployment and
+    cannot serve a request by itself, so a benchmark refuses it.
+    """
+    from sharding.mesh import parse_mesh_spec
+    spec = parse_mesh_spec(text)
+    if not (spec.has_prefill and spec.has_decode):
+        raise ValueError(f"mesh {text!r} has only one phase; a benchmark needs "
+                         f"'prefill=P,decode=D' or 'colocated=N'")
+    return str(spec)
 
 
 def parse_compare(text: str) -> list[str]:
@@ -104,10 +117,10 @@ def parse_compare(text: str) -> list[str]:
         if part == HF:
             out.append(HF)
         elif part.startswith("prefill=") and i + 1 < len(parts) and parts[i + 1].startswith("decode="):
-            out.append(_mesh_or_value_error(f"{part},{parts[i + 1]}"))
+            out.append(serving_mesh(f"{part},{parts[i + 1]}"))
             i += 1
         elif part.startswith(("colocated=", "prefill=", "decode=")):
-            out.append(_mesh_or_value_error(part))
+            out.append(serving_mesh(part))
         else:
             raise ValueError(f"bad entry {part!r} in {text!r}: expected 'hf', 'colocated=N' "
                              f"or 'prefill=P,decode=D'")
@@ -115,11 +128,6 @@ def parse_compare(text: str) -> list[str]:
     if len(set(out)) != len(out):
         raise ValueError(f"{text!r} names a run twice")
     return out
-
-
-def _mesh_or_value_error(text: str) -> str:
-    from sharding.mesh import parse_mesh_spec
-    return str(parse_mesh_spec(text))
 
 
 def _compare(text: str) -> list[str]:
@@ -157,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine max_model_len (default: longest prompt + longest output)")
     s.add_argument("--slots_per_shard", type=_positive_int, default=8,
                    help="engine decode slots per dp shard")
+    s.add_argument("--decode_slots", type=_positive_int, default=None,
+                   help="total decode slots of every engine, split evenly over its dp shards "
+                        "(overrides --slots_per_shard; makes meshes with different dp compare "
+                        "at equal batch capacity)")
     s.add_argument("--max_prefill_batch", type=_positive_int, default=8,
                    help="engine prompts per prefill batch")
     s.add_argument("--hf_batch", type=_positive_int, default=8,
@@ -200,6 +212,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.rates = args.rates or [args.rate]
     if args.mesh in args.compare:
         parser.error(f"--compare: {args.mesh} is already the --mesh under test")
+    if args.decode_slots is not None:
+        from sharding.mesh import parse_mesh_spec
+        for mesh in meshes_of(args):
+            dp = parse_mesh_spec(mesh).decode_dp
+            if args.decode_slots % dp:
+                parser.error(f"--decode_slots={args.decode_slots} does not split evenly over "
+                             f"the {dp} decode shards of {mesh}")
     if args.goodput_max_rate is not None and args.goodput_max_rate < args.goodput_min_rate:
         parser.error(f"--goodput_max_rate={args.goodput_max_rate} is below "
                      f"--goodput_min_rate={args.goodput_min_rate}")
@@ -278,7 +297,18 @@ class Benchmark:
             from jaxpd.bench_hf import HFBackend
             return HFBackend(self.model_dir, self.args.hf_batch, self.warmup)
         from jaxpd.bench_driver import EngineBackend
-        return EngineBackend(self.model_dir, name, self.engine_options, self.warmup)
+        prompt_lens = [n for n, _ in parse_length_mix(self.args.prompt_lens)]
+        return EngineBackend(self.model_dir, name, self.options_for(name), self.warmup,
+                             prompt_lens)
+
+    def options_for(self, mesh: str) -> dict:
+        """Engine options of one mesh: `--decode_slots` becomes slots per dp shard."""
+        from sharding.mesh import parse_mesh_spec
+        options = dict(self.engine_options)
+        if self.args.decode_slots:
+            dp = parse_mesh_spec(mesh).decode_dp
+            options["slots_per_shard"] = max(1, self.args.decode_slots // dp)
+        return options
 
     def run_once(self, backend: Backend, rate: float, label: str) -> RunResult:
         progress = Progress(self.args.num_requests, label, not self.args.no_progress)
@@ -312,8 +342,12 @@ class Benchmark:
             run_name = _run_name(name, rate, a)
             report = run_report(run_name, result.timelines, result.duration_s, a.slo_ttft,
                                 a.slo_tpot, goodput)
+            gaps = [gap for t in result.timelines for gap in t.itls]
+            # The worst gap: a few prefill stalls hide below p99 in a short run.
             report.update(backend=name, rate=rate, num_aborted=result.num_aborted,
-                          engine_stats=result.stats)
+                          itl_max_s=max(gaps) if gaps else None, engine_stats=result.stats)
+            if name != HF:
+                report["engine_options"] = self.options_for(name)
             if a.goodput:
                 report["goodput_probes"] = {
                     f"{r:.6g}": slo_attainment(m.timelines, a.slo_ttft, a.slo_tpot)
@@ -366,6 +400,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         bench.run_backend(name)
     results = bench.results()
     print(format_table(results["runs"]))
+    print("ITL max (ms):       " + "  ".join(
+        f"{r['name']}={r['itl_max_s'] * 1e3:.1f}" for r in results["runs"]
+        if r["itl_max_s"] is not None))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

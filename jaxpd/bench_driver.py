@@ -140,17 +140,30 @@ class EngineBackend:
     """One `LLM` on one mesh, built and warmed up before any clock starts."""
 
     def __init__(self, model_dir: str, mesh: str, engine_options: dict,
-                 warmup_requests: Sequence[BenchRequest] = ()):
+                 warmup_requests: Sequence[BenchRequest] = (),
+                 warm_prompt_lens: Sequence[int] = ()):
         from jaxpd.llm import LLM
         self.name = mesh
         self.llm = LLM(model_dir, mesh=mesh, warmup=True, **engine_options)
         # Compiling every bucket (warmup=True) still leaves first-call costs (thread
-        # start, allocator paths, page inserts of real sizes): a few real requests
-        # pay them here, outside the measurement.
+        # start, allocator paths, and the small programs keyed on a prompt's exact page
+        # count and its batch's padded shape: cutting its pages out of the batch,
+        # padding them for insert). Real requests pay them here, outside the measurement.
         if warmup_requests:
             self.llm.generate(prompt_token_ids=[list(r.prompt_ids) for r in warmup_requests],
                               sampling_params=[_greedy(r.output_len) for r in warmup_requests])
+        self._warm_prefill_shapes(warm_prompt_lens)
         self._wait_idle()
+
+    def _warm_prefill_shapes(self, prompt_lens: Sequence[int]) -> None:
+        """Serve each prompt length in every padded batch size the scheduler can form."""
+        scheduler = self.llm.engine.prefill_scheduler
+        for n in sorted(set(prompt_lens)):
+            bucket = scheduler.bucket_for(n)
+            for size in sorted({scheduler.padded_batch(b, bucket) for b in scheduler.batch_sizes}):
+                # Submitted together, they wait (bucket_timeout_ms) and run as one batch.
+                self.llm.generate(prompt_token_ids=[[_FIRST_ORDINARY_ID] * n] * size,
+                                  sampling_params=_greedy(2))
 
     def run(self, requests: Sequence[BenchRequest],
             on_done: Callable[[], None] | None = None) -> RunResult:

@@ -41,6 +41,7 @@ class HFBackend:
         # so drop them rather than have transformers warn on every call.
         gen = self.model.generation_config
         gen.temperature, gen.top_p, gen.top_k = None, None, None
+        gen.max_length = None   # max_new_tokens is given per batch
         if warmup_requests:   # first calls allocate and pick kernels: keep them unmeasured
             self._generate(list(warmup_requests)[:max_batch])
 

@@ -36,7 +36,8 @@ import math
 from typing import Sequence
 
 
-from jaxpd.bench import _length_mix, _positive_float, _positive_int, _rates, _resolve_model
+from jaxpd.bench import (_length_mix, _positive_float, _positive_int, _rates, _resolve_model,
+                         serving_mesh)
 from jaxpd.bench_driver import ensure_cpu_devices
 from jaxpd.metrics import find_goodput, slo_attainment, summarize
 from jaxpd.scheduler import length_buckets
@@ -225,8 +226,9 @@ def assumptions(args_assume: str, num_devices: int) -> list[str]:
     else:
         lines.append("latencies measured on ONE device and scaled ideally: tp divides all "
                      "costs, dp divides per-request decode work, no communication cost")
-    lines.append("not modelled: prefill/decode interference on shared cores, KV memory "
-                 "limits and preemption; prompts simulated at their padded bucket")
+    lines.append("not modelled: prefill/decode interference on shared cores, the engine's "
+                 "host work per step (profiles time the device programs), KV memory limits "
+                 "and preemption; prompts simulated at their padded bucket")
     return lines
 
 
@@ -300,7 +302,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from sharding.mesh import parse_mesh_spec
     if args.splits:
         try:
-            specs = [parse_mesh_spec(s.strip()) for s in args.splits.split(";") if s.strip()]
+            specs = [parse_mesh_spec(serving_mesh(s.strip()))
+                     for s in args.splits.split(";") if s.strip()]
         except ValueError as e:
             parser.error(f"--splits: {e}")
         if not specs:

@@ -15,6 +15,15 @@ def sample(logits_BV: jnp.ndarray, temperature_B, top_k_B, top_p_B, seeds_B,
     """Next token per row [B] (int32). temperature 0 -> argmax (exact greedy)."""
     logits = logits_BV.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # The vocabulary sort below costs more than a small model's whole step on CPU:
+    # skip it (at run time, one branch executes) when every row is greedy.
+    return jax.lax.cond(jnp.any(temperature_B > 0),
+                        lambda: _draw(logits, greedy, temperature_B, top_k_B, top_p_B, seeds_B,
+                                      positions_B),
+                        lambda: greedy)
+
+
+def _draw(logits, greedy, temperature_B, top_k_B, top_p_B, seeds_B, positions_B):
     scaled = logits / jnp.maximum(temperature_B, 1e-6)[:, None]
     # One descending sort serves both filters.
     sorted_desc = -jnp.sort(-scaled, axis=-1)

@@ -127,6 +127,7 @@ class Slot:
     request: Request
     pages: list[int]
     position: int          # where the next fed token goes (== tokens with KV so far)
+    ready: bool = True     # False while its KV is still being transferred in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,12 +189,17 @@ class DecodeScheduler:
                 best = free[0]
         return best
 
-    def admit(self, slot: int, request: Request, num_tokens: int) -> list[int]:
-        """Occupy `slot` for a request whose first `num_tokens` have KV; returns its pages."""
+    def admit(self, slot: int, request: Request, num_tokens: int, ready: bool = True) -> list[int]:
+        """Occupy `slot` for a request whose first `num_tokens` have KV; returns its pages.
+        A slot admitted not `ready` (KV still in transfer) is neither stepped nor
+        preempted until `mark_ready`."""
         assert self.slots[slot] is None, f"slot {slot} is taken"
         pages = self.allocators[self.shard_of(slot)].allocate(self.pages_needed(num_tokens))
-        self.slots[slot] = Slot(request, pages, num_tokens)
+        self.slots[slot] = Slot(request, pages, num_tokens, ready)
         return pages
+
+    def mark_ready(self, slot: int) -> None:
+        self.slots[slot].ready = True
 
     def release(self, slot: int) -> None:
         state = self.slots[slot]
@@ -212,7 +218,8 @@ class DecodeScheduler:
         youngest request of a shard that ran out), then list what to step."""
         preempted: list[Request] = []
         for i, s in enumerate(self.slots):
-            while s is not None and len(s.pages) < pages_for(s.position + 1, self.page_size):
+            while s is not None and s.ready and \
+                    len(s.pages) < pages_for(s.position + 1, self.page_size):
                 alloc = self.allocators[self.shard_of(i)]
                 if alloc.can_allocate(1):
                     s.pages += alloc.allocate(1)
@@ -221,7 +228,8 @@ class DecodeScheduler:
                 preempted.append(self.slots[victim].request)
                 self.release(victim)
                 s = self.slots[i]
-        entries = [StepEntry(i, s.request, s.position) for i, s in enumerate(self.slots) if s]
+        entries = [StepEntry(i, s.request, s.position) for i, s in enumerate(self.slots)
+                   if s and s.ready]
         max_pages = max((len(self.slots[e.slot].pages) for e in entries), default=1)
         return StepPlan(entries, preempted, max_pages)
 
@@ -233,5 +241,7 @@ class DecodeScheduler:
 
     def _youngest(self, shard: int) -> int:
         base = shard * self.slots_per_shard
-        occupied = [i for i in range(base, base + self.slots_per_shard) if self.slots[i]]
+        # Never a slot whose KV is still arriving: its pages are being written.
+        occupied = [i for i in range(base, base + self.slots_per_shard)
+                    if self.slots[i] and self.slots[i].ready]
         return max(occupied, key=lambda i: self.slots[i].request.timings.arrival)

@@ -11,6 +11,7 @@ import collections
 import dataclasses
 import logging
 import time
+from concurrent import futures
 from typing import Callable
 
 import numpy as np
@@ -101,11 +102,26 @@ class PrefillWorker:
         return True, 0.0
 
 
+@dataclasses.dataclass
+class _Placing:
+    """A transfer in progress into a reserved slot."""
+    future: futures.Future
+    slot: int
+    handoff: KVHandoff
+    request: Request
+    pages: list[int]
+    connector: Connector
+
+
 class DecodeWorker:
     """Continuous batching with one step in flight: step k+1 is dispatched before the
     tokens of step k are read back, so host bookkeeping overlaps device work. A request
     that finished at step k therefore rides along in step k+1, whose token for it is
-    dropped; its pages were sized with one token of lookahead for exactly that."""
+    dropped; its pages were sized with one token of lookahead for exactly that.
+
+    Transfers never stall the steps: a request's slot and pages are reserved on
+    admission, `connector.place` runs on a `jaxpd-transfer` thread, and the decode thread
+    inserts the arrived pages (it alone touches the donated pool) on a later iteration."""
 
     def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler,
                  connectors: list[Connector], resubmit: Callable[[Request], None],
@@ -121,10 +137,13 @@ class DecodeWorker:
         self._first_token = np.zeros(num_slots, np.int32)
         self._in_flight: tuple[StepPlan, object] | None = None
         self._preempted: list[Request] = []
+        self._transfers = futures.ThreadPoolExecutor(4, thread_name_prefix="jaxpd-transfer")
+        self._placing: list[_Placing] = []
 
     @property
     def idle(self) -> bool:
-        return not self.pending and self._in_flight is None and self.scheduler.num_active() == 0
+        return (not self.pending and not self._placing and self._in_flight is None
+                and self.scheduler.num_active() == 0)
 
     def iterate(self, receive_timeout: float | None) -> None:
         """Receive, admit, dispatch a step, then read back the previous one."""
@@ -137,6 +156,7 @@ class DecodeWorker:
             timeout = None
         self._release_final()
         self._admit()
+        self._collect_placed()
         plan = self.scheduler.plan_step()
         for r in plan.preempted:
             self.counters.preemptions += 1
@@ -150,12 +170,18 @@ class DecodeWorker:
             self._process(*self._in_flight)
         self._in_flight = dispatched
         self._requeue_preempted()
+        if dispatched is None and self._placing:
+            # Only transfers in progress: wait for one instead of spinning.
+            futures.wait([p.future for p in self._placing], timeout=0.01,
+                         return_when=futures.FIRST_COMPLETED)
 
     def drain(self) -> None:
-        """Read back the step in flight (used at shutdown)."""
+        """Read back the step in flight and stop the transfer threads (at shutdown;
+        a transfer still running ends within its connector's timeout)."""
         if self._in_flight is not None:
             self._process(*self._in_flight)
             self._in_flight = None
+        self._transfers.shutdown(wait=True, cancel_futures=True)
 
     def _release_final(self) -> None:
         for i, s in enumerate(self.scheduler.slots):
@@ -182,10 +208,23 @@ class DecodeWorker:
             if slot is None:
                 return                         # FIFO: wait for a slot or pages to free
             self.pending.popleft()
-            pages = self.scheduler.admit(slot, r, h.num_tokens)
-            shard = self.scheduler.shard_of(slot)
+            pages = self.scheduler.admit(slot, r, h.num_tokens, ready=False)
+            sharding = self.runner.shard_sharding(self.scheduler.shard_of(slot))
+            future = self._transfers.submit(connector.place, h, sharding)
+            self._placing.append(_Placing(future, slot, h, r, pages, connector))
+
+    def _collect_placed(self) -> None:
+        """Insert the pages of finished transfers; a failed one is prefilled again."""
+        still = []
+        for p in self._placing:
+            if not p.future.done():
+                still.append(p)
+                continue
+            s, r, slot = self.scheduler.slots[p.slot], p.request, p.slot
+            if s is None or s.request is not r:
+                continue                       # aborted and released meanwhile: drop it
             try:
-                k, v, stats = connector.place(h, self.runner.shard_sharding(shard))
+                k, v, stats = p.future.result()
             except TransferError as e:
                 # Never decode from pages we do not have: free the slot, prefill again.
                 logging.warning("transfer of %s failed (%s); re-prefilling", r.request_id, e)
@@ -194,8 +233,9 @@ class DecodeWorker:
                 if r.transition(State.WAITING):
                     self.resubmit(r)
                 continue
-            self.runner.insert(shard, pages[:h.num_pages], k, v)
-            if connector is self.connectors[0]:   # the others are on-mesh (local prefill)
+            h = p.handoff
+            self.runner.insert(self.scheduler.shard_of(slot), p.pages[:h.num_pages], k, v)
+            if p.connector is self.connectors[0]:   # the others are on-mesh (local prefill)
                 self.counters.transfers += 1
                 self.counters.transfer_bytes += stats.num_bytes
                 self.counters.transfer_s += stats.seconds
@@ -203,7 +243,9 @@ class DecodeWorker:
                 r.timings.transfer_bytes += stats.num_bytes
             self._first_token[slot] = h.first_token
             self._stepped[slot] = None
+            self.scheduler.mark_ready(slot)
             r.transition(State.DECODING)
+        self._placing = still
 
     def _dispatch(self, plan: StepPlan):
         n = len(self.scheduler.slots)

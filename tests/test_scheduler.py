@@ -113,3 +113,18 @@ def test_decode_growth_and_preemption_of_youngest():
 def test_fits_ever():
     d = DecodeScheduler(num_shards=1, slots_per_shard=1, pages_per_shard=3, page_size=4)
     assert d.fits_ever(8) and not d.fits_ever(9)
+
+
+def test_slot_still_receiving_kv_is_neither_stepped_nor_preempted():
+    d = DecodeScheduler(num_shards=1, slots_per_shard=2, pages_per_shard=5, page_size=4)
+    arriving, running = _decoding(7, 1.0), _decoding(7, 0.0)
+    d.admit(0, running, 7)
+    d.admit(1, arriving, 7, ready=False)       # younger, but its KV is still in transfer
+    plan = d.plan_step()
+    assert [e.request for e in plan.entries] == [running]
+    d.advance(plan)                            # running needs a third page: none is free
+    plan = d.plan_step()
+    assert plan.preempted == [running]         # itself, never the slot being written
+    assert d.slots[1].request is arriving
+    d.mark_ready(1)
+    assert [e.request for e in d.plan_step().entries] == [arriving]

@@ -1,0 +1,135 @@
+"""`python -m jaxpd.bench`: the workload driver end to end on a tiny model, and its flags.
+
+No wall-clock assertions: the machine running the tests is shared and noisy. What
+must hold whatever the timing: the JSON has the documented shape, every request of
+every run is counted, attainment is a fraction, the same prompts go to every backend.
+"""
+import json
+
+import pytest
+
+from jaxpd import bench
+from jaxpd.bench_driver import make_bench_requests
+from jaxpd.workload import make_workload
+from tests.hf_fixtures import build_hf_model
+
+NUM_REQUESTS = 5
+LATENCY_KEYS = {"mean", "p50", "p90", "p99"}
+RUN_KEYS = {"name", "ttft_s", "tpot_s", "itl_s", "e2e_s", "output_tok_s", "req_s",
+            "slo_attainment", "goodput_req_s"}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("bench_tiny"))
+    build_hf_model("llama_gqa", path)
+    return path
+
+
+def _flags(model_dir, *extra):
+    return ["--model", model_dir, "--num_requests", str(NUM_REQUESTS), "--rate", "20",
+            "--prompt_lens", "16:2,40:1", "--output_lens", "6:1,3:1", "--seed", "3",
+            "--max_prefill_batch", "2", "--slots_per_shard", "2", "--hf_batch", "4",
+            "--warmup_requests", "1", "--no_progress", *extra]
+
+
+def test_bench_runs_meshes_and_hf_on_the_same_requests(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    results = bench.main(_flags(tiny_dir, "--mesh", "prefill=1,decode=1",
+                                "--compare", "colocated=2,hf", "--json", str(out)))
+    printed = capsys.readouterr().out
+    assert "prefill=1,decode=1" in printed and "colocated=2" in printed and "hf" in printed
+
+    doc = json.loads(out.read_text())
+    assert set(doc) >= {"runs", "workload", "devices"}
+    assert [r["name"] for r in doc["runs"]] == ["prefill=1,decode=1", "colocated=2", "hf"]
+    for run in doc["runs"]:
+        assert set(run) >= RUN_KEYS
+        for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+            assert set(run[key]) == LATENCY_KEYS
+            assert all(v is not None and v >= 0 for v in run[key].values())
+        assert run["num_requests"] == NUM_REQUESTS
+        assert run["num_aborted"] == 0
+        assert 0.0 <= run["slo_attainment"] <= 1.0
+        assert run["goodput_req_s"] is None          # not asked for
+        assert run["output_tok_s"] > 0 and run["req_s"] > 0
+    engine_runs = doc["runs"][:2]
+    for run in engine_runs:
+        stats = run["engine_stats"]
+        assert stats["finished"] == NUM_REQUESTS and stats["aborted"] == 0
+    assert engine_runs[0]["engine_stats"]["transfers"] == NUM_REQUESTS
+    assert doc["workload"]["num_requests"] == NUM_REQUESTS
+    assert doc["devices"]["num_devices"] >= 2
+    # The returned document is the one written.
+    assert results["runs"][0]["name"] == doc["runs"][0]["name"]
+
+    # Every run produced exactly the tokens the workload asks for.
+    workload = make_workload(NUM_REQUESTS, 20.0, "16:2,40:1", "6:1,3:1", 3)
+    expected_tokens = sum(w.output_len for w in workload)
+    for run in doc["runs"]:
+        duration = NUM_REQUESTS / run["req_s"]
+        assert run["output_tok_s"] * duration == pytest.approx(expected_tokens)
+
+
+def test_rate_sweep_and_goodput_search_name_each_run(tiny_dir, tmp_path):
+    results = bench.main(_flags(tiny_dir, "--mesh", "prefill=1,decode=1", "--compare", "none",
+                                "--rates", "10,40", "--goodput", "--goodput_max_iters", "0",
+                                "--slo_ttft", "100", "--slo_tpot", "100"))
+    runs = results["runs"]
+    assert [r["name"] for r in runs] == ["prefill=1,decode=1@10/s", "prefill=1,decode=1@40/s"]
+    # Generous SLOs: everything passes, so the search's first probe (its top rate) wins.
+    assert all(r["slo_attainment"] == 1.0 for r in runs)
+    assert all(r["goodput_req_s"] == 160.0 for r in runs)
+
+
+def test_prompts_are_fixed_by_the_seed_not_the_rate():
+    slow = make_bench_requests(make_workload(6, 1.0, "16:1,64:1", "8", seed=5), 256, 5)
+    fast = make_bench_requests(make_workload(6, 9.0, "16:1,64:1", "8", seed=5), 256, 5)
+    assert [r.prompt_ids for r in slow] == [r.prompt_ids for r in fast]
+    assert [r.arrival_s * 9.0 for r in fast] == pytest.approx([r.arrival_s for r in slow])
+    other = make_bench_requests(make_workload(6, 1.0, "16:1,64:1", "8", seed=6), 256, 6)
+    assert [r.prompt_ids for r in other] != [r.prompt_ids for r in slow]
+    assert all(3 <= t < 256 for r in slow for t in r.prompt_ids)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--rate", "0"], "--rate"),
+    (["--rate", "fast"], "--rate"),
+    (["--rates", "1,,2"], "--rates"),
+    (["--num_requests", "-3"], "--num_requests"),
+    (["--prompt_lens", "64:x"], "--prompt_lens"),
+    (["--output_lens", ""], "--output_lens"),
+    (["--mesh", "prefill=4"], "--mesh"),
+    (["--compare", "colocated=8,gpt"], "--compare"),
+    (["--mesh", "colocated=2", "--compare", "colocated=2"], "--compare"),
+    (["--slo_tpot", "-1"], "--slo_tpot"),
+    (["--goodput_min_rate", "4", "--goodput_max_rate", "1"], "--goodput_max_rate"),
+    (["--unknown_flag", "1"], "--unknown_flag"),
+])
+def test_bad_flags_are_rejected_naming_the_flag(flags, named, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(flags)
+    assert exc.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_flags_parse_and_compare_keeps_mesh_pairs_whole():
+    args = bench.parse_args(["--mesh", "prefill=2,decode=2", "--compare",
+                             "prefill=1,decode=3,colocated=4,hf", "--rates", "0.5,1"])
+    assert args.compare == ["prefill=1,decode=3", "colocated=4", "hf"]
+    assert args.rates == [0.5, 1.0]
+    assert bench.meshes_of(args) == ["prefill=2,decode=2", "prefill=1,decode=3", "colocated=4"]
+    assert bench.num_devices_needed(args) == 4
+    defaults = bench.parse_args([])
+    assert (defaults.mesh, defaults.compare, defaults.rates) == (
+        "prefill=4,decode=4", ["colocated=8"], [1.0])
+    assert bench.num_devices_needed(defaults) == 8
+    # Every flag documents its default.
+    for action in bench.build_parser()._actions:
+        if action.dest != "help":
+            assert action.help, action.dest
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="--model: .* has no config.json"):
+        bench.main(["--model", str(tmp_path), "--compare", "none"])
