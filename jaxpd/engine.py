@@ -181,7 +181,8 @@ class Engine:
 
     def stats(self) -> dict:
         c = self.counters
-        sched = self.decode_scheduler or DecodeScheduler(0, 0, 2, self.config.page_size)
+        slots = self.decode_scheduler.slots if self.decode_scheduler else []
+        allocators = self.decode_scheduler.allocators if self.decode_scheduler else []
         return {
             "mesh": str(self.config.mesh),
             "compiled_programs": self.counter.counts(),
@@ -198,10 +199,10 @@ class Engine:
             "transfer_failures": c.transfer_failures,
             "finished": c.finished,
             "aborted": c.aborted,
-            "slots_total": len(sched.slots),
-            "slots_active": sched.num_active(),
-            "pages_total": sum(a.capacity for a in sched.allocators),
-            "pages_used": sum(a.num_used for a in sched.allocators),
+            "slots_total": len(slots),
+            "slots_active": sum(s is not None for s in slots),
+            "pages_total": sum(a.capacity for a in allocators),
+            "pages_used": sum(a.num_used for a in allocators),
             "queue_waiting": sum(r.state is State.WAITING for r in list(self._live.values())),
         }
 
@@ -216,6 +217,8 @@ class Engine:
         for r in live:
             if r.abort(reason):
                 self.counters.aborted += 1
+        if self.decode_worker is not None:
+            self.decode_worker.close()
         self.connector.close()
 
     def _warmup(self, progress: Callable[[str], None]) -> None:

@@ -176,11 +176,14 @@ class DecodeWorker:
                          return_when=futures.FIRST_COMPLETED)
 
     def drain(self) -> None:
-        """Read back the step in flight and stop the transfer threads (at shutdown;
-        a transfer still running ends within its connector's timeout)."""
+        """Read back the step in flight (at shutdown)."""
         if self._in_flight is not None:
             self._process(*self._in_flight)
             self._in_flight = None
+
+    def close(self) -> None:
+        """Stop the transfer threads; one still placing ends within its connector's
+        timeout."""
         self._transfers.shutdown(wait=True, cancel_futures=True)
 
     def _release_final(self) -> None:

@@ -2,12 +2,11 @@
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from jaxpd import LLM, SamplingParams
 from tests.engine_fixtures import (assert_all_pages_free, build_hf_model, mixed_prompts,
-                                   reference, wait_idle)
+                                   reference)
 
 NUM_REQUESTS = 28
 MESHES = ["prefill=1,decode=1", "prefill=4,decode=4", "prefill=2,decode=2x2", "colocated=8"]

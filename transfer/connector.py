@@ -9,6 +9,7 @@ decode side allocate its slot and pages *before* the bytes move.
 from __future__ import annotations
 
 import dataclasses
+import queue
 from typing import Any, Protocol
 
 import jax
@@ -59,6 +60,14 @@ class KVHandoff:
     @property
     def num_bytes(self) -> int:
         return int(self.k.nbytes) + int(self.v.nbytes)
+
+
+def next_or_none(q: "queue.Queue[KVHandoff]", timeout: float | None) -> KVHandoff | None:
+    """`receive` semantics over a queue: wait up to `timeout` s (None or 0: not at all)."""
+    try:
+        return q.get(timeout=timeout) if timeout else q.get_nowait()
+    except queue.Empty:
+        return None
 
 
 class Connector(Protocol):

@@ -6,7 +6,7 @@ import time
 
 import jax
 
-from transfer.connector import KVHandoff, TransferStats
+from transfer.connector import KVHandoff, TransferStats, next_or_none
 
 
 class DevicePutConnector:
@@ -31,10 +31,7 @@ class DevicePutConnector:
                 continue
 
     def receive(self, timeout: float | None) -> KVHandoff | None:
-        try:
-            return self._queue.get(timeout=timeout) if timeout else self._queue.get_nowait()
-        except queue.Empty:
-            return None
+        return next_or_none(self._queue, timeout)
 
     def pending(self) -> int:
         return self._queue.qsize()

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transfer.connector import KVHandoff, TransferStats
+from transfer.connector import KVHandoff, TransferStats, next_or_none
 from transfer.control import BackpressureError, error_of, pack, unpack
 from transfer.layout import WIRE_VERSION, TransferError, WireVersionError, check_wire_version
 
@@ -323,10 +323,7 @@ class GrpcConnector:
         """The next checked handoff; None after `timeout` seconds (None or 0: do not
         wait), like `DevicePutConnector`."""
         self._require("decode", "receive")
-        try:
-            return self._queue.get(timeout=timeout) if timeout else self._queue.get_nowait()
-        except queue.Empty:
-            return None
+        return next_or_none(self._queue, timeout)
 
     def place(self, handoff: KVHandoff, sharding: jax.sharding.Sharding
               ) -> tuple[jax.Array, jax.Array, TransferStats]:

@@ -40,7 +40,7 @@ from typing import Literal
 
 import jax
 
-from transfer.connector import KVHandoff, TransferStats
+from transfer.connector import KVHandoff, TransferStats, next_or_none
 from transfer.control import (Ack, BackpressureError, ControlClient, ControlServer, Offer,
                               pack)
 from transfer.layout import (ArrayLayout, TransferError, check_layout, describe,
@@ -264,10 +264,7 @@ class TransferServerConnector:
         """The next offer, pages not moved yet; None after `timeout` seconds
         (None or 0: do not wait), like `DevicePutConnector`."""
         self._require("decode", "receive")
-        try:
-            return self._queue.get(timeout=timeout) if timeout else self._queue.get_nowait()
-        except queue.Empty:
-            return None
+        return next_or_none(self._queue, timeout)
 
     def place(self, handoff: KVHandoff, sharding: jax.sharding.Sharding
               ) -> tuple[jax.Array, jax.Array, TransferStats]:
