@@ -195,9 +195,10 @@ class DecodeWorker:
         while self.pending:
             h, connector = self.pending[0]
             r = self.resolve(h.payload)
-            if r.state is not State.TRANSFERRING and not r.is_final:
-                # Stale: the request was re-prefilled meanwhile (e.g. the router gave up
-                # on this transfer); its new KV comes by another handoff.
+            if not r.is_final and (r.state is not State.TRANSFERRING
+                                   or self.scheduler.slot_of(r) is not None):
+                # Stale: the request was re-prefilled meanwhile, or a second prefill of it
+                # (a router retry) arrived while the first one's KV is already in a slot.
                 self.pending.popleft()
                 continue
             if r.num_tokens == h.num_tokens and not r.is_final:

@@ -245,3 +245,17 @@ def test_compressed_transfer_saves_bytes_and_keeps_greedy_tokens(default_uncompr
         # Lossy, so not guaranteed; measured: 16/16 identical for both int8 and fp8.
         assert same >= len(TEXT_PROMPTS) - 1, same
         assert_all_pages_free(llm)
+
+
+def test_duplicate_handoff_of_a_request_is_dropped(tiny, monkeypatch):
+    # A router retry can make two prefills of one request reach the decode side.
+    path, prompts, max_tokens, expected = tiny
+    with LLM(path, mesh="prefill=1,decode=1", max_model_len=160, slots_per_shard=4) as llm:
+        connector = llm.engine.connector
+        original = connector.send
+        monkeypatch.setattr(connector, "send", lambda h: (original(h), original(h)))
+        outs = llm.generate(prompt_token_ids=prompts[:6],
+                            sampling_params=[_greedy(n) for n in max_tokens[:6]])
+        assert [o.token_ids for o in outs] == expected[:6]
+        assert llm.stats()["transfers"] == 6
+        assert_all_pages_free(llm)
