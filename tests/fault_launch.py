@@ -3,6 +3,8 @@
 argv[1] is the fault, the rest go to the launcher:
   die_before_offer:N   SIGKILL this process in its N-th KV send, before offering
   die_after_offer:N    SIGKILL right after the N-th offer, before the decode side pulls
+  die_on_ack:N         SIGKILL when the N-th ack arrives: the decode side has pulled,
+                       the sender never learns it
 """
 import os
 import signal
@@ -26,7 +28,17 @@ def main() -> None:
         if calls["n"] == nth and kind == "die_after_offer":
             os.kill(os.getpid(), signal.SIGKILL)
 
+    original_ack = TransferServerConnector._on_ack
+    acks = {"n": 0}
+
+    def on_ack(self, ack):
+        acks["n"] += 1
+        if acks["n"] == nth and kind == "die_on_ack":
+            os.kill(os.getpid(), signal.SIGKILL)
+        original_ack(self, ack)
+
     TransferServerConnector.send = send
+    TransferServerConnector._on_ack = on_ack
     from absl import app
     from jaxpd import launch
 

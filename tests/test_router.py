@@ -130,7 +130,7 @@ def test_router_prefill_decode_processes_match_single_process(model, procs):
     assert router.wait(timeout=60) == 0
 
 
-@pytest.mark.parametrize("fault", ["die_before_offer:3", "die_after_offer:3"])
+@pytest.mark.parametrize("fault", ["die_before_offer:3", "die_after_offer:3", "die_on_ack:3"])
 def test_prefill_worker_killed_requests_still_finish(model, procs, fault):
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
     addr, _, workers = _deployment(procs, path, prefill_fault=fault)
@@ -172,3 +172,25 @@ def test_decode_worker_killed_fails_over_to_another(model, procs):
     with grpc.insecure_channel(addr) as channel:
         stats = jaxpd_pb2_grpc.GenerationStub(channel).Stats(jaxpd_pb2.StatsRequest(), timeout=30)
     assert stats.decode_failovers > 0
+
+
+def test_last_decode_worker_killed_aborts_with_a_reason(model, procs):
+    path, prompts, max_tokens, expected, long_tokens, expected_long = model
+    addr, _, workers = _deployment(procs, path)
+    holder = {}
+    t = threading.Thread(target=lambda: holder.update(outs=_generate_all(addr, prompts, long_tokens)))
+    t.start()
+    client = WorkerClient(procs.wait_line(workers[1], r"decode worker on (\S+)").group(1))
+    deadline = time.monotonic() + 120
+    while client.info(timeout=10)["free_slots"] > 8 - 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    workers[1].kill()
+    t.join(180)
+    assert not t.is_alive()                   # nobody waits forever
+    outs = holder["outs"]
+    aborted = [o for o in outs if o.finish_reason == "abort"]
+    assert aborted and all("no decode worker" in o.metrics.abort_reason for o in aborted)
+    for o, e in zip(outs, expected_long):
+        if o.finish_reason == "length":
+            assert list(o.token_ids) == e
