@@ -88,15 +88,16 @@ def procs():
     p.close()
 
 
-def _deployment(procs, path, num_decode=1, prefill_fault=None):
+def _deployment(procs, path, num_decode=1, prefill_fault=None, transport="transfer_server"):
     router_port = _free_port()
     router_addr = f"127.0.0.1:{router_port}"
+    common = COMMON + ["--kv_transport", transport]
     # Workers first: they retry registering until the router is up (any start order).
     workers = [procs.start(["--role", "prefill", "--mesh", "prefill=2", "--model", path,
-                            "--port", "0", "--router", router_addr] + COMMON, fault=prefill_fault)]
+                            "--port", "0", "--router", router_addr] + common, fault=prefill_fault)]
     workers += [procs.start(["--role", "decode", "--mesh", "decode=2", "--model", path,
                              "--port", "0", "--router", router_addr, "--slots_per_shard", "4"]
-                            + COMMON) for _ in range(num_decode)]
+                            + common) for _ in range(num_decode)]
     router = procs.start(["--role", "router", "--model", path, "--port", str(router_port)] + COMMON)
     procs.wait_line(router, r"jaxpd serving")
     return router_addr, router, workers
@@ -120,9 +121,10 @@ def _generate_all(addr, prompts, max_tokens, timeout=120):
     return results
 
 
-def test_router_prefill_decode_processes_match_single_process(model, procs):
+@pytest.mark.parametrize("transport", ["transfer_server", "grpc"])
+def test_router_prefill_decode_processes_match_single_process(model, procs, transport):
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
-    addr, router, _ = _deployment(procs, path)
+    addr, router, _ = _deployment(procs, path, transport=transport)
     outs = _generate_all(addr, prompts, max_tokens)
     assert [list(o.token_ids) for o in outs] == expected
     assert all(o.finish_reason == "length" for o in outs)
