@@ -200,6 +200,7 @@ class DecodeWorker:
                 # Stale: the request was re-prefilled meanwhile, or a second prefill of it
                 # (a router retry) arrived while the first one's KV is already in a slot.
                 self.pending.popleft()
+                connector.discard(h)
                 continue
             if r.num_tokens == h.num_tokens and not r.is_final:
                 # A mirror from another process: its first token travelled with the KV.
@@ -207,6 +208,7 @@ class DecodeWorker:
                     self.counters.finished += r.state is State.FINISHED
             if r.is_final:                     # cancelled in transfer, or done at once
                 self.pending.popleft()
+                connector.discard(h)
                 continue
             slot = self.scheduler.find_slot(h.num_tokens)
             if slot is None:

@@ -234,3 +234,22 @@ def test_options_refuse_empty_transport_addresses():
 if __name__ == "__main__":
     if sys.argv[1] == "sender":
         _sender_main(sys.argv[2])
+
+
+def test_discarded_offer_is_freed_on_the_sender_at_once(decode):
+    # A cancelled request's pending transfer: the decode side never pulls it, and the
+    # sender must not hold its pages until the TTL.
+    prefill = TransferServerConnector(
+        "prefill", decode_control_address=decode.control_address,
+        options=TransferServerOptions(offer_ttl_s=60))
+    try:
+        k = jax.device_put(pages(0), sender_shardings(jax.devices())[0])
+        prefill.send(KVHandoff("cancelled", 40, 1, k, k))
+        assert prefill.pending() == 1
+        decode.discard(decode.receive(timeout=5))
+        deadline = time.monotonic() + 5
+        while prefill.pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert prefill.pending() == 0
+    finally:
+        prefill.close()

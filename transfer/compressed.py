@@ -61,5 +61,8 @@ class CompressingConnector:
                 for x in (k, v))
         return k, v, stats
 
+    def discard(self, handoff: KVHandoff) -> None:
+        self.inner.discard(handoff)
+
     def close(self) -> None:
         self.inner.close()

@@ -85,5 +85,9 @@ class Connector(Protocol):
         """Decode side: the handoff's (k, v) pages on `sharding`, and what it cost.
         Raises `TransferError` when the pages cannot be had: the caller re-prefills."""
 
+    def discard(self, handoff: KVHandoff) -> None:
+        """Decode side: this handoff will never be placed (its request was cancelled, or
+        a newer prefill of it superseded it): let the sender free its pages now."""
+
     def close(self) -> None:
         """Release queues, servers and threads."""

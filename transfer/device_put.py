@@ -42,5 +42,8 @@ class DevicePutConnector:
         jax.block_until_ready((k, v))
         return k, v, TransferStats(handoff.num_bytes, time.perf_counter() - start)
 
+    def discard(self, handoff: KVHandoff) -> None:
+        """Nothing to do: the pages go with the last reference to the handoff."""
+
     def close(self) -> None:
         self._closed = True

@@ -334,6 +334,9 @@ class GrpcConnector:
         seconds = time.perf_counter() - start + getattr(handoff, "stream_seconds", 0.0)
         return k, v, TransferStats(int(k.nbytes) + int(v.nbytes), seconds)
 
+    def discard(self, handoff: KVHandoff) -> None:
+        """Nothing to do: the bytes already arrived; the sender kept no copy."""
+
     def _require(self, role: Role, method: str) -> None:
         if self.role != role:
             raise RuntimeError(f"{method}() is for role={role!r}; this connector is "

@@ -241,7 +241,7 @@ class TransferServerConnector:
             self._lock.notify_all()
 
     def _on_ack(self, ack: Ack) -> None:
-        if ack.error:
+        if ack.error and not ack.error.startswith("discarded"):
             _log.warning("decode side failed to pull offer %d: %s", ack.uuid, ack.error)
         self._release(ack.uuid)
 
@@ -283,6 +283,11 @@ class TransferServerConnector:
         seconds = time.perf_counter() - start
         self._ack(offer)
         return k, v, TransferStats(int(k.nbytes) + int(v.nbytes), seconds)
+
+    def discard(self, handoff: KVHandoff) -> None:
+        """Ack without pulling: the sender drops its arrays now instead of at the TTL."""
+        self._require("decode", "discard")
+        self._ack(handoff.offer, error="discarded: request cancelled or superseded")
 
     def _pull(self, offer: Offer) -> tuple[jax.Array, jax.Array]:
         specs = [shape_dtype_struct(offer.k), shape_dtype_struct(offer.v)]
