@@ -75,9 +75,6 @@ class PrefillScheduler:
     def __len__(self) -> int:
         return sum(len(q) for q in self._waiting.values())
 
-    def waiting(self) -> list[Request]:
-        return [r for q in self._waiting.values() for r in q]
-
     def drop_final(self) -> list[Request]:
         """Remove requests that were aborted while waiting; returns them."""
         dropped = []
@@ -163,18 +160,12 @@ class DecodeScheduler:
     def num_active(self) -> int:
         return sum(s is not None for s in self.slots)
 
-    def num_free_slots(self) -> int:
-        return len(self.slots) - self.num_active()
-
     def num_free_pages(self) -> int:
         return sum(a.num_free for a in self.allocators)
 
     def pages_needed(self, num_tokens: int) -> int:
         # The prompt's pages plus room for the first fed token at position num_tokens.
         return pages_for(num_tokens + 1, self.page_size)
-
-    def fits_ever(self, num_tokens: int) -> bool:
-        return pages_for(num_tokens, self.page_size) <= self.allocators[0].capacity
 
     def find_slot(self, num_tokens: int) -> int | None:
         """A free slot on the shard with the most free pages that can hold the request."""

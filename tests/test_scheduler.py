@@ -110,9 +110,11 @@ def test_decode_growth_and_preemption_of_youngest():
     assert d.num_free_pages() == 4 and d.num_active() == 0
 
 
-def test_fits_ever():
-    d = DecodeScheduler(num_shards=1, slots_per_shard=1, pages_per_shard=3, page_size=4)
-    assert d.fits_ever(8) and not d.fits_ever(9)
+def test_engine_config_refuses_a_pool_too_small_for_one_request():
+    from jaxpd.config import EngineConfig
+    with pytest.raises(ValueError, match="pages_per_shard=5 cannot hold one request"):
+        EngineConfig(mesh="prefill=1,decode=1", max_model_len=160, page_size=16, pages_per_shard=5)
+    EngineConfig(mesh="prefill=1,decode=1", max_model_len=160, page_size=16, pages_per_shard=11)
 
 
 def test_slot_still_receiving_kv_is_neither_stepped_nor_preempted():
