@@ -22,6 +22,11 @@ class EngineConfig:
     max_queued: int = 1024             # requests waiting for prefill before rejection
     local_prefill_below: int = 0       # prompts shorter than this prefill on the decode mesh
     kv_transfer_dtype: str | None = None  # "int8" / "fp8": compressed, lossy transfer
+    # Layer-wise transfer: prefill buckets of at least this many tokens send their KV in
+    # `layerwise_parts` layer groups, each as soon as it is computed (0: never).
+    layerwise_min_tokens: int = 0
+    layerwise_parts: int = 4
+    kv_part_timeout_s: float = 30.0    # decode side: a layer-wise part overdue -> re-prefill
 
     def __post_init__(self):
         object.__setattr__(self, "mesh", parse_mesh_spec(self.mesh))
@@ -43,6 +48,12 @@ class EngineConfig:
         if self.kv_transfer_dtype not in (None, "int8", "fp8"):
             raise ValueError(f"kv_transfer_dtype must be None, 'int8' or 'fp8', "
                              f"got {self.kv_transfer_dtype!r}")
+        if self.layerwise_min_tokens < 0:
+            raise ValueError(f"layerwise_min_tokens must be >= 0, got {self.layerwise_min_tokens}")
+        if self.layerwise_parts < 2:
+            raise ValueError(f"layerwise_parts must be >= 2, got {self.layerwise_parts}")
+        if self.kv_part_timeout_s <= 0:
+            raise ValueError(f"kv_part_timeout_s must be positive, got {self.kv_part_timeout_s}")
         if self.local_prefill_below < 0:
             raise ValueError(f"local_prefill_below must be >= 0, got {self.local_prefill_below}")
         min_pages = self.pages_per_slot + 1

@@ -29,7 +29,7 @@ from jaxpd.scheduler import DecodeScheduler, PrefillScheduler
 from jaxpd.workers import Counters, DecodeWorker, PrefillWorker
 from models.checkpoint import LoadedModel
 from models.hf_io import DTYPES
-from models.llama import abstract_params
+from models.llama import abstract_params, layer_groups
 from sharding import build_meshes, logical_rules, named_shardings
 from transfer.compressed import CompressingConnector
 from transfer.connector import Connector
@@ -101,9 +101,15 @@ class Engine:
         self.prefill_runner = PrefillRunner(self.model.cfg, params, mesh, rules, c.page_size,
                                             self.counter, self.dtype)
         self.prefill_scheduler = self._prefill_scheduler(c.buckets)
+        # Layer-wise transfer overlaps sending with computing; colocated, both run on
+        # the same devices in one loop, so there is nothing to overlap.
+        groups = None if c.mesh.colocated else layer_groups(self.model.cfg.num_layers,
+                                                             c.layerwise_parts)
         self.prefill_worker = PrefillWorker(self.prefill_runner, self.prefill_scheduler,
                                             self.connector, c.page_size, self.counters,
-                                            wire=wire, on_handed_off=self._handed_off)
+                                            wire=wire, on_handed_off=self._handed_off,
+                                            layerwise=groups,
+                                            layerwise_min_tokens=c.layerwise_min_tokens)
 
     def _build_decode(self) -> None:
         c, mesh, spec = self.config, self.meshes.decode, self.config.mesh
@@ -131,7 +137,7 @@ class Engine:
                                               c.page_size, self.counters, local=True)
         self.decode_worker = DecodeWorker(self.decode_runner, self.decode_scheduler, connectors,
                                           self._resubmit, self._resolve, self.counters,
-                                          c.pages_per_slot)
+                                          c.pages_per_slot, c.kv_part_timeout_s)
 
     # ---- public -------------------------------------------------------------------
 
@@ -191,6 +197,7 @@ class Engine:
             "prefill_tokens": c.prefill_tokens,
             "prefill_padded_tokens": c.prefill_padded_tokens,
             "transfers": c.transfers,
+            "layerwise_transfers": c.layerwise_transfers,
             "transfer_bytes": c.transfer_bytes,
             "transfer_s": c.transfer_s,
             "decode_steps": c.decode_steps,
@@ -235,8 +242,11 @@ class Engine:
             for i, (b, t) in enumerate(shapes):
                 progress(f"compiling {worker.runner.name} {i + 1}/{len(shapes)}: "
                          f"batch {b} x {t} tokens")
-                worker.runner.run(np.zeros((b, t), np.int32), np.ones(b, np.int32),
-                                  SamplingArrays.empty(b))
+                args = (np.zeros((b, t), np.int32), np.ones(b, np.int32), SamplingArrays.empty(b))
+                if worker.uses_layerwise(t):
+                    jax.block_until_ready(worker.runner.run_layerwise(*args, worker.layerwise, []))
+                else:
+                    worker.runner.run(*args)
         if self.decode_worker is None:
             return
         num_slots = len(self.decode_scheduler.slots)

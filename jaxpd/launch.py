@@ -74,6 +74,17 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_enum("kv_transport", "transfer_server", ["transfer_server", "grpc"],
                       "prefill/decode roles: how KV pages cross processes (the JAX transfer "
                       "server, or a gRPC byte stream where it is unavailable).", flag_values=fv)
+    flags.DEFINE_integer("layerwise_min_tokens", 0, "Prefill buckets of at least this many "
+                         "tokens send their KV layer group by layer group, each as soon as it "
+                         "is computed, overlapping the transfer with the rest of the prefill; "
+                         "0 = always whole.", lower_bound=0, flag_values=fv)
+    flags.DEFINE_integer("layerwise_parts", 4, "Layer groups of a layer-wise transfer.",
+                         lower_bound=2, flag_values=fv)
+    flags.DEFINE_enum("kv_transfer_dtype", None, ["int8", "fp8"], "Compress KV in transit "
+                      "(per-page scales; lossy). Unset: send it as stored.", flag_values=fv)
+    flags.DEFINE_integer("local_prefill_below", 0, "Prompts shorter than this are prefilled "
+                         "on the decode mesh itself (no transfer); 0 = never.", lower_bound=0,
+                         flag_values=fv)
     flags.DEFINE_string("once", None, "Instead of serving, generate greedily for this prompt, "
                         "print the completion and exit (default: unset, serve).", flag_values=fv)
     flags.DEFINE_integer("once_max_tokens", 32, "Tokens to generate with --once.",
@@ -100,7 +111,10 @@ def engine_options(fv: flags.FlagValues) -> dict:
     """`LLM` keyword arguments from the flags (unset ones keep the LLM's defaults)."""
     options = dict(mesh=fv.mesh, dtype=fv.dtype, page_size=fv.page_size,
                    slots_per_shard=fv.slots_per_shard, max_prefill_batch=fv.max_prefill_batch,
-                   bucket_timeout_ms=fv.bucket_timeout_ms, max_queued=fv.max_queued)
+                   bucket_timeout_ms=fv.bucket_timeout_ms, max_queued=fv.max_queued,
+                   layerwise_min_tokens=fv.layerwise_min_tokens,
+                   layerwise_parts=fv.layerwise_parts, kv_transfer_dtype=fv.kv_transfer_dtype,
+                   local_prefill_below=fv.local_prefill_below)
     if fv.max_model_len is not None:
         options["max_model_len"] = fv.max_model_len
     return options
@@ -126,11 +140,12 @@ def run(fv: flags.FlagValues) -> int:
     stop = _stop_on_signals()
     if fv.role in ("prefill", "decode"):
         from jaxpd.worker_service import serve_worker
+        from transfer.transfer_server import TransferServerUnavailable
         options = dict(engine_options(fv), warmup=fv.warmup)
         try:
             return serve_worker(fv.role, fv.model, fv.host, fv.port, fv.router, fv.kv_transport,
                                 stop, _say, options)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, TransferServerUnavailable) as e:
             print(f"cannot start the {fv.role} worker: {e}", file=sys.stderr)
             return 1
     from jaxpd.server import InferenceServer

@@ -45,6 +45,7 @@ class Timings:
     prefill_end: float | None = None
     transfer_s: float = 0.0
     transfer_bytes: int = 0
+    kv_ready: float | None = None      # its KV is in a decode slot (this process)
     token_times: list[float] = dataclasses.field(default_factory=list)
     finish: float | None = None
     num_preemptions: int = 0

@@ -2,7 +2,9 @@
 
 `PrefillRunner`  prefill mesh (tp): one program per (batch, length) bucket; returns the
                  first sampled token of each row and the prompt KV; cuts a request's
-                 used pages out of the bucket for the connector.
+                 used pages out of the bucket for the connector. `run_layerwise` runs
+                 the same prefill as embed, layer groups and head, so each group's
+                 pages can be sent while the next group computes.
 `DecodeRunner`   decode mesh (dp x tp): owns the paged KV pool, a pytree donated into
                  every call so updates happen in place. `insert` writes arrived pages,
                  `step` feeds one token per slot and samples the next. Both run under
@@ -22,7 +24,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpd.sampler import sample
 from models.config import ModelConfig
-from models.llama import Llama
+from models.llama import Llama, prefill_blocks
+from sharding.compat import shard_map
 
 
 @dataclasses.dataclass
@@ -82,9 +85,29 @@ class PrefillRunner:
             first = sample(logits, temperature, top_k, top_p, seeds, lengths)
             return first, k, v
 
+        def embed(params, tokens):
+            with nn.logical_axis_rules(rules):
+                return model.apply({"params": params}, tokens, method=Llama.embed_prompt)
+
+        def blocks(layer_params, x):
+            with nn.logical_axis_rules(rules):
+                return prefill_blocks(cfg, dtype, layer_params, x)
+
+        def head(params, x, lengths, temperature, top_k, top_p, seeds):
+            with nn.logical_axis_rules(rules):
+                logits = model.apply({"params": params}, x, lengths, method=Llama.head)
+            return sample(logits, temperature, top_k, top_p, seeds, lengths)
+
+        # Explicit output shardings (what GSPMD picks anyway: hidden states replicated,
+        # K/V split over kv heads when they divide tp): jax 0.9.1/0.9.2 instead raise
+        # IndivisibleError when it has to infer them for 2 KV heads on tp=4.
+        kv = NamedSharding(mesh, P(None, None, None, dict(rules).get("kv_heads"), None))
         self._replicated = replicated
-        self._prefill = jax.jit(prefill)
-        self._take = jax.jit(self._take_pages, static_argnums=(3,))
+        self._prefill = jax.jit(prefill, out_shardings=(replicated, kv, kv))
+        self._embed = jax.jit(embed, out_shardings=replicated)
+        self._blocks = jax.jit(blocks, out_shardings=(replicated, kv, kv))
+        self._head = jax.jit(head, out_shardings=replicated)
+        self._take = jax.jit(self._take_pages, static_argnums=(3,), out_shardings=(kv, kv))
 
     def run(self, tokens: np.ndarray, lengths: np.ndarray, sampling: SamplingArrays):
         """tokens [B, T] -> (first tokens as numpy [B], k, v [L, B, T, K, H] on the mesh)."""
@@ -92,6 +115,31 @@ class PrefillRunner:
         inputs = jax.device_put((tokens, lengths) + sampling.tuple(), self._replicated)
         first, k, v = self._prefill(self.params, *inputs)
         return np.asarray(first), k, v
+
+    def run_layerwise(self, tokens: np.ndarray, lengths: np.ndarray, sampling: SamplingArrays,
+                      groups: list[tuple[int, int]], rows: list[tuple[int, int]]):
+        """`run`, one layer group at a time, every program dispatched before returning.
+
+        groups: [start, stop) layer ranges covering every layer, in order;
+        rows: (row, num_pages) of the requests whose pages to cut.
+        Returns (first tokens on device [B], parts): parts[g] is a list, per entry of
+        `rows`, of that row's (k, v) pages of group g, [stop - start, P, S, K, H].
+        Dispatch order is embed, group 0, its pages, group 1, its pages, ..., last
+        group, head, its pages: a device runs programs in order, so group g's pages are
+        ready while group g+1 still computes, and the caller can send them meanwhile.
+        """
+        self.counter.note(f"{self.name}_embed", tokens.shape)
+        self.counter.note(f"{self.name}_head", tokens.shape)
+        inputs = jax.device_put((tokens, lengths) + sampling.tuple(), self._replicated)
+        x = self._embed(self.params, inputs[0])
+        parts, first = [], None
+        for g, (start, stop) in enumerate(groups):
+            self.counter.note(f"{self.name}_blocks", (tokens.shape, stop - start))
+            x, k, v = self._blocks([self.params[f"layers_{i}"] for i in range(start, stop)], x)
+            if g == len(groups) - 1:
+                first = self._head(self.params, x, *inputs[1:])
+            parts.append([self.take_pages(k, v, row, n) for row, n in rows])
+        return first, parts
 
     def take_pages(self, k, v, row: int, num_pages: int):
         """The `num_pages` pages of row `row`: ([L, P, S, K, H], same) -- no padding."""
@@ -138,7 +186,7 @@ class DecodeRunner:
 
         slot = P("dp")
         pool = P(None, "dp")
-        self._step = jax.jit(jax.shard_map(
+        self._step = jax.jit(shard_map(
             step, mesh=mesh, axis_names={"dp"},
             in_specs=(P(), pool, pool) + (slot,) * 9, out_specs=(slot, pool, pool)),
             donate_argnums=(1, 2))
@@ -146,7 +194,7 @@ class DecodeRunner:
         def insert(k_pool, v_pool, k_new, v_new, page_ids):
             return k_pool.at[:, page_ids].set(k_new), v_pool.at[:, page_ids].set(v_new)
 
-        self._insert = jax.jit(jax.shard_map(
+        self._insert = jax.jit(shard_map(
             insert, mesh=mesh, axis_names={"dp"},
             in_specs=(pool, pool, pool, pool, slot), out_specs=(pool, pool)),
             donate_argnums=(0, 1))

@@ -40,7 +40,9 @@ class WorkerService:
         s = self.engine.stats()
         return {"role": self.role, "mesh": s["mesh"], "kv_address": self.kv_address,
                 "model": self.model_path, "free_slots": s["slots_total"] - s["slots_active"],
-                "free_pages": s["pages_total"] - s["pages_used"], "queue": s["queue_waiting"]}
+                "free_pages": s["pages_total"] - s["pages_used"], "queue": s["queue_waiting"],
+                "transfers": s["transfers"], "layerwise_transfers": s["layerwise_transfers"],
+                "transfer_failures": s["transfer_failures"]}
 
     def Prefill(self, msg, context) -> dict:
         self._require("prefill", context)

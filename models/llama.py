@@ -10,6 +10,10 @@ function of `params` once wrapped by `model.apply`:
 - `decode(tokens, positions, k_pool, v_pool, block_tables)`
                                  one token per slot against the paged pool; returns
                                  logits [B, V] and the updated pools (donate them).
+
+Layer-wise prefill splits `prefill` into `embed_prompt`, `prefill_blocks` (a group of
+layers, params passed as a list) and `head`, so each group's K/V can leave the device
+while the next group computes.
 """
 from __future__ import annotations
 
@@ -141,6 +145,14 @@ class Llama(nn.Module):
         last = x[jnp.arange(x.shape[0]), lengths_B - 1]          # [B, D]
         return self._logits(last), k, v
 
+    def embed_prompt(self, tokens_BT):
+        """Layer-wise prefill, first program: token embeddings [B, T, D]."""
+        return self._embed(tokens_BT)
+
+    def head(self, x_BTD, lengths_B):
+        """Layer-wise prefill, last program: logits of each row's last real token [B, V]."""
+        return self._logits(x_BTD[jnp.arange(x_BTD.shape[0]), lengths_B - 1])
+
     def decode(self, tokens_B, positions_B, k_pool_LPSKH, v_pool_LPSKH, block_tables_BP):
         """One step: token b sits at positions[b]; its K/V are written, then attended with
         everything before it. Returns (logits [B, V], k_pool, v_pool)."""
@@ -154,6 +166,39 @@ class Llama(nn.Module):
                                    block_tables_BP, positions_B + 1)
             x = layer.finish(x, attn[:, None])
         return self._logits(x[:, 0]), k_pool_LPSKH, v_pool_LPSKH
+
+
+def prefill_blocks(cfg: ModelConfig, dtype, layer_params: Sequence, x_BTD):
+    """Layer-wise prefill, middle programs: decoder layers over x, one per entry of
+    `layer_params` (each a `layers_i` params dict, in order). Returns
+    (x, k [G,B,T,K,H], v [G,B,T,K,H]) for the G layers. The params are arguments, not
+    names, so one compiled program serves every group of the same size."""
+    block = Block(cfg, dtype)
+    b, t = x_BTD.shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    inv_freq = inverse_frequencies(cfg)
+    ks, vs = [], []
+    for p in layer_params:
+        q, k, v = block.apply({"params": p}, x_BTD, positions, inv_freq, method=Block.qkv)
+        x_BTD = block.apply({"params": p}, x_BTD, causal_attention(q, k, v), method=Block.finish)
+        ks.append(k)
+        vs.append(v)
+    return x_BTD, jnp.stack(ks), jnp.stack(vs)
+
+
+def layer_groups(num_layers: int, num_groups: int) -> list[tuple[int, int]]:
+    """[start, stop) of `num_groups` contiguous layer groups, sizes differing by at most
+    one (larger first), so at most two group programs are compiled."""
+    if num_groups < 1:
+        raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+    n = min(num_groups, num_layers)
+    size, extra = divmod(num_layers, n)
+    bounds, start = [], 0
+    for g in range(n):
+        stop = start + size + (g < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
 
 
 def abstract_params(cfg: ModelConfig, dtype=jnp.float32):

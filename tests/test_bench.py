@@ -133,3 +133,31 @@ def test_flags_parse_and_compare_keeps_mesh_pairs_whole():
 def test_missing_model_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="--model: .* has no config.json"):
         bench.main(["--model", str(tmp_path), "--compare", "none"])
+
+
+def test_layerwise_bench_compares_both_modes_on_the_same_prompts(tiny_dir, tmp_path, capsys):
+    from jaxpd import bench_layerwise
+    out = tmp_path / "layerwise.json"
+    assert bench_layerwise.main(["--model", tiny_dir, "--transports", "device_put",
+                                 "--prompt_lens", "20,40", "--repeats", "2", "--parts", "2",
+                                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "layerwise" in printed and "T2T p50" in printed
+    data = json.loads(out.read_text())
+    # Both modes, every length, every repeat; the bench itself checks equal tokens.
+    assert {(s["prompt_len"], s["mode"], s["n"]) for s in data["summary"]} == {
+        (n, m, 2) for n in (20, 40) for m in ("request", "layerwise")}
+    for s in data["samples"]:
+        assert 0 < s["ttft_ms"] <= s["t2t_ms"]
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--transports", "carrier_pigeon"], "transports"),
+    (["--prompt_lens", "0"], "prompt_lens"),
+    (["--random_model", "depth=3"], "random_model"),
+])
+def test_layerwise_bench_rejects_bad_flags(flags, named, capsys):
+    from jaxpd import bench_layerwise
+    with pytest.raises(SystemExit):
+        bench_layerwise.build_parser().parse_args(flags)
+    assert named in capsys.readouterr().err

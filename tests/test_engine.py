@@ -230,10 +230,13 @@ def default_uncompressed():
         return llm.generate(TEXT_PROMPTS, SamplingParams(max_tokens=32, temperature=0))
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_compressed_transfer_saves_bytes_and_keeps_greedy_tokens(default_uncompressed, kind):
+@pytest.mark.parametrize("kind,layerwise", [("int8", 0), ("fp8", 0), ("int8", 16)])
+def test_compressed_transfer_saves_bytes_and_keeps_greedy_tokens(default_uncompressed, kind,
+                                                                 layerwise):
     # The built-in (trained) model: compression error is judged on real activations.
-    with LLM(None, mesh="prefill=2,decode=2", max_model_len=128, kv_transfer_dtype=kind) as llm:
+    # layerwise=16: every prompt goes in 3 layer groups, each compressed on its own.
+    with LLM(None, mesh="prefill=2,decode=2", max_model_len=128, kv_transfer_dtype=kind,
+             layerwise_min_tokens=layerwise, layerwise_parts=3) as llm:
         outs = llm.generate(TEXT_PROMPTS, SamplingParams(max_tokens=32, temperature=0))
         cfg = llm.model_config
         codes = cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim   # 1 byte each
@@ -244,6 +247,7 @@ def test_compressed_transfer_saves_bytes_and_keeps_greedy_tokens(default_uncompr
         same = sum(a.token_ids == b.token_ids for a, b in zip(default_uncompressed, outs))
         # Lossy, so not guaranteed; measured: 16/16 identical for both int8 and fp8.
         assert same >= len(TEXT_PROMPTS) - 1, same
+        assert llm.stats()["layerwise_transfers"] == (len(TEXT_PROMPTS) if layerwise else 0)
         assert_all_pages_free(llm)
 
 

@@ -142,8 +142,9 @@ def test_sender_raises_what_the_receiver_refused(decode, monkeypatch):
         with pytest.raises(StreamDataError, match="truncated"):
             sender.send(local_handoff())
         monkeypatch.undo()
-        monkeypatch.setattr(grpc_stream, "WIRE_VERSION", 2)
-        with pytest.raises(WireVersionError, match="wire version 2"):
+        skewed = grpc_stream.WIRE_VERSION + 1
+        monkeypatch.setattr(grpc_stream, "WIRE_VERSION", skewed)
+        with pytest.raises(WireVersionError, match=f"wire version {skewed}"):
             sender.send(local_handoff())
         monkeypatch.undo()
         sender.send(local_handoff())

@@ -13,10 +13,13 @@ from jaxpd.request import Request
 from jaxpd.sampling_params import SamplingParams
 from models import checkpoint
 from tests.engine_fixtures import build_hf_model, mixed_prompts, reference
+from transfer import jax_compat
 from transfer.transfer_server import TransferServerConnector, TransferServerOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM = 10
+pytestmark = pytest.mark.skipif(jax_compat.unavailable_reason() is not None,
+                                reason=str(jax_compat.unavailable_reason()))
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import pytest
 from jaxpd.proto import jaxpd_pb2, jaxpd_pb2_grpc
 from jaxpd.worker_rpc import WorkerClient
 from tests.engine_fixtures import build_hf_model, mixed_prompts, reference
+from transfer import jax_compat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM = 8
@@ -88,10 +89,13 @@ def procs():
     p.close()
 
 
-def _deployment(procs, path, num_decode=1, prefill_fault=None, transport="transfer_server"):
+def _deployment(procs, path, num_decode=1, prefill_fault=None, transport="transfer_server",
+                extra=()):
+    if transport == "transfer_server" and jax_compat.unavailable_reason() is not None:
+        pytest.skip(jax_compat.unavailable_reason())
     router_port = _free_port()
     router_addr = f"127.0.0.1:{router_port}"
-    common = COMMON + ["--kv_transport", transport]
+    common = COMMON + ["--kv_transport", transport] + list(extra)
     # Workers first: they retry registering until the router is up (any start order).
     workers = [procs.start(["--role", "prefill", "--mesh", "prefill=2", "--model", path,
                             "--port", "0", "--router", router_addr] + common, fault=prefill_fault)]
@@ -130,6 +134,43 @@ def test_router_prefill_decode_processes_match_single_process(model, procs, tran
     assert all(o.finish_reason == "length" for o in outs)
     router.send_signal(signal.SIGTERM)
     assert router.wait(timeout=60) == 0
+
+
+# Prompts of 32+ tokens (most of them) go layer-wise in 2 parts; the rest whole.
+LAYERWISE = ["--layerwise_min_tokens", "32", "--layerwise_parts", "2"]
+
+
+@pytest.mark.parametrize("transport", ["transfer_server", "grpc"])
+def test_router_layerwise_transfer_matches_single_process(model, procs, transport):
+    path, prompts, max_tokens, expected, long_tokens, expected_long = model
+    addr, router, workers = _deployment(procs, path, transport=transport, extra=LAYERWISE)
+    decode = WorkerClient(procs.wait_line(workers[1], r"decode worker on (\S+)").group(1))
+    before = decode.info(timeout=10)
+    outs = _generate_all(addr, prompts, max_tokens)
+    assert [list(o.token_ids) for o in outs] == expected
+    after = decode.info(timeout=10)
+    assert (after["free_slots"], after["free_pages"]) == (before["free_slots"], before["free_pages"])
+    # Prompts of 17+ tokens fill buckets of 32+: layer-wise; the rest went whole.
+    assert after["transfers"] == NUM
+    assert after["layerwise_transfers"] == sum(len(p) > 16 for p in prompts) == 4
+
+
+@pytest.mark.parametrize("fault", ["die_before_offer:2", "die_after_offer:2"])
+def test_prefill_worker_killed_between_layer_parts_requests_still_finish(model, procs, fault):
+    """The decode side holds a slot with some of a request's layers when the prefill
+    worker dies: the request is prefilled again and finishes with the same tokens."""
+    path, prompts, max_tokens, expected, long_tokens, expected_long = model
+    addr, _, workers = _deployment(procs, path, prefill_fault=fault, extra=LAYERWISE)
+    outs = _generate_all(addr, prompts, max_tokens)
+    assert workers[0].wait(timeout=60) == -signal.SIGKILL
+    assert [list(o.token_ids) for o in outs] == expected
+    decode = WorkerClient(procs.wait_line(workers[1], r"decode worker on (\S+)").group(1))
+    deadline = time.monotonic() + 30
+    while decode.info(timeout=10)["free_slots"] != 8:      # every slot given back
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # The request caught between parts failed its transfer and was prefilled again.
+    assert decode.info(timeout=10)["transfer_failures"] >= 1
 
 
 @pytest.mark.parametrize("fault", ["die_before_offer:3", "die_after_offer:3", "die_on_ack:3"])

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from transfer import jax_compat
 from transfer.connector import KVHandoff
 from transfer.control import ControlClient, Offer
 from transfer.layout import (ArrayLayout, LayoutMismatchError, WireVersionError,
@@ -114,6 +115,8 @@ class Child:
 
 @pytest.fixture(scope="module")
 def decode():
+    if jax_compat.unavailable_reason() is not None:
+        pytest.skip(f"jax {jax.__version__}: {jax_compat.unavailable_reason()}")
     connector = TransferServerConnector(
         "decode", options=TransferServerOptions(pull_timeout_s=2.0, rpc_timeout_s=5.0))
     yield connector
@@ -226,6 +229,29 @@ def test_unavailable_transfer_server_names_the_fallback(monkeypatch):
         TransferServerConnector("decode")
 
 
+def test_without_server_side_ttl_expired_offers_are_reclaimed(decode, monkeypatch):
+    # jax < 0.10.1: await_pull takes no timeout (see transfer.jax_compat), so the
+    # connector ends an expired offer itself by pulling it back; a late pull then fails.
+    monkeypatch.setattr(jax_compat, "await_pull_takes_timeout", lambda: False)
+    prefill = TransferServerConnector(
+        "prefill", decode_control_address=decode.control_address,
+        options=TransferServerOptions(offer_ttl_s=0.5))
+    try:
+        k = jax.device_put(pages(0), sender_shardings(jax.devices())[0])
+        prefill.send(KVHandoff("late", 40, 1, k, k))
+        handoff = decode.receive(timeout=5)
+        time.sleep(0.8)
+        assert prefill.pending() == 0
+        deadline = time.monotonic() + 10
+        while prefill.reclaimed == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert prefill.reclaimed == 1
+        with pytest.raises(PullTimeoutError):
+            decode.place(handoff, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    finally:
+        prefill.close()
+
+
 def test_options_refuse_empty_transport_addresses():
     with pytest.raises(ValueError, match="transport_addresses"):
         TransferServerOptions(transport_addresses=())
@@ -246,10 +272,16 @@ def test_discarded_offer_is_freed_on_the_sender_at_once(decode):
         k = jax.device_put(pages(0), sender_shardings(jax.devices())[0])
         prefill.send(KVHandoff("cancelled", 40, 1, k, k))
         assert prefill.pending() == 1
-        decode.discard(decode.receive(timeout=5))
+        handoff = decode.receive(timeout=5)
+        decode.discard(handoff)
         deadline = time.monotonic() + 5
-        while prefill.pending() and time.monotonic() < deadline:
+        while (prefill.pending() or not prefill.reclaimed) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert prefill.pending() == 0
+        # Ended in the transfer server too (pulled back once), not held until the TTL:
+        # nobody can pull it any more.
+        assert prefill.reclaimed == 1
+        with pytest.raises(PullTimeoutError):
+            decode.place(handoff, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     finally:
         prefill.close()

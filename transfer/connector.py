@@ -34,12 +34,50 @@ class TransferStats:
     seconds: float
 
 
+@dataclasses.dataclass(frozen=True)
+class KVPart:
+    """Which slice of a layer-wise transfer a handoff carries.
+
+    A long prompt's KV leaves the prefill side in `count` parts, one per layer group,
+    each sent as soon as its layers are computed, so moving group g overlaps computing
+    group g+1. Every part of one prefill shares `stream` (a fresh random id per
+    prefill attempt, so a retry's parts never mix with a dead attempt's); part i holds
+    layers `[layer_start, layer_start + k.shape[0])`. Only the last part carries the
+    first token: it is sampled after the last layer.
+    """
+    stream: int
+    index: int
+    count: int
+    layer_start: int
+
+    def __post_init__(self):
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"part index {self.index} not in [0, {self.count})")
+        if self.layer_start < 0:
+            raise ValueError(f"layer_start must be >= 0, got {self.layer_start}")
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+    def to_dict(self) -> dict:
+        return {"stream": self.stream, "index": self.index, "count": self.count,
+                "layer_start": self.layer_start}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "KVPart | None":
+        if d is None:
+            return None
+        return cls(int(d["stream"]), int(d["index"]), int(d["count"]), int(d["layer_start"]))
+
+
 @dataclasses.dataclass
 class KVHandoff:
     """A finished prefill on its way to decode.
 
     k, v: [L, P, S, K, H] -- only the pages that hold real prompt tokens
-    (P = ceil(num_tokens / S)), never the bucket padding.
+    (P = ceil(num_tokens / S)), never the bucket padding. A layer-wise part (`part`
+    set) holds only its layer group, and `first_token` is -1 except on the last part.
     `payload` carries the request: the `Request` object itself in one process, its
     msgpack-able wire form (`jaxpd.request.Request.to_wire`) across processes.
     """
@@ -52,6 +90,7 @@ class KVHandoff:
     # Which decode peer gets it (a cross-process connector's address for that peer);
     # None: the connector's default. In one process there is only one.
     destination: str | None = None
+    part: KVPart | None = None   # None: the whole KV in one handoff (request-level)
 
     @property
     def num_pages(self) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import msgpack
 
+from transfer.connector import KVPart
 from transfer.layout import (WIRE_VERSION, ArrayLayout, TransferError, WireVersionError,
                              check_wire_version)
 
@@ -60,10 +61,11 @@ class Offer:
     transfer_address: str
     ack_address: str
     payload: Any = None
+    part: KVPart | None = None
     wire_version: int = WIRE_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        return {"part": self.part and self.part.to_dict(),
             "wire_version": self.wire_version, "uuid": self.uuid,
             "request_id": self.request_id, "num_tokens": self.num_tokens,
             "first_token": self.first_token, "k": self.k.to_dict(), "v": self.v.to_dict(),
@@ -78,7 +80,8 @@ class Offer:
                    num_tokens=int(d["num_tokens"]), first_token=int(d["first_token"]),
                    k=ArrayLayout.from_dict(d["k"]), v=ArrayLayout.from_dict(d["v"]),
                    transfer_address=str(d["transfer_address"]),
-                   ack_address=str(d["ack_address"]), payload=d.get("payload"))
+                   ack_address=str(d["ack_address"]), payload=d.get("payload"),
+                   part=KVPart.from_dict(d.get("part")))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Wire format, one client-streaming call `/jaxpd.transfer.KVStream/Send` per handoff:
   message 0   msgpack header: wire_version, request_id, num_tokens, first_token,
-              payload, arrays [{name, shape, dtype, num_bytes}], num_bytes, crc32
+              payload, part (layer-wise: stream, index, count, layer_start),
+              arrays [{name, shape, dtype, num_bytes}], num_bytes, crc32
   message 1.. raw bytes, at most `chunk_size` (<= 4 MiB, gRPC's default message cap),
               k's bytes then v's, C order.
 The receiver answers an empty map, or a status the sender raises as an error:
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transfer.connector import KVHandoff, TransferStats, next_or_none
+from transfer.connector import KVHandoff, KVPart, TransferStats, next_or_none
 from transfer.control import BackpressureError, error_of, pack, unpack
 from transfer.layout import WIRE_VERSION, TransferError, WireVersionError, check_wire_version
 
@@ -114,7 +115,7 @@ def encode_handoff(handoff: KVHandoff) -> EncodedHandoff:
     header = {
         "wire_version": WIRE_VERSION, "request_id": handoff.request_id,
         "num_tokens": handoff.num_tokens, "first_token": handoff.first_token,
-        "payload": handoff.payload,
+        "payload": handoff.payload, "part": handoff.part and handoff.part.to_dict(),
         "arrays": [{"name": name, "shape": list(a.shape), "dtype": a.dtype.name,
                     "num_bytes": a.nbytes} for name, a in arrays.items()],
         "num_bytes": sum(len(b) for b in body), "crc32": crc,
@@ -145,6 +146,7 @@ class _Header:
     num_tokens: int
     first_token: int
     payload: Any
+    part: KVPart | None
     arrays: tuple[_ArraySpec, ...]
     num_bytes: int
     crc32: int
@@ -162,6 +164,7 @@ def _parse_header(message: bytes, max_bytes: int) -> _Header:
         header = _Header(
             request_id=str(d["request_id"]), num_tokens=int(d["num_tokens"]),
             first_token=int(d["first_token"]), payload=d.get("payload"),
+            part=KVPart.from_dict(d.get("part")),
             arrays=tuple(_ArraySpec(str(a["name"]), tuple(int(n) for n in a["shape"]),
                                     jnp.dtype(a["dtype"]), int(a["num_bytes"]))
                          for a in d["arrays"]),
@@ -216,7 +219,7 @@ def decode_handoff(messages: Iterable[bytes],
     return StreamedKVHandoff(
         request_id=header.request_id, num_tokens=header.num_tokens,
         first_token=header.first_token, k=arrays["k"], v=arrays["v"],
-        payload=header.payload, stream_seconds=time.perf_counter() - start)
+        payload=header.payload, part=header.part, stream_seconds=time.perf_counter() - start)
 
 
 _STATUS_OF = {

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from transfer.connector import LayoutMismatchError, TransferError, WireVersionError  # noqa: F401  (re-exported)
 
 # Bump on any change to Offer/Ack, the stream header or ArrayLayout's dict form.
-WIRE_VERSION = 1
+WIRE_VERSION = 2   # 2: handoffs may be layer-wise parts (`KVPart`)
 
 # A PartitionSpec entry in plain form: replicated, one mesh axis, or several.
 SpecEntry = None | str | tuple[str, ...]

@@ -4,7 +4,12 @@ Prefill side (`role="prefill"`), `send(handoff)`:
   1. describe k and v (`ArrayLayout`), offer them to the local transfer server under a
      fresh random uuid: `await_pull(uuid, [k, v], timeout=now + offer_ttl_s)`;
   2. keep k and v referenced until the decode side acks (or the TTL passes: the
-     transfer server forgets the uuid at the same deadline);
+     transfer server forgets the uuid at the same deadline). An offer that will never
+     be pulled (the decode side discarded it, or failed its pull, or the control
+     message never arrived) is ended at once by pulling it back from our own server
+     ("reclaim": each uuid can be pulled once), so its pages do not wait for the TTL;
+     on jax < 0.10.1, whose `await_pull` has no timeout, expired offers are reclaimed
+     the same way;
   3. send an `Offer` (uuid, layouts, addresses, request metadata) to the decode side's
      control server. A full decode queue blocks this call up to `rpc_timeout_s`, then
      fails with `BackpressureError`.
@@ -18,7 +23,8 @@ Why the pull is not onto `sharding` directly: the transfer server moves per-devi
 buffers; a pull in any other layout returns wrong numbers without an error
 (see `transfer.layout`).
 
-Threads: each side runs one gRPC control server (its own small pool). `place` runs on
+Threads: each side runs one gRPC control server (its own small pool), and the prefill
+side one `jaxpd-reclaim` thread. `place` runs on
 the caller's thread and polls the pulled arrays; on timeout it poisons the connection,
 which fails the pending pull instead of leaving a thread blocked forever.
 
@@ -36,10 +42,12 @@ import queue
 import secrets
 import threading
 import time
+from concurrent import futures
 from typing import Literal
 
 import jax
 
+from transfer import jax_compat
 from transfer.connector import KVHandoff, TransferStats, next_or_none
 from transfer.control import (Ack, BackpressureError, ControlClient, ControlServer, Offer,
                               pack)
@@ -80,13 +88,14 @@ class TransferServerOptions:
     pull_timeout_s: float = 30.0
     rpc_timeout_s: float = 10.0
     max_pending: int = 64
+    reclaim_timeout_s: float = 5.0
 
     def __post_init__(self):
         if not self.transport_addresses:
             raise ValueError("transport_addresses must not be empty, e.g. ('127.0.0.1:0',)")
         if self.transfer_size <= 0 or self.max_num_parallel_copies <= 0:
             raise ValueError("transfer_size and max_num_parallel_copies must be positive")
-        for name in ("offer_ttl_s", "pull_timeout_s", "rpc_timeout_s"):
+        for name in ("offer_ttl_s", "pull_timeout_s", "rpc_timeout_s", "reclaim_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_pending <= 0:
@@ -116,19 +125,18 @@ class _Pending:
 
 def start_transfer_server(options: TransferServerOptions):
     """A `jax.experimental.transfer` server, or `TransferServerUnavailable` saying why."""
-    fallback = "use transfer.grpc_stream.GrpcConnector instead"
+    fallback = "use transfer.grpc_stream.GrpcConnector instead (--kv_transport grpc)"
+    reason = jax_compat.unavailable_reason()
+    if reason is not None:
+        raise TransferServerUnavailable(f"jax {jax.__version__} has no usable transfer "
+                                        f"server: {reason}; {fallback}")
+    from jax.experimental import transfer as jax_transfer
     try:
-        from jax.experimental import transfer as jax_transfer
-        start = jax_transfer.start_transfer_server
-    except (ImportError, AttributeError) as e:
-        raise TransferServerUnavailable(
-            f"jax {jax.__version__} has no jax.experimental.transfer.start_transfer_server; "
-            f"{fallback}") from e
-    try:
-        return start(jax.devices()[0].client, options.transfer_address,
-                     list(options.transport_addresses),
-                     max_num_parallel_copies=options.max_num_parallel_copies,
-                     transfer_size=options.transfer_size)
+        return jax_transfer.start_transfer_server(
+            jax.devices()[0].client, options.transfer_address,
+            list(options.transport_addresses),
+            max_num_parallel_copies=options.max_num_parallel_copies,
+            transfer_size=options.transfer_size)
     except Exception as e:  # noqa: BLE001 -- backends fail with different types; all mean "unavailable"
         raise TransferServerUnavailable(
             f"the JAX transfer server could not start on {jax.default_backend()} "
@@ -162,6 +170,10 @@ class TransferServerConnector:
         self._pending: dict[int, _Pending] = {}
         self._queue: queue.Queue[RemoteKVHandoff] = queue.Queue(maxsize=options.max_pending)
         self._closed = False
+        # jax < 0.10.1 cannot expire offers in the server: we end them ourselves.
+        self._server_expires_offers = jax_compat.await_pull_takes_timeout()
+        self._reclaimer = futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpd-reclaim")
+        self.reclaimed = 0       # offers ended by pulling them back (never pulled by a peer)
         if role == "prefill":
             self._control = ControlServer(control_address, on_ack=self._on_ack)
             self._default_destination = decode_control_address
@@ -184,7 +196,8 @@ class TransferServerConnector:
                       num_tokens=handoff.num_tokens, first_token=handoff.first_token,
                       k=describe(handoff.k), v=describe(handoff.v),
                       transfer_address=self.transfer_address,
-                      ack_address=self.control_address, payload=handoff.payload)
+                      ack_address=self.control_address, payload=handoff.payload,
+                      part=handoff.part)
         try:
             pack(offer.to_dict())
         except (TypeError, ValueError) as e:
@@ -192,15 +205,18 @@ class TransferServerConnector:
                             f"(dicts, lists, str, numbers, bytes): {e}") from e
         self._wait_for_room()
         ttl = self.options.offer_ttl_s
-        self._server.await_pull(uuid, [handoff.k, handoff.v], timeout=(
-            datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=ttl)))
+        if self._server_expires_offers:
+            self._server.await_pull(uuid, [handoff.k, handoff.v], timeout=(
+                datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=ttl)))
+        else:
+            self._server.await_pull(uuid, [handoff.k, handoff.v])
         with self._lock:
             self._pending[uuid] = _Pending(handoff.k, handoff.v, time.monotonic() + ttl)
         try:
             self._decode_client(handoff).offer(offer, timeout=self.options.rpc_timeout_s)
         except TransferError:
-            # The transfer server keeps the uuid until its TTL; nobody will pull it.
-            self._release(uuid)
+            # Nobody will pull it: end the offer now rather than at its TTL.
+            self._release(uuid, reclaim=True)
             raise
 
     def _decode_client(self, handoff: KVHandoff) -> ControlClient:
@@ -233,17 +249,47 @@ class TransferServerConnector:
         now = time.monotonic()
         for uuid in [u for u, p in self._pending.items() if p.expires_at <= now]:
             _log.warning("offer %d expired without an ack; its arrays are freed", uuid)
-            del self._pending[uuid]
+            expired = self._pending.pop(uuid)
+            if not self._server_expires_offers:
+                self._reclaim_later(uuid, expired)
 
-    def _release(self, uuid: int) -> None:
+    def _release(self, uuid: int, reclaim: bool = False) -> None:
+        """Forget an offer; `reclaim`: nobody pulled it, so also end it in the server
+        (which otherwise holds the pages until the offer's timeout, or for good on
+        jax < 0.10.1)."""
         with self._lock:
-            self._pending.pop(uuid, None)
+            pending = self._pending.pop(uuid, None)
             self._lock.notify_all()
+            if reclaim and pending is not None:
+                self._reclaim_later(uuid, pending)
+
+    def _reclaim_later(self, uuid: int, pending: _Pending) -> None:
+        if not self._closed:
+            self._reclaimer.submit(self._reclaim, uuid, pending)
+
+    def _reclaim(self, uuid: int, pending: _Pending) -> None:
+        """End an offer by pulling it from our own server in its exact layout (a uuid
+        can be pulled once); the copy is dropped at once. Under a short watchdog: if
+        a peer's pull of it is stuck mid-way, we give up and say so."""
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+                 for a in (pending.k, pending.v)]
+        try:
+            connection = self._server.connect(self._server.address())
+            arrays = connection.pull(uuid, specs)
+            _wait_ready(arrays, connection, self.options.reclaim_timeout_s,
+                        f"reclaim of offer {uuid}")
+            jax.block_until_ready(arrays)
+            self.reclaimed += 1
+        except Exception as e:  # noqa: BLE001 -- best effort: a peer may have pulled it after all
+            _log.warning("could not end offer %d in the transfer server (%s); its pages stay "
+                         "there until the offer's timeout or the process exits", uuid, e)
 
     def _on_ack(self, ack: Ack) -> None:
         if ack.error and not ack.error.startswith("discarded"):
             _log.warning("decode side failed to pull offer %d: %s", ack.uuid, ack.error)
-        self._release(ack.uuid)
+        # Pulled: the server has let go. Not pulled (discarded, or the peer's pull
+        # failed): end the offer in the server too.
+        self._release(ack.uuid, reclaim=bool(ack.error))
 
     # -- decode side --------------------------------------------------------------
 
@@ -253,7 +299,7 @@ class TransferServerConnector:
         handoff = RemoteKVHandoff(
             request_id=offer.request_id, num_tokens=offer.num_tokens,
             first_token=offer.first_token, k=_struct(offer.k), v=_struct(offer.v),
-            payload=offer.payload, offer=offer)
+            payload=offer.payload, part=offer.part, offer=offer)
         try:
             self._queue.put(handoff, timeout=max(0.0, (seconds_left or 1.0) - 0.1))
         except queue.Full:
@@ -295,7 +341,8 @@ class TransferServerConnector:
         # only this pull.
         connection = self._server.connect(offer.transfer_address)
         arrays = connection.pull(offer.uuid, specs)
-        _wait_ready(arrays, connection, self.options.pull_timeout_s, offer)
+        _wait_ready(arrays, connection, self.options.pull_timeout_s,
+                    f"pull of {offer.request_id!r} (uuid {offer.uuid}) from {offer.transfer_address}")
         try:
             k_raw, v_raw = jax.block_until_ready(arrays)
         except jax.errors.JaxRuntimeError as e:
@@ -330,6 +377,7 @@ class TransferServerConnector:
             self._pending.clear()
             self._lock.notify_all()
         self._control.stop()
+        self._reclaimer.shutdown(wait=True, cancel_futures=True)
         if self.role == "prefill":
             for client in self._decode_clients.values():
                 client.close()
@@ -341,7 +389,7 @@ def _struct(layout: ArrayLayout) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(layout.shape, layout.dtype)
 
 
-def _wait_ready(arrays: list[jax.Array], connection, timeout: float, offer: Offer) -> None:
+def _wait_ready(arrays: list[jax.Array], connection, timeout: float, what: str) -> None:
     """Poll until every pulled array is ready, or poison the connection and raise.
 
     Polling, not a blocking wait on a helper thread: a blocked thread could never be
@@ -355,8 +403,7 @@ def _wait_ready(arrays: list[jax.Array], connection, timeout: float, offer: Offe
             if poison is not None:
                 poison()
             raise PullTimeoutError(
-                f"pull of {offer.request_id!r} (uuid {offer.uuid}) from "
-                f"{offer.transfer_address} did not finish in {timeout:.1f}s: the offer "
-                f"expired, was never made, or the sender is gone")
+                f"{what} did not finish in {timeout:.1f}s: the offer expired, was never "
+                f"made, or the sender is gone")
         time.sleep(delay)
         delay = min(delay * 2, 5e-3)
