@@ -2,7 +2,9 @@
 
 argv[1] is the fault, the rest go to the launcher:
   die_before_offer:N   SIGKILL this process in its N-th KV send, before offering
+                       (either transport)
   die_after_offer:N    SIGKILL right after the N-th offer, before the decode side pulls
+                       (over the gRPC stream: right after the N-th stream completed)
   die_on_ack:N         SIGKILL when the N-th ack arrives: the decode side has pulled,
                        the sender never learns it
 """
@@ -15,18 +17,20 @@ def main() -> None:
     fault, rest = sys.argv[1], sys.argv[2:]
     kind, nth = fault.split(":")
     nth = int(nth)
+    from transfer.grpc_stream import GrpcConnector
     from transfer.transfer_server import TransferServerConnector
 
-    original = TransferServerConnector.send
     calls = {"n": 0}
 
-    def send(self, handoff):
-        calls["n"] += 1
-        if calls["n"] == nth and kind == "die_before_offer":
-            os.kill(os.getpid(), signal.SIGKILL)
-        original(self, handoff)
-        if calls["n"] == nth and kind == "die_after_offer":
-            os.kill(os.getpid(), signal.SIGKILL)
+    def dying(original):
+        def send(self, handoff):
+            calls["n"] += 1
+            if calls["n"] == nth and kind == "die_before_offer":
+                os.kill(os.getpid(), signal.SIGKILL)
+            original(self, handoff)
+            if calls["n"] == nth and kind == "die_after_offer":
+                os.kill(os.getpid(), signal.SIGKILL)
+        return send
 
     original_ack = TransferServerConnector._on_ack
     acks = {"n": 0}
@@ -37,7 +41,8 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         original_ack(self, ack)
 
-    TransferServerConnector.send = send
+    TransferServerConnector.send = dying(TransferServerConnector.send)
+    GrpcConnector.send = dying(GrpcConnector.send)     # die_* faults over the gRPC stream
     TransferServerConnector._on_ack = on_ack
     from absl import app
     from jaxpd import launch

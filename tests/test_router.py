@@ -155,12 +155,16 @@ def test_router_layerwise_transfer_matches_single_process(model, procs, transpor
     assert after["layerwise_transfers"] == sum(len(p) > 16 for p in prompts) == 4
 
 
-@pytest.mark.parametrize("fault", ["die_before_offer:2", "die_after_offer:2"])
-def test_prefill_worker_killed_between_layer_parts_requests_still_finish(model, procs, fault):
+@pytest.mark.parametrize("fault,transport", [("die_before_offer:2", "transfer_server"),
+                                             ("die_after_offer:2", "transfer_server"),
+                                             ("die_after_offer:2", "grpc")])
+def test_prefill_worker_killed_between_layer_parts_requests_still_finish(model, procs, fault,
+                                                                         transport):
     """The decode side holds a slot with some of a request's layers when the prefill
     worker dies: the request is prefilled again and finishes with the same tokens."""
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
-    addr, _, workers = _deployment(procs, path, prefill_fault=fault, extra=LAYERWISE)
+    addr, _, workers = _deployment(procs, path, prefill_fault=fault, extra=LAYERWISE,
+                                   transport=transport)
     outs = _generate_all(addr, prompts, max_tokens)
     assert workers[0].wait(timeout=60) == -signal.SIGKILL
     assert [list(o.token_ids) for o in outs] == expected
@@ -173,10 +177,13 @@ def test_prefill_worker_killed_between_layer_parts_requests_still_finish(model, 
     assert decode.info(timeout=10)["transfer_failures"] >= 1
 
 
-@pytest.mark.parametrize("fault", ["die_before_offer:3", "die_after_offer:3", "die_on_ack:3"])
-def test_prefill_worker_killed_requests_still_finish(model, procs, fault):
+@pytest.mark.parametrize("fault,transport", [("die_before_offer:3", "transfer_server"),
+                                             ("die_after_offer:3", "transfer_server"),
+                                             ("die_on_ack:3", "transfer_server"),
+                                             ("die_before_offer:3", "grpc")])
+def test_prefill_worker_killed_requests_still_finish(model, procs, fault, transport):
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
-    addr, _, workers = _deployment(procs, path, prefill_fault=fault)
+    addr, _, workers = _deployment(procs, path, prefill_fault=fault, transport=transport)
     outs = _generate_all(addr, prompts, max_tokens)
     assert workers[0].wait(timeout=60) == -signal.SIGKILL
     # The requests the dead worker held were prefilled again on the decode worker.
