@@ -35,18 +35,21 @@ import tempfile
 import threading
 import time
 
+from jaxpd.bench import _positive_int
+
 TRANSPORTS = ("device_put", "transfer_server", "grpc")
 CHILD_TIMEOUT_S = 600
 
 
 def _ints(text: str) -> list[int]:
-    try:
-        values = [int(p) for p in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"every value must be >= 1, got {text!r}")
-    return values
+    return [_positive_int(p) for p in text.split(",")]
+
+
+def _parts(text: str) -> int:
+    value = _positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"a layer-wise transfer needs >= 2 parts, got {text!r}")
+    return value
 
 
 def _transports(text: str) -> list[str]:
@@ -84,9 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with these fields changed, e.g. hidden=512,layers=8,kv_heads=8")
     p.add_argument("--transports", type=_transports, default=list(TRANSPORTS))
     p.add_argument("--prompt_lens", type=_ints, default=[256, 512, 1000])
-    p.add_argument("--repeats", type=lambda t: _ints(t)[0], default=6,
+    p.add_argument("--repeats", type=_positive_int, default=6,
                    help="timed requests per length and mode")
-    p.add_argument("--parts", type=int, default=4, help="layer groups of a layer-wise transfer")
+    p.add_argument("--parts", type=_parts, default=4, help="layer groups of a layer-wise transfer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="save every sample and the summary here")
     return p

@@ -180,8 +180,8 @@ class _Placing:
     count: int                      # parts expected
     stream: int | None              # the layer-wise stream, None for request-level
     deadline: float                 # monotonic: the next part is overdue after it
+    num_pages: int                  # pages the KV fills (every part has all of them)
     futures: list[futures.Future] = dataclasses.field(default_factory=list)
-    handoffs: list[KVHandoff] = dataclasses.field(default_factory=list)
     first_token: int = -1
 
     @property
@@ -326,15 +326,15 @@ class DecodeWorker:
             p = _Placing(slot, r, pages, connector, sharding,
                          count=1 if h.part is None else h.part.count,
                          stream=None if h.part is None else h.part.stream,
-                         deadline=time.monotonic() + self.part_timeout_s)
+                         deadline=time.monotonic() + self.part_timeout_s,
+                         num_pages=h.num_pages)
             self._placing.append(p)
             self._place(p, h)
             if p.stream is not None:
-                key = (r.request_id, p.stream)
+                key = _stream_key(h)
                 self._streams[key] = p
                 # Its later parts that arrived while it waited for a slot go along now.
-                ours = [x[0].part is not None and (x[0].request_id, x[0].part.stream) == key
-                        for x in self.pending]
+                ours = [_stream_key(x[0]) == key for x in self.pending]
                 later = [x for x, mine in zip(self.pending, ours) if mine]
                 self.pending = collections.deque(x for x, mine in zip(self.pending, ours)
                                                  if not mine)
@@ -349,7 +349,6 @@ class DecodeWorker:
                 self.counters.finished += r.state is State.FINISHED
 
     def _place(self, p: _Placing, h: KVHandoff) -> None:
-        p.handoffs.append(h)
         p.futures.append(self._transfers.submit(self._checked_place, p.connector, h, p.sharding))
         p.deadline = time.monotonic() + self.part_timeout_s
         if h.part is None or h.part.is_last:
@@ -372,11 +371,10 @@ class DecodeWorker:
 
     def _continue(self, h: KVHandoff, connector: Connector) -> None:
         """Route a layer-wise part after the first to its transfer in progress."""
-        key = (h.request_id, h.part.stream)
+        key = _stream_key(h)
         p = self._streams.get(key)
         if p is None:
-            if any(x.part is not None and (x.request_id, x.part.stream) == key
-                   for x, _ in self.pending):
+            if any(_stream_key(x) == key for x, _ in self.pending):
                 self.pending.append((h, connector))   # its first part still waits for a slot
             else:
                 connector.discard(h)                   # its transfer ended (failed, cancelled)
@@ -452,8 +450,7 @@ class DecodeWorker:
             if not p.done:
                 continue
             self._end(p)
-            num_pages = p.handoffs[0].num_pages
-            self.runner.insert(self.scheduler.shard_of(slot), p.pages[:num_pages], k, v)
+            self.runner.insert(self.scheduler.shard_of(slot), p.pages[:p.num_pages], k, v)
             if p.connector is self.connectors[0]:   # the others are on-mesh (local prefill)
                 num_bytes = sum(x[2].num_bytes for x in results)
                 seconds = sum(x[2].seconds for x in results)
@@ -510,6 +507,11 @@ class DecodeWorker:
             if r.transition(State.WAITING):
                 self.resubmit(r)
         self._preempted.clear()
+
+
+def _stream_key(h: KVHandoff) -> tuple[str, int] | None:
+    """Which layer-wise transfer a part belongs to (None: a request-level handoff)."""
+    return None if h.part is None else (h.request_id, h.part.stream)
 
 
 def _failed(error: BaseException) -> futures.Future:

@@ -11,6 +11,7 @@ import pytest
 from jaxpd import bench
 from jaxpd.bench_driver import make_bench_requests
 from jaxpd.workload import make_workload
+from tests.cli_fixtures import assert_flag_rejected
 from tests.hf_fixtures import build_hf_model
 
 NUM_REQUESTS = 5
@@ -107,10 +108,7 @@ def test_prompts_are_fixed_by_the_seed_not_the_rate():
     (["--unknown_flag", "1"], "--unknown_flag"),
 ])
 def test_bad_flags_are_rejected_naming_the_flag(flags, named, capsys):
-    with pytest.raises(SystemExit) as exc:
-        bench.parse_args(flags)
-    assert exc.value.code == 2
-    assert named in capsys.readouterr().err
+    assert_flag_rejected(bench.parse_args, flags, named, capsys)
 
 
 def test_flags_parse_and_compare_keeps_mesh_pairs_whole():
@@ -155,9 +153,8 @@ def test_layerwise_bench_compares_both_modes_on_the_same_prompts(tiny_dir, tmp_p
     (["--transports", "carrier_pigeon"], "transports"),
     (["--prompt_lens", "0"], "prompt_lens"),
     (["--random_model", "depth=3"], "random_model"),
+    (["--parts", "1"], "parts"),
 ])
 def test_layerwise_bench_rejects_bad_flags(flags, named, capsys):
     from jaxpd import bench_layerwise
-    with pytest.raises(SystemExit):
-        bench_layerwise.build_parser().parse_args(flags)
-    assert named in capsys.readouterr().err
+    assert_flag_rejected(bench_layerwise.build_parser().parse_args, flags, named, capsys)

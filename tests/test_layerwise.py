@@ -12,7 +12,7 @@ from jaxpd.request import State
 from models.llama import layer_groups
 from tests.engine_fixtures import (assert_all_pages_free, build_hf_model, mixed_prompts,
                                    reference, wait_idle)
-from transfer.connector import KVPart
+from transfer.connector import KVHandoff, KVPart
 from transfer.device_put import DevicePutConnector
 
 NUM_REQUESTS = 12
@@ -190,7 +190,7 @@ def test_part_travels_on_both_wires_and_old_peers_are_refused():
 
     part = KVPart(stream=12345, index=1, count=3, layer_start=2)
     k = jax.numpy.arange(2 * 1 * 16 * 2 * 4, dtype=jax.numpy.float32).reshape(2, 1, 16, 2, 4)
-    handoff = grpc_stream.KVHandoff("r1", 9, -1, k, -k, {"x": 1}, None, part)
+    handoff = KVHandoff("r1", 9, -1, k, -k, {"x": 1}, None, part)
     received = grpc_stream.decode_handoff(list(grpc_stream.encode_handoff(handoff).messages(1 << 20)))
     assert received.part == part and received.first_token == -1
     np.testing.assert_array_equal(received.v, -np.asarray(k))
@@ -213,7 +213,7 @@ def test_pages_that_do_not_fit_the_pool_fail_the_transfer_not_the_engine():
     import jax.numpy as jnp
 
     from jaxpd.workers import DecodeWorker
-    from transfer.connector import KVHandoff, TransferError, TransferStats
+    from transfer.connector import TransferError, TransferStats
 
     pool = jnp.zeros((4, 9, 16, 2, 8), jnp.float32)
     worker = types.SimpleNamespace(runner=types.SimpleNamespace(k_pool=pool))

@@ -19,6 +19,7 @@ from jaxpd.bench_driver import EngineBackend, make_bench_requests
 from jaxpd.metrics import slo_attainment
 from jaxpd.plan_profile import MeshProfiler
 from jaxpd.workload import make_workload
+from tests.cli_fixtures import assert_flag_rejected
 from tests.hf_fixtures import build_hf_model
 
 PROMPTS, OUTPUTS = "16:1,32:1", "32"
@@ -49,10 +50,7 @@ def test_enumerate_splits():
     (["--slo_ttft", "nan"], "--slo_ttft"),
 ])
 def test_bad_flags_are_rejected_naming_the_flag(flags, named, capsys):
-    with pytest.raises(SystemExit) as exc:
-        plan.parse_args(flags)
-    assert exc.value.code == 2
-    assert named in capsys.readouterr().err
+    assert_flag_rejected(plan.parse_args, flags, named, capsys)
 
 
 @pytest.fixture(scope="module")

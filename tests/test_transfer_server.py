@@ -7,6 +7,7 @@ failures, each an error rather than a hang or wrong numbers.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -175,23 +176,6 @@ def test_layout_needing_more_devices_is_refused(decode, remote):
                      jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
 
-def test_offer_ttl_frees_unacked_arrays_and_late_pull_fails(decode):
-    prefill = TransferServerConnector(
-        "prefill", decode_control_address=decode.control_address,
-        options=TransferServerOptions(offer_ttl_s=0.5))
-    try:
-        k = jax.device_put(pages(0), sender_shardings(jax.devices())[0])
-        prefill.send(KVHandoff("late", 40, 1, k, k))
-        assert prefill.pending() == 1
-        handoff = decode.receive(timeout=5)
-        time.sleep(0.8)
-        assert prefill.pending() == 0
-        with pytest.raises(PullTimeoutError):
-            decode.place(handoff, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-    finally:
-        prefill.close()
-
-
 def test_version_skew_on_the_control_plane_is_refused(decode):
     layout = describe(jnp.zeros((1, 1, 16, 4, 8)))
     skewed = Offer(uuid=1, request_id="r", num_tokens=1, first_token=0, k=layout, v=layout,
@@ -229,59 +213,69 @@ def test_unavailable_transfer_server_names_the_fallback(monkeypatch):
         TransferServerConnector("decode")
 
 
-def test_without_server_side_ttl_expired_offers_are_reclaimed(decode, monkeypatch):
-    # jax < 0.10.1: await_pull takes no timeout (see transfer.jax_compat), so the
-    # connector ends an expired offer itself by pulling it back; a late pull then fails.
-    monkeypatch.setattr(jax_compat, "await_pull_takes_timeout", lambda: False)
-    prefill = TransferServerConnector(
-        "prefill", decode_control_address=decode.control_address,
-        options=TransferServerOptions(offer_ttl_s=0.5))
-    try:
-        k = jax.device_put(pages(0), sender_shardings(jax.devices())[0])
-        prefill.send(KVHandoff("late", 40, 1, k, k))
-        handoff = decode.receive(timeout=5)
-        time.sleep(0.8)
-        assert prefill.pending() == 0
-        deadline = time.monotonic() + 10
-        while prefill.reclaimed == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert prefill.reclaimed == 1
-        with pytest.raises(PullTimeoutError):
-            decode.place(handoff, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-    finally:
-        prefill.close()
-
-
 def test_options_refuse_empty_transport_addresses():
     with pytest.raises(ValueError, match="transport_addresses"):
         TransferServerOptions(transport_addresses=())
 
 
-if __name__ == "__main__":
-    if sys.argv[1] == "sender":
-        _sender_main(sys.argv[2])
+@contextlib.contextmanager
+def one_offer(decode, request_id: str, **options):
+    """A prefill connector that has offered one handoff to `decode`: yields it and the
+    decode side's (not yet pulled) handoff; closes it afterwards."""
+    prefill = TransferServerConnector("prefill", decode_control_address=decode.control_address,
+                                      options=TransferServerOptions(**options))
+    try:
+        k = jax.device_put(pages(0), sender_shardings(jax.devices())[0])
+        prefill.send(KVHandoff(request_id, 40, 1, k, k))
+        assert prefill.pending() == 1
+        yield prefill, decode.receive(timeout=5)
+    finally:
+        prefill.close()
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def assert_pull_fails(decode, handoff) -> None:
+    """Nobody can pull the offer any more: the server no longer holds it."""
+    with pytest.raises(PullTimeoutError):
+        decode.place(handoff, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+
+
+def test_offer_ttl_frees_unacked_arrays_and_late_pull_fails(decode):
+    with one_offer(decode, "late", offer_ttl_s=0.5) as (prefill, handoff):
+        time.sleep(0.8)
+        assert prefill.pending() == 0
+        assert_pull_fails(decode, handoff)
+
+
+def test_without_server_side_ttl_expired_offers_are_reclaimed(decode, monkeypatch):
+    # jax < 0.10.1: await_pull takes no timeout (see transfer.jax_compat), so the
+    # connector ends an expired offer itself by pulling it back; a late pull then fails.
+    monkeypatch.setattr(jax_compat, "await_pull_takes_timeout", lambda: False)
+    with one_offer(decode, "late", offer_ttl_s=0.5) as (prefill, handoff):
+        time.sleep(0.8)
+        assert prefill.pending() == 0
+        wait_until(lambda: prefill.reclaimed)
+        assert prefill.reclaimed == 1
+        assert_pull_fails(decode, handoff)
 
 
 def test_discarded_offer_is_freed_on_the_sender_at_once(decode):
     # A cancelled request's pending transfer: the decode side never pulls it, and the
-    # sender must not hold its pages until the TTL.
-    prefill = TransferServerConnector(
-        "prefill", decode_control_address=decode.control_address,
-        options=TransferServerOptions(offer_ttl_s=60))
-    try:
-        k = jax.device_put(pages(0), sender_shardings(jax.devices())[0])
-        prefill.send(KVHandoff("cancelled", 40, 1, k, k))
-        assert prefill.pending() == 1
-        handoff = decode.receive(timeout=5)
+    # sender must not hold its pages until the TTL -- in its own bookkeeping nor in the
+    # transfer server (which it ends by pulling the offer back once).
+    with one_offer(decode, "cancelled", offer_ttl_s=60) as (prefill, handoff):
         decode.discard(handoff)
-        deadline = time.monotonic() + 5
-        while (prefill.pending() or not prefill.reclaimed) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not prefill.pending() and prefill.reclaimed)
         assert prefill.pending() == 0
-        # Ended in the transfer server too (pulled back once), not held until the TTL:
-        # nobody can pull it any more.
         assert prefill.reclaimed == 1
-        with pytest.raises(PullTimeoutError):
-            decode.place(handoff, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-    finally:
-        prefill.close()
+        assert_pull_fails(decode, handoff)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "sender":
+        _sender_main(sys.argv[2])
