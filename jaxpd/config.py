@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sharding.mesh import MeshSpec, parse_mesh_spec
+from jaxpd.sharding.spec import MeshSpec, parse_mesh_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,5 +80,5 @@ class EngineConfig:
     def buckets(self) -> list[int]:
         # Up to max_model_len, not max_prompt_len: a preempted request is recomputed from
         # prompt + generated tokens.
-        from jaxpd.scheduler import length_buckets
+        from jaxpd.engine.scheduler import length_buckets
         return length_buckets(self.max_model_len, self.min_bucket)

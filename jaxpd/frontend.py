@@ -13,8 +13,8 @@ from jaxpd.config import EngineConfig
 from jaxpd.outputs import CompletionOutput, RequestMetrics, StreamDelta
 from jaxpd.request import Request
 from jaxpd.sampling_params import SamplingParams
-from models.config import ModelConfig
-from models.tokenizer import IncrementalDecoder, Tokenizer
+from jaxpd.models.config import ModelConfig
+from jaxpd.models.tokenizer import IncrementalDecoder, Tokenizer
 
 _POLL_S = 0.5
 

@@ -5,13 +5,14 @@ from typing import Callable, Sequence
 
 from jaxpd.config import EngineConfig
 from jaxpd.default_model import default_model_dir
-from jaxpd.engine import Engine
+from jaxpd.engine.engine import Engine
 from jaxpd.frontend import Frontend
 from jaxpd.outputs import CompletionOutput
 from jaxpd.request import Request
 from jaxpd.sampling_params import SamplingParams
-from models import checkpoint
-from transfer.connector import Connector
+from jaxpd.stats import EngineStats
+from jaxpd.models import checkpoint
+from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
 
 
 class LLM(Frontend):
@@ -20,7 +21,7 @@ class LLM(Frontend):
     model: a Hugging Face checkpoint directory, or None for the built-in default.
     mesh: "prefill=P,decode=D[xT]" or "colocated=N". warmup: compile every bucket now
     (reporting through `progress`) instead of on first use. connector: how KV moves
-    (default: in-process `DevicePutConnector`; a cross-process one for single-role
+    (default: in-process `DevicePutConnector`; a cross-process sender or receiver for single-role
     meshes "prefill=P" / "decode=D"). Other keyword arguments go to `EngineConfig`
     (page_size, max_model_len, slots_per_shard, ...).
     """
@@ -28,7 +29,8 @@ class LLM(Frontend):
     def __init__(self, model: str | None = None, mesh: str = "prefill=4,decode=4",
                  dtype: str = "float32", warmup: bool = False,
                  progress: Callable[[str], None] | None = None,
-                 connector: Connector | None = None, **engine_options):
+                 connector: Connector | KVSender | KVReceiver | None = None,
+                 **engine_options):
         loaded = checkpoint.load(model or default_model_dir(), dtype="float32")
         engine_options.setdefault("max_model_len", min(loaded.cfg.max_position_embeddings, 1024))
         self.config = EngineConfig(mesh=mesh, dtype=dtype, **engine_options)
@@ -44,7 +46,7 @@ class LLM(Frontend):
         return self.engine.new_request_id()
 
     def failure(self) -> BaseException | None:
-        return self.engine._error
+        return self.engine.error
 
     def submit(self, request: Request) -> Request:
         return self.engine.submit(request)
@@ -52,7 +54,7 @@ class LLM(Frontend):
     def abort(self, request_id: str, reason: str = "cancelled") -> bool:
         return self.engine.abort(request_id, reason)
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         return self.engine.stats()
 
     def shutdown(self) -> None:

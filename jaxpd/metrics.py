@@ -29,6 +29,18 @@ import numpy as np
 PERCENTILES = (50, 90, 99)
 
 
+def ttft(arrival: float, token_times: Sequence[float]) -> float | None:
+    """Time to first token: the first token's time minus arrival; None before one."""
+    return token_times[0] - arrival if token_times else None
+
+
+def tpot(token_times: Sequence[float]) -> float | None:
+    """Time per output token: the mean gap between output tokens, the first token
+    excluded (it is TTFT's); None with fewer than 2 tokens."""
+    n = len(token_times)
+    return (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else None
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestTimeline:
     """Wall-clock times (seconds, one shared clock) of one request's life.
@@ -77,17 +89,12 @@ class RequestTimeline:
     @property
     def ttft(self) -> float | None:
         """Time to first token; None when no token was emitted."""
-        if not self.token_times_s:
-            return None
-        return self.token_times_s[0] - self.arrival_s
+        return ttft(self.arrival_s, self.token_times_s)
 
     @property
     def tpot(self) -> float | None:
         """Mean time per output token excluding the first; None with fewer than 2 tokens."""
-        n = len(self.token_times_s)
-        if n < 2:
-            return None
-        return (self.token_times_s[-1] - self.token_times_s[0]) / (n - 1)
+        return tpot(self.token_times_s)
 
     @property
     def itls(self) -> list[float]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpd.metrics import tpot, ttft
 from jaxpd.request import Request
 
 
@@ -28,8 +29,7 @@ class RequestMetrics:
             queue_s=None if t.prefill_start is None else t.prefill_start - t.arrival,
             prefill_s=None if t.prefill_end is None else t.prefill_end - t.prefill_start,
             transfer_s=t.transfer_s, transfer_bytes=t.transfer_bytes,
-            ttft_s=times[0] - t.arrival if times else None,
-            tpot_s=(times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+            ttft_s=ttft(t.arrival, times), tpot_s=tpot(times),
             itl_s=itl,
             e2e_s=None if t.finish is None else t.finish - t.arrival,
             num_preemptions=t.num_preemptions)

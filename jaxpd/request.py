@@ -3,10 +3,13 @@
     WAITING -> PREFILLING -> TRANSFERRING -> DECODING -> FINISHED
     any non-final state -> ABORTED (with a reason)
     DECODING / TRANSFERRING -> WAITING      (preempted: recomputed later)
-    PREFILLING -> FINISHED                  (first token already ends it)
+    PREFILLING / TRANSFERRING -> FINISHED   (the first token already ends it)
+    WAITING -> FINISHED                     (a router's request: relayed tokens end it)
 
-Every request ends in exactly one final state; `finish`/`abort` on a final request is
-a no-op that returns False, so racing cancel and completion cannot double-finish.
+Every change of state goes through `_move` (under the request's lock): `transition`
+for the loops, `append_token` when a token ends it, `abort`. Every request ends in
+exactly one final state; `abort` on a final request is a no-op that returns False, so
+racing cancel and completion cannot double-finish.
 """
 from __future__ import annotations
 
@@ -29,10 +32,12 @@ class State(enum.Enum):
 
 
 _ALLOWED = {
-    State.WAITING: {State.PREFILLING},
-    State.PREFILLING: {State.TRANSFERRING, State.FINISHED, State.WAITING},
-    State.TRANSFERRING: {State.DECODING, State.WAITING},
-    State.DECODING: {State.FINISHED, State.WAITING},
+    # WAITING -> FINISHED: the router's own request waits while the roles work on it;
+    # the tokens it relays end it.
+    State.WAITING: {State.PREFILLING, State.FINISHED, State.ABORTED},
+    State.PREFILLING: {State.TRANSFERRING, State.FINISHED, State.WAITING, State.ABORTED},
+    State.TRANSFERRING: {State.DECODING, State.FINISHED, State.WAITING, State.ABORTED},
+    State.DECODING: {State.FINISHED, State.WAITING, State.ABORTED},
 }
 FINAL = (State.FINISHED, State.ABORTED)
 
@@ -60,7 +65,7 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), state: State = State.WAITING):
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
@@ -68,7 +73,7 @@ class Request:
         self.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(eos_token_ids))
         self.output_ids: list[int] = []
-        self.state = State.WAITING
+        self.state = state
         self.finish_reason: str | None = None   # "stop" | "length" | "abort"
         self.abort_reason: str | None = None
         self.timings = Timings(arrival=time.perf_counter())
@@ -94,14 +99,14 @@ class Request:
         }
 
     @classmethod
-    def from_wire(cls, d: dict) -> "Request":
-        """A decode-side mirror of a request prefilled elsewhere (state TRANSFERRING)."""
+    def from_wire(cls, d: dict, state: State = State.TRANSFERRING) -> "Request":
+        """A request from another process: by default a decode-side mirror of one
+        prefilled there (its KV is on the way); WAITING to prefill it here."""
         params = SamplingParams(**{**d["params"], "stop_token_ids": tuple(d["params"]["stop_token_ids"])})
-        r = cls(d["request_id"], d["prompt_ids"], params)
+        r = cls(d["request_id"], d["prompt_ids"], params, state=state)
         r.seed = int(d["seed"])
         r.stop_ids = frozenset(d["stop_ids"])
         r.output_ids = list(d["output_ids"])
-        r.state = State.TRANSFERRING
         return r
 
     def __repr__(self):
@@ -125,11 +130,15 @@ class Request:
         with self._lock:
             if self.state is State.ABORTED:
                 return False
-            if new not in _ALLOWED.get(self.state, ()):
-                raise RuntimeError(f"request {self.request_id}: illegal transition "
-                                   f"{self.state.value} -> {new.value}")
-            self.state = new
+            self._move(new)
             return True
+
+    def _move(self, new: State) -> None:
+        """The one place a state changes (caller holds the lock)."""
+        if new not in _ALLOWED.get(self.state, ()):
+            raise RuntimeError(f"request {self.request_id}: illegal transition "
+                               f"{self.state.value} -> {new.value}")
+        self.state = new
 
     def append_token(self, token: int, now: float) -> bool:
         """Record one generated token; True when it ends the request (and it is finished).
@@ -147,7 +156,7 @@ class Request:
         self.events.put(([token], None))
         if reason is not None:
             with self._lock:
-                self.state = State.FINISHED
+                self._move(State.FINISHED)
                 self.finish_reason = reason
             self.timings.finish = now
             self.events.put(([], reason))
@@ -159,7 +168,7 @@ class Request:
         with self._lock:
             if self.state in FINAL:
                 return False
-            self.state = State.ABORTED
+            self._move(State.ABORTED)
             self.finish_reason = "abort"
             self.abort_reason = reason
         self.timings.finish = time.perf_counter()

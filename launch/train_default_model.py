@@ -29,10 +29,10 @@ import numpy as np
 import optax
 
 from launch import default_corpus
-from models import checkpoint
-from models.config import ModelConfig
-from models.hf_io import save_hf_params
-from models.llama import Llama, init_params
+from jaxpd.models import checkpoint
+from jaxpd.models.config import ModelConfig
+from jaxpd.models.hf_io import save_hf_params
+from jaxpd.models.llama import Llama, init_params
 
 NUM_EVALS = 20                 # points on the validation curve
 NUM_EVAL_WINDOWS = 64          # fixed windows each periodic evaluation scores

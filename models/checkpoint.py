@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from models.config import ModelConfig
-from models.hf_io import DTYPES, load_hf_params
-from models.llama import abstract_params
-from models.tokenizer import Tokenizer
+from jaxpd.models.config import ModelConfig
+from jaxpd.models.hf_io import DTYPES, load_hf_params
+from jaxpd.models.llama import abstract_params
+from jaxpd.models.tokenizer import Tokenizer
 
 ORBAX_DIR = "params"
 

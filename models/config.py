@@ -60,6 +60,12 @@ class ModelConfig:
         layer = attn + 3 * d * f + 2 * d
         return self.num_layers * layer + v * d * (1 if self.tie_word_embeddings else 2) + d
 
+    def logical_dims(self) -> dict[str, int]:
+        """The sizes `jaxpd.sharding.logical_rules` needs to decide what splits over tp
+        (sharding knows no model): `logical_rules(mesh, **cfg.logical_dims())`."""
+        return {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
+                "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size}
+
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
         """Build from the dict of a Hugging Face `config.json`, refusing what we can't run."""

@@ -18,7 +18,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models.config import ModelConfig
+from jaxpd.models.config import ModelConfig
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 

@@ -23,9 +23,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.attention import causal_attention, paged_attention, write_pages
-from models.config import ModelConfig
-from models.rope import apply_rope, inverse_frequencies
+from jaxpd.models.attention import causal_attention, paged_attention, write_pages
+from jaxpd.models.config import ModelConfig
+from jaxpd.models.rope import apply_rope, inverse_frequencies
 
 
 def _param(module: nn.Module, name: str, shape: Sequence[int], axes: tuple[str, ...],

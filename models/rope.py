@@ -6,7 +6,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import ModelConfig
+from jaxpd.models.config import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:

@@ -4,26 +4,29 @@ Models name axes logically (`heads`, `kv_heads`, `mlp`, `vocab`, `embed`, ...). 
 they meet a mesh: everything Megatron splits goes over `tp` when the size divides
 evenly; a dimension that does not divide (e.g. fewer KV heads than tp) is replicated,
 never dropped. `dp` never appears in weight rules: weights are replicated over dp.
+
+Sharding is the bottom layer and knows no model: callers pass the sizes of the split
+dimensions (`ModelConfig.logical_dims()` gives them for a model).
 """
 from __future__ import annotations
 
 import flax.linen as nn
 from jax.sharding import Mesh
 
-from models.config import ModelConfig
 
-
-def logical_rules(cfg: ModelConfig, mesh: Mesh) -> tuple[tuple[str, str | None], ...]:
+def logical_rules(mesh: Mesh, *, num_heads: int, num_kv_heads: int, intermediate_size: int,
+                  vocab_size: int) -> tuple[tuple[str, str | None], ...]:
+    """(logical axis, mesh axis or None) pairs for weights of these sizes on `mesh`."""
     tp = mesh.shape.get("tp", 1)
 
     def over_tp(size: int) -> str | None:
         return "tp" if tp > 1 and size % tp == 0 else None
 
     return (
-        ("heads", over_tp(cfg.num_heads)),
-        ("kv_heads", over_tp(cfg.num_kv_heads)),
-        ("mlp", over_tp(cfg.intermediate_size)),
-        ("vocab", over_tp(cfg.vocab_size)),
+        ("heads", over_tp(num_heads)),
+        ("kv_heads", over_tp(num_kv_heads)),
+        ("mlp", over_tp(intermediate_size)),
+        ("vocab", over_tp(vocab_size)),
         ("embed", None),
         ("head_dim", None),
         ("batch", None),

@@ -17,8 +17,8 @@ def main() -> None:
     fault, rest = sys.argv[1], sys.argv[2:]
     kind, nth = fault.split(":")
     nth = int(nth)
-    from transfer.grpc_stream import GrpcConnector
-    from transfer.transfer_server import TransferServerConnector
+    from jaxpd.transfer.grpc_stream import GrpcSender
+    from jaxpd.transfer.transfer_server import TransferServerSender
 
     calls = {"n": 0}
 
@@ -32,7 +32,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
         return send
 
-    original_ack = TransferServerConnector._on_ack
+    original_ack = TransferServerSender._on_ack
     acks = {"n": 0}
 
     def on_ack(self, ack):
@@ -41,11 +41,11 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         original_ack(self, ack)
 
-    TransferServerConnector.send = dying(TransferServerConnector.send)
-    GrpcConnector.send = dying(GrpcConnector.send)     # die_* faults over the gRPC stream
-    TransferServerConnector._on_ack = on_ack
+    TransferServerSender.send = dying(TransferServerSender.send)
+    GrpcSender.send = dying(GrpcSender.send)     # die_* faults over the gRPC stream
+    TransferServerSender._on_ack = on_ack
     from absl import app
-    from jaxpd import launch
+    from jaxpd.serving import launch
 
     launch.define_flags()
     sys.argv = ["jaxpd.launch"] + rest

@@ -1,9 +1,10 @@
-"""Tiny random Hugging Face checkpoints built locally with `transformers` (no hub)."""
+"""Tiny random Hugging Face checkpoints built locally with `transformers` (no hub).
+
+torch and transformers are imported inside the functions: importing them takes seconds,
+and most test modules that import this file only use them in slow tests."""
 from __future__ import annotations
 
 import os
-
-import torch
 
 # Several families and options: GQA, Llama 3 rope scaling, qwen2 q/k/v bias, mistral,
 # tied embeddings, MHA with an explicit head_dim.
@@ -25,6 +26,7 @@ CONFIGS = {
 def build_hf_model(name: str, path: str, vocab_size: int = 256, hidden_size: int = 64,
                    num_layers: int = 2, seed: int = 0):
     """Create, save (`save_pretrained`) and return a tiny random HF model."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(CONFIGS[name])
@@ -44,6 +46,8 @@ def build_hf_model(name: str, path: str, vocab_size: int = 256, hidden_size: int
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Reference greedy continuation from transformers' `generate`."""
+    import torch
+
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
@@ -51,5 +55,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 def hf_logits(model, tokens: list[int]):
+    import torch
+
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].numpy()

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.llama import Llama
+from jaxpd.models.llama import Llama
 
 
 def paged_greedy(cfg, params, prompt: list[int], num_new: int, page_size: int = 16,

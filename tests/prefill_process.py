@@ -18,28 +18,28 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 def main() -> None:
     model_dir, decode_control, spec_file, mode = sys.argv[1:5]
     from jaxpd.config import EngineConfig
-    from jaxpd.engine import Engine
+    from jaxpd.engine.engine import Engine
     from jaxpd.request import Request
     from jaxpd.sampling_params import SamplingParams
-    from models import checkpoint
-    from transfer.transfer_server import TransferServerConnector
+    from jaxpd.models import checkpoint
+    from jaxpd.transfer.transfer_server import TransferServerSender
 
     with open(spec_file) as f:
         specs = json.load(f)
-    connector = TransferServerConnector("prefill", decode_control_address=decode_control)
+    connector = TransferServerSender(decode_control_address=decode_control)
     engine = Engine(checkpoint.load(model_dir), EngineConfig(mesh="prefill=2", max_model_len=160),
                     connector=connector)
     for s in specs:
         engine.submit(Request(s["id"], s["prompt"], SamplingParams(**s["params"])))
     deadline = time.monotonic() + 60
-    while engine._live and time.monotonic() < deadline:   # handed off -> forgotten here
+    while len(engine.requests) and time.monotonic() < deadline:   # handed off -> forgotten here
         time.sleep(0.01)
     if mode == "die_after_offer":
         os.kill(os.getpid(), signal.SIGKILL)
     while connector.pending() and time.monotonic() < deadline:
         time.sleep(0.01)
     engine.shutdown()
-    print(json.dumps(engine.stats()), flush=True)
+    print(json.dumps(engine.stats().as_dict()), flush=True)
 
 
 if __name__ == "__main__":

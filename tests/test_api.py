@@ -1,6 +1,10 @@
 """The public API on the built-in default model: no arguments needed, text in, text out."""
+import pytest
+
 import jaxpd
 from jaxpd import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
 
 
 def test_one_shot_generate_with_the_default_model():

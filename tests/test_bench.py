@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from jaxpd import bench
-from jaxpd.bench_driver import make_bench_requests
-from jaxpd.workload import make_workload
+from jaxpd.bench import cli as bench
+from jaxpd.bench.driver import make_bench_requests
+from jaxpd.bench.workload import make_workload
 from tests.cli_fixtures import assert_flag_rejected
 from tests.hf_fixtures import build_hf_model
 
@@ -134,7 +134,7 @@ def test_missing_model_is_a_clear_error(tmp_path):
 
 
 def test_layerwise_bench_compares_both_modes_on_the_same_prompts(tiny_dir, tmp_path, capsys):
-    from jaxpd import bench_layerwise
+    from jaxpd.bench import layerwise as bench_layerwise
     out = tmp_path / "layerwise.json"
     assert bench_layerwise.main(["--model", tiny_dir, "--transports", "device_put",
                                  "--prompt_lens", "20,40", "--repeats", "2", "--parts", "2",
@@ -156,5 +156,5 @@ def test_layerwise_bench_compares_both_modes_on_the_same_prompts(tiny_dir, tmp_p
     (["--parts", "1"], "parts"),
 ])
 def test_layerwise_bench_rejects_bad_flags(flags, named, capsys):
-    from jaxpd import bench_layerwise
+    from jaxpd.bench import layerwise as bench_layerwise
     assert_flag_rejected(bench_layerwise.build_parser().parse_args, flags, named, capsys)

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from models import checkpoint
-from models.config import ModelConfig
-from models.hf_io import save_hf_params
-from models.llama import abstract_params
-from sharding import build_meshes, logical_rules, named_shardings
+from jaxpd.models import checkpoint
+from jaxpd.models.config import ModelConfig
+from jaxpd.models.hf_io import save_hf_params
+from jaxpd.models.llama import abstract_params
+from jaxpd.sharding import build_meshes, logical_rules, named_shardings
 from tests.hf_fixtures import build_hf_model
 
 
@@ -36,7 +36,7 @@ def test_orbax_round_trip_is_exact_including_onto_four_devices(hf_dir, tmp_path)
                  loaded.params, back)
     mesh = build_meshes("prefill=4,decode=4").prefill
     _, logical = abstract_params(loaded.cfg)
-    shardings = named_shardings(logical, mesh, logical_rules(loaded.cfg, mesh))
+    shardings = named_shardings(logical, mesh, logical_rules(mesh, **loaded.cfg.logical_dims()))
     sharded = checkpoint.restore_params(str(tmp_path / "params"), loaded.cfg, shardings=shardings)
     q = sharded["layers_0"]["q_proj"]
     assert q.sharding == shardings["layers_0"]["q_proj"] and len(q.sharding.device_set) == 4

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxpd.default_model import default_model_dir
-from models import checkpoint
-from models.llama import Llama
+from jaxpd.models import checkpoint
+from jaxpd.models.llama import Llama
 from tests.hf_fixtures import hf_greedy
 from tests.model_helpers import paged_greedy
 
@@ -61,6 +61,7 @@ def test_shipped_files_are_small():
     assert total <= 20 * 2**20
 
 
+@pytest.mark.slow
 def test_tokenizers_agree_and_round_trip(loaded, hf_tokenizer):
     text = "The list type supports x[i:j] -- and naïve café\ttabs.\n\n  Indented."
     ids = loaded.tokenizer.encode(text)
@@ -70,6 +71,7 @@ def test_tokenizers_agree_and_round_trip(loaded, hf_tokenizer):
     assert hf_tokenizer.decode(ids, skip_special_tokens=True) == text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_matches_transformers(loaded, hf_model, prompt):
     ids = loaded.tokenizer.encode(prompt)
@@ -79,6 +81,7 @@ def test_greedy_matches_transformers(loaded, hf_model, prompt):
     assert paged_greedy(loaded.cfg, loaded.params, ids, NUM_NEW)[0] == expected
 
 
+@pytest.mark.slow
 def test_greedy_text_is_made_of_corpus_words(loaded):
     ids = forward_greedy(loaded, loaded.tokenizer.encode(PROMPTS[0]), NUM_NEW)
     # Not a degenerate loop on one token.

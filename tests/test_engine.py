@@ -25,6 +25,7 @@ def _greedy(n):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_greedy_matches_hf_on_every_mesh_with_staggered_arrivals(tiny, mesh):
     path, prompts, max_tokens, expected = tiny
@@ -54,6 +55,7 @@ def llm(tiny):
         yield llm
 
 
+@pytest.mark.slow
 def test_transfer_bytes_are_exactly_the_used_pages(llm, tiny):
     _, prompts, _, _ = tiny
     cfg = llm.model_config
@@ -64,6 +66,7 @@ def test_transfer_bytes_are_exactly_the_used_pages(llm, tiny):
     assert_all_pages_free(llm)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_independent_of_batch(llm, tiny):
     _, prompts, _, _ = tiny
     params = SamplingParams(max_tokens=20, temperature=0.9, top_k=50, top_p=0.95, seed=1234,
@@ -81,6 +84,7 @@ def test_seeded_sampling_is_independent_of_batch(llm, tiny):
     assert_all_pages_free(llm)
 
 
+@pytest.mark.slow
 def test_stream_deltas_add_up_to_the_completion(llm, tiny):
     _, prompts, max_tokens, expected = tiny
     deltas = list(llm.stream(prompt_token_ids=prompts[5], sampling_params=_greedy(max_tokens[5])))
@@ -89,6 +93,7 @@ def test_stream_deltas_add_up_to_the_completion(llm, tiny):
     assert all(d.finish_reason is None for d in deltas[:-1])
 
 
+@pytest.mark.slow
 def test_stop_token_ends_with_reason_stop(llm, tiny):
     _, prompts, max_tokens, expected = tiny
     stop = expected[7][4]
@@ -99,6 +104,7 @@ def test_stop_token_ends_with_reason_stop(llm, tiny):
     assert out.token_ids == expected[7][:expected[7].index(stop) + 1]
 
 
+@pytest.mark.slow
 def test_abort_frees_slot_and_pages(llm, tiny):
     _, prompts, _, _ = tiny
     r = llm.submit(llm.make_request(prompt_token_ids=prompts[1], sampling_params=_greedy(140)))
@@ -111,6 +117,7 @@ def test_abort_frees_slot_and_pages(llm, tiny):
     assert_all_pages_free(llm)
 
 
+@pytest.mark.slow
 def test_no_compilation_in_steady_state(llm, tiny):
     _, prompts, max_tokens, _ = tiny
     run = lambda: llm.generate(prompt_token_ids=prompts, sampling_params=[_greedy(n) for n in max_tokens])
@@ -121,6 +128,7 @@ def test_no_compilation_in_steady_state(llm, tiny):
     assert before["prefill"] <= len(llm.config.buckets) * 4     # (length, batch) buckets
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs,field", [
     (dict(prompt_token_ids=[]), "prompt_token_ids"),
     (dict(prompt_token_ids=[1, 9999]), "prompt_token_ids"),
@@ -146,6 +154,7 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.slow
 def test_preemption_with_a_tiny_pool_keeps_outputs(tiny):
     path, prompts, max_tokens, expected = tiny
     # 11 usable pages per shard for 4 slots: requests must be preempted and recomputed.
@@ -159,6 +168,7 @@ def test_preemption_with_a_tiny_pool_keeps_outputs(tiny):
         assert_all_pages_free(llm)
 
 
+@pytest.mark.slow
 def test_engine_failure_aborts_requests_and_surfaces(tiny, monkeypatch):
     path, prompts, _, _ = tiny
     llm = LLM(path, mesh="prefill=1,decode=1", max_model_len=64)
@@ -174,6 +184,7 @@ def test_engine_failure_aborts_requests_and_surfaces(tiny, monkeypatch):
         llm.shutdown()
 
 
+@pytest.mark.slow
 def test_shutdown_leaves_no_thread_and_aborts_in_flight(tiny):
     path, prompts, _, _ = tiny
     llm = LLM(path, mesh="colocated=2", max_model_len=160)
@@ -187,6 +198,7 @@ def test_shutdown_leaves_no_thread_and_aborts_in_flight(tiny):
     assert not set(mine) & set(threading.enumerate())
 
 
+@pytest.mark.slow
 def test_warmup_compiles_everything_a_workload_needs(tiny):
     path, prompts, max_tokens, expected = tiny
     messages = []
@@ -204,6 +216,7 @@ def test_warmup_compiles_everything_a_workload_needs(tiny):
         assert any("prefill" in m for m in messages) and any("decode" in m for m in messages)
 
 
+@pytest.mark.slow
 def test_short_prompts_prefill_locally_without_transfer(tiny):
     path, prompts, max_tokens, expected = tiny
     with LLM(path, mesh="prefill=2,decode=2", max_model_len=160, slots_per_shard=4,
@@ -230,6 +243,7 @@ def default_uncompressed():
         return llm.generate(TEXT_PROMPTS, SamplingParams(max_tokens=32, temperature=0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,layerwise", [("int8", 0), ("fp8", 0), ("int8", 16)])
 def test_compressed_transfer_saves_bytes_and_keeps_greedy_tokens(default_uncompressed, kind,
                                                                  layerwise):
@@ -251,6 +265,7 @@ def test_compressed_transfer_saves_bytes_and_keeps_greedy_tokens(default_uncompr
         assert_all_pages_free(llm)
 
 
+@pytest.mark.slow
 def test_duplicate_handoff_of_a_request_is_dropped(tiny, monkeypatch):
     # A router retry can make two prefills of one request reach the decode side.
     path, prompts, max_tokens, expected = tiny

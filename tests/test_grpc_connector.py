@@ -1,4 +1,4 @@
-"""GrpcConnector across two processes over 127.0.0.1, and every way a stream can be damaged.
+"""GrpcSender and GrpcReceiver across two processes over 127.0.0.1, and every way a stream can be damaged.
 
 A sender subprocess (4 CPU devices, this file run as a script) streams sharded KV pages
 in small chunks; this pytest process is the decode side and places them on another
@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from transfer import grpc_stream
-from transfer.connector import KVHandoff
-from transfer.grpc_stream import (ChecksumMismatchError, EncodedHandoff, GrpcConnector,
+from jaxpd.transfer import grpc_stream
+from jaxpd.transfer.connector import KVHandoff
+from jaxpd.transfer.grpc_stream import (ChecksumMismatchError, EncodedHandoff, GrpcReceiver, GrpcSender,
                                   GrpcStreamOptions, MalformedHeaderError, StreamDataError,
                                   TruncatedStreamError, decode_handoff, encode_handoff)
-from transfer.layout import WireVersionError
+from jaxpd.transfer.layout import WireVersionError
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE_LPSKH = (2, 3, 16, 4, 8)
@@ -44,7 +44,7 @@ def pages(dtype) -> np.ndarray:
 
 def _sender_main(decode_address: str) -> None:
     """Child process: stream one float32 and one bfloat16 handoff, K sharded over 'tp'."""
-    connector = GrpcConnector("prefill", decode_address=decode_address,
+    connector = GrpcSender(decode_address=decode_address,
                               options=GrpcStreamOptions(chunk_size=CHUNK_SIZE, rpc_timeout_s=20))
     sharding = NamedSharding(Mesh(np.array(jax.devices()[:4]), ("tp",)), P(None, None, None, "tp"))
     for dtype in (np.float32, jnp.bfloat16):
@@ -58,7 +58,7 @@ def _sender_main(decode_address: str) -> None:
 
 @pytest.fixture(scope="module")
 def decode():
-    connector = GrpcConnector("decode", options=GrpcStreamOptions(rpc_timeout_s=10))
+    connector = GrpcReceiver(options=GrpcStreamOptions(rpc_timeout_s=10))
     yield connector
     connector.close()
 
@@ -68,6 +68,7 @@ def local_handoff() -> KVHandoff:
     return KVHandoff("local", 40, 7, x, -x, payload={"temperature": 0.0})
 
 
+@pytest.mark.slow
 def test_pages_stream_across_processes_exactly(decode):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
                XLA_FLAGS="--xla_force_host_platform_device_count=4")
@@ -133,7 +134,7 @@ def test_damaged_streams_are_refused_and_never_queued(decode):
 
 
 def test_sender_raises_what_the_receiver_refused(decode, monkeypatch):
-    sender = GrpcConnector("prefill", decode_address=decode.address,
+    sender = GrpcSender(decode_address=decode.address,
                            options=GrpcStreamOptions(chunk_size=CHUNK_SIZE))
     try:
         real_messages = EncodedHandoff.messages

@@ -1,6 +1,7 @@
 """Layer-wise KV transfer: each layer group's pages leave the prefill mesh as soon as
 they are computed. Same tokens as request-level, same pages, nothing leaked."""
 import dataclasses
+import time
 
 import jax
 import numpy as np
@@ -9,11 +10,11 @@ import pytest
 from jaxpd import LLM, SamplingParams
 from jaxpd.config import EngineConfig
 from jaxpd.request import State
-from models.llama import layer_groups
+from jaxpd.models.llama import layer_groups
 from tests.engine_fixtures import (assert_all_pages_free, build_hf_model, mixed_prompts,
                                    reference, wait_idle)
-from transfer.connector import KVHandoff, KVPart
-from transfer.device_put import DevicePutConnector
+from jaxpd.transfer.connector import KVHandoff, KVPart
+from jaxpd.transfer.device_put import DevicePutConnector
 
 NUM_REQUESTS = 12
 
@@ -60,6 +61,7 @@ def test_kv_part_validates_its_index():
     assert KVPart.from_dict(None) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["prefill=1,decode=1", "prefill=4,decode=2x2"])
 def test_layerwise_greedy_matches_hf_and_request_level(tiny, mesh):
     path, _, prompts, max_tokens, expected = tiny
@@ -82,6 +84,7 @@ def test_layerwise_greedy_matches_hf_and_request_level(tiny, mesh):
         assert_all_pages_free(llm)
 
 
+@pytest.mark.slow
 def test_first_token_that_finishes_frees_the_reserved_slot(tiny):
     """Parts went out before the first token was known; it ends the request: the
     decode side must give back the slot it reserved for the rest."""
@@ -110,6 +113,7 @@ class DroppingConnector(DevicePutConnector):
         super().send(handoff)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drop_index", [1, 2])     # a middle part; the last one
 def test_a_lost_part_times_out_and_the_request_is_prefilled_again(tiny, drop_index):
     path, _, prompts, max_tokens, expected = tiny
@@ -128,6 +132,7 @@ def test_a_lost_part_times_out_and_the_request_is_prefilled_again(tiny, drop_ind
         assert_all_pages_free(llm)
 
 
+@pytest.mark.slow
 def test_abort_between_parts_frees_everything(tiny):
     path, _, prompts, _, _ = tiny
     long = [p for p in prompts if len(p) > 32][:4]
@@ -157,12 +162,13 @@ def test_abort_between_parts_frees_everything(tiny):
         assert llm.stats()["layerwise_transfers"] == 0
 
 
+@pytest.mark.slow
 def test_runner_layerwise_pages_equal_fused_prefill(tiny):
     """The layer groups' pages, joined, are bit-identical to the fused program's."""
     path = tiny[0]
     with LLM(path, mesh="prefill=4,decode=4", max_model_len=160, layerwise_min_tokens=0) as llm:
         runner = llm.engine.prefill_runner
-        from jaxpd.runner import SamplingArrays
+        from jaxpd.engine.runner import SamplingArrays
         rng = np.random.default_rng(0)
         tokens = rng.integers(3, 256, (2, 64)).astype(np.int32)
         lengths = np.array([64, 37], np.int32)
@@ -185,8 +191,8 @@ def test_part_travels_on_both_wires_and_old_peers_are_refused():
     """The part rides in the transfer server's Offer and in the gRPC stream header;
     a peer of the previous wire version (which would read a part as a whole KV) is
     refused, never misread."""
-    from transfer import control, grpc_stream
-    from transfer.layout import WireVersionError, describe
+    from jaxpd.transfer import control, grpc_stream
+    from jaxpd.transfer.layout import WireVersionError, describe
 
     part = KVPart(stream=12345, index=1, count=3, layer_start=2)
     k = jax.numpy.arange(2 * 1 * 16 * 2 * 4, dtype=jax.numpy.float32).reshape(2, 1, 16, 2, 4)
@@ -208,26 +214,35 @@ def test_part_travels_on_both_wires_and_old_peers_are_refused():
 def test_pages_that_do_not_fit_the_pool_fail_the_transfer_not_the_engine():
     """E.g. the prefill side compresses KV (uint8 rows) and this side does not: the
     transfer fails with a reason naming the likely cause; the engine lives on."""
-    import types
+    from concurrent import futures
 
     import jax.numpy as jnp
 
-    from jaxpd.workers import DecodeWorker
-    from transfer.connector import TransferError, TransferStats
+    from jaxpd.transfer.connector import TransferError, TransferStats
+    from jaxpd.transfer.inbound import PENDING, Inbound, Placed, wait_any
 
-    pool = jnp.zeros((4, 9, 16, 2, 8), jnp.float32)
-    worker = types.SimpleNamespace(runner=types.SimpleNamespace(k_pool=pool))
+    expect = jax.ShapeDtypeStruct((4, 3, 16, 2, 8), jnp.float32)   # the pool's, for 3 pages
     packed = jnp.zeros((4, 3, 16 * 2 * 8 + 4), jnp.uint8)
 
     class Raw:
         def place(self, h, sharding):
             return h.k, h.v, TransferStats(0, 0.0)
 
-    with pytest.raises(TransferError, match="kv_transfer_dtype"):
-        DecodeWorker._checked_place(worker, Raw(), KVHandoff("r", 40, 5, packed, packed), None)
-    good = jnp.ones((4, 3, 16, 2, 8), jnp.float32)
-    k, v, _ = DecodeWorker._checked_place(worker, Raw(), KVHandoff("r", 40, 5, good, good), None)
-    assert k.shape == good.shape
-    part = jnp.ones((2, 3, 16, 2, 8), jnp.float32)       # a layer group of a layer-wise part
-    DecodeWorker._checked_place(worker, Raw(), KVHandoff("r", 40, -1, part, part,
-                                                         part=KVPart(1, 0, 2, 0)), None)
+        def discard(self, h):
+            pass
+
+    def placed(handoff):
+        inbound = Inbound(handoff, Raw(), pool, part_timeout_s=30, counted=True, remote=False)
+        inbound.start(None, expect)
+        while wait_any([inbound], 5):
+            pass
+        return inbound.poll(time.monotonic())
+
+    with futures.ThreadPoolExecutor(1) as pool:
+        error = placed(KVHandoff("r", 40, 5, packed, packed))
+        assert isinstance(error, TransferError) and "kv_transfer_dtype" in str(error)
+        good = jnp.ones((4, 3, 16, 2, 8), jnp.float32)
+        result = placed(KVHandoff("r", 40, 5, good, good))
+        assert isinstance(result, Placed) and result.k.shape == good.shape
+        part = jnp.ones((2, 3, 16, 2, 8), jnp.float32)    # a layer group of a layer-wise part
+        assert placed(KVHandoff("r", 40, -1, part, part, part=KVPart(1, 0, 2, 0))) is PENDING

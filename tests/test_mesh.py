@@ -1,9 +1,9 @@
 import jax
 import pytest
 
-from sharding import build_meshes, logical_rules, parse_mesh_spec
-from sharding.mesh import MeshSpec
-from models.config import ModelConfig
+from jaxpd.sharding import build_meshes, logical_rules
+from jaxpd.sharding.spec import MeshSpec, parse_mesh_spec
+from jaxpd.models.config import ModelConfig
 
 
 @pytest.mark.parametrize("spec,expected", [
@@ -56,8 +56,18 @@ def test_rules_replicate_what_does_not_divide():
     cfg = ModelConfig("llama", vocab_size=102, hidden_size=64, intermediate_size=128,
                       num_layers=1, num_heads=8, num_kv_heads=2, head_dim=8,
                       max_position_embeddings=64)
-    rules = dict(logical_rules(cfg, build_meshes("prefill=4,decode=4").prefill))
+    rules = dict(logical_rules(build_meshes("prefill=4,decode=4").prefill, **cfg.logical_dims()))
     assert rules["heads"] == "tp" and rules["mlp"] == "tp"
     assert rules["kv_heads"] is None            # 2 kv heads over tp=4: replicated
     assert rules["vocab"] is None               # 102 rows do not split 4 ways
     assert all(axis in (None, "tp") for axis in rules.values())   # never dp on weights
+
+
+def test_rules_take_sizes_not_a_model():
+    mesh = build_meshes("prefill=2,decode=2x2").decode       # tp=2 inside each dp shard
+    rules = dict(logical_rules(mesh, num_heads=4, num_kv_heads=1, intermediate_size=6,
+                               vocab_size=7))
+    assert rules["heads"] == rules["mlp"] == "tp"
+    assert rules["kv_heads"] is None and rules["vocab"] is None
+    with pytest.raises(TypeError):
+        logical_rules(mesh, 4, 1, 6, 7)                     # sizes are keyword-only

@@ -3,19 +3,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import checkpoint
-from models.llama import Llama
-from tests.hf_fixtures import CONFIGS, build_hf_model, hf_greedy, hf_logits
+from jaxpd.models import checkpoint
+from jaxpd.models.llama import Llama
+from tests.hf_fixtures import CONFIGS, hf_greedy, hf_logits
 from tests.model_helpers import paged_greedy
+
+pytestmark = pytest.mark.slow
 
 PROMPT_LENGTHS = (1, 15, 16, 17, 100)
 NUM_NEW = 24
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
-def hf_pair(request, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp(request.param))
-    hf_model = build_hf_model(request.param, path)
+def hf_pair(request, hf_models):
+    path, hf_model = hf_models(request.param)
     return hf_model, checkpoint.load(path)
 
 

@@ -8,24 +8,24 @@ import time
 import pytest
 
 from jaxpd.config import EngineConfig
-from jaxpd.engine import Engine
-from jaxpd.request import Request
+from jaxpd.engine.engine import Engine
+from jaxpd.request import Request, State
 from jaxpd.sampling_params import SamplingParams
-from models import checkpoint
-from tests.engine_fixtures import build_hf_model, mixed_prompts, reference
-from transfer import jax_compat
-from transfer.transfer_server import TransferServerConnector, TransferServerOptions
+from jaxpd.models import checkpoint
+from tests.engine_fixtures import mixed_prompts, reference
+from jaxpd.transfer import jax_compat
+from jaxpd.transfer.transfer_server import TransferServerOptions, TransferServerReceiver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM = 10
-pytestmark = pytest.mark.skipif(jax_compat.unavailable_reason() is not None,
-                                reason=str(jax_compat.unavailable_reason()))
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(jax_compat.unavailable_reason() is not None,
+                                 reason=str(jax_compat.unavailable_reason()))]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("mp_model"))
-    hf = build_hf_model("llama_gqa", path)
+def model(tiny_hf_model):
+    path, hf = tiny_hf_model
     prompts = mixed_prompts(NUM, 256, seed=3)
     max_tokens = [4 + 3 * i for i in range(NUM)]
     return path, prompts, max_tokens, reference(hf, prompts, max_tokens)
@@ -33,7 +33,7 @@ def model(tmp_path_factory):
 
 def _run(model, tmp_path, mode, slots_per_shard=4):
     path, prompts, max_tokens, expected = model
-    connector = TransferServerConnector("decode", options=TransferServerOptions(pull_timeout_s=10))
+    connector = TransferServerReceiver(options=TransferServerOptions(pull_timeout_s=10))
     engine = Engine(checkpoint.load(path), EngineConfig(mesh="decode=2", max_model_len=160,
                                                         slots_per_shard=slots_per_shard),
                     connector=connector)
@@ -42,7 +42,7 @@ def _run(model, tmp_path, mode, slots_per_shard=4):
              for i, (p, n) in enumerate(zip(prompts, max_tokens))]
     mirrors = []
     for s in specs:
-        r = Request(s["id"], s["prompt"], SamplingParams(**s["params"]))
+        r = Request(s["id"], s["prompt"], SamplingParams(**s["params"]), state=State.TRANSFERRING)
         engine.register(r)
         mirrors.append(r)
     spec_file = tmp_path / "requests.json"

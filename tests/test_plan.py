@@ -14,11 +14,11 @@ import math
 
 import pytest
 
-from jaxpd import plan
-from jaxpd.bench_driver import EngineBackend, make_bench_requests
+from jaxpd.plan import planner as plan
+from jaxpd.bench.driver import EngineBackend, make_bench_requests
 from jaxpd.metrics import slo_attainment
-from jaxpd.plan_profile import MeshProfiler
-from jaxpd.workload import make_workload
+from jaxpd.plan.profile import MeshProfiler
+from jaxpd.bench.workload import make_workload
 from tests.cli_fixtures import assert_flag_rejected
 from tests.hf_fixtures import build_hf_model
 

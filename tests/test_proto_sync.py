@@ -1,7 +1,7 @@
 """The checked-in gRPC stubs are exactly what `grpc_tools.protoc` makes of jaxpd.proto.
 
 They are generated from the repository root (`-I.`), which is what makes the service
-module import the messages as `jaxpd.proto.jaxpd_pb2`; see `jaxpd/proto/__init__.py`
+module import the messages as `jaxpd.serving.proto.jaxpd_pb2`; see `jaxpd/serving/proto/__init__.py`
 for the command. The output embeds the grpcio-tools version, hence its pin in setup.cfg.
 """
 import os
@@ -9,7 +9,7 @@ import os
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROTO = os.path.join("jaxpd", "proto", "jaxpd.proto")
+PROTO = os.path.join("jaxpd", "serving", "proto", "jaxpd.proto")
 GENERATED = ("jaxpd_pb2.py", "jaxpd_pb2.pyi", "jaxpd_pb2_grpc.py")
 
 
@@ -25,17 +25,17 @@ def test_checked_in_stubs_match_a_fresh_protoc_run(tmp_path):
                   f"--grpc_python_out=. {PROTO}  (with grpcio-tools "
                   f"{grpc_version.VERSION})")
     for name in GENERATED:
-        with open(tmp_path / "jaxpd" / "proto" / name) as f:
+        with open(tmp_path / "jaxpd" / "serving" / "proto" / name) as f:
             fresh = f.read()
-        with open(os.path.join(REPO, "jaxpd", "proto", name)) as f:
+        with open(os.path.join(REPO, "jaxpd", "serving", "proto", name)) as f:
             checked_in = f.read()
-        assert checked_in == fresh, f"jaxpd/proto/{name} is stale; {regenerate}"
+        assert checked_in == fresh, f"jaxpd/serving/proto/{name} is stale; {regenerate}"
 
 
 def test_stubs_import_as_a_package_and_describe_the_service():
-    from jaxpd.proto import jaxpd_pb2, jaxpd_pb2_grpc
+    from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
 
-    assert jaxpd_pb2_grpc.jaxpd_dot_proto_dot_jaxpd__pb2 is jaxpd_pb2
+    assert jaxpd_pb2_grpc.jaxpd_dot_serving_dot_proto_dot_jaxpd__pb2 is jaxpd_pb2
     service = jaxpd_pb2.DESCRIPTOR.services_by_name["Generation"]
     assert service.full_name == "jaxpd.v1.Generation"
     assert {m.name for m in service.methods} == {"Generate", "Complete", "Tokenize",

@@ -15,10 +15,12 @@ import time
 import grpc
 import pytest
 
-from jaxpd.proto import jaxpd_pb2, jaxpd_pb2_grpc
-from jaxpd.worker_rpc import WorkerClient
-from tests.engine_fixtures import build_hf_model, mixed_prompts, reference
-from transfer import jax_compat
+from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
+from jaxpd.serving.role_rpc import RoleClient
+from tests.engine_fixtures import mixed_prompts, reference
+from jaxpd.transfer import jax_compat
+
+pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM = 8
@@ -26,9 +28,8 @@ COMMON = ["--max_model_len", "160", "--nowarmup", "--host", "127.0.0.1"]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("router_model"))
-    hf = build_hf_model("llama_gqa", path)
+def model(tiny_hf_model):
+    path, hf = tiny_hf_model
     prompts = mixed_prompts(NUM, 256, seed=5)
     max_tokens = [6 + 2 * i for i in range(NUM)]
     long_tokens = [min(n * 4, 160 - len(p)) for p, n in zip(prompts, max_tokens)]
@@ -144,7 +145,7 @@ LAYERWISE = ["--layerwise_min_tokens", "32", "--layerwise_parts", "2"]
 def test_router_layerwise_transfer_matches_single_process(model, procs, transport):
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
     addr, router, workers = _deployment(procs, path, transport=transport, extra=LAYERWISE)
-    decode = WorkerClient(procs.wait_line(workers[1], r"decode worker on (\S+)").group(1))
+    decode = RoleClient(procs.wait_line(workers[1], r"decode worker on (\S+)").group(1))
     before = decode.info(timeout=10)
     outs = _generate_all(addr, prompts, max_tokens)
     assert [list(o.token_ids) for o in outs] == expected
@@ -168,7 +169,7 @@ def test_prefill_worker_killed_between_layer_parts_requests_still_finish(model, 
     outs = _generate_all(addr, prompts, max_tokens)
     assert workers[0].wait(timeout=60) == -signal.SIGKILL
     assert [list(o.token_ids) for o in outs] == expected
-    decode = WorkerClient(procs.wait_line(workers[1], r"decode worker on (\S+)").group(1))
+    decode = RoleClient(procs.wait_line(workers[1], r"decode worker on (\S+)").group(1))
     deadline = time.monotonic() + 30
     while decode.info(timeout=10)["free_slots"] != 8:      # every slot given back
         assert time.monotonic() < deadline
@@ -201,7 +202,7 @@ def test_decode_worker_killed_fails_over_to_another(model, procs):
     t = threading.Thread(target=run)
     t.start()
     # Kill whichever decode worker first holds two requests mid-stream.
-    clients = [WorkerClient(procs.wait_line(w, r"decode worker on (\S+)").group(1))
+    clients = [RoleClient(procs.wait_line(w, r"decode worker on (\S+)").group(1))
                for w in workers[1:]]
     deadline = time.monotonic() + 120
     victim = None
@@ -230,7 +231,7 @@ def test_last_decode_worker_killed_aborts_with_a_reason(model, procs):
     holder = {}
     t = threading.Thread(target=lambda: holder.update(outs=_generate_all(addr, prompts, long_tokens)))
     t.start()
-    client = WorkerClient(procs.wait_line(workers[1], r"decode worker on (\S+)").group(1))
+    client = RoleClient(procs.wait_line(workers[1], r"decode worker on (\S+)").group(1))
     deadline = time.monotonic() + 120
     while client.info(timeout=10)["free_slots"] > 8 - 2:
         assert time.monotonic() < deadline

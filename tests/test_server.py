@@ -2,7 +2,6 @@
 (with a tiny word-level tokenizer, so text prompts work too), driven by the generated
 stubs; plus `python -m jaxpd.launch` as a subprocess and the client CLI."""
 import contextlib
-import dataclasses
 import io
 import math
 import os
@@ -24,12 +23,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import \
     ProtoReflectionDescriptorDatabase
 
-from jaxpd import LLM, SamplingParams, client, launch
-from jaxpd.admission import AdmissionController
+from jaxpd import LLM, SamplingParams
+from jaxpd.serving import client, launch
+from jaxpd.serving.admission import AdmissionController
 from jaxpd.config import EngineConfig
 from jaxpd.outputs import RequestMetrics
-from jaxpd.proto import jaxpd_pb2, jaxpd_pb2_grpc
-from jaxpd.server import SERVICE_NAME, InferenceServer
+from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
+from jaxpd.serving.server import SERVICE_NAME, InferenceServer
 from tests.engine_fixtures import assert_all_pages_free, build_hf_model, mixed_prompts, wait_idle
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,6 +143,7 @@ def wait_for(predicate, timeout=30.0, what="condition"):
 
 # ---- serving ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_concurrent_streams_match_llm_generate(llm, stub):
     prompts = mixed_prompts(32, VOCAB, seed=1)
     max_tokens = [3 + (5 * i) % 25 for i in range(32)]
@@ -161,6 +162,7 @@ def test_concurrent_streams_match_llm_generate(llm, stub):
     assert_all_pages_free(llm)
 
 
+@pytest.mark.slow
 def test_text_prompt_streams_and_completes_like_llm(llm, stub):
     prompt = "the quick brown fox"
     out = llm.generate(prompt, greedy(12))[0]
@@ -174,6 +176,7 @@ def test_text_prompt_streams_and_completes_like_llm(llm, stub):
     assert done.finish_reason == "length" and done.metrics.HasField("tpot_s")
 
 
+@pytest.mark.slow
 def test_stop_token_and_seeded_sampling(llm, stub):
     ids = [5, 9, 11, 13]
     first = collect(stub, gen_request(ids, max_tokens=10, temperature=0.0, ignore_eos=True))[0]
@@ -188,6 +191,7 @@ def test_stop_token_and_seeded_sampling(llm, stub):
     assert sampled(7) == expected.token_ids
 
 
+@pytest.mark.slow
 def test_tokenize_and_model_info(llm, stub):
     assert list(stub.Tokenize(jaxpd_pb2.TokenizeRequest(text="the lazy dog")).token_ids) == \
         llm.tokenizer.encode("the lazy dog")
@@ -227,6 +231,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fields,field", BAD, ids=[f"{f}-{i}" for i, (_, f) in enumerate(BAD)])
 def test_bad_input_is_invalid_argument_naming_the_field(stub, fields, field):
     for call in (lambda m: list(stub.Generate(m)), stub.Complete):
@@ -236,6 +241,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(stub, fields, field):
         assert field in err.value.details()
 
 
+@pytest.mark.slow
 def test_server_keeps_serving_after_bad_input_and_pages_are_free(llm, stub):
     assert collect(stub, gen_request([3, 4], max_tokens=4, temperature=0.0))[2].finish_reason
     assert_all_pages_free(llm)
@@ -243,6 +249,7 @@ def test_server_keeps_serving_after_bad_input_and_pages_are_free(llm, stub):
 
 # ---- cancellation, deadline, overload -------------------------------------------------
 
+@pytest.mark.slow
 def test_client_cancel_aborts_and_frees_pages(llm, stub):
     aborted = llm.stats()["aborted"]
     call = stub.Generate(gen_request([7, 8, 9] * 10, max_tokens=95, temperature=0.0,
@@ -264,6 +271,7 @@ def spy_aborts(llm, monkeypatch) -> list:
     return aborts
 
 
+@pytest.mark.slow
 def test_deadline_aborts_at_once(llm, stub, monkeypatch):
     aborts = spy_aborts(llm, monkeypatch)
     with prefill_blocked(llm):
@@ -275,9 +283,9 @@ def test_deadline_aborts_at_once(llm, stub, monkeypatch):
     assert_all_pages_free(llm)
 
 
+@pytest.mark.slow
 def test_full_queue_is_resource_exhausted(llm, stub, monkeypatch):
-    monkeypatch.setattr(llm.engine, "config", dataclasses.replace(llm.engine.config,
-                                                                  max_queued=1))
+    monkeypatch.setattr(llm.engine.requests, "max_queued", 1)
     before = stub.Stats(jaxpd_pb2.StatsRequest())
     with futures.ThreadPoolExecutor(2, thread_name_prefix="test-client") as pool:
         with prefill_blocked(llm) as prefilling:
@@ -299,6 +307,7 @@ def test_full_queue_is_resource_exhausted(llm, stub, monkeypatch):
     assert_all_pages_free(llm)
 
 
+@pytest.mark.slow
 def test_predicted_ttft_above_slo_is_resource_exhausted(llm, monkeypatch):
     # A second server on the same engine, with an SLO no queued request can meet.
     server = InferenceServer(port=0, slo_ttft_ms=1e-3)
@@ -346,6 +355,7 @@ def test_admission_prediction_learns_the_drain_rate():
 
 # ---- stats, metrics, health, reflection ------------------------------------------------
 
+@pytest.mark.slow
 def test_stats_rpc_and_prometheus_endpoint(llm, stub, server):
     collect(stub, gen_request([1, 2, 3, 4], max_tokens=6, temperature=0.0, ignore_eos=True))
     wait_idle(llm)
@@ -378,6 +388,7 @@ def test_stats_rpc_and_prometheus_endpoint(llm, stub, server):
     assert err.value.code == 404
 
 
+@pytest.mark.slow
 def test_reflection_lists_the_service(channel):
     db = ProtoReflectionDescriptorDatabase(channel)
     assert SERVICE_NAME == "jaxpd.v1.Generation"
@@ -386,6 +397,7 @@ def test_reflection_lists_the_service(channel):
     assert methods == {"Generate", "Complete", "Tokenize", "ModelInfo", "Stats"}
 
 
+@pytest.mark.slow
 def test_health_serving_only_while_attached_and_shutdown_aborts_in_flight(llm, monkeypatch):
     aborts = spy_aborts(llm, monkeypatch)
     threads_before = set(threading.enumerate())
@@ -424,6 +436,7 @@ def test_health_serving_only_while_attached_and_shutdown_aborts_in_flight(llm, m
 
 # ---- the client CLI and the launcher ---------------------------------------------------
 
+@pytest.mark.slow
 def test_client_cli_streams_text_and_prints_metrics(llm, server):
     fv = flags.FlagValues()
     client.define_flags(fv)
@@ -461,6 +474,7 @@ def test_launch_flags_document_their_defaults_and_match_engine_config():
     assert launch.set_cpu_device_count("colocated=4", {"JAX_PLATFORMS": "cuda"}) is None
 
 
+@pytest.mark.slow
 def test_launch_serves_until_sigterm_and_exits_zero(model_dir, tmp_path):
     log_path = tmp_path / "launch.log"
     # No device count in XLA_FLAGS: the launcher must ask for the 2 devices itself.
@@ -506,6 +520,7 @@ def test_launch_serves_until_sigterm_and_exits_zero(model_dir, tmp_path):
 
 # ---- races ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_cancels_racing_prefill_transfer_and_admission_leave_the_engine_alive(llm, stub):
     # Last in the module: when this fails the engine is dead for every later test.
     # Cancels land while the request is being prefilled, transferred or admitted to a

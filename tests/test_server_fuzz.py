@@ -12,10 +12,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from jaxpd import LLM
-from jaxpd.proto import jaxpd_pb2, jaxpd_pb2_grpc
-from jaxpd.server import InferenceServer
+from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
+from jaxpd.serving.server import InferenceServer
 from tests.engine_fixtures import assert_all_pages_free
 from tests.test_server import SENTENCES, VOCAB, build_model
+
+pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 64
 EXPECTED_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}

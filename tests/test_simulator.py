@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 
 from jaxpd.metrics import find_goodput, slo_attainment
-from jaxpd.simulator import (DecodeModel, PrefillModel, fit_decode, fit_prefill,
+from jaxpd.plan.simulator import (DecodeModel, PrefillModel, fit_decode, fit_prefill,
                              simulate_colocated, simulate_disaggregated)
-from jaxpd.workload import WorkloadRequest, make_workload
+from jaxpd.bench.workload import WorkloadRequest, make_workload
 
 # Prefill: 10 ms fixed + 1 ms per prompt token. Decode: a flat 20 ms step.
 PREFILL = PrefillModel(a=0.01, b=0.001, c=0.0)

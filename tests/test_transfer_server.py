@@ -1,4 +1,4 @@
-"""TransferServerConnector across two processes over 127.0.0.1.
+"""TransferServerSender and TransferServerReceiver across two processes over 127.0.0.1.
 
 A sender subprocess (4 CPU devices, this file run as a script) offers KV pages laid out
 two ways; this pytest process (8 devices) is the decode side: it pulls them, places them
@@ -26,14 +26,14 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from transfer import jax_compat
-from transfer.connector import KVHandoff
-from transfer.control import ControlClient, Offer
-from transfer.layout import (ArrayLayout, LayoutMismatchError, WireVersionError,
-                             check_layout, describe, rebuild_sharding)
-from transfer.transfer_server import (PullTimeoutError, RemoteKVHandoff,
-                                      TransferServerConnector, TransferServerOptions,
-                                      TransferServerUnavailable)
+from jaxpd.transfer import jax_compat
+from jaxpd.transfer.connector import KVHandoff
+from jaxpd.transfer.control import ControlClient, Offer
+from jaxpd.transfer.layout import (ArrayLayout, LayoutMismatchError, WireVersionError,
+                                   check_layout, describe, rebuild_sharding)
+from jaxpd.transfer.transfer_server import (PullTimeoutError, RemoteKVHandoff,
+                                            TransferServerOptions, TransferServerReceiver,
+                                            TransferServerSender, TransferServerUnavailable)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE_LPSKH = (2, 3, 16, 4, 8)
@@ -55,7 +55,7 @@ def sender_shardings(devices) -> list[NamedSharding]:
 
 def _sender_main(decode_control_address: str) -> None:
     """Child process: offer both cases, wait for the acks, hold the server until stdin closes."""
-    connector = TransferServerConnector("prefill", decode_control_address=decode_control_address)
+    connector = TransferServerSender(decode_control_address=decode_control_address)
     for case, sharding in enumerate(sender_shardings(jax.devices())):
         k = jax.device_put(pages(case), sharding)
         v = jax.device_put(-pages(case), sharding)
@@ -118,8 +118,8 @@ class Child:
 def decode():
     if jax_compat.unavailable_reason() is not None:
         pytest.skip(f"jax {jax.__version__}: {jax_compat.unavailable_reason()}")
-    connector = TransferServerConnector(
-        "decode", options=TransferServerOptions(pull_timeout_s=2.0, rpc_timeout_s=5.0))
+    connector = TransferServerReceiver(
+        options=TransferServerOptions(pull_timeout_s=2.0, rpc_timeout_s=5.0))
     yield connector
     connector.close()
 
@@ -137,6 +137,7 @@ def remote(decode):
         child.stop()
 
 
+@pytest.mark.slow
 def test_pages_arrive_exactly_on_another_sharding(decode, remote):
     child, handoffs = remote
     devices = jax.devices()
@@ -157,6 +158,7 @@ def test_pages_arrive_exactly_on_another_sharding(decode, remote):
     child.expect("ACKED", timeout=15)
 
 
+@pytest.mark.slow
 def test_pull_of_never_offered_uuid_times_out(decode, remote):
     _, handoffs = remote
     fake = dataclasses.replace(handoffs[0].offer, uuid=12345, request_id="ghost")
@@ -167,6 +169,7 @@ def test_pull_of_never_offered_uuid_times_out(decode, remote):
     assert time.monotonic() - start < 10
 
 
+@pytest.mark.slow
 def test_layout_needing_more_devices_is_refused(decode, remote):
     _, handoffs = remote
     wide = dataclasses.replace(handoffs[0].offer.k, mesh_shape=(16,), num_shards=16)
@@ -209,8 +212,8 @@ def test_unavailable_transfer_server_names_the_fallback(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no transfer server on this backend")
     monkeypatch.setattr(jax_transfer, "start_transfer_server", broken)
-    with pytest.raises(TransferServerUnavailable, match="GrpcConnector"):
-        TransferServerConnector("decode")
+    with pytest.raises(TransferServerUnavailable, match="GrpcSender"):
+        TransferServerReceiver()
 
 
 def test_options_refuse_empty_transport_addresses():
@@ -222,8 +225,8 @@ def test_options_refuse_empty_transport_addresses():
 def one_offer(decode, request_id: str, **options):
     """A prefill connector that has offered one handoff to `decode`: yields it and the
     decode side's (not yet pulled) handoff; closes it afterwards."""
-    prefill = TransferServerConnector("prefill", decode_control_address=decode.control_address,
-                                      options=TransferServerOptions(**options))
+    prefill = TransferServerSender(decode_control_address=decode.control_address,
+                                   options=TransferServerOptions(**options))
     try:
         k = jax.device_put(pages(0), sender_shardings(jax.devices())[0])
         prefill.send(KVHandoff(request_id, 40, 1, k, k))
@@ -245,6 +248,7 @@ def assert_pull_fails(decode, handoff) -> None:
         decode.place(handoff, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
 
+@pytest.mark.slow
 def test_offer_ttl_frees_unacked_arrays_and_late_pull_fails(decode):
     with one_offer(decode, "late", offer_ttl_s=0.5) as (prefill, handoff):
         time.sleep(0.8)
@@ -252,6 +256,7 @@ def test_offer_ttl_frees_unacked_arrays_and_late_pull_fails(decode):
         assert_pull_fails(decode, handoff)
 
 
+@pytest.mark.slow
 def test_without_server_side_ttl_expired_offers_are_reclaimed(decode, monkeypatch):
     # jax < 0.10.1: await_pull takes no timeout (see transfer.jax_compat), so the
     # connector ends an expired offer itself by pulling it back; a late pull then fails.
@@ -264,6 +269,7 @@ def test_without_server_side_ttl_expired_offers_are_reclaimed(decode, monkeypatc
         assert_pull_fails(decode, handoff)
 
 
+@pytest.mark.slow
 def test_discarded_offer_is_freed_on_the_sender_at_once(decode):
     # A cancelled request's pending transfer: the decode side never pulls it, and the
     # sender must not hold its pages until the TTL -- in its own bookkeeping nor in the

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxpd.workload import WorkloadRequest, make_workload, parse_length_mix
+from jaxpd.bench.workload import WorkloadRequest, make_workload, parse_length_mix
 
 
 def test_parse_length_mix():

@@ -1,10 +1,11 @@
-"""The `Connector` protocol: how a finished prefill's KV pages reach the decode side.
+"""How a finished prefill's KV pages reach the decode side: `KVSender` and `KVReceiver`.
 
-The prefill side calls `send(handoff)`; the decode side calls `receive(timeout)` to
-get the next handoff (the control plane: metadata, pages possibly still remote),
-then `place(handoff, sharding)` to materialise the pages on the devices of the decode
-shard that owns the request's slot (the data plane). Splitting the two lets the
-decode side allocate its slot and pages *before* the bytes move.
+The prefill side calls `send(handoff)`. The decode side calls `receive(timeout)` to get
+the next handoff (the control plane: metadata, pages possibly still remote), then
+`place(handoff, sharding)` to materialise the pages on the devices of the decode shard
+that owns the request's slot (the data plane). Splitting the two lets the decode side
+allocate its slot and pages *before* the bytes move. Across processes the two halves
+are separate classes; in one process, `Connector` is both ends of one queue.
 """
 from __future__ import annotations
 
@@ -14,17 +15,8 @@ from typing import Any, Protocol
 
 import jax
 
-
-class TransferError(RuntimeError):
-    """A handoff could not be moved; the decode side re-prefills or the router retries."""
-
-
-class WireVersionError(TransferError):
-    """The peer speaks another wire-format version: never guess at its bytes."""
-
-
-class LayoutMismatchError(TransferError):
-    """An array's layout differs from the one announced, or cannot be rebuilt here."""
+from jaxpd.transfer.wire import (LayoutMismatchError, TransferError,  # noqa: F401 (re-exported)
+                                 WireVersionError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,24 +101,44 @@ def next_or_none(q: "queue.Queue[KVHandoff]", timeout: float | None) -> KVHandof
         return None
 
 
-class Connector(Protocol):
-    """Moves KV pages from prefill to decode."""
+class KVSender(Protocol):
+    """The prefill side of a transfer."""
 
     def send(self, handoff: KVHandoff) -> None:
-        """Prefill side: hand over a finished prefill. May block for backpressure."""
+        """Hand over a finished prefill (or one layer-wise part of it). May block for
+        backpressure; raises `TransferError` when the decode side cannot take it."""
 
-    def receive(self, timeout: float | None) -> KVHandoff | None:
-        """Decode side: the next handoff, or None after `timeout` seconds; with
-        `timeout=None` it does not wait at all."""
-
-    def place(self, handoff: KVHandoff,
-              sharding: jax.sharding.Sharding) -> tuple[jax.Array, jax.Array, TransferStats]:
-        """Decode side: the handoff's (k, v) pages on `sharding`, and what it cost.
-        Raises `TransferError` when the pages cannot be had: the caller re-prefills."""
-
-    def discard(self, handoff: KVHandoff) -> None:
-        """Decode side: this handoff will never be placed (its request was cancelled, or
-        a newer prefill of it superseded it): let the sender free its pages now."""
+    def counts(self) -> dict[str, int]:
+        """Event counts for `EngineStats` (names of its fields), e.g. offers reclaimed."""
 
     def close(self) -> None:
         """Release queues, servers and threads."""
+
+
+class KVReceiver(Protocol):
+    """The decode side of a transfer: the control plane (`receive`: metadata, pages
+    possibly still remote) apart from the data plane (`place`), so that a slot and its
+    pages are reserved before the bytes move. `transfer.inbound` builds on these."""
+
+    def receive(self, timeout: float | None) -> KVHandoff | None:
+        """The next handoff, or None after `timeout` seconds; with `timeout=None` it
+        does not wait at all."""
+
+    def place(self, handoff: KVHandoff,
+              sharding: jax.sharding.Sharding) -> tuple[jax.Array, jax.Array, TransferStats]:
+        """The handoff's (k, v) pages on `sharding`, and what it cost. Raises
+        `TransferError` when the pages cannot be had: the caller re-prefills."""
+
+    def discard(self, handoff: KVHandoff) -> None:
+        """This handoff will never be placed (its request was cancelled, or a newer
+        prefill of it superseded it): let the sender free its pages now."""
+
+    def counts(self) -> dict[str, int]:
+        """Event counts for `EngineStats` (names of its fields), e.g. streams rejected."""
+
+    def close(self) -> None:
+        """Release queues, servers and threads."""
+
+
+class Connector(KVSender, KVReceiver, Protocol):
+    """Both ends in one object: an in-process pipe (`DevicePutConnector`)."""

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-import msgpack
 
-from transfer.connector import KVPart
-from transfer.layout import (WIRE_VERSION, ArrayLayout, TransferError, WireVersionError,
-                             check_wire_version)
+from jaxpd.transfer.connector import KVPart
+from jaxpd.transfer.layout import ArrayLayout
+from jaxpd.transfer.wire import (WIRE_VERSION, TransferError, WireVersionError,
+                                 check_wire_version, pack, unpack)
 
 SERVICE = "jaxpd.transfer.Control"
 OFFER_METHOD = f"/{SERVICE}/Offer"
@@ -36,14 +36,6 @@ _log = logging.getLogger(__name__)
 
 class BackpressureError(TransferError):
     """The receiving side's queue stayed full: it cannot take another handoff now."""
-
-
-def pack(message: dict[str, Any]) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
-
-
-def unpack(data: bytes) -> dict[str, Any]:
-    return msgpack.unpackb(data, raw=False)
 
 
 @dataclasses.dataclass(frozen=True)

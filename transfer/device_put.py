@@ -6,7 +6,7 @@ import time
 
 import jax
 
-from transfer.connector import KVHandoff, TransferStats, next_or_none
+from jaxpd.transfer.connector import KVHandoff, TransferStats, next_or_none
 
 
 class DevicePutConnector:
@@ -44,6 +44,9 @@ class DevicePutConnector:
 
     def discard(self, handoff: KVHandoff) -> None:
         """Nothing to do: the pages go with the last reference to the handoff."""
+
+    def counts(self) -> dict[str, int]:
+        return {}
 
     def close(self) -> None:
         self._closed = True

@@ -28,16 +28,17 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Literal
+from typing import Any
 
 import grpc
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transfer.connector import KVHandoff, KVPart, TransferStats, next_or_none
-from transfer.control import BackpressureError, error_of, pack, unpack
-from transfer.layout import WIRE_VERSION, TransferError, WireVersionError, check_wire_version
+from jaxpd.transfer.connector import KVHandoff, KVPart, TransferStats, next_or_none
+from jaxpd.transfer.control import BackpressureError, error_of
+from jaxpd.transfer.wire import (WIRE_VERSION, TransferError, WireVersionError,
+                                 check_wire_version, pack, unpack)
 
 SERVICE = "jaxpd.transfer.KVStream"
 SEND_METHOD = f"/{SERVICE}/Send"
@@ -46,7 +47,8 @@ MAX_CHUNK_SIZE = 4 * MiB
 # Headers carry the request payload; allow it room beyond one chunk.
 MAX_MESSAGE_SIZE = 16 * MiB
 
-Role = Literal["prefill", "decode"]
+_LIMITS = [("grpc.max_receive_message_length", MAX_MESSAGE_SIZE),
+           ("grpc.max_send_message_length", MAX_MESSAGE_SIZE)]
 _log = logging.getLogger(__name__)
 
 
@@ -230,50 +232,23 @@ _STATUS_OF = {
 }
 
 
-class GrpcConnector:
-    """`Connector` over a gRPC byte stream, for prefill and decode in separate processes.
+class GrpcSender:
+    """`KVSender` over a gRPC byte stream to decode sides in other processes: streams to
+    each handoff's `destination` (a `GrpcReceiver.address`), or to `decode_address`
+    when it has none."""
 
-    role="decode" serves on `address` ("host:0" picks a port; see `.address`);
-    role="prefill" streams to each handoff's `destination` (a decode side's `address`),
-    or to `decode_address` when it has none.
-    """
-
-    def __init__(self, role: Role, *, address: str = "127.0.0.1:0",
-                 decode_address: str | None = None,
+    def __init__(self, *, decode_address: str | None = None,
                  options: GrpcStreamOptions = GrpcStreamOptions()):
-        if role not in ("prefill", "decode"):
-            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
-        if role == "decode" and decode_address is not None:
-            raise ValueError("decode_address is not accepted for role='decode'")
-        self.role = role
+        self.address = decode_address
         self.options = options
-        self.num_failed = 0
         self._closed = False
         self._lock = threading.Lock()
-        self._queue: queue.Queue[StreamedKVHandoff] = queue.Queue(maxsize=options.max_pending)
-        limits = [("grpc.max_receive_message_length", MAX_MESSAGE_SIZE),
-                  ("grpc.max_send_message_length", MAX_MESSAGE_SIZE)]
-        self._limits = limits
-        if role == "prefill":
-            self.address = decode_address
-            self._senders: dict[str, tuple[grpc.Channel, Callable]] = {}
-        else:
-            self._server = grpc.server(
-                concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kv-stream"),
-                options=limits)
-            handler = grpc.stream_unary_rpc_method_handler(
-                self._serve, request_deserializer=None, response_serializer=pack)
-            self._server.add_generic_rpc_handlers(
-                (grpc.method_handlers_generic_handler(SERVICE, {"Send": handler}),))
-            port = self._server.add_insecure_port(address)
-            if port == 0:
-                raise TransferError(f"KV stream server cannot bind {address}")
-            self.address = f"{address.rsplit(':', 1)[0]}:{port}"
-            self._server.start()
+        self._senders: dict[str, tuple[grpc.Channel, Callable]] = {}
 
     def send(self, handoff: KVHandoff) -> None:
         """Stream the pages; returns once the decode side has checked and queued them."""
-        self._require("prefill", "send")
+        if self._closed:
+            raise TransferError("GrpcSender is closed")
         encoded = encode_handoff(handoff)
         address = handoff.destination or self.address
         if address is None:
@@ -284,19 +259,54 @@ class GrpcConnector:
                                   timeout=self.options.rpc_timeout_s)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DATA_LOSS:
-                raise StreamDataError(f"{self.address} rejected the stream of "
+                raise StreamDataError(f"{address} rejected the stream of "
                                       f"{handoff.request_id!r}: {e.details()}") from e
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise MalformedHeaderError(f"{self.address}: {e.details()}") from e
-            raise error_of(e, self.address) from e
+                raise MalformedHeaderError(f"{address}: {e.details()}") from e
+            raise error_of(e, address) from e
 
     def _sender(self, address: str) -> Callable:
         with self._lock:
             if address not in self._senders:
-                channel = grpc.insecure_channel(address, options=self._limits)
+                channel = grpc.insecure_channel(address, options=_LIMITS)
                 self._senders[address] = (channel, channel.stream_unary(
                     SEND_METHOD, request_serializer=None, response_deserializer=unpack))
             return self._senders[address][1]
+
+    def counts(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            for channel, _ in self._senders.values():
+                channel.close()
+
+
+class GrpcReceiver:
+    """`KVReceiver` over a gRPC byte stream: serves on `address` ("host:0" picks a
+    port; see `.address`), checks each stream (sizes, crc32, wire version) before
+    queueing it."""
+
+    def __init__(self, *, address: str = "127.0.0.1:0",
+                 options: GrpcStreamOptions = GrpcStreamOptions()):
+        self.options = options
+        self.num_failed = 0
+        self._closed = False
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[StreamedKVHandoff] = queue.Queue(maxsize=options.max_pending)
+        self._server = grpc.server(
+            concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kv-stream"),
+            options=_LIMITS)
+        handler = grpc.stream_unary_rpc_method_handler(
+            self._serve, request_deserializer=None, response_serializer=pack)
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, {"Send": handler}),))
+        port = self._server.add_insecure_port(address)
+        if port == 0:
+            raise TransferError(f"KV stream server cannot bind {address}")
+        self.address = f"{address.rsplit(':', 1)[0]}:{port}"
+        self._server.start()
 
     def _serve(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> dict:
         try:
@@ -325,33 +335,25 @@ class GrpcConnector:
     def receive(self, timeout: float | None) -> StreamedKVHandoff | None:
         """The next checked handoff; None after `timeout` seconds (None or 0: do not
         wait), like `DevicePutConnector`."""
-        self._require("decode", "receive")
+        if self._closed:
+            raise TransferError("GrpcReceiver is closed")
         return next_or_none(self._queue, timeout)
 
-    def place(self, handoff: KVHandoff, sharding: jax.sharding.Sharding
+    def place(self, handoff: StreamedKVHandoff, sharding: jax.sharding.Sharding
               ) -> tuple[jax.Array, jax.Array, TransferStats]:
         """Host pages onto `sharding`; the stats include the time spent streaming."""
-        self._require("decode", "place")
         start = time.perf_counter()
         k, v = jax.block_until_ready(jax.device_put((handoff.k, handoff.v), sharding))
-        seconds = time.perf_counter() - start + getattr(handoff, "stream_seconds", 0.0)
+        seconds = time.perf_counter() - start + handoff.stream_seconds
         return k, v, TransferStats(int(k.nbytes) + int(v.nbytes), seconds)
 
-    def discard(self, handoff: KVHandoff) -> None:
+    def discard(self, handoff: StreamedKVHandoff) -> None:
         """Nothing to do: the bytes already arrived; the sender kept no copy."""
 
-    def _require(self, role: Role, method: str) -> None:
-        if self.role != role:
-            raise RuntimeError(f"{method}() is for role={role!r}; this connector is "
-                               f"role={self.role!r}")
-        if self._closed:
-            raise TransferError("GrpcConnector is closed")
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"kv_streams_rejected": self.num_failed}
 
     def close(self) -> None:
         self._closed = True
-        if self.role == "prefill":
-            with self._lock:
-                for channel, _ in self._senders.values():
-                    channel.close()
-        else:
-            self._server.stop(grace=None)
+        self._server.stop(grace=None)

@@ -13,7 +13,7 @@ import inspect
 
 # jax < 0.10.1: `TransferServer.await_pull(uuid, arrays)` takes no timeout, so the
 # server would keep an offer nobody pulls (a cancelled, discarded or expired handoff)
-# until the process exits. TransferServerConnector then ends such offers itself, at
+# until the process exits. TransferServerSender then ends such offers itself, at
 # its own TTL, by pulling them from its own server ("reclaim"; seen working on 0.6.0
 # and 0.8.3: a uuid can be pulled once, so the pull consumes the offer).
 MIN_JAX_FOR_OFFER_TTL = "0.10.1"

@@ -7,8 +7,8 @@ sender describes each array's sharding as a plain dict (msgpack-able), the recei
 rebuilds the same mesh shape over its own first N devices, pulls into that, and only
 then reshards locally.
 
-Also home of the wire-format version shared by every cross-process message, and of
-the errors a transfer can end in.
+The wire-format version and the transfer errors live in `jaxpd.transfer.wire` (no
+jax); they are re-exported here for the modules that already import them from here.
 """
 from __future__ import annotations
 
@@ -22,21 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from transfer.connector import LayoutMismatchError, TransferError, WireVersionError  # noqa: F401  (re-exported)
-
-# Bump on any change to Offer/Ack, the stream header or ArrayLayout's dict form.
-WIRE_VERSION = 2   # 2: handoffs may be layer-wise parts (`KVPart`)
+from jaxpd.transfer.wire import (WIRE_VERSION, LayoutMismatchError,  # noqa: F401  (re-exported)
+                                 TransferError, WireVersionError, check_wire_version)
 
 # A PartitionSpec entry in plain form: replicated, one mesh axis, or several.
 SpecEntry = None | str | tuple[str, ...]
-
-
-def check_wire_version(received: Any, where: str) -> None:
-    """Raise `WireVersionError` unless `received` is this build's `WIRE_VERSION`."""
-    if received != WIRE_VERSION:
-        raise WireVersionError(
-            f"{where}: peer sent wire version {received!r}, this side speaks "
-            f"{WIRE_VERSION}; run the same jaxpd version on prefill and decode")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Cross-process KV transfer: the JAX transfer server moves the pages, gRPC the metadata.
 
-Prefill side (`role="prefill"`), `send(handoff)`:
+Prefill side (`TransferServerSender`), `send(handoff)`:
   1. describe k and v (`ArrayLayout`), offer them to the local transfer server under a
      fresh random uuid: `await_pull(uuid, [k, v], timeout=now + offer_ttl_s)`;
   2. keep k and v referenced until the decode side acks (or the TTL passes: the
@@ -13,7 +13,7 @@ Prefill side (`role="prefill"`), `send(handoff)`:
   3. send an `Offer` (uuid, layouts, addresses, request metadata) to the decode side's
      control server. A full decode queue blocks this call up to `rpc_timeout_s`, then
      fails with `BackpressureError`.
-Decode side (`role="decode"`):
+Decode side (`TransferServerReceiver`):
   `receive(timeout)` returns a `RemoteKVHandoff`: the request's metadata, k and v as
   `jax.ShapeDtypeStruct`s (nothing moved yet), and the offer. `place(handoff, sharding)`
   pulls exactly the sender's layout onto this process's first N devices, under a
@@ -43,18 +43,15 @@ import secrets
 import threading
 import time
 from concurrent import futures
-from typing import Literal
 
 import jax
 
-from transfer import jax_compat
-from transfer.connector import KVHandoff, TransferStats, next_or_none
-from transfer.control import (Ack, BackpressureError, ControlClient, ControlServer, Offer,
-                              pack)
-from transfer.layout import (ArrayLayout, TransferError, check_layout, describe,
-                             shape_dtype_struct)
+from jaxpd.transfer import jax_compat
+from jaxpd.transfer.connector import KVHandoff, TransferStats, next_or_none
+from jaxpd.transfer.control import Ack, BackpressureError, ControlClient, ControlServer, Offer
+from jaxpd.transfer.layout import ArrayLayout, check_layout, describe, shape_dtype_struct
+from jaxpd.transfer.wire import TransferError, pack
 
-Role = Literal["prefill", "decode"]
 MiB = 1 << 20
 
 _log = logging.getLogger(__name__)
@@ -125,7 +122,7 @@ class _Pending:
 
 def start_transfer_server(options: TransferServerOptions):
     """A `jax.experimental.transfer` server, or `TransferServerUnavailable` saying why."""
-    fallback = "use transfer.grpc_stream.GrpcConnector instead (--kv_transport grpc)"
+    fallback = "use jaxpd.transfer.grpc_stream's GrpcSender/GrpcReceiver instead (--kv_transport grpc)"
     reason = jax_compat.unavailable_reason()
     if reason is not None:
         raise TransferServerUnavailable(f"jax {jax.__version__} has no usable transfer "
@@ -147,48 +144,60 @@ def _advertised(address: str, host: str | None) -> str:
     return address if host is None else f"{host}:{address.rsplit(':', 1)[1]}"
 
 
-class TransferServerConnector:
-    """`Connector` for prefill and decode in separate processes or hosts.
+class _Endpoint:
+    """What both sides share: this process's transfer server and a control server."""
 
-    role="prefill": offers go to each handoff's `destination` (a decode side's
-    `control_address`), or to `decode_control_address` when it has none; role="decode"
-    takes neither: offers say where to pull from.
-    """
-
-    def __init__(self, role: Role, *, control_address: str = "127.0.0.1:0",
-                 decode_control_address: str | None = None,
-                 options: TransferServerOptions = TransferServerOptions()):
-        if role not in ("prefill", "decode"):
-            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
-        if role == "decode" and decode_control_address is not None:
-            raise ValueError("decode_control_address is not accepted for role='decode'")
-        self.role = role
+    def __init__(self, control_address: str, options: TransferServerOptions, **handlers):
         self.options = options
         self._server = start_transfer_server(options)
         self.transfer_address = _advertised(self._server.address(), options.advertise_host)
         self._lock = threading.Condition()
-        self._pending: dict[int, _Pending] = {}
-        self._queue: queue.Queue[RemoteKVHandoff] = queue.Queue(maxsize=options.max_pending)
         self._closed = False
+        self._control = ControlServer(control_address, **handlers)
+        self.control_address = _advertised(self._control.address, options.advertise_host)
+        self._clients: dict[str, ControlClient] = {}
+
+    def _client(self, address: str) -> ControlClient:
+        with self._lock:
+            if address not in self._clients:
+                self._clients[address] = ControlClient(address)
+            return self._clients[address]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError(f"{type(self).__name__} is closed")
+
+    def close(self) -> None:
+        """Stop the control plane. The JAX transfer server has no stop method; it goes
+        with the process."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        self._control.stop()
+        for client in self._clients.values():
+            client.close()
+
+
+class TransferServerSender(_Endpoint):
+    """`KVSender` to decode sides in other processes or hosts: offers go to each
+    handoff's `destination` (a `TransferServerReceiver.control_address`), or to
+    `decode_control_address` when it has none."""
+
+    def __init__(self, *, control_address: str = "127.0.0.1:0",
+                 decode_control_address: str | None = None,
+                 options: TransferServerOptions = TransferServerOptions()):
+        super().__init__(control_address, options, on_ack=self._on_ack)
+        self._default_destination = decode_control_address
+        self._pending: dict[int, _Pending] = {}
         # jax < 0.10.1 cannot expire offers in the server: we end them ourselves.
         self._server_expires_offers = jax_compat.await_pull_takes_timeout()
         self._reclaimer = futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpd-reclaim")
         self.reclaimed = 0       # offers ended by pulling them back (never pulled by a peer)
-        if role == "prefill":
-            self._control = ControlServer(control_address, on_ack=self._on_ack)
-            self._default_destination = decode_control_address
-            self._decode_clients: dict[str, ControlClient] = {}
-        else:
-            self._control = ControlServer(control_address, on_offer=self._on_offer)
-        self.control_address = _advertised(self._control.address, options.advertise_host)
-        self._ack_clients: dict[str, ControlClient] = {}
-
-    # -- prefill side -------------------------------------------------------------
 
     def send(self, handoff: KVHandoff) -> None:
         """Offer the handoff's pages and tell the decode side; blocks while
         `max_pending` offers await their ack."""
-        self._require("prefill", "send")
+        self._check_open()
         if not isinstance(handoff.k, jax.Array) or not isinstance(handoff.v, jax.Array):
             raise TypeError("send needs k and v as jax.Array on this process's devices")
         uuid = secrets.randbits(63)
@@ -213,21 +222,18 @@ class TransferServerConnector:
         with self._lock:
             self._pending[uuid] = _Pending(handoff.k, handoff.v, time.monotonic() + ttl)
         try:
-            self._decode_client(handoff).offer(offer, timeout=self.options.rpc_timeout_s)
+            self._client(self._destination(handoff)).offer(offer, timeout=self.options.rpc_timeout_s)
         except TransferError:
             # Nobody will pull it: end the offer now rather than at its TTL.
             self._release(uuid, reclaim=True)
             raise
 
-    def _decode_client(self, handoff: KVHandoff) -> ControlClient:
+    def _destination(self, handoff: KVHandoff) -> str:
         address = handoff.destination or self._default_destination
         if address is None:
             raise TransferError(f"handoff {handoff.request_id!r} names no decode destination "
                                 f"and the connector has no default")
-        with self._lock:
-            if address not in self._decode_clients:
-                self._decode_clients[address] = ControlClient(address)
-            return self._decode_clients[address]
+        return address
 
     def pending(self) -> int:
         """Offers not yet acked and not yet expired."""
@@ -235,11 +241,13 @@ class TransferServerConnector:
             self._drop_expired()
             return len(self._pending)
 
+    def counts(self) -> dict[str, int]:
+        return {"offers_reclaimed": self.reclaimed}
+
     def _wait_for_room(self) -> None:
         with self._lock:
             while True:
-                if self._closed:
-                    raise TransferError("TransferServerConnector is closed")
+                self._check_open()
                 self._drop_expired()
                 if len(self._pending) < self.options.max_pending:
                     return
@@ -291,7 +299,22 @@ class TransferServerConnector:
         # failed): end the offer in the server too.
         self._release(ack.uuid, reclaim=bool(ack.error))
 
-    # -- decode side --------------------------------------------------------------
+    def close(self) -> None:
+        """Also drop the arrays of offers not yet acked."""
+        with self._lock:
+            self._pending.clear()
+        super().close()
+        self._reclaimer.shutdown(wait=True, cancel_futures=True)
+
+
+class TransferServerReceiver(_Endpoint):
+    """`KVReceiver` from prefill sides in other processes or hosts: offers arrive on
+    `control_address` and say where to pull from."""
+
+    def __init__(self, *, control_address: str = "127.0.0.1:0",
+                 options: TransferServerOptions = TransferServerOptions()):
+        self._queue: queue.Queue[RemoteKVHandoff] = queue.Queue(maxsize=options.max_pending)
+        super().__init__(control_address, options, on_offer=self._on_offer)
 
     def _on_offer(self, offer: Offer, seconds_left: float | None) -> None:
         if self._closed:
@@ -309,15 +332,13 @@ class TransferServerConnector:
     def receive(self, timeout: float | None) -> RemoteKVHandoff | None:
         """The next offer, pages not moved yet; None after `timeout` seconds
         (None or 0: do not wait), like `DevicePutConnector`."""
-        self._require("decode", "receive")
+        self._check_open()
         return next_or_none(self._queue, timeout)
 
-    def place(self, handoff: KVHandoff, sharding: jax.sharding.Sharding
+    def place(self, handoff: RemoteKVHandoff, sharding: jax.sharding.Sharding
               ) -> tuple[jax.Array, jax.Array, TransferStats]:
         """Pull the pages in the sender's layout, reshard onto `sharding`, ack."""
-        self._require("decode", "place")
-        if not isinstance(handoff, RemoteKVHandoff):
-            raise TypeError("place needs a RemoteKVHandoff from this connector's receive()")
+        self._check_open()
         offer = handoff.offer
         start = time.perf_counter()
         try:
@@ -330,10 +351,13 @@ class TransferServerConnector:
         self._ack(offer)
         return k, v, TransferStats(int(k.nbytes) + int(v.nbytes), seconds)
 
-    def discard(self, handoff: KVHandoff) -> None:
+    def discard(self, handoff: RemoteKVHandoff) -> None:
         """Ack without pulling: the sender drops its arrays now instead of at the TTL."""
-        self._require("decode", "discard")
+        self._check_open()
         self._ack(handoff.offer, error="discarded: request cancelled or superseded")
+
+    def counts(self) -> dict[str, int]:
+        return {}
 
     def _pull(self, offer: Offer) -> tuple[jax.Array, jax.Array]:
         specs = [shape_dtype_struct(offer.k), shape_dtype_struct(offer.v)]
@@ -353,36 +377,8 @@ class TransferServerConnector:
         return k_raw, v_raw
 
     def _ack(self, offer: Offer, error: str = "") -> None:
-        with self._lock:
-            client = self._ack_clients.get(offer.ack_address)
-            if client is None:
-                client = ControlClient(offer.ack_address)
-                self._ack_clients[offer.ack_address] = client
-        client.ack(Ack(offer.uuid, error=error), timeout=self.options.rpc_timeout_s)
-
-    # -- both ---------------------------------------------------------------------
-
-    def _require(self, role: Role, method: str) -> None:
-        if self.role != role:
-            raise RuntimeError(f"{method}() is for role={role!r}; this connector is "
-                               f"role={self.role!r}")
-        if self._closed:
-            raise TransferError("TransferServerConnector is closed")
-
-    def close(self) -> None:
-        """Stop the control plane and drop pending arrays. The JAX transfer server has
-        no stop method; it goes with the process."""
-        with self._lock:
-            self._closed = True
-            self._pending.clear()
-            self._lock.notify_all()
-        self._control.stop()
-        self._reclaimer.shutdown(wait=True, cancel_futures=True)
-        if self.role == "prefill":
-            for client in self._decode_clients.values():
-                client.close()
-        for client in self._ack_clients.values():
-            client.close()
+        self._client(offer.ack_address).ack(Ack(offer.uuid, error=error),
+                                            timeout=self.options.rpc_timeout_s)
 
 
 def _struct(layout: ArrayLayout) -> jax.ShapeDtypeStruct:

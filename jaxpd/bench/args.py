@@ -1,0 +1,157 @@
+"""Flag values shared by the bench and plan CLIs, and what a result records of its machine.
+
+The parsers are argparse `type=` functions: each raises `ArgumentTypeError` with a
+message argparse prints after the flag's name. Importing this module does not import
+jax: the CLIs parse their flags before jax starts (see `driver.ensure_cpu_devices`).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+from jaxpd.bench.workload import parse_length_mix
+
+HF = "hf"   # the transformers baseline, named in --compare next to meshes
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def positive_float(text: str) -> float:
+    """A positive finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text!r}")
+    return value
+
+
+def positive_floats(text: str) -> list[float]:
+    """Comma-separated positive numbers, e.g. rates `0.5,1,2`."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated rates like 0.5,1,2, got {text!r}")
+    return [positive_float(p) for p in parts]
+
+
+def whole_numbers(parser: argparse.ArgumentParser, flag: str, values: list[float]) -> list[int]:
+    """`values` of a `positive_floats` flag as ints; a parser error naming `--flag` if
+    one has a fraction (batch sizes and lengths are counts)."""
+    if any(v != int(v) for v in values):
+        parser.error(f"--{flag}: expected integers, got {values}")
+    return [int(v) for v in values]
+
+
+def length_mix(text: str) -> str:
+    """A length mix `len[:weight],...`, checked (see `workload.parse_length_mix`) and
+    kept as text: it is passed on as written and recorded in the results."""
+    try:
+        parse_length_mix(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def serving_mesh(text: str) -> str:
+    """The canonical spelling of a mesh that serves alone: both phases, or colocated.
+
+    A single-phase spec (`prefill=4`) is one process of a multi-process deployment and
+    cannot serve a request by itself, so a benchmark refuses it.
+    """
+    from jaxpd.sharding.spec import parse_mesh_spec
+    spec = parse_mesh_spec(text)
+    if not (spec.has_prefill and spec.has_decode):
+        raise ValueError(f"mesh {text!r} has only one phase; a benchmark needs "
+                         f"'prefill=P,decode=D' or 'colocated=N'")
+    return str(spec)
+
+
+def mesh_flag(text: str) -> str:
+    """A `serving_mesh` flag value."""
+    try:
+        return serving_mesh(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_compare(text: str) -> list[str]:
+    """`"colocated=8,hf"` -> ["colocated=8", "hf"]; a `prefill=P,decode=D` pair stays whole.
+
+    Empty or "none" compares nothing. Raises ValueError naming the bad part.
+    """
+    if text.strip().lower() in ("", "none"):
+        return []
+    parts = [p.strip() for p in text.split(",")]
+    out: list[str] = []
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        if part == HF:
+            out.append(HF)
+        elif (part.startswith("prefill=") and i + 1 < len(parts)
+              and parts[i + 1].startswith("decode=")):
+            out.append(serving_mesh(f"{part},{parts[i + 1]}"))
+            i += 1
+        elif part.startswith(("colocated=", "prefill=", "decode=")):
+            out.append(serving_mesh(part))
+        else:
+            raise ValueError(f"bad entry {part!r} in {text!r}: expected 'hf', 'colocated=N' "
+                             f"or 'prefill=P,decode=D'")
+        i += 1
+    if len(set(out)) != len(out):
+        raise ValueError(f"{text!r} names a run twice")
+    return out
+
+
+def compare_flag(text: str) -> list[str]:
+    """A `parse_compare` flag value."""
+    try:
+        return parse_compare(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def resolve_model(model: str | None) -> str:
+    """The checkpoint directory `--model` names, or the built-in default model; exits
+    with a message naming `--model` when neither is usable."""
+    from jaxpd.default_model import default_model_dir
+    if model is not None:
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise SystemExit(f"--model: {model} has no config.json (not a Hugging Face "
+                             f"checkpoint directory)")
+        return model
+    try:
+        return default_model_dir()
+    except FileNotFoundError as e:
+        raise SystemExit(f"--model not given and {e}") from None
+
+
+def describe_devices() -> dict:
+    """What the numbers were measured on (devices, host cores, load when measured)."""
+    import jax
+    devices = jax.devices()
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"platform": devices[0].platform, "num_devices": len(devices),
+            "device_kind": devices[0].device_kind, "host_cpu_count": os.cpu_count(),
+            "load_avg_1m": None if load is None else round(load[0], 2)}

@@ -1,0 +1,331 @@
+"""`python -m jaxpd.bench`: serving benchmarks of disaggregated vs colocated (vs transformers).
+
+    python -m jaxpd.bench --mesh prefill=4,decode=4 --compare colocated=8,hf \\
+        --rates 0.5,1,2 --num_requests 32 --prompt_lens 64:3,512:4 --output_lens 128 \\
+        --slo_ttft 1.0 --slo_tpot 0.1 --json out.json --plot out.png
+    python -m jaxpd.bench --roofline [--json roofline.json]
+
+Every run serves the same requests (`make_workload` from `--seed`, prompt ids drawn
+from the same seed) with Poisson arrivals honoured on the wall clock. The meshes run
+one after the other in this one process, each engine built, compiled (warmup=True)
+and fed a few warm-up requests before its clock starts; `hf` is Hugging Face
+transformers `generate` with static batching on the same weights (see hf.py).
+Per run: TTFT, TPOT (first token excluded), ITL, E2E at mean/p50/p90/p99, output
+tokens/s, requests/s, SLO attainment and, with `--goodput`, the goodput found by
+bisection over the rate (the workload re-run at each probed rate).
+
+Flags are parsed before jax is touched: on CPU the number of virtual devices
+(`--xla_force_host_platform_device_count`) must be set before jax starts its backend.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from jaxpd.bench.args import (HF, compare_flag, describe_devices, length_mix, mesh_flag,
+                              nonnegative_int, positive_float, positive_floats, positive_int,
+                              resolve_model, whole_numbers)
+from jaxpd.bench.driver import (Backend, BenchRequest, EngineBackend, Progress, RunResult,
+                                ensure_cpu_devices, make_bench_requests)
+from jaxpd.bench.workload import make_workload, parse_length_mix
+from jaxpd.metrics import find_goodput, format_table, run_report, slo_attainment
+
+
+# ---- flags --------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's flags; every one has a documented default (shown by --help)."""
+    p = argparse.ArgumentParser(
+        prog="python -m jaxpd.bench", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_workload_flags(p)
+    _add_backend_flags(p)
+    _add_output_flags(p)
+    _add_roofline_flags(p)
+    return p
+
+
+def _add_workload_flags(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload")
+    w.add_argument("--rate", type=positive_float, default=1.0,
+                   help="Poisson arrival rate, requests/s (ignored when --rates is given)")
+    w.add_argument("--rates", type=positive_floats, default=None,
+                   help="comma-separated rates to sweep, e.g. 0.5,1,2,4; every backend runs each")
+    w.add_argument("--num_requests", type=positive_int, default=32, help="requests per run")
+    w.add_argument("--prompt_lens", type=length_mix, default="64:3,512:4,768:1",
+                   help="prompt length mix 'len:weight,...'")
+    w.add_argument("--output_lens", type=length_mix, default="128",
+                   help="output length mix 'len:weight,...' (EOS ignored: exactly this many)")
+    w.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and prompt ids")
+
+
+def _add_backend_flags(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("what runs")
+    s.add_argument("--model", default=None,
+                   help="Hugging Face checkpoint directory (default: the built-in default model)")
+    s.add_argument("--mesh", type=mesh_flag, default="prefill=4,decode=4",
+                   help="the engine mesh under test")
+    s.add_argument("--compare", type=compare_flag, default=["colocated=8"],
+                   help="comma-separated baselines run on the same requests: meshes "
+                        "(colocated=N, prefill=P,decode=D) and/or 'hf'; 'none' for none")
+    s.add_argument("--max_model_len", type=positive_int, default=None,
+                   help="engine max_model_len (default: longest prompt + longest output)")
+    s.add_argument("--slots_per_shard", type=positive_int, default=8,
+                   help="engine decode slots per dp shard")
+    s.add_argument("--decode_slots", type=positive_int, default=None,
+                   help="total decode slots of every engine, split evenly over its dp shards "
+                        "(overrides --slots_per_shard; makes meshes with different dp compare "
+                        "at equal batch capacity)")
+    s.add_argument("--max_prefill_batch", type=positive_int, default=8,
+                   help="engine prompts per prefill batch")
+    s.add_argument("--hf_batch", type=positive_int, default=8,
+                   help="largest static batch of the hf baseline")
+    s.add_argument("--warmup_requests", type=nonnegative_int, default=2,
+                   help="requests served by each backend before its clock starts")
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("metrics and output")
+    m.add_argument("--slo_ttft", type=positive_float, default=1.0, help="TTFT SLO, seconds")
+    m.add_argument("--slo_tpot", type=positive_float, default=0.1, help="TPOT SLO, seconds")
+    m.add_argument("--goodput", action="store_true",
+                   help="also find each backend's goodput by bisection over the rate")
+    m.add_argument("--goodput_min_rate", type=positive_float, default=0.1,
+                   help="lowest rate the goodput search probes, requests/s")
+    m.add_argument("--goodput_max_rate", type=positive_float, default=None,
+                   help="highest rate the goodput search probes (default: 4 x the largest rate)")
+    m.add_argument("--goodput_max_iters", type=nonnegative_int, default=4,
+                   help="bisection steps of the goodput search (plus its two end probes)")
+    m.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
+    m.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="write TTFT/ITL CDFs (and attainment vs rate) here; needs matplotlib")
+    m.add_argument("--no_progress", action="store_true", help="no progress bar on stderr")
+
+
+def _add_roofline_flags(p: argparse.ArgumentParser) -> None:
+    r = p.add_argument_group("roofline")
+    r.add_argument("--roofline", action="store_true",
+                   help="instead of serving: measure bandwidth and matmul rate, then time "
+                        "prefill per bucket and decode steps against those bounds")
+    r.add_argument("--roofline_batches", type=positive_floats, default=[1, 4, 16],
+                   help="decode batch sizes timed by --roofline")
+    r.add_argument("--roofline_contexts", type=positive_floats, default=[128, 512],
+                   help="decode context lengths timed by --roofline")
+    r.add_argument("--roofline_max_len", type=positive_int, default=1024,
+                   help="longest prefill bucket timed by --roofline (capped by the model)")
+    r.add_argument("--roofline_repeats", type=positive_int, default=5,
+                   help="timed calls per shape (the best one counts)")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and cross-check flags; exits with a message naming the flag on error."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.rates = args.rates or [args.rate]
+    if args.mesh in args.compare:
+        parser.error(f"--compare: {args.mesh} is already the --mesh under test")
+    if args.decode_slots is not None:
+        from jaxpd.sharding.spec import parse_mesh_spec
+        for mesh in meshes_of(args):
+            dp = parse_mesh_spec(mesh).decode_dp
+            if args.decode_slots % dp:
+                parser.error(f"--decode_slots={args.decode_slots} does not split evenly over "
+                             f"the {dp} decode shards of {mesh}")
+    if args.goodput_max_rate is not None and args.goodput_max_rate < args.goodput_min_rate:
+        parser.error(f"--goodput_max_rate={args.goodput_max_rate} is below "
+                     f"--goodput_min_rate={args.goodput_min_rate}")
+    for name in ("roofline_batches", "roofline_contexts"):
+        setattr(args, name, whole_numbers(parser, name, getattr(args, name)))
+    return args
+
+
+def meshes_of(args: argparse.Namespace) -> list[str]:
+    """The engine meshes to run, the one under test first."""
+    return [args.mesh] + [c for c in args.compare if c != HF]
+
+
+def num_devices_needed(args: argparse.Namespace) -> int:
+    """Devices of the largest mesh to run: the virtual CPU devices to ask for."""
+    from jaxpd.sharding.spec import parse_mesh_spec
+    return max(parse_mesh_spec(m).num_devices for m in meshes_of(args))
+
+
+# ---- running ------------------------------------------------------------------------
+
+def _run_name(backend: str, rate: float, args: argparse.Namespace) -> str:
+    return backend if len(args.rates) == 1 else f"{backend}@{rate:g}/s"
+
+
+class Benchmark:
+    """Runs every backend over the workload at every rate and collects reports."""
+
+    def __init__(self, args: argparse.Namespace, model_dir: str):
+        from jaxpd.models.config import ModelConfig
+        self.args, self.model_dir = args, model_dir
+        cfg = ModelConfig.from_dir(model_dir)
+        self.vocab_size = cfg.vocab_size
+        prompts = [n for n, _ in parse_length_mix(args.prompt_lens)]
+        outputs = [n for n, _ in parse_length_mix(args.output_lens)]
+        self.max_model_len = args.max_model_len or max(prompts) + max(outputs)
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise SystemExit(f"--prompt_lens/--output_lens: the longest request needs "
+                             f"{self.max_model_len} positions, the model has "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        self.engine_options = dict(max_model_len=self.max_model_len,
+                                   slots_per_shard=args.slots_per_shard,
+                                   max_prefill_batch=args.max_prefill_batch)
+        self.warmup = self._warmup_requests(min(prompts), max(prompts), min(max(outputs), 8))
+        self.reports: list[dict] = []
+        self.timelines: dict[str, list] = {}
+
+    def _warmup_requests(self, shortest: int, longest: int,
+                         output_len: int) -> list[BenchRequest]:
+        """`--warmup_requests` requests alternating the shortest and the longest prompt
+        of the mix: both prefill paths get exercised."""
+        a = self.args
+        warm = []
+        for prompt_len, seed in ((shortest, a.seed + 1), (longest, a.seed + 2)):
+            workload = make_workload(1, 1.0, [(prompt_len, 1)], [(output_len, 1)], seed)
+            warm += make_bench_requests(workload, self.vocab_size, seed)
+        return (warm * a.warmup_requests)[:a.warmup_requests]
+
+    def requests_at(self, rate: float) -> list[BenchRequest]:
+        """The measured workload at `rate`: the same requests at every rate, re-timed."""
+        a = self.args
+        workload = make_workload(a.num_requests, rate, a.prompt_lens, a.output_lens, a.seed)
+        return make_bench_requests(workload, self.vocab_size, a.seed)
+
+    def open(self, name: str) -> Backend:
+        """Build and warm up backend `name` (a mesh, or `hf`)."""
+        if name == HF:
+            from jaxpd.bench.hf import HFBackend
+            return HFBackend(self.model_dir, self.args.hf_batch, self.warmup)
+        prompt_lens = [n for n, _ in parse_length_mix(self.args.prompt_lens)]
+        return EngineBackend(self.model_dir, name, self.options_for(name), self.warmup,
+                             prompt_lens)
+
+    def options_for(self, mesh: str) -> dict:
+        """Engine options of one mesh: `--decode_slots` becomes slots per dp shard."""
+        from jaxpd.sharding.spec import parse_mesh_spec
+        options = dict(self.engine_options)
+        if self.args.decode_slots:
+            dp = parse_mesh_spec(mesh).decode_dp
+            options["slots_per_shard"] = max(1, self.args.decode_slots // dp)
+        return options
+
+    def run_once(self, backend: Backend, rate: float, label: str) -> RunResult:
+        progress = Progress(self.args.num_requests, label, not self.args.no_progress)
+        try:
+            return backend.run(self.requests_at(rate), progress.update)
+        finally:
+            progress.close()
+
+    def run_backend(self, name: str) -> None:
+        """Serve the workload on backend `name` at every rate (and goodput probes); add
+        one report per rate."""
+        _log(f"[{name}] building and warming up")
+        backend = self.open(name)
+        try:
+            measured = {rate: self.run_once(backend, rate, f"{name} @ {rate:g} req/s")
+                        for rate in self.args.rates}
+            goodput = self.search_goodput(backend, name, measured) if self.args.goodput else None
+        finally:
+            backend.close()
+        for rate in self.args.rates:
+            self.add_report(name, rate, measured, goodput)
+
+    def search_goodput(self, backend: Backend, name: str,
+                       measured: dict[float, RunResult]) -> float | None:
+        """Bisect over the rate for the goodput; every probe's run lands in `measured`."""
+        a = self.args
+
+        def attainment(rate: float) -> float:
+            if rate not in measured:
+                measured[rate] = self.run_once(backend, rate,
+                                               f"{name} goodput probe @ {rate:.3g} req/s")
+            return slo_attainment(measured[rate].timelines, a.slo_ttft, a.slo_tpot)
+
+        hi = a.goodput_max_rate or 4 * max(a.rates)
+        return find_goodput(attainment, min(a.goodput_min_rate, hi), hi,
+                            max_iters=a.goodput_max_iters)
+
+    def add_report(self, name: str, rate: float, measured: dict[float, RunResult],
+                   goodput: float | None) -> None:
+        """The report of backend `name` at `rate`, with its timelines kept for plotting."""
+        a = self.args
+        result = measured[rate]
+        run_name = _run_name(name, rate, a)
+        report = run_report(run_name, result.timelines, result.duration_s, a.slo_ttft,
+                            a.slo_tpot, goodput)
+        gaps = [gap for t in result.timelines for gap in t.itls]
+        # The worst gap: a few prefill stalls hide below p99 in a short run.
+        report.update(backend=name, rate=rate, num_aborted=result.num_aborted,
+                      itl_max_s=max(gaps) if gaps else None, engine_stats=result.stats)
+        if name != HF:
+            report["engine_options"] = self.options_for(name)
+        if a.goodput:
+            report["goodput_probes"] = {
+                f"{r:.6g}": slo_attainment(m.timelines, a.slo_ttft, a.slo_tpot)
+                for r, m in sorted(measured.items())}
+        self.reports.append(report)
+        self.timelines[run_name] = result.timelines
+
+    def results(self) -> dict:
+        """The JSON document: runs, workload, devices."""
+        a = self.args
+        return {
+            "runs": self.reports,
+            "workload": {"num_requests": a.num_requests, "rates": a.rates,
+                         "prompt_lens": a.prompt_lens, "output_lens": a.output_lens,
+                         "seed": a.seed, "slo_ttft_s": a.slo_ttft, "slo_tpot_s": a.slo_tpot,
+                         "model": self.model_dir, "max_model_len": self.max_model_len,
+                         "engine_options": self.engine_options},
+            "devices": describe_devices(),
+        }
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Run the benchmark the flags describe; returns the JSON document it wrote/printed."""
+    args = parse_args(argv)
+    if args.plot:
+        from jaxpd.bench.plot import require_matplotlib
+        require_matplotlib()   # fail before minutes of benchmarking, not after
+    if args.roofline:
+        from jaxpd.bench.roofline import run_roofline
+        model_dir = resolve_model(args.model)
+        return run_roofline(model_dir, args)
+    ensure_cpu_devices(num_devices_needed(args))
+    model_dir = resolve_model(args.model)
+    bench = Benchmark(args, model_dir)
+    for name in meshes_of(args) + ([HF] if HF in args.compare else []):
+        bench.run_backend(name)
+    results = bench.results()
+    _print_runs(results["runs"])
+    _write_outputs(args, results, bench.timelines)
+    return results
+
+
+def _print_runs(runs: list[dict]) -> None:
+    print(format_table(runs))
+    print("ITL max (ms):       " + "  ".join(
+        f"{r['name']}={r['itl_max_s'] * 1e3:.1f}" for r in runs if r["itl_max_s"] is not None))
+
+
+def _write_outputs(args: argparse.Namespace, results: dict, timelines: dict[str, list]) -> None:
+    """The --json document and the --plot figure, where asked for."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.plot:
+        from jaxpd.bench.plot import plot_runs
+        plot_runs(timelines, results["runs"], args.plot)
+
+
+if __name__ == "__main__":
+    main()

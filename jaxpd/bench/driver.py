@@ -1,0 +1,243 @@
+"""The benchmark's workload driver: the same timed requests through any backend.
+
+A `BenchRequest` is a `WorkloadRequest` with concrete prompt token ids, drawn once
+from the seed so every backend (every mesh, and transformers) sees identical
+prompts. A backend turns a list of them into one `RequestTimeline` per request,
+honouring the arrival times on a clock that starts when `run` is called.
+
+`EngineBackend` drives the in-process jaxpd engine (`LLM`): a submitter thread
+(`jaxpd-bench-submit`) sleeps until each arrival and submits; the calling thread
+waits for the requests in submission order and ticks the progress bar. Timelines
+come from `Request.timings` (perf_counter stamps), with arrival = submit time.
+A request the engine rejected or aborted still yields a timeline (no tokens, or
+fewer than asked), so every request is counted and fails its SLO.
+"""
+from __future__ import annotations
+
+import dataclasses
+import queue
+import sys
+import threading
+import time
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from jaxpd.metrics import RequestTimeline
+from jaxpd.stats import COUNTERS, EngineStats
+from jaxpd.bench.workload import WorkloadRequest
+
+# Ids below this are often special (pad/bos/eos) in small vocabularies; real text
+# rarely hits them, so random prompts avoid them too.
+_FIRST_ORDINARY_ID = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchRequest:
+    """One request of a benchmark run: arrival (s from the run's start), prompt, length."""
+    index: int
+    arrival_s: float
+    prompt_ids: tuple[int, ...]
+    output_len: int
+
+
+def make_bench_requests(workload: Sequence[WorkloadRequest], vocab_size: int,
+                        seed: int) -> list[BenchRequest]:
+    """Attach random prompt token ids (fixed by `seed`) to each workload request.
+
+    The ids depend on the seed and each request's index and length only, never on
+    the rate, so a rate sweep re-times the same prompts.
+    """
+    if vocab_size <= _FIRST_ORDINARY_ID:
+        raise ValueError(f"vocab_size={vocab_size} is too small for random prompts")
+    out = []
+    for w in workload:
+        rng = np.random.default_rng([seed, w.index])
+        ids = rng.integers(_FIRST_ORDINARY_ID, vocab_size, size=w.prompt_len)
+        out.append(BenchRequest(w.index, w.arrival_s, tuple(int(i) for i in ids), w.output_len))
+    return out
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What one backend run produced: timelines on a clock starting at 0, and extras."""
+    timelines: list[RequestTimeline]
+    duration_s: float          # first arrival to last finish
+    num_aborted: int = 0
+    stats: dict = dataclasses.field(default_factory=dict)
+
+
+class Backend(Protocol):
+    """Something that serves a timed list of requests (an engine mesh, transformers)."""
+    name: str
+
+    def run(self, requests: Sequence[BenchRequest],
+            on_done: Callable[[], None] | None = None) -> RunResult: ...
+
+    def close(self) -> None: ...
+
+
+class Progress:
+    """A progress bar: tqdm when installed, else a one-line counter on stderr."""
+
+    def __init__(self, total: int, desc: str, enabled: bool = True):
+        self._bar = None
+        self._total, self._desc, self._count = total, desc, 0
+        self._enabled = enabled
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self._bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False)
+
+    def update(self) -> None:
+        self._count += 1
+        if self._bar is not None:
+            self._bar.update(1)
+        elif self._enabled:
+            end = "\n" if self._count == self._total else ""
+            print(f"\r{self._desc}: {self._count}/{self._total}", end=end, file=sys.stderr,
+                  flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def sleep_until(deadline: float) -> None:
+    """Sleep until perf_counter() reaches `deadline` (no-op when it has passed)."""
+    while True:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.05))
+
+
+def timeline_of(timings, origin: float) -> RequestTimeline:
+    """A `RequestTimeline` from `Request.timings`, times shifted so `origin` is 0."""
+    tokens = [t - origin for t in timings.token_times]
+    arrival = timings.arrival - origin
+    last = tokens[-1] if tokens else arrival
+    finish = max(last, (timings.finish if timings.finish is not None else timings.arrival) - origin)
+    queue_s = prefill_s = None
+    if timings.prefill_start is not None:
+        queue_s = max(0.0, timings.prefill_start - timings.arrival)
+        if timings.prefill_end is not None:
+            prefill_s = max(0.0, timings.prefill_end - timings.prefill_start)
+    return RequestTimeline(arrival, tokens, finish, queue_s=queue_s, prefill_s=prefill_s,
+                           transfer_s=timings.transfer_s, transfer_bytes=timings.transfer_bytes)
+
+
+def run_duration(timelines: Sequence[RequestTimeline]) -> float:
+    """First arrival to last finish (never 0: rates are divided by it)."""
+    if not timelines:
+        return 1e-9
+    start = min(t.arrival_s for t in timelines)
+    return max(max(t.finish_s for t in timelines) - start, 1e-9)
+
+
+class EngineBackend:
+    """One `LLM` on one mesh, built and warmed up before any clock starts."""
+
+    def __init__(self, model_dir: str, mesh: str, engine_options: dict,
+                 warmup_requests: Sequence[BenchRequest] = (),
+                 warm_prompt_lens: Sequence[int] = ()):
+        from jaxpd.llm import LLM
+        self.name = mesh
+        self.llm = LLM(model_dir, mesh=mesh, warmup=True, **engine_options)
+        # Compiling every bucket (warmup=True) still leaves first-call costs (thread
+        # start, allocator paths, and the small programs keyed on a prompt's exact page
+        # count and its batch's padded shape: cutting its pages out of the batch,
+        # padding them for insert). Real requests pay them here, outside the measurement.
+        if warmup_requests:
+            self.llm.generate(prompt_token_ids=[list(r.prompt_ids) for r in warmup_requests],
+                              sampling_params=[_greedy(r.output_len) for r in warmup_requests])
+        self._warm_prefill_shapes(warm_prompt_lens)
+        self._wait_idle()
+
+    def _warm_prefill_shapes(self, prompt_lens: Sequence[int]) -> None:
+        """Serve each prompt length in every padded batch size the scheduler can form."""
+        scheduler = self.llm.engine.prefill_scheduler
+        for n in sorted(set(prompt_lens)):
+            bucket = scheduler.bucket_for(n)
+            for size in sorted({scheduler.padded_batch(b, bucket) for b in scheduler.batch_sizes}):
+                # Submitted together, they wait (bucket_timeout_ms) and run as one batch.
+                self.llm.generate(prompt_token_ids=[[_FIRST_ORDINARY_ID] * n] * size,
+                                  sampling_params=_greedy(2))
+
+    def run(self, requests: Sequence[BenchRequest],
+            on_done: Callable[[], None] | None = None) -> RunResult:
+        llm = self.llm
+        # Validate everything before the clock starts: a bad request is a usage error.
+        made = [(r, llm.make_request(prompt_token_ids=list(r.prompt_ids),
+                                     sampling_params=_greedy(r.output_len)))
+                for r in requests]
+        submitted: queue.Queue = queue.Queue()
+        before = llm.stats()
+        origin = time.perf_counter()
+
+        def submit_all() -> None:
+            for bench_request, request in made:
+                sleep_until(origin + bench_request.arrival_s)
+                request.timings.arrival = time.perf_counter()   # arrival = submit time
+                try:
+                    llm.submit(request)
+                except Exception as e:   # rejected (queue full) or engine dead: counted
+                    request.abort(f"rejected: {e}")
+                submitted.put(request)
+
+        submitter = threading.Thread(target=submit_all, name="jaxpd-bench-submit", daemon=True)
+        submitter.start()
+        requests_done = []
+        for _ in made:
+            request = submitted.get()
+            for _ in llm.events(request):
+                pass
+            requests_done.append(request)
+            if on_done is not None:
+                on_done()
+        submitter.join()
+        self._wait_idle()
+        timelines = [timeline_of(r.timings, origin) for r in requests_done]
+        num_aborted = sum(r.finish_reason == "abort" for r in requests_done)
+        return RunResult(timelines, run_duration(timelines), num_aborted,
+                         _stats_delta(before, llm.stats()))
+
+    def _wait_idle(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.llm.engine.is_idle() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.llm.shutdown()
+
+
+# Engine counters that accumulate over the engine's life; a run reports its own share.
+def _stats_delta(before: EngineStats, after: EngineStats) -> dict:
+    """`after` with every counter replaced by its growth since `before`."""
+    return {k: (v - before[k] if k in COUNTERS else v) for k, v in after.items()}
+
+
+def _greedy(max_tokens: int):
+    from jaxpd.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def ensure_cpu_devices(num_devices: int) -> None:
+    """Ask for at least `num_devices` virtual CPU devices, as the launcher does.
+
+    Only effective before jax initialises its backend (the first `jax.devices()`),
+    which is why the CLIs parse their flags and call this before touching jax. It
+    only concerns the host platform; accelerators ignore the flag.
+    """
+    import os
+    import re
+    flag = "--xla_force_host_platform_device_count"
+    flags = os.environ.get("XLA_FLAGS", "")
+    found = re.search(rf"{flag}=(\d+)", flags)
+    if found and int(found.group(1)) >= num_devices:
+        return
+    flags = re.sub(rf"{flag}=\d+", "", flags)
+    os.environ["XLA_FLAGS"] = f"{flags} {flag}={num_devices}".strip()

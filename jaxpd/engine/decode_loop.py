@@ -1,0 +1,241 @@
+"""`DecodeLoop`: continuous batching over the decode mesh's paged KV pool.
+
+Each `iterate` receives new transfers, admits them into free slots (FIFO), inserts the
+pages of those that have arrived, dispatches one decode step for every ready slot and
+reads back the previous step's tokens. Transfers are `Inbound`s (`transfer.inbound`):
+this loop never sees how the bytes travel, only whether they are there yet.
+
+It owns no thread: the engine calls it from `jaxpd-decode` (or, colocated, from the
+one engine thread). Only that thread touches the schedulers and the donated pool.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+
+import jax
+import numpy as np
+
+from jaxpd.engine.requests import Requests
+from jaxpd.engine.runner import DecodeRunner, SamplingArrays
+from jaxpd.engine.scheduler import DecodeScheduler, StepPlan
+from jaxpd.request import Request, State
+from jaxpd.stats import StatsCounter
+from jaxpd.transfer.connector import TransferError
+from jaxpd.transfer.inbound import PENDING, Inbound, InboundQueue, Placed, wait_any
+
+
+@dataclasses.dataclass
+class _Admitted:
+    """A transfer with a reserved slot, its pages still on their way."""
+    slot: int
+    request: Request
+    pages: list[int]
+    inbound: Inbound
+
+
+class DecodeLoop:
+    """One step in flight: step k+1 is dispatched before the tokens of step k are read
+    back, so host bookkeeping overlaps device work. A request that finished at step k
+    therefore rides along in step k+1, whose token for it is dropped; its pages were
+    sized with one token of lookahead for exactly that.
+
+    Transfers never stall the steps: a request's slot and pages are reserved on
+    admission, the pages move on `jaxpd-transfer` threads, and this loop inserts them
+    (it alone touches the donated pool) on a later iteration."""
+
+    def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler,
+                 inbound: list[InboundQueue], requests: Requests, stats: StatsCounter,
+                 max_pages_per_slot: int):
+        self.runner, self.scheduler, self.inbound = runner, scheduler, inbound
+        self.requests, self.stats = requests, stats
+        self.max_pages_per_slot = max_pages_per_slot
+        # Received, waiting for a slot (FIFO), with the request each belongs to.
+        self.pending: collections.deque[tuple[Inbound, Request]] = collections.deque()
+        self._admitted: list[_Admitted] = []
+        num_slots = len(scheduler.slots)
+        self._stepped: list[Request | None] = [None] * num_slots  # who each slot fed last step
+        self._first_token = np.zeros(num_slots, np.int32)
+        self._in_flight: tuple[StepPlan, object] | None = None
+        self._awaiting_parts = False
+
+    @property
+    def idle(self) -> bool:
+        return (not self.pending and not self._admitted and self._in_flight is None
+                and self.scheduler.num_active() == 0)
+
+    def iterate(self, receive_timeout: float | None) -> None:
+        """Receive, admit, insert, dispatch a step, then read back the previous one."""
+        timeout = receive_timeout if self.idle else (0.005 if self._awaiting_parts else None)
+        self._awaiting_parts = False
+        self._receive(timeout)
+        self._mirror_first_tokens()
+        self._release_final()
+        self._admit()
+        self._insert_arrived()
+        plan = self.scheduler.plan_step()
+        self.stats.add(preemptions=len(plan.preempted))
+        for r in plan.preempted:
+            r.timings.num_preemptions += 1
+        dispatched = None
+        if plan.entries:
+            dispatched = (plan, self._dispatch(plan))
+            self.scheduler.advance(plan)
+        if self._in_flight is not None:
+            self._emit(*self._in_flight)
+        self._in_flight = dispatched
+        for r in plan.preempted:
+            self.requests.resubmit(r)
+        if dispatched is None and self._admitted:
+            # Only transfers in progress: wait for one (or for the next layer-wise part,
+            # in the next receive) instead of spinning.
+            self._awaiting_parts = not wait_any([a.inbound for a in self._admitted], 0.01)
+
+    def finish_in_flight(self) -> None:
+        """Read back the step in flight (at shutdown)."""
+        if self._in_flight is not None:
+            self._emit(*self._in_flight)
+            self._in_flight = None
+
+    def _receive(self, timeout: float | None) -> None:
+        for queue in self.inbound:
+            for inbound in queue.receive(timeout):
+                self.pending.append((inbound, self.requests.resolve(inbound.payload,
+                                                                    inbound.remote)))
+            timeout = None
+
+    def _mirror_first_tokens(self) -> None:
+        """A request prefilled in another process learns its first token from the
+        handoff (the last part of a layer-wise one), as soon as it arrives."""
+        waiting = list(self.pending) + [(a.inbound, a.request) for a in self._admitted]
+        for inbound, r in waiting:
+            if (inbound.first_token is not None and r.state is State.TRANSFERRING
+                    and r.num_tokens == inbound.num_tokens):
+                if r.append_token(inbound.first_token, time.perf_counter()):
+                    self.stats.add(finished=int(r.state is State.FINISHED))
+
+    def _release_final(self) -> None:
+        for i, s in enumerate(self.scheduler.slots):
+            if s is not None and s.request.is_final:
+                self.scheduler.release(i)
+
+    def _admit(self) -> None:
+        """Reserve a slot and pages for each received transfer, oldest first, and start
+        moving its pages there; stop at the first that does not fit yet."""
+        while self.pending:
+            inbound, r = self.pending[0]
+            if r.state is State.TRANSFERRING:
+                self._supersede(r, inbound)
+            if r.state is not State.TRANSFERRING or self.scheduler.slot_of(r) is not None:
+                # Cancelled or done meanwhile; or stale: re-prefilled meanwhile, or a
+                # second prefill of it (a router retry) while the first one has a slot.
+                self.pending.popleft()
+                inbound.end()
+                continue
+            slot = self.scheduler.find_slot(inbound.num_tokens)
+            if slot is None:
+                return                         # FIFO: wait for a slot or pages to free
+            self.pending.popleft()
+            pages = self.scheduler.admit(slot, r, inbound.num_tokens, ready=False)
+            pool = self.runner.k_pool
+            expect = jax.ShapeDtypeStruct((pool.shape[0], inbound.num_pages) + pool.shape[2:],
+                                          pool.dtype)
+            inbound.start(self.runner.shard_sharding(self.scheduler.shard_of(slot)), expect)
+            self._admitted.append(_Admitted(slot, r, pages, inbound))
+
+    def _supersede(self, r: Request, new: Inbound) -> None:
+        """A new prefill of `r` arrived while an older layer-wise transfer of it still
+        waits for parts (its prefill worker died and the router retried): the new one
+        wins, the old one's slot is freed for it."""
+        for a in self._admitted:
+            if (a.request is r and a.inbound.layerwise and not a.inbound.received_all
+                    and new.stream != a.inbound.stream):
+                self._drop(a)
+                return
+
+    def _drop(self, a: _Admitted) -> None:
+        """Forget an admitted transfer and free its slot (if it still holds it)."""
+        a.inbound.end()
+        self._admitted.remove(a)
+        s = self.scheduler.slots[a.slot]
+        if s is not None and s.request is a.request:
+            self.scheduler.release(a.slot)
+
+    def _insert_arrived(self) -> None:
+        """Insert the pages of finished transfers; a failed one is prefilled again."""
+        now = time.monotonic()
+        for a in list(self._admitted):
+            s, r = self.scheduler.slots[a.slot], a.request
+            if s is None or s.request is not r or r.state is not State.TRANSFERRING:
+                self._drop(a)                  # aborted or finished meanwhile, or re-prefilled
+                continue
+            result = a.inbound.poll(now)
+            if result is PENDING:
+                continue
+            if isinstance(result, TransferError):
+                # Never decode from pages we do not have: free the slot, prefill again.
+                logging.warning("transfer of %s failed (%s); re-prefilling", r.request_id, result)
+                self._drop(a)
+                self.stats.add(transfer_failures=1)
+                self.requests.resubmit(r)
+                continue
+            self._admitted.remove(a)
+            self._insert(a, result)
+
+    def _insert(self, a: _Admitted, placed: Placed) -> None:
+        r, slot, inbound = a.request, a.slot, a.inbound
+        self.runner.insert(self.scheduler.shard_of(slot), a.pages[:inbound.num_pages],
+                           placed.k, placed.v)
+        if inbound.counted:                    # a transfer between meshes, not on-mesh
+            self.stats.add(transfers=1, layerwise_transfers=int(inbound.layerwise),
+                           transfer_bytes=placed.num_bytes, transfer_s=placed.seconds)
+            r.timings.transfer_s += placed.seconds
+            r.timings.transfer_bytes += placed.num_bytes
+        r.timings.kv_ready = time.perf_counter()
+        self._first_token[slot] = inbound.first_token
+        self._stepped[slot] = None
+        self.scheduler.mark_ready(slot)
+        r.transition(State.DECODING)
+
+    def _dispatch(self, plan: StepPlan):
+        """One decode step for the plan's slots. A slot fed last step takes its input
+        token from that step's output, still on device; a newly inserted one takes its
+        first token from the host (`fed_from_host`)."""
+        n = len(self.scheduler.slots)
+        width = min(1 << (plan.max_pages - 1).bit_length(), self.max_pages_per_slot)
+        host_tokens = np.zeros(n, np.int32)
+        fed_from_host = np.ones(n, bool)
+        positions = np.zeros(n, np.int32)
+        block_tables = np.zeros((n, width), np.int32)
+        sampling = SamplingArrays.empty(n)
+        stepped: list[Request | None] = [None] * n
+        for e in plan.entries:
+            s = self.scheduler.slots[e.slot]
+            if self._stepped[e.slot] is e.request:
+                fed_from_host[e.slot] = False
+            else:
+                host_tokens[e.slot] = self._first_token[e.slot]
+            positions[e.slot] = e.position
+            block_tables[e.slot, :len(s.pages)] = s.pages
+            sampling.set_row(e.slot, e.request)
+            stepped[e.slot] = e.request
+        self._stepped = stepped
+        self.stats.add(decode_steps=1)
+        return self.runner.step(host_tokens, fed_from_host, positions, block_tables, sampling)
+
+    def _emit(self, plan: StepPlan, tokens_device) -> None:
+        """Read a step's tokens back (the only sync point per step) and hand each to
+        its request; free the slots of requests that end with it."""
+        tokens = np.asarray(tokens_device)
+        now = time.perf_counter()
+        for e in plan.entries:
+            r = e.request
+            if r.is_final:
+                continue
+            if r.append_token(int(tokens[e.slot]), now):
+                self.stats.add(finished=int(r.state is State.FINISHED))
+                slot = self.scheduler.slot_of(r)
+                if slot is not None:
+                    self.scheduler.release(slot)

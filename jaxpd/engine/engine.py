@@ -1,0 +1,251 @@
+"""The engine: meshes, runners, loops, and the threads that drive them.
+
+Threads (named, few; a dead one aborts every live request with its error and makes
+`submit` raise, never a silent hang):
+  disaggregated  jaxpd-prefill  prefill inbox -> PrefillLoop (prefill mesh) -> KVSender
+                 jaxpd-decode   KVReceiver -> InboundQueue -> DecodeLoop (decode mesh)
+                                -> request events; plus the decode mesh's own
+                                PrefillLoop (short prompts, re-prefills) between steps
+  colocated      jaxpd-engine   a due prefill batch, then one decode step, in one loop
+  transfers      jaxpd-transfer a small pool: pages move into reserved slots here
+Queues: the prefill inboxes of `Requests` (bounded by `max_queued` at submit) and the
+connector's bounded handoff queue (prefill -> decode: backpressure on prefill).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from typing import Callable
+
+import jax
+
+from jaxpd.config import EngineConfig
+from jaxpd.engine.decode_loop import DecodeLoop
+from jaxpd.engine.prefill_loop import PrefillLoop
+from jaxpd.engine.requests import Requests
+from jaxpd.engine.runner import CompileCounter, DecodeRunner, PrefillRunner
+from jaxpd.engine.scheduler import DecodeScheduler, PrefillScheduler
+from jaxpd.engine.warmup import warm_up
+from jaxpd.models.checkpoint import LoadedModel
+from jaxpd.models.hf_io import DTYPES
+from jaxpd.models.llama import abstract_params, layer_groups
+from jaxpd.request import Request, State
+from jaxpd.sharding import build_meshes, logical_rules, named_shardings
+from jaxpd.stats import EngineStats, StatsCounter
+from jaxpd.transfer.compression import CompressingReceiver, CompressingSender
+from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
+from jaxpd.transfer.device_put import DevicePutConnector
+from jaxpd.transfer.inbound import InboundQueue
+
+
+class Engine:
+    """Runs whichever phases this process's mesh spec has: both (one process, or
+    colocated), prefill only, or decode only (multi-process deployments: `connector`
+    is then the cross-process sender or receiver, and payloads travel in wire form)."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig,
+                 connector: Connector | KVSender | KVReceiver | None = None,
+                 warmup: bool = False, progress: Callable[[str], None] | None = None):
+        self.model, self.config = model, config
+        spec = config.mesh
+        self.meshes = build_meshes(spec)
+        self.dtype = DTYPES[config.dtype]
+        _, self._logical = abstract_params(model.cfg, self.dtype)
+        self.counter = CompileCounter()
+        self.counters = StatsCounter()
+        self.connector = connector or DevicePutConnector()
+        self.requests = Requests(
+            self.counters, config.max_queued, has_prefill=spec.has_prefill,
+            has_decode=spec.has_decode, local_prefill_below=config.local_prefill_below,
+            has_local_prefill=spec.has_decode and not spec.colocated and (
+                config.local_prefill_below > 0 or not spec.has_prefill))
+        self._transfers = futures.ThreadPoolExecutor(4, thread_name_prefix="jaxpd-transfer")
+        self.prefill_loop = self.local_loop = self.decode_loop = None
+        self.decode_scheduler = None
+        if spec.has_prefill:
+            self._build_prefill()
+        if spec.has_decode:
+            self._build_decode()
+        if warmup:
+            warm_up(self, progress or (lambda msg: None))
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        loops = ([("jaxpd-engine", self._run_colocated)] if spec.colocated else
+                 [("jaxpd-prefill", self._run_prefill)] * spec.has_prefill +
+                 [("jaxpd-decode", self._run_decode)] * spec.has_decode)
+        self._threads = [threading.Thread(target=self._guard, args=(loop,), name=name, daemon=True)
+                         for name, loop in loops]
+        for t in self._threads:
+            t.start()
+
+    def _params_on(self, mesh):
+        rules = logical_rules(mesh, **self.model.cfg.logical_dims())
+        params = jax.tree.map(lambda a: a.astype(self.dtype), self.model.params)
+        return jax.device_put(params, named_shardings(self._logical, mesh, rules)), rules
+
+    def _prefill_scheduler(self, buckets: list[int]) -> PrefillScheduler:
+        c = self.config
+        return PrefillScheduler(buckets, c.max_prefill_batch, max(c.max_prefill_tokens, buckets[-1]),
+                                c.bucket_timeout_ms / 1000, c.min_prefill_batch)
+
+    def _page_shape(self) -> tuple[int, int, int]:
+        return (self.config.page_size, self.model.cfg.num_kv_heads, self.model.cfg.head_dim)
+
+    def _build_prefill(self) -> None:
+        c, mesh = self.config, self.meshes.prefill
+        params, rules = self._params_on(mesh)
+        self.prefill_runner = PrefillRunner(self.model.cfg, params, mesh, rules, c.page_size,
+                                            self.counter, self.dtype)
+        self.prefill_scheduler = self._prefill_scheduler(c.buckets)
+        sender = self.connector
+        if c.kv_transfer_dtype is not None:
+            sender = CompressingSender(sender, c.kv_transfer_dtype)
+        # Layer-wise transfer overlaps sending with computing; colocated, both run on
+        # the same devices in one loop, so there is nothing to overlap.
+        groups = None if c.mesh.colocated else layer_groups(self.model.cfg.num_layers,
+                                                             c.layerwise_parts)
+        self.prefill_loop = PrefillLoop(self.prefill_runner, self.prefill_scheduler, sender,
+                                        self.requests, self.requests.prefill_inbox, c.page_size,
+                                        self.counters, layerwise=groups,
+                                        layerwise_min_tokens=c.layerwise_min_tokens)
+
+    def _build_decode(self) -> None:
+        c, mesh, spec = self.config, self.meshes.decode, self.config.mesh
+        params, rules = self._params_on(mesh)
+        num_shards = spec.decode_dp
+        self.decode_runner = DecodeRunner(self.model.cfg, params, mesh, rules,
+                                          num_shards * c.slots_per_shard, c.pages_per_shard,
+                                          c.page_size, self.counter, self.dtype)
+        self.decode_scheduler = DecodeScheduler(num_shards, c.slots_per_shard, c.pages_per_shard,
+                                                c.page_size)
+        receiver = self.connector
+        if c.kv_transfer_dtype is not None:
+            receiver = CompressingReceiver(receiver, c.kv_transfer_dtype, self._page_shape(),
+                                           c.dtype)
+        queues = [InboundQueue(receiver, self._transfers, c.kv_part_timeout_s,
+                               remote=not spec.has_prefill)]
+        if self.requests.has_local_prefill:
+            # Prefill on the decode mesh itself, between decode steps, with the decode
+            # params (replicated over dp): for short prompts (opt-in: the transfer's fixed
+            # cost dominates for them) and, in a decode-only process, to re-prefill a
+            # request whose transfer failed. Its pages are already on this mesh.
+            pipe = DevicePutConnector()
+            queues.append(InboundQueue(pipe, self._transfers, c.kv_part_timeout_s,
+                                       counted=False))
+            runner = PrefillRunner(self.model.cfg, params, mesh, rules, c.page_size,
+                                   self.counter, self.dtype, name="local_prefill")
+            buckets = ([b for b in c.buckets if b < c.local_prefill_below] or c.buckets[:1]
+                       if spec.has_prefill else c.buckets)
+            self.local_scheduler = self._prefill_scheduler(buckets)
+            self.local_loop = PrefillLoop(runner, self.local_scheduler, pipe, self.requests,
+                                          self.requests.local_inbox, c.page_size, self.counters,
+                                          on_decode_mesh=True)
+        self.decode_loop = DecodeLoop(self.decode_runner, self.decode_scheduler, queues,
+                                      self.requests, self.counters, c.pages_per_slot)
+
+    # ---- public -------------------------------------------------------------------
+
+    @property
+    def error(self) -> BaseException | None:
+        """What killed an engine thread, if one died."""
+        return self._error
+
+    def new_request_id(self) -> str:
+        return self.requests.new_id()
+
+    def submit(self, request: Request) -> Request:
+        """Queue a validated request. Raises QueueFull (admission) or RuntimeError (dead)."""
+        if self._error is not None:
+            raise RuntimeError(f"engine failed: {self._error!r}") from self._error
+        if self._stop.is_set():
+            raise RuntimeError("engine is shut down")
+        self.requests.submit(request)
+        return request
+
+    def register(self, request: Request) -> None:
+        """Decode-only process: announce a request (state TRANSFERRING) whose KV will
+        arrive through the connector; its handoff then resolves to this object."""
+        self.requests.register(request)
+
+    def abort(self, request_id: str, reason: str = "cancelled") -> bool:
+        """Abort at once; its slot and pages are freed by the loops' next iteration."""
+        return self.requests.abort(request_id, reason)
+
+    def reprefill(self, request_id: str) -> bool:
+        """Decode side: a registered request whose KV will not come (its prefill worker
+        failed) is prefilled here instead. False if it is not waiting for KV."""
+        r = self.requests.get(request_id)
+        if r is None or self.local_loop is None or r.state is not State.TRANSFERRING:
+            return False
+        if not self.requests.resubmit(r):
+            return False
+        self.counters.add(transfer_failures=1)
+        return True
+
+    def is_idle(self) -> bool:
+        return self.requests.all_final() and (self.decode_loop is None or self.decode_loop.idle)
+
+    def stats(self) -> EngineStats:
+        slots = self.decode_scheduler.slots if self.decode_scheduler else []
+        allocators = self.decode_scheduler.allocators if self.decode_scheduler else []
+        counts = self.counters.snapshot()
+        for name, n in self.connector.counts().items():
+            counts[name] += n
+        return EngineStats(
+            mesh=str(self.config.mesh), compiled_programs=self.counter.counts(),
+            num_compiled_programs=self.counter.total, **counts,
+            slots_total=len(slots), slots_active=sum(s is not None for s in slots),
+            pages_total=sum(a.capacity for a in allocators),
+            pages_used=sum(a.num_used for a in allocators),
+            queue_waiting=self.requests.num_waiting())
+
+    def shutdown(self, reason: str = "shutdown") -> None:
+        """Stop the threads, abort what is still in flight, join. Idempotent."""
+        self._stop.set()
+        self.requests.wake.set()
+        for t in self._threads:
+            t.join(timeout=60)
+        self.requests.abort_all(reason)
+        # Transfer threads still placing end within their connector's timeout.
+        self._transfers.shutdown(wait=True, cancel_futures=True)
+        self.connector.close()
+
+    # ---- threads ------------------------------------------------------------------
+
+    def _guard(self, loop) -> None:
+        try:
+            loop()
+        except BaseException as e:   # surface, never hang: fail every live request
+            self._error = e
+            self._stop.set()
+            self.requests.abort_all(f"failed: {e!r}")
+            logging.exception("engine thread %s died; every live request was aborted",
+                              threading.current_thread().name)
+
+    def _run_prefill(self) -> None:
+        wake = self.requests.wake
+        while not self._stop.is_set():
+            wake.clear()
+            ran, wait = self.prefill_loop.run_once(time.perf_counter())
+            if not ran:
+                wake.wait(timeout=0.05 if wait is None else max(wait, 1e-4))
+
+    def _run_decode(self) -> None:
+        while not self._stop.is_set():
+            if self.local_loop is not None:
+                self.local_loop.run_once(time.perf_counter())
+            self.decode_loop.iterate(receive_timeout=0.02)
+        self.decode_loop.finish_in_flight()
+
+    def _run_colocated(self) -> None:
+        wake = self.requests.wake
+        while not self._stop.is_set():
+            wake.clear()
+            ran, wait = self.prefill_loop.run_once(time.perf_counter())
+            if self.decode_loop.idle and not ran:
+                # Nothing to decode: sleep until a request arrives or a bucket is due.
+                wake.wait(timeout=0.05 if wait is None else max(wait, 1e-4))
+            self.decode_loop.iterate(receive_timeout=None)
+        self.decode_loop.finish_in_flight()

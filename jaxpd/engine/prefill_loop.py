@@ -1,0 +1,166 @@
+"""`PrefillLoop`: runs the prefill scheduler's batches and hands each request's KV on.
+
+It owns no thread: the engine calls `run_once` from its `jaxpd-prefill` thread (or,
+for the decode mesh's own prefill and for colocated serving, from the thread that also
+steps decode). Requests arrive through `inbox` (see `Requests`); their KV leaves
+through a `KVSender`, in the form `Requests.payload_of` gives.
+"""
+from __future__ import annotations
+
+import queue
+import secrets
+import time
+
+import jax
+import numpy as np
+
+from jaxpd.engine.page_allocator import pages_for
+from jaxpd.engine.requests import Requests
+from jaxpd.engine.runner import PrefillRunner, SamplingArrays
+from jaxpd.engine.scheduler import PrefillBatch, PrefillScheduler
+from jaxpd.request import Request, State
+from jaxpd.stats import StatsCounter
+from jaxpd.transfer.connector import KVHandoff, KVPart, KVSender, TransferError
+
+
+class PrefillLoop:
+    """Prefill batches on one mesh.
+
+    `on_decode_mesh`: this is the decode mesh's own prefill (short prompts, re-prefills
+    in a decode-only process), counted apart as local prefills.
+    `layerwise`: the layer groups of a layer-wise transfer, used for batches whose
+    bucket is at least `layerwise_min_tokens` long; each group's pages are sent as a
+    `KVPart` as soon as they are computed, overlapping the transfer with the next
+    groups' compute. Shorter buckets (or `layerwise=None`) send the whole KV at once.
+    """
+
+    def __init__(self, runner: PrefillRunner, scheduler: PrefillScheduler, sender: KVSender,
+                 requests: Requests, inbox: queue.SimpleQueue, page_size: int,
+                 stats: StatsCounter, *, on_decode_mesh: bool = False,
+                 layerwise: list[tuple[int, int]] | None = None, layerwise_min_tokens: int = 0):
+        self.runner, self.scheduler, self.sender = runner, scheduler, sender
+        self.requests, self.inbox = requests, inbox
+        self.page_size, self.stats = page_size, stats
+        self.on_decode_mesh = on_decode_mesh
+        self.layerwise = layerwise if layerwise and len(layerwise) > 1 else None
+        self.layerwise_min_tokens = layerwise_min_tokens
+
+    def uses_layerwise(self, bucket: int) -> bool:
+        return (self.layerwise is not None and self.layerwise_min_tokens > 0
+                and bucket >= self.layerwise_min_tokens)
+
+    def take_queued(self) -> None:
+        """Move the requests queued for this loop into its scheduler."""
+        while True:
+            try:
+                r = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if not r.is_final:
+                self.scheduler.add(r)
+
+    def run_once(self, now: float) -> tuple[bool, float | None]:
+        """Run one batch if one is due. Returns (ran, seconds until one may be due)."""
+        self.take_queued()
+        batch, wait = self.scheduler.schedule(now)
+        if batch is None:
+            return False, wait
+        live = self._start(batch)
+        tokens, lengths, sampling = self._inputs(batch, live)
+        self.stats.add(prefill_batches=1, prefill_tokens=int(lengths[:len(live)].sum()),
+                       prefill_padded_tokens=tokens.size)
+        if self.uses_layerwise(batch.length):
+            self._run_layerwise(live, tokens, lengths, sampling)
+        else:
+            self._run_whole(live, tokens, lengths, sampling)
+        return True, 0.0
+
+    def _start(self, batch: PrefillBatch) -> list[Request]:
+        """The batch's requests that are still live, now PREFILLING."""
+        live = []
+        for r in batch.requests:
+            if not r.transition(State.PREFILLING):
+                continue                       # aborted since it was scheduled
+            r.timings.local_prefill |= self.on_decode_mesh
+            if r.timings.prefill_start is None:
+                r.timings.prefill_start = time.perf_counter()
+            live.append(r)
+        self.stats.add(local_prefills=len(live) if self.on_decode_mesh else 0)
+        return live
+
+    @staticmethod
+    def _inputs(batch: PrefillBatch, live: list[Request]):
+        tokens = np.zeros((batch.batch_size, batch.length), np.int32)
+        lengths = np.ones(batch.batch_size, np.int32)
+        sampling = SamplingArrays.empty(batch.batch_size)
+        for i, r in enumerate(live):
+            ids = r.prefill_ids
+            tokens[i, :len(ids)] = ids
+            lengths[i] = len(ids)
+            sampling.set_row(i, r)
+        return tokens, lengths, sampling
+
+    def _run_whole(self, live: list[Request], tokens, lengths, sampling) -> None:
+        first, k, v = self.runner.run(tokens, lengths, sampling)
+        now = time.perf_counter()
+        for i, r in enumerate(live):
+            n = int(lengths[i])
+            if self._first_token(r, int(first[i]), now):
+                continue                       # finished by its first token, or aborted
+            k_pages, v_pages = self.runner.take_pages(k, v, i, pages_for(n, self.page_size))
+            if not r.transition(State.TRANSFERRING):
+                continue
+            if self._send(r, n, int(first[i]), k_pages, v_pages):
+                self.requests.handed_off(r)
+
+    def _run_layerwise(self, live: list[Request], tokens, lengths, sampling) -> None:
+        """Send each layer group's pages as soon as they are computed; the first token
+        rides on the last part (it is sampled after the last layer). A request that
+        ends with its first token, or is aborted meanwhile, gets no further parts: the
+        decode side frees its reserved slot when it sees the request final (in one
+        process) or is told by the router (across processes)."""
+        rows = [(i, pages_for(int(lengths[i]), self.page_size)) for i in range(len(live))]
+        first_dev, parts = self.runner.run_layerwise(tokens, lengths, sampling, self.layerwise, rows)
+        streams = [secrets.randbits(63) for _ in live]
+        sending = [r.transition(State.TRANSFERRING) for r in live]
+        count = len(parts)
+        for g, group in enumerate(parts[:-1]):
+            jax.block_until_ready(group)       # group g is computed; g+1 computes on
+            start = self.layerwise[g][0]
+            for i, r in enumerate(live):
+                if sending[i] and not r.is_final:
+                    k_pages, v_pages = group[i]
+                    sending[i] = self._send(r, int(lengths[i]), -1, k_pages, v_pages,
+                                            KVPart(streams[i], g, count, start))
+        first = np.asarray(first_dev)
+        now = time.perf_counter()
+        for i, r in enumerate(live):
+            if self._first_token(r, int(first[i]), now) or not sending[i]:
+                continue
+            k_pages, v_pages = parts[-1][i]
+            if self._send(r, int(lengths[i]), int(first[i]), k_pages, v_pages,
+                          KVPart(streams[i], count - 1, count, self.layerwise[-1][0])):
+                self.requests.handed_off(r)
+
+    def _first_token(self, r: Request, token: int, now: float) -> bool:
+        """Record the prefill's sampled token; True if the request is final after it."""
+        if r.timings.prefill_end is None:
+            r.timings.prefill_end = now
+        if r.append_token(token, now):
+            self.stats.add(finished=int(r.state is State.FINISHED))
+            return True
+        return False
+
+    def _send(self, r: Request, n: int, first: int, k_pages, v_pages,
+              part: KVPart | None = None) -> bool:
+        """Hand (part of) `r`'s KV on; False if it failed (and `r` with it)."""
+        payload = self.requests.payload_of(r, n)
+        try:
+            self.sender.send(KVHandoff(r.request_id, n, first, k_pages, v_pages, payload,
+                                       r.destination, part))
+            return True
+        except TransferError as e:
+            # The decode side is unreachable or full: fail this request so the
+            # router can retry it elsewhere; the loop keeps serving.
+            self.stats.add(transfer_failures=1, aborted=int(r.abort(f"failed: transfer: {e}")))
+            return False

@@ -1,0 +1,142 @@
+"""`Requests`: the engine's live requests by id, and the queues into its prefill loops.
+
+Every way a request enters or re-enters the engine goes through here: `submit` (a new
+request; admission control), `register` (a decode-only process: a request whose KV is
+prefilled elsewhere), `resolve` (the request a handoff belongs to), `resubmit` (it was
+preempted, or its transfer failed: prefill it again), `handed_off` (a prefill-only
+process: it now lives on the decode side). The loops hold this one object instead of
+callbacks into the engine. Plain Python; thread-safe.
+"""
+from __future__ import annotations
+
+import queue
+import secrets
+import threading
+
+from jaxpd.errors import QueueFull
+from jaxpd.request import Request, State
+from jaxpd.stats import StatsCounter
+
+
+class Requests:
+    """`has_decode` False: the decode side is another process (handoffs carry the wire
+    form; a handed-off request is forgotten here). `local_prefill_below`: prompts
+    shorter than this prefill on the decode mesh, when it has a prefill loop there."""
+
+    def __init__(self, stats: StatsCounter, max_queued: int, *, has_prefill: bool,
+                 has_decode: bool, has_local_prefill: bool, local_prefill_below: int = 0):
+        self.stats = stats
+        self.max_queued = max_queued
+        self.remote_decode = not has_decode
+        self.has_prefill, self.has_local_prefill = has_prefill, has_local_prefill
+        self._local_below = local_prefill_below
+        self.prefill_inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self.local_inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self.wake = threading.Event()        # set when an inbox gets work or a request ends
+        self._live: dict[str, Request] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def new_id() -> str:
+        """An unguessable request id."""
+        return f"req-{secrets.token_hex(8)}"
+
+    def submit(self, request: Request) -> None:
+        """Admit a validated request and queue it for prefill. Raises `QueueFull`, or
+        `ValueError` for an id already in flight."""
+        with self._lock:
+            self._prune()
+            waiting = sum(r.state is State.WAITING for r in self._live.values())
+            if waiting >= self.max_queued:
+                raise QueueFull(f"{waiting} requests already wait for prefill "
+                                f"(max_queued={self.max_queued})")
+            if request.request_id in self._live:
+                raise ValueError(f"request_id {request.request_id!r} is already in flight")
+            self._live[request.request_id] = request
+        self._route(request)
+
+    def register(self, request: Request) -> None:
+        """A mirror (state TRANSFERRING) of a request prefilled in another process:
+        the handoff that brings its KV resolves to this object, whose events stream."""
+        if request.state is not State.TRANSFERRING:
+            raise ValueError(f"register takes a request waiting for its KV, got {request}")
+        with self._lock:
+            self._prune()
+            self._live[request.request_id] = request
+
+    def get(self, request_id: str) -> Request | None:
+        with self._lock:
+            return self._live.get(request_id)
+
+    def resolve(self, payload, remote: bool) -> Request:
+        """The request a handoff belongs to: the object itself from this process; from
+        another (`remote`), the registered mirror, or a new one built from the wire form."""
+        if not remote:
+            return payload
+        with self._lock:
+            r = self._live.get(payload["request_id"])
+            if r is None:
+                r = self._live[payload["request_id"]] = Request.from_wire(payload)
+        return r
+
+    def payload_of(self, request: Request, num_tokens: int):
+        """What a handoff of `request` carries to the decode side."""
+        return request.to_wire(num_tokens=num_tokens) if self.remote_decode else request
+
+    def resubmit(self, request: Request) -> bool:
+        """Preempted, or its transfer failed: prefill it again (prompt + output so far).
+        False if it was aborted meanwhile."""
+        if not request.transition(State.WAITING):
+            return False
+        self._route(request)
+        return True
+
+    def handed_off(self, request: Request) -> None:
+        """Its KV left for another process: the request lives on there."""
+        if self.remote_decode:
+            with self._lock:
+                self._live.pop(request.request_id, None)
+            request.events.put(([], "handed_off"))
+
+    def abort(self, request_id: str, reason: str) -> bool:
+        """Abort at once; its slot and pages are freed by the loops' next iteration."""
+        r = self.get(request_id)
+        if r is None or not r.abort(reason):
+            return False
+        self.stats.add(aborted=1)
+        self.wake.set()
+        return True
+
+    def abort_all(self, reason: str) -> None:
+        with self._lock:
+            live = list(self._live.values())
+        for r in live:
+            if r.abort(reason):
+                self.stats.add(aborted=1)
+
+    def num_waiting(self) -> int:
+        with self._lock:
+            return sum(r.state is State.WAITING for r in self._live.values())
+
+    def all_final(self) -> bool:
+        with self._lock:
+            return all(r.is_final for r in self._live.values())
+
+    def __len__(self) -> int:
+        """Requests not yet known to be over (final ones are forgotten lazily)."""
+        with self._lock:
+            self._prune()
+            return len(self._live)
+
+    def _route(self, request: Request) -> None:
+        """To the prefill mesh, or to the decode mesh's own prefill (short prompts, or
+        a decode-only process)."""
+        local = self.has_local_prefill and (not self.has_prefill
+                                     or request.num_tokens < self._local_below)
+        (self.local_inbox if local else self.prefill_inbox).put(request)
+        self.wake.set()
+
+    def _prune(self) -> None:
+        """Forget final requests (callers hold their own reference)."""
+        for k in [k for k, r in self._live.items() if r.is_final]:
+            del self._live[k]

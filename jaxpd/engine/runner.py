@@ -1,0 +1,248 @@
+"""The jitted device programs and the state they own.
+
+`PrefillRunner`  prefill mesh (tp): one program per (batch, length) bucket; returns the
+                 first sampled token of each row and the prompt KV; cuts a request's
+                 used pages out of the bucket for the connector. `run_layerwise` runs
+                 the same prefill as embed, layer groups and head, so each group's
+                 pages can be sent while the next group computes.
+`DecodeRunner`   decode mesh (dp x tp): owns the paged KV pool, a pytree donated into
+                 every call so updates happen in place. `insert` writes arrived pages,
+                 `step` feeds one token per slot and samples the next. Both run under
+                 `shard_map` over dp: each dp shard touches only its own slots and pages,
+                 block tables hold shard-local page ids, tp inside a shard is GSPMD's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpd.engine.sampler import sample
+from jaxpd.models.config import ModelConfig
+from jaxpd.models.llama import Llama, prefill_blocks
+from jaxpd.sharding.compat import shard_map
+
+
+@dataclasses.dataclass
+class SamplingArrays:
+    """Per-row sampling inputs, host side (numpy)."""
+    temperature: np.ndarray   # f32 [B]
+    top_k: np.ndarray         # i32 [B]
+    top_p: np.ndarray         # f32 [B]
+    seeds: np.ndarray         # u32 [B]
+
+    @classmethod
+    def empty(cls, n: int) -> "SamplingArrays":
+        return cls(np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32),
+                   np.zeros(n, np.uint32))
+
+    def set_row(self, i: int, request) -> None:
+        p = request.params
+        self.temperature[i], self.top_k[i], self.top_p[i] = p.temperature, p.top_k, p.top_p
+        self.seeds[i] = (request.seed ^ (request.seed >> 32)) & 0xFFFFFFFF
+
+    def tuple(self):
+        return self.temperature, self.top_k, self.top_p, self.seeds
+
+
+class CompileCounter:
+    """Counts distinct compiled shapes per program (thread-safe), to prove steady state."""
+
+    def __init__(self):
+        self._seen: dict[str, set] = {}
+        self._lock = threading.Lock()
+
+    def note(self, program: str, key) -> None:
+        with self._lock:
+            self._seen.setdefault(program, set()).add(key)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {k: len(v) for k, v in self._seen.items()}
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts().values())
+
+
+class PrefillRunner:
+    def __init__(self, cfg: ModelConfig, params, mesh: Mesh, rules, page_size: int,
+                 counter: CompileCounter, dtype=jnp.float32, name: str = "prefill"):
+        self.cfg, self.params, self.mesh, self.page_size = cfg, params, mesh, page_size
+        self.counter, self.name = counter, name
+        model = Llama(cfg, dtype)
+        replicated = NamedSharding(mesh, P())
+
+        def prefill(params, tokens, lengths, temperature, top_k, top_p, seeds):
+            with nn.logical_axis_rules(rules):
+                logits, k, v = model.apply({"params": params}, tokens, lengths,
+                                           method=Llama.prefill)
+            first = sample(logits, temperature, top_k, top_p, seeds, lengths)
+            return first, k, v
+
+        def embed(params, tokens):
+            with nn.logical_axis_rules(rules):
+                return model.apply({"params": params}, tokens, method=Llama.embed_prompt)
+
+        def blocks(layer_params, x):
+            with nn.logical_axis_rules(rules):
+                return prefill_blocks(cfg, dtype, layer_params, x)
+
+        def head(params, x, lengths, temperature, top_k, top_p, seeds):
+            with nn.logical_axis_rules(rules):
+                logits = model.apply({"params": params}, x, lengths, method=Llama.head)
+            return sample(logits, temperature, top_k, top_p, seeds, lengths)
+
+        # Explicit output shardings (what GSPMD picks anyway: hidden states replicated,
+        # K/V split over kv heads when they divide tp): jax 0.9.1/0.9.2 instead raise
+        # IndivisibleError when it has to infer them for 2 KV heads on tp=4.
+        kv = NamedSharding(mesh, P(None, None, None, dict(rules).get("kv_heads"), None))
+        self._replicated = replicated
+        self._prefill = jax.jit(prefill, out_shardings=(replicated, kv, kv))
+        self._embed = jax.jit(embed, out_shardings=replicated)
+        self._blocks = jax.jit(blocks, out_shardings=(replicated, kv, kv))
+        self._head = jax.jit(head, out_shardings=replicated)
+        self._take = jax.jit(self._take_pages, static_argnums=(3,), out_shardings=(kv, kv))
+
+    def run(self, tokens: np.ndarray, lengths: np.ndarray, sampling: SamplingArrays):
+        """tokens [B, T] -> (first tokens as numpy [B], k, v [L, B, T, K, H] on the mesh)."""
+        self.counter.note(self.name, tokens.shape)
+        inputs = jax.device_put((tokens, lengths) + sampling.tuple(), self._replicated)
+        first, k, v = self._prefill(self.params, *inputs)
+        return np.asarray(first), k, v
+
+    def run_layerwise(self, tokens: np.ndarray, lengths: np.ndarray, sampling: SamplingArrays,
+                      groups: list[tuple[int, int]], rows: list[tuple[int, int]]):
+        """`run`, one layer group at a time, every program dispatched before returning.
+
+        groups: [start, stop) layer ranges covering every layer, in order;
+        rows: (row, num_pages) of the requests whose pages to cut.
+        Returns (first tokens on device [B], parts): parts[g] is a list, per entry of
+        `rows`, of that row's (k, v) pages of group g, [stop - start, P, S, K, H].
+        Dispatch order is embed, group 0, its pages, group 1, its pages, ..., last
+        group, head, its pages: a device runs programs in order, so group g's pages are
+        ready while group g+1 still computes, and the caller can send them meanwhile.
+        """
+        self.counter.note(f"{self.name}_embed", tokens.shape)
+        self.counter.note(f"{self.name}_head", tokens.shape)
+        inputs = jax.device_put((tokens, lengths) + sampling.tuple(), self._replicated)
+        x = self._embed(self.params, inputs[0])
+        parts, first = [], None
+        for g, (start, stop) in enumerate(groups):
+            self.counter.note(f"{self.name}_blocks", (tokens.shape, stop - start))
+            x, k, v = self._blocks([self.params[f"layers_{i}"] for i in range(start, stop)], x)
+            if g == len(groups) - 1:
+                first = self._head(self.params, x, *inputs[1:])
+            parts.append([self.take_pages(k, v, row, n) for row, n in rows])
+        return first, parts
+
+    def take_pages(self, k, v, row: int, num_pages: int):
+        """The `num_pages` pages of row `row`: ([L, P, S, K, H], same) -- no padding."""
+        self.counter.note(f"{self.name}_take_pages", (k.shape, num_pages))
+        return self._take(k, v, row, num_pages)
+
+    def _take_pages(self, k, v, row, num_pages):
+        n = num_pages * self.page_size
+        def cut(x):
+            x = jax.lax.dynamic_index_in_dim(x, row, axis=1, keepdims=False)[:, :n]
+            return x.reshape(x.shape[0], num_pages, self.page_size, *x.shape[2:])
+        return cut(k), cut(v)
+
+
+class DecodeRunner:
+    def __init__(self, cfg: ModelConfig, params, mesh: Mesh, rules, num_slots: int,
+                 pages_per_shard: int, page_size: int, counter: CompileCounter,
+                 dtype=jnp.float32):
+        self.cfg, self.params, self.mesh = cfg, params, mesh
+        self.page_size, self.counter = page_size, counter
+        self.num_shards = mesh.shape["dp"]
+        kv_axis = dict(rules).get("kv_heads")
+        self.pool_spec = P(None, "dp", None, kv_axis, None)          # [L, P, S, K, H]
+        self.page_spec = P(None, None, None, kv_axis, None)          # one shard's pages
+        shape = (cfg.num_layers, self.num_shards * pages_per_shard, page_size,
+                 cfg.num_kv_heads, cfg.head_dim)
+        pool_sharding = NamedSharding(mesh, self.pool_spec)
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool_sharding)
+        self.k_pool, self.v_pool = zeros(), zeros()
+        self.slot_sharding = NamedSharding(mesh, P("dp"))
+        self.prev_tokens = jax.device_put(np.zeros(num_slots, np.int32), self.slot_sharding)
+        self._submeshes = [Mesh(mesh.devices[d:d + 1], ("dp", "tp")) for d in range(self.num_shards)]
+        self._zeros_cache: dict = {}
+        model = Llama(cfg, dtype)
+
+        def step(params, k_pool, v_pool, prev, host_tokens, fed_from_host, positions, block_tables,
+                 temperature, top_k, top_p, seeds):
+            tokens = jnp.where(fed_from_host, host_tokens, prev)
+            with nn.logical_axis_rules(rules):
+                logits, k_pool, v_pool = model.apply({"params": params}, tokens, positions, k_pool,
+                                                     v_pool, block_tables, method=Llama.decode)
+            nxt = sample(logits, temperature, top_k, top_p, seeds, positions + 1)
+            return nxt, k_pool, v_pool
+
+        slot = P("dp")
+        pool = P(None, "dp")
+        self._step = jax.jit(shard_map(
+            step, mesh=mesh, axis_names={"dp"},
+            in_specs=(P(), pool, pool) + (slot,) * 9, out_specs=(slot, pool, pool)),
+            donate_argnums=(1, 2))
+
+        def insert(k_pool, v_pool, k_new, v_new, page_ids):
+            return k_pool.at[:, page_ids].set(k_new), v_pool.at[:, page_ids].set(v_new)
+
+        self._insert = jax.jit(shard_map(
+            insert, mesh=mesh, axis_names={"dp"},
+            in_specs=(pool, pool, pool, pool, slot), out_specs=(pool, pool)),
+            donate_argnums=(0, 1))
+        self._pad = jax.jit(self._pad_pages, static_argnums=(1,))
+
+    def shard_sharding(self, shard: int) -> NamedSharding:
+        """Where a request's pages must land to be inserted on `shard`."""
+        return NamedSharding(self._submeshes[shard], self.page_spec)
+
+    def insert(self, shard: int, page_ids: list[int], k_pages, v_pages) -> None:
+        """Write [L, n, S, K, H] pages (already on `shard_sharding(shard)`) at `page_ids`."""
+        n = len(page_ids)
+        m = 1 << (n - 1).bit_length()      # pad to a power of two: few programs
+        self.counter.note("insert", m)
+        if m != n:
+            k_pages, v_pages = self._pad(k_pages, m), self._pad(v_pages, m)
+        ids = np.zeros((self.num_shards, m), np.int32)
+        ids[shard, :n] = page_ids           # padding rows write the null page 0
+        ids = jax.device_put(ids.reshape(-1), self.slot_sharding)
+        k_new = self._assemble(shard, k_pages)
+        v_new = self._assemble(shard, v_pages)
+        self.k_pool, self.v_pool = self._insert(self.k_pool, self.v_pool, k_new, v_new, ids)
+
+    def step(self, host_tokens, fed_from_host, positions, block_tables, sampling: SamplingArrays):
+        """Dispatch one decode step (asynchronously); returns next tokens [B] on device."""
+        self.counter.note("decode", block_tables.shape)
+        nxt, self.k_pool, self.v_pool = self._step(
+            self.params, self.k_pool, self.v_pool, self.prev_tokens, host_tokens, fed_from_host,
+            positions, block_tables, *sampling.tuple())
+        self.prev_tokens = nxt
+        return nxt
+
+    @staticmethod
+    def _pad_pages(x, m):
+        return jnp.pad(x, ((0, 0), (0, m - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+
+    def _assemble(self, shard: int, pages) -> jax.Array:
+        """Global [L, D*m, S, K, H] array: `pages` on `shard`, cached zeros elsewhere."""
+        l, m = pages.shape[:2]
+        shape = (l, self.num_shards * m) + pages.shape[2:]
+        pieces = [s.data for s in pages.addressable_shards]
+        for d in range(self.num_shards):
+            if d == shard:
+                continue
+            key = (d, pages.shape, pages.dtype)
+            if key not in self._zeros_cache:
+                self._zeros_cache[key] = jax.device_put(
+                    jnp.zeros(pages.shape, pages.dtype), self.shard_sharding(d))
+            pieces += [s.data for s in self._zeros_cache[key].addressable_shards]
+        return jax.make_array_from_single_device_arrays(
+            shape, NamedSharding(self.mesh, self.pool_spec), pieces)

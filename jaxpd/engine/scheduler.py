@@ -1,0 +1,235 @@
+"""Schedulers (plain Python, no jax): they decide, the engine executes.
+
+`PrefillScheduler` groups waiting requests by padded length bucket and returns a
+`PrefillBatch` plan; `DecodeScheduler` owns the decode slots and each shard's page
+allocator and returns a `StepPlan` for every decode step.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from jaxpd.engine.page_allocator import PageAllocator, pages_for
+from jaxpd.request import Request
+
+
+def length_buckets(max_len: int, min_bucket: int = 16) -> list[int]:
+    """Powers of two from `min_bucket` up to the first one >= max_len."""
+    buckets = [min_bucket]
+    while buckets[-1] < max_len:
+        buckets.append(buckets[-1] * 2)
+    return buckets
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Padded batch sizes: powers of two below max_batch, then max_batch itself."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillBatch:
+    requests: list[Request]
+    batch_size: int      # padded B
+    length: int          # padded T (the bucket)
+
+
+class PrefillScheduler:
+    """Length-bucketed, oldest-first prefill batching.
+
+    A bucket runs when its batch is full, or when its oldest request has waited
+    `bucket_timeout_s`. Buckets are visited in the order of their oldest request, so
+    the oldest request anywhere runs at most one timeout (plus the running batch)
+    after arrival: no starvation. Below `min_batch` after the timeout, requests of
+    shorter buckets may ride along, padded to this bucket.
+    """
+
+    def __init__(self, buckets: list[int], max_batch: int, max_tokens: int,
+                 bucket_timeout_s: float = 0.005, min_batch: int = 1):
+        if max_batch < 1:
+            raise ValueError(f"max_prefill_batch must be >= 1, got {max_batch}")
+        if max_tokens < buckets[-1]:
+            raise ValueError(f"max_prefill_tokens={max_tokens} is smaller than the largest "
+                             f"bucket {buckets[-1]}: a longest prompt could never run")
+        self.buckets = list(buckets)
+        self.max_batch = max_batch
+        self.max_tokens = max_tokens
+        self.bucket_timeout_s = bucket_timeout_s
+        self.min_batch = min_batch
+        self.batch_sizes = batch_buckets(max_batch)
+        self._waiting: dict[int, collections.deque[Request]] = {b: collections.deque() for b in buckets}
+
+    def bucket_for(self, num_tokens: int) -> int:
+        for b in self.buckets:
+            if num_tokens <= b:
+                return b
+        raise ValueError(f"prompt of {num_tokens} tokens is longer than the largest "
+                         f"prefill bucket {self.buckets[-1]}")
+
+    def add(self, request: Request) -> None:
+        self._waiting[self.bucket_for(request.num_tokens)].append(request)
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._waiting.values())
+
+    def drop_final(self) -> list[Request]:
+        """Remove requests that were aborted while waiting; returns them."""
+        dropped = []
+        for q in self._waiting.values():
+            keep = [r for r in q if not r.is_final]
+            dropped += [r for r in q if r.is_final]
+            q.clear()
+            q.extend(keep)
+        return dropped
+
+    def _cap(self, bucket: int) -> int:
+        return max(1, min(self.max_batch, self.max_tokens // bucket))
+
+    def padded_batch(self, n: int, bucket: int) -> int:
+        cap = self._cap(bucket)
+        return min(next(s for s in self.batch_sizes if s >= n), cap) if n <= cap else cap
+
+    def schedule(self, now: float) -> tuple[PrefillBatch | None, float | None]:
+        """The batch to run now, or (None, seconds until one may become due)."""
+        self.drop_final()
+        order = sorted((q[0].timings.arrival, b) for b, q in self._waiting.items() if q)
+        if not order:
+            return None, None
+        for oldest, bucket in order:
+            queue = self._waiting[bucket]
+            cap = self._cap(bucket)
+            if len(queue) >= cap or now - oldest >= self.bucket_timeout_s:
+                return self._take(bucket, cap), 0.0
+        return None, max(0.0, order[0][0] + self.bucket_timeout_s - now)
+
+    def _take(self, bucket: int, cap: int) -> PrefillBatch:
+        queue = self._waiting[bucket]
+        taken = [queue.popleft() for _ in range(min(cap, len(queue)))]
+        if len(taken) < min(self.min_batch, cap):
+            # Mix in the oldest shorter requests; they fit this bucket's padding.
+            shorter = sorted((r.timings.arrival, b) for b in self.buckets if b < bucket
+                             for r in self._waiting[b])
+            for _, b in shorter:
+                if len(taken) >= min(self.min_batch, cap):
+                    break
+                taken.append(self._waiting[b].popleft())
+        return PrefillBatch(taken, self.padded_batch(len(taken), bucket), bucket)
+
+
+@dataclasses.dataclass
+class Slot:
+    request: Request
+    pages: list[int]
+    position: int          # where the next fed token goes (== tokens with KV so far)
+    ready: bool = True     # False while its KV is still being transferred in
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEntry:
+    slot: int              # global slot index (shard * slots_per_shard + local)
+    request: Request
+    position: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    entries: list[StepEntry]
+    preempted: list[Request]
+    max_pages: int         # most pages any stepped slot uses (for the context bucket)
+
+
+class DecodeScheduler:
+    """Slots and pages of every dp shard. A slot's pages grow one page at a time as its
+    position crosses a page boundary; when a shard runs out, its youngest request is
+    preempted (pages freed, request handed back for recompute)."""
+
+    def __init__(self, num_shards: int, slots_per_shard: int, pages_per_shard: int,
+                 page_size: int):
+        self.num_shards = num_shards
+        self.slots_per_shard = slots_per_shard
+        self.page_size = page_size
+        self.allocators = [PageAllocator(pages_per_shard) for _ in range(num_shards)]
+        self.slots: list[Slot | None] = [None] * (num_shards * slots_per_shard)
+
+    def shard_of(self, slot: int) -> int:
+        return slot // self.slots_per_shard
+
+    def num_active(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def pages_needed(self, num_tokens: int) -> int:
+        # The prompt's pages plus room for the first fed token at position num_tokens.
+        return pages_for(num_tokens + 1, self.page_size)
+
+    def find_slot(self, num_tokens: int) -> int | None:
+        """A free slot on the shard with the most free pages that can hold the request."""
+        need = self.pages_needed(num_tokens)
+        best = None
+        for shard, alloc in enumerate(self.allocators):
+            if not alloc.can_allocate(need):
+                continue
+            base = shard * self.slots_per_shard
+            free = [i for i in range(base, base + self.slots_per_shard) if self.slots[i] is None]
+            if free and (best is None or alloc.num_free > self.allocators[self.shard_of(best)].num_free):
+                best = free[0]
+        return best
+
+    def admit(self, slot: int, request: Request, num_tokens: int, ready: bool = True) -> list[int]:
+        """Occupy `slot` for a request whose first `num_tokens` have KV; returns its pages.
+        A slot admitted not `ready` (KV still in transfer) is neither stepped nor
+        preempted until `mark_ready`."""
+        assert self.slots[slot] is None, f"slot {slot} is taken"
+        pages = self.allocators[self.shard_of(slot)].allocate(self.pages_needed(num_tokens))
+        self.slots[slot] = Slot(request, pages, num_tokens, ready)
+        return pages
+
+    def mark_ready(self, slot: int) -> None:
+        self.slots[slot].ready = True
+
+    def release(self, slot: int) -> None:
+        state = self.slots[slot]
+        if state is not None:
+            self.allocators[self.shard_of(slot)].free(state.pages)
+            self.slots[slot] = None
+
+    def slot_of(self, request: Request) -> int | None:
+        for i, s in enumerate(self.slots):
+            if s is not None and s.request is request:
+                return i
+        return None
+
+    def plan_step(self) -> StepPlan:
+        """Make sure every active slot has the page its next write needs (preempting the
+        youngest request of a shard that ran out), then list what to step."""
+        preempted: list[Request] = []
+        for i, s in enumerate(self.slots):
+            while s is not None and s.ready and \
+                    len(s.pages) < pages_for(s.position + 1, self.page_size):
+                alloc = self.allocators[self.shard_of(i)]
+                if alloc.can_allocate(1):
+                    s.pages += alloc.allocate(1)
+                    continue
+                victim = self._youngest(self.shard_of(i))
+                preempted.append(self.slots[victim].request)
+                self.release(victim)
+                s = self.slots[i]
+        entries = [StepEntry(i, s.request, s.position) for i, s in enumerate(self.slots)
+                   if s and s.ready]
+        max_pages = max((len(self.slots[e.slot].pages) for e in entries), default=1)
+        return StepPlan(entries, preempted, max_pages)
+
+    def advance(self, plan: StepPlan) -> None:
+        for e in plan.entries:
+            s = self.slots[e.slot]
+            if s is not None and s.request is e.request:
+                s.position += 1
+
+    def _youngest(self, shard: int) -> int:
+        base = shard * self.slots_per_shard
+        # Never a slot whose KV is still arriving: its pages are being written.
+        occupied = [i for i in range(base, base + self.slots_per_shard)
+                    if self.slots[i] and self.slots[i].ready]
+        return max(occupied, key=lambda i: self.slots[i].request.timings.arrival)

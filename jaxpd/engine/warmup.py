@@ -1,0 +1,55 @@
+"""Compile every program an engine can need before it serves, so steady state
+compiles nothing (`Engine.counter` proves it in tests)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpd.engine.runner import SamplingArrays
+from jaxpd.models.hf_io import DTYPES
+
+
+def warm_up(engine, progress: Callable[[str], None]) -> None:
+    """Every prefill (batch, length) bucket, every decode context width and every
+    insert size. Runs before the engine's threads start; the decode calls only touch
+    the null page."""
+    for loop in (engine.prefill_loop, engine.local_loop):
+        if loop is not None:
+            _warm_prefill(loop, progress)
+    if engine.decode_loop is not None:
+        _warm_decode(engine, progress)
+
+
+def _warm_prefill(loop, progress: Callable[[str], None]) -> None:
+    sched = loop.scheduler
+    shapes = sorted({(sched.padded_batch(b, t), t) for t in sched.buckets
+                     for b in sched.batch_sizes})
+    for i, (b, t) in enumerate(shapes):
+        progress(f"compiling {loop.runner.name} {i + 1}/{len(shapes)}: batch {b} x {t} tokens")
+        args = (np.zeros((b, t), np.int32), np.ones(b, np.int32), SamplingArrays.empty(b))
+        if loop.uses_layerwise(t):
+            jax.block_until_ready(loop.runner.run_layerwise(*args, loop.layerwise, []))
+        else:
+            loop.runner.run(*args)
+
+
+def _warm_decode(engine, progress: Callable[[str], None]) -> None:
+    cfg, runner = engine.config, engine.decode_runner
+    num_slots = len(engine.decode_scheduler.slots)
+    widths = sorted({min(1 << (n - 1).bit_length(), cfg.pages_per_slot)
+                     for n in range(1, cfg.pages_per_slot + 1)})
+    for i, w in enumerate(widths):
+        progress(f"compiling decode step {i + 1}/{len(widths)}: {w} pages of context")
+        runner.step(np.zeros(num_slots, np.int32), np.ones(num_slots, bool),
+                    np.zeros(num_slots, np.int32), np.zeros((num_slots, w), np.int32),
+                    SamplingArrays.empty(num_slots))
+    model = engine.model.cfg
+    for m in widths:
+        progress(f"compiling page insert for {m} pages")
+        shape = (model.num_layers, m, cfg.page_size, model.num_kv_heads, model.head_dim)
+        pages = jax.device_put(jnp.zeros(shape, DTYPES[cfg.dtype]), runner.shard_sharding(0))
+        runner.insert(0, [0] * m, pages, pages)
+    jax.block_until_ready(runner.k_pool)

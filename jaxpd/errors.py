@@ -1,0 +1,6 @@
+"""Errors that cross layers (plain Python: importing this loads no jax)."""
+from __future__ import annotations
+
+
+class QueueFull(RuntimeError):
+    """Admission control said no: too many requests are waiting."""

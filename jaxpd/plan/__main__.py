@@ -1,0 +1,4 @@
+"""`python -m jaxpd.plan`: see `jaxpd.plan.planner`."""
+from jaxpd.plan.planner import main
+
+main()

@@ -1,0 +1,274 @@
+"""`python -m jaxpd.launch`: serve a model over gRPC (or, with --once, generate once).
+
+Start-up order matters:
+1. flags are parsed and, on CPU, XLA_FLAGS gets as many virtual devices as the mesh
+   needs. jax reads XLA_FLAGS once, when its first backend initialises; nothing before
+   this point imports jax (the `jaxpd` package exports lazily, the mesh spec is parsed
+   by the plain-Python `jaxpd.sharding.spec`), and the engine is imported only after.
+   The router role never imports jax or flax at all: it needs no accelerator;
+2. the gRPC server starts listening at once with health NOT_SERVING, so orchestrators
+   can watch the (long) load and compile;
+3. the model loads and every bucket compiles (progress printed), then health flips to
+   SERVING and a final `jaxpd serving ...` line is printed;
+4. SIGTERM or SIGINT: health NOT_SERVING, no new calls, in-flight ones get
+   --shutdown_grace_s to finish before they are aborted with reason "shutdown", the
+   engine shuts down, exit 0.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import threading
+
+from absl import app, flags
+
+
+def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
+    """Define the launcher's flags on `fv` (the global FLAGS when run as a program)."""
+    _define_serving_flags(fv)
+    _define_engine_flags(fv)
+    _define_role_flags(fv)
+
+
+def _define_serving_flags(fv: flags.FlagValues) -> None:
+    """What to serve, where, and how the process starts and stops."""
+    flags.DEFINE_string("model", None, "Hugging Face checkpoint directory of a Llama-family "
+                        "model (default: the built-in model, jaxpd.default_model_dir()).",
+                        flag_values=fv)
+    flags.DEFINE_string("mesh", "prefill=4,decode=4", "Mesh spec: prefill=P,decode=D[xT] "
+                        "or colocated=N.", flag_values=fv)
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                      "Dtype of the weights and the KV cache.", flag_values=fv)
+    flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (gRPC and /metrics).",
+                        flag_values=fv)
+    flags.DEFINE_integer("port", 50051, "gRPC port; 0 picks a free one and prints it.",
+                         lower_bound=0, flag_values=fv)
+    flags.DEFINE_integer("metrics_port", 0, "Port of the Prometheus /metrics endpoint; 0 = off.",
+                         lower_bound=0, flag_values=fv)
+    flags.DEFINE_boolean("warmup", True, "Compile every bucket before serving.", flag_values=fv)
+    flags.DEFINE_float("shutdown_grace_s", 5.0, "On SIGTERM/SIGINT, how long in-flight "
+                       "requests may still run before they are aborted.", lower_bound=0,
+                       flag_values=fv)
+    flags.DEFINE_integer("max_concurrent_rpcs", 128, "Concurrent RPCs (one thread each) "
+                         "before gRPC itself answers RESOURCE_EXHAUSTED.", lower_bound=1,
+                         flag_values=fv)
+    flags.DEFINE_string("once", None, "Instead of serving, generate greedily for this prompt, "
+                        "print the completion and exit (default: unset, serve).", flag_values=fv)
+    flags.DEFINE_integer("once_max_tokens", 32, "Tokens to generate with --once.",
+                         lower_bound=1, flag_values=fv)
+
+
+def _define_engine_flags(fv: flags.FlagValues) -> None:
+    """`EngineConfig` knobs and admission control."""
+    flags.DEFINE_integer("max_model_len", None, "Prompt + generated tokens per request "
+                         "(default: the model's max_position_embeddings, at most 1024).",
+                         lower_bound=2, flag_values=fv)
+    flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page (a power of two).",
+                         lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("slots_per_shard", 8, "Decode slots per decode dp shard.",
+                         lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("max_prefill_batch", 8, "Most requests in one prefill batch.",
+                         lower_bound=1, flag_values=fv)
+    flags.DEFINE_float("bucket_timeout_ms", 5.0, "Longest wait for a prefill batch to fill.",
+                       lower_bound=0, flag_values=fv)
+    flags.DEFINE_integer("max_queued", 1024, "Requests waiting for prefill before new ones "
+                         "get RESOURCE_EXHAUSTED.", lower_bound=1, flag_values=fv)
+    flags.DEFINE_float("slo_ttft_ms", 0.0, "Reject (RESOURCE_EXHAUSTED) a request whose "
+                       "predicted TTFT exceeds this; 0 = off.", lower_bound=0, flag_values=fv)
+    flags.DEFINE_integer("layerwise_min_tokens", 0, "Prefill buckets of at least this many "
+                         "tokens send their KV layer group by layer group, each as soon as it "
+                         "is computed, overlapping the transfer with the rest of the prefill; "
+                         "0 = always whole.", lower_bound=0, flag_values=fv)
+    flags.DEFINE_integer("layerwise_parts", 4, "Layer groups of a layer-wise transfer.",
+                         lower_bound=2, flag_values=fv)
+    flags.DEFINE_enum("kv_transfer_dtype", None, ["int8", "fp8"], "Compress KV in transit "
+                      "(per-page scales; lossy). Unset: send it as stored.", flag_values=fv)
+    flags.DEFINE_integer("local_prefill_below", 0, "Prompts shorter than this are prefilled "
+                         "on the decode mesh itself (no transfer); 0 = never.", lower_bound=0,
+                         flag_values=fv)
+
+
+def _define_role_flags(fv: flags.FlagValues) -> None:
+    """Multi-process deployments: roles, the router, the KV transport."""
+    flags.DEFINE_enum("role", "", ["", "prefill", "decode", "router"],
+                      "Multi-process deployments: run one role (its --mesh is then prefill=P or "
+                      "decode=D[xT]; the router needs none). Empty: both phases in this "
+                      "process.", flag_values=fv)
+    flags.DEFINE_string("router", None, "prefill/decode roles: host:port of the router to "
+                        "register with (retried with backoff until it answers).", flag_values=fv)
+    flags.DEFINE_list("prefill_workers", [], "router role: host:port of prefill workers "
+                      "(workers may also register themselves).", flag_values=fv)
+    flags.DEFINE_list("decode_workers", [], "router role: host:port of decode workers.",
+                      flag_values=fv)
+    flags.DEFINE_enum("kv_transport", "transfer_server", ["transfer_server", "grpc"],
+                      "prefill/decode roles: how KV pages cross processes (the JAX transfer "
+                      "server, or a gRPC byte stream where it is unavailable).", flag_values=fv)
+
+
+def set_cpu_device_count(mesh: str, environ=os.environ) -> int | None:
+    """On CPU (JAX_PLATFORMS unset or naming cpu), make XLA create as many virtual
+    devices as `mesh` needs, replacing any count already in XLA_FLAGS. Returns the
+    count, or None when the platform is not CPU. Must run before jax initialises."""
+    from jaxpd.sharding.spec import parse_mesh_spec   # plain Python: loads no jax
+
+    platforms = environ.get("JAX_PLATFORMS", "")
+    if platforms and "cpu" not in platforms.split(","):
+        return None
+    num = parse_mesh_spec(mesh).num_devices
+    rest = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                  environ.get("XLA_FLAGS", "")).split()
+    environ["XLA_FLAGS"] = " ".join(rest + [f"--xla_force_host_platform_device_count={num}"])
+    return num
+
+
+def engine_options(fv: flags.FlagValues) -> dict:
+    """`LLM` keyword arguments from the flags (unset ones keep the LLM's defaults)."""
+    options = dict(mesh=fv.mesh, dtype=fv.dtype, page_size=fv.page_size,
+                   slots_per_shard=fv.slots_per_shard, max_prefill_batch=fv.max_prefill_batch,
+                   bucket_timeout_ms=fv.bucket_timeout_ms, max_queued=fv.max_queued,
+                   layerwise_min_tokens=fv.layerwise_min_tokens,
+                   layerwise_parts=fv.layerwise_parts, kv_transfer_dtype=fv.kv_transfer_dtype,
+                   local_prefill_below=fv.local_prefill_below)
+    if fv.max_model_len is not None:
+        options["max_model_len"] = fv.max_model_len
+    return options
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def run(fv: flags.FlagValues) -> int:
+    """Serve (or generate once) as the flags say; returns the exit status."""
+    if fv.role == "router":
+        return _run_router(fv)
+    try:
+        set_cpu_device_count(fv.mesh)
+    except ValueError as e:
+        print(f"--mesh: {e}", file=sys.stderr)
+        return 2
+    from jaxpd.llm import LLM   # after XLA_FLAGS: this is what brings the backend up
+
+    if fv.once is not None:
+        return _run_once(fv, LLM)
+    stop = _stop_on_signals()
+    if fv.role in ("prefill", "decode"):
+        return _run_role(fv, stop)
+    return _serve(fv, stop, LLM)
+
+
+def _run_role(fv: flags.FlagValues, stop: threading.Event) -> int:
+    """A prefill or decode role of a multi-process deployment."""
+    from jaxpd.serving.role_server import serve_role
+    from jaxpd.transfer.transfer_server import TransferServerUnavailable
+    options = dict(engine_options(fv), warmup=fv.warmup)
+    try:
+        return serve_role(fv.role, fv.model, fv.host, fv.port, fv.router, fv.kv_transport,
+                            stop, _say, options)
+    except (OSError, ValueError, TransferServerUnavailable) as e:
+        print(f"cannot start the {fv.role} worker: {e}", file=sys.stderr)
+        return 1
+
+
+def _serve(fv: flags.FlagValues, stop: threading.Event, LLM) -> int:
+    """Both phases in this process, behind the public gRPC service."""
+    from jaxpd.serving.server import InferenceServer
+
+    server = InferenceServer(fv.host, fv.port, fv.slo_ttft_ms,
+                             metrics_port=fv.metrics_port or None,
+                             max_concurrent_rpcs=fv.max_concurrent_rpcs)
+    llm = None
+    try:
+        _say(f"jaxpd listening on {fv.host}:{server.port} (NOT_SERVING until the model is warm)")
+        if server.metrics_port is not None:
+            _say(f"jaxpd metrics on http://{fv.host}:{server.metrics_port}/metrics")
+        _say(f"loading {fv.model or 'the built-in default model'} onto mesh {fv.mesh}")
+        try:
+            llm = LLM(fv.model, warmup=fv.warmup, progress=_say, **engine_options(fv))
+        except (OSError, ValueError) as e:   # missing/bad checkpoint, bad engine option
+            print(f"cannot load the model: {e}", file=sys.stderr)
+            return 1
+        if not stop.is_set():
+            server.attach(llm)
+            _say(f"jaxpd serving {llm.model_path} on {fv.host}:{server.port} "
+                 f"(mesh {llm.config.mesh})")
+            stop.wait()
+        _say("jaxpd shutting down")
+    finally:
+        server.stop(fv.shutdown_grace_s)
+        if llm is not None:
+            llm.shutdown()
+    left = [t.name for t in threading.enumerate()
+            if t is not threading.main_thread() and not t.daemon]
+    if left:
+        print(f"threads still running at exit: {left}", file=sys.stderr)
+    return 0
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def _run_router(fv: flags.FlagValues) -> int:
+    """The front door: Generation service over a `Router`; SERVING once at least one
+    prefill and one decode worker answer."""
+    from jaxpd.default_model import default_model_dir
+    from jaxpd.serving.router import Router, RouterConfig
+    from jaxpd.serving.server import InferenceServer
+
+    stop = _stop_on_signals()
+    config = RouterConfig(max_model_len=fv.max_model_len or 1024, max_queued=fv.max_queued,
+                          dtype=fv.dtype, page_size=fv.page_size)
+    router = Router(fv.model or default_model_dir(), config, tuple(fv.prefill_workers),
+                    tuple(fv.decode_workers))
+    server = InferenceServer(fv.host, fv.port, fv.slo_ttft_ms, metrics_port=fv.metrics_port or None,
+                             max_concurrent_rpcs=fv.max_concurrent_rpcs,
+                             extra_handlers=(router.handlers(),))
+    try:
+        _say(f"jaxpd router listening on {fv.host}:{server.port} (NOT_SERVING until a prefill "
+             f"and a decode worker answer)")
+        while not stop.is_set() and not router.ready():
+            stop.wait(0.2)
+        if not stop.is_set():
+            server.attach(router)
+            _say(f"jaxpd serving {router.model_path} on {fv.host}:{server.port} (mesh router)")
+            stop.wait()
+        _say("jaxpd shutting down")
+    finally:
+        server.stop(fv.shutdown_grace_s)
+        router.shutdown()
+    return 0
+
+
+def _run_once(fv: flags.FlagValues, llm_class) -> int:
+    from jaxpd.sampling_params import SamplingParams
+
+    with llm_class(fv.model, warmup=fv.warmup, progress=_say, **engine_options(fv)) as llm:
+        if llm.tokenizer is None:
+            print(f"--once needs a model with tokenizer.json; {llm.model_path} has none",
+                  file=sys.stderr)
+            return 2
+        params = SamplingParams(max_tokens=fv.once_max_tokens, temperature=0.0)
+        out = llm.generate([fv.once], params)[0]
+        _say(out.text)
+        m = out.metrics
+        print(f"[{out.finish_reason}] {len(out.token_ids)} tokens, TTFT "
+              f"{m.ttft_s * 1e3:.1f} ms" + (f", TPOT {m.tpot_s * 1e3:.1f} ms" if m.tpot_s else ""),
+              file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    return run(flags.FLAGS)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

@@ -1,0 +1,107 @@
+"""`EngineStats`: what an engine has done and holds, one typed snapshot.
+
+Its fields are the public Stats RPC's names; the same snapshot feeds the Stats RPC,
+Prometheus (each field's `kind` and `help`) and the bench, so a count is spelled once.
+`StatsCounter` is the live, thread-safe side: the loops, the transfer threads and the
+connectors add to it from their own threads under one lock.
+(Plain Python: importing this loads no jax.)
+"""
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import threading
+
+
+def _counter(help: str, default=0, metric: str | None = None):
+    """A monotonic count; exported as `metric` (default `jaxpd_<field>_total`)."""
+    return dataclasses.field(default=default,
+                             metadata={"kind": "counter", "help": help, "metric": metric})
+
+
+def _gauge(help: str):
+    """A level that goes up and down; exported as `jaxpd_<field>`."""
+    return dataclasses.field(default=0, metadata={"kind": "gauge", "help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats(collections.abc.Mapping):
+    """A snapshot; also a read-only mapping of its fields (for RPC and export)."""
+    mesh: str = ""
+    compiled_programs: dict = dataclasses.field(default_factory=dict)
+    num_compiled_programs: int = _counter(
+        "Programs compiled (distinct shapes over all jitted functions).",
+        metric="jaxpd_compiled_programs_total")
+    prefill_batches: int = _counter("Prefill batches run.")
+    prefill_tokens: int = _counter("Prompt tokens prefilled.")
+    prefill_padded_tokens: int = _counter("Prefill tokens computed, bucket padding included.")
+    local_prefills: int = _counter("Requests prefilled on the decode mesh (no transfer).")
+    transfers: int = _counter("KV-cache transfers from prefill to decode.")
+    layerwise_transfers: int = _counter("KV-cache transfers sent layer group by layer group.")
+    transfer_bytes: int = _counter("Bytes of KV cache transferred.")
+    transfer_s: float = _counter("Seconds spent transferring KV cache.", 0.0,
+                                 metric="jaxpd_transfer_seconds_total")
+    transfer_failures: int = _counter("KV transfers that failed (the request was prefilled again "
+                                      "or failed over).")
+    kv_streams_rejected: int = _counter("Inbound KV streams rejected as damaged or malformed.")
+    offers_reclaimed: int = _counter("KV offers ended by the sender because nobody pulled them.")
+    decode_steps: int = _counter("Decode steps run.")
+    preemptions: int = _counter("Requests preempted for lack of pages.")
+    finished: int = _counter("Requests finished (stop or length).",
+                             metric="jaxpd_requests_finished_total")
+    aborted: int = _counter("Requests aborted (cancel, deadline, shutdown, failure).",
+                            metric="jaxpd_requests_aborted_total")
+    slots_total: int = _gauge("Decode slots in all dp shards.")
+    slots_active: int = _gauge("Decode slots in use.")
+    pages_total: int = _gauge("KV-cache pages in all dp shards.")
+    pages_used: int = _gauge("KV-cache pages in use.")
+    queue_waiting: int = _gauge("Requests waiting for prefill.")
+
+    def __getitem__(self, key: str):
+        if key not in _NAMES:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self):
+        return iter(_NAMES)
+
+    def __len__(self) -> int:
+        return len(_NAMES)
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in _NAMES}
+
+
+_NAMES = tuple(f.name for f in dataclasses.fields(EngineStats))
+
+
+def exported() -> list[tuple[str, str, str, str]]:
+    """(field, metric name, kind, help) of every field Prometheus exports."""
+    out = []
+    for f in dataclasses.fields(EngineStats):
+        kind = f.metadata.get("kind")
+        if kind is not None:
+            suffix = "_total" if kind == "counter" else ""
+            out.append((f.name, f.metadata.get("metric") or f"jaxpd_{f.name}{suffix}", kind,
+                        f.metadata["help"]))
+    return out
+COUNTERS = tuple(f.name for f in dataclasses.fields(EngineStats) if f.metadata.get("kind") == "counter"
+                 and f.name != "num_compiled_programs")
+
+
+class StatsCounter:
+    """Running counts (by default the engine's). Any thread may `add`; `snapshot` is
+    consistent."""
+
+    def __init__(self, names: tuple[str, ...] = COUNTERS):
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(names, 0)
+
+    def add(self, **deltas) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self._counts)

@@ -1,0 +1,214 @@
+"""The decode loop on a numpy `FakeRunner`: admission, transfers (whole and layer-wise,
+lost, late, superseded, misfit), preemption, aborts and page accounting, in ms."""
+from __future__ import annotations
+
+import time
+import types
+
+import numpy as np
+import pytest
+
+from jaxpd.engine.decode_loop import DecodeLoop
+from jaxpd.engine.requests import Requests
+from jaxpd.engine.scheduler import DecodeScheduler
+from jaxpd.request import Request, State
+from jaxpd.sampling_params import SamplingParams
+from jaxpd.stats import StatsCounter
+from jaxpd.transfer.connector import KVHandoff, KVPart
+from jaxpd.transfer.inbound import InboundQueue
+from tests.fake_runner import FakeReceiver, FakeRunner, InlineExecutor, pages
+
+LAYERS, PAGE_SIZE = 2, 4
+
+
+@pytest.fixture
+def pool():
+    return InlineExecutor()
+
+
+def make(pool, slots=2, pages_per_shard=17, num_shards=1, part_timeout_s=30.0, remote=False):
+    stats = StatsCounter()
+    requests = Requests(stats, 64, has_prefill=not remote, has_decode=True,
+                        has_local_prefill=False)
+    runner = FakeRunner(num_shards, slots, pages_per_shard, PAGE_SIZE, LAYERS)
+    scheduler = DecodeScheduler(num_shards, slots, pages_per_shard, PAGE_SIZE)
+    receiver = FakeReceiver()
+    queue = InboundQueue(receiver, pool, part_timeout_s, remote=remote)
+    loop = DecodeLoop(runner, scheduler, [queue], requests, stats, max_pages_per_slot=8)
+    return types.SimpleNamespace(loop=loop, runner=runner, scheduler=scheduler, stats=stats,
+                                 requests=requests, receiver=receiver)
+
+
+def prefilled(env, rid: str, prompt_len: int, first: int, max_tokens: int) -> Request:
+    """A request as the prefill loop leaves it: first token sampled, KV on its way."""
+    r = Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens))
+    env.requests.submit(r)
+    env.requests.prefill_inbox.get_nowait()
+    r.transition(State.PREFILLING)
+    r.append_token(first, time.perf_counter())
+    r.transition(State.TRANSFERRING)
+    return r
+
+
+def handoff(r: Request, first: int, value: float = 1.0, part: KVPart | None = None,
+            layers: int = LAYERS) -> KVHandoff:
+    n = len(r.prompt_ids)
+    kv = pages(layers, -(-n // PAGE_SIZE), value, PAGE_SIZE)
+    return KVHandoff(r.request_id, n, first if part is None or part.is_last else -1, kv, -kv,
+                     payload=r, part=part)
+
+
+def run(env, until, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not until():
+        assert time.monotonic() < deadline, "not reached in time"
+        env.loop.iterate(receive_timeout=None)
+
+
+def assert_no_page_held(env) -> None:
+    run(env, lambda: env.loop.idle)
+    for alloc in env.scheduler.allocators:
+        assert alloc.num_used == 0 and alloc.num_free == alloc.capacity
+    assert all(s is None for s in env.scheduler.slots)
+
+
+def test_tokens_count_on_from_each_first_token_and_pages_come_back(pool):
+    env = make(pool)
+    reqs = [prefilled(env, "a", 5, 100, 6), prefilled(env, "b", 9, 200, 6)]
+    for r, first in zip(reqs, (100, 200)):
+        env.receiver.push(handoff(r, first, value=first))
+    run(env, lambda: all(r.is_final for r in reqs))
+    assert reqs[0].output_ids == list(range(100, 106))
+    assert reqs[1].output_ids == list(range(200, 206))
+    assert all(r.finish_reason == "length" for r in reqs)
+    counts = env.stats.snapshot()
+    assert counts["transfers"] == 2 and counts["finished"] == 2
+    assert counts["transfer_bytes"] == sum(h.num_bytes for h in env.receiver.placed)
+    # Each request's pages hold its own KV: found in the pool where it was inserted.
+    for (shard, ids), first in zip(env.runner.inserts, (100, 200)):
+        assert np.all(env.runner.k_pool[:, ids] == first)
+    assert_no_page_held(env)
+
+
+def test_admission_is_fifo_and_waits_for_a_free_slot(pool):
+    env = make(pool, slots=1)
+    first, second = prefilled(env, "first", 3, 10, 3), prefilled(env, "second", 3, 50, 3)
+    env.receiver.push(handoff(first, 10))
+    env.receiver.push(handoff(second, 50))
+    run(env, lambda: second.is_final)
+    assert first.output_ids == [10, 11, 12] and second.output_ids == [50, 51, 52]
+    assert second.timings.kv_ready > first.timings.finish
+    assert len(env.runner.inserts) == 2
+    assert_no_page_held(env)
+
+
+def test_a_lost_layerwise_part_times_out_and_the_request_is_prefilled_again(pool):
+    env = make(pool, part_timeout_s=0.05)
+    r = prefilled(env, "lost", 6, 7, 4)
+    env.receiver.push(handoff(r, 7, part=KVPart(stream=1, index=0, count=2, layer_start=0),
+                              layers=1))
+    run(env, lambda: r.state is State.WAITING)
+    assert env.requests.prefill_inbox.get_nowait() is r
+    assert env.stats.snapshot()["transfer_failures"] == 1
+    assert env.runner.inserts == []            # never decoded from pages it lacks
+    assert_no_page_held(env)
+
+
+def test_a_part_out_of_order_fails_the_transfer(pool):
+    env = make(pool)
+    r = prefilled(env, "jumbled", 6, 7, 4)
+    env.receiver.push(handoff(r, 7, part=KVPart(1, 0, 3, 0), layers=1))
+    late = handoff(r, 7, part=KVPart(1, 2, 3, 1), layers=1)
+    env.receiver.push(late)
+    run(env, lambda: r.state is State.WAITING)
+    assert any(h is late for h in env.receiver.discarded)
+    assert env.stats.snapshot()["transfer_failures"] == 1
+    assert_no_page_held(env)
+
+
+def test_a_new_prefill_supersedes_a_half_received_layerwise_transfer(pool):
+    env = make(pool)
+    r = prefilled(env, "retried", 6, 9, 3)
+    env.receiver.push(handoff(r, 9, value=1.0, part=KVPart(1, 0, 2, 0), layers=1))
+    run(env, lambda: env.scheduler.slot_of(r) is not None)
+    # The first prefill worker died; the router's retry arrives as a new stream.
+    env.receiver.push(handoff(r, 9, value=2.0, part=KVPart(2, 0, 2, 0), layers=1))
+    env.receiver.push(handoff(r, 9, value=2.0, part=KVPart(2, 1, 2, 1), layers=1))
+    run(env, lambda: r.is_final)
+    assert r.output_ids == [9, 10, 11]
+    stale = handoff(r, 9, value=1.0, part=KVPart(1, 1, 2, 1), layers=1)   # the dead one's
+    env.receiver.push(stale)
+    run(env, lambda: any(h is stale for h in env.receiver.discarded))
+    (_, ids), = env.runner.inserts
+    assert np.all(env.runner.k_pool[:, ids] == 2.0)   # the retry's pages, not the dead one's
+    assert env.stats.snapshot()["layerwise_transfers"] == 1
+    assert_no_page_held(env)
+
+
+def test_a_second_handoff_of_a_request_with_a_slot_is_dropped(pool):
+    env = make(pool)
+    r = prefilled(env, "twice", 5, 3, 3)
+    env.receiver.push(handoff(r, 3))
+    env.receiver.push(handoff(r, 3))
+    run(env, lambda: r.is_final)
+    assert r.output_ids == [3, 4, 5]
+    assert len(env.runner.inserts) == 1 and len(env.receiver.discarded) == 1
+    assert_no_page_held(env)
+
+
+def test_running_out_of_pages_preempts_the_youngest_and_frees_its_pages(pool):
+    env = make(pool, slots=2, pages_per_shard=5)        # 4 usable pages of 4 tokens
+    old, young = prefilled(env, "old", 3, 100, 12), prefilled(env, "young", 3, 200, 12)
+    young.timings.arrival = old.timings.arrival + 1
+    env.receiver.push(handoff(old, 100))
+    env.receiver.push(handoff(young, 200))
+    run(env, lambda: young.state is State.WAITING)
+    assert env.stats.snapshot()["preemptions"] == 1 and young.timings.num_preemptions == 1
+    assert env.requests.prefill_inbox.get_nowait() is young
+    held = sum(len(s.pages) for s in env.scheduler.slots if s is not None)
+    assert env.scheduler.allocators[0].num_used == held
+    run(env, lambda: old.is_final)
+    assert old.output_ids == list(range(100, 112))
+    assert_no_page_held(env)
+
+
+def test_an_abort_mid_transfer_frees_the_slot_and_later_parts_are_discarded(pool):
+    env = make(pool)
+    r = prefilled(env, "cancelled", 6, 7, 4)
+    env.receiver.push(handoff(r, 7, part=KVPart(5, 0, 2, 0), layers=1))
+    run(env, lambda: env.scheduler.slot_of(r) is not None)
+    assert env.requests.abort("cancelled", "client went away")
+    run(env, lambda: env.loop.idle)
+    later = handoff(r, 7, part=KVPart(5, 1, 2, 1), layers=1)
+    env.receiver.push(later)
+    run(env, lambda: any(h is later for h in env.receiver.discarded))
+    assert r.state is State.ABORTED and r.abort_reason == "client went away"
+    assert env.runner.inserts == []
+    assert_no_page_held(env)
+
+
+def test_pages_that_do_not_fit_fail_the_transfer_and_the_loop_lives(pool):
+    env = make(pool)
+    bad = prefilled(env, "bad", 5, 1, 2)
+    packed = np.zeros((LAYERS, 2, PAGE_SIZE * 2 + 4), np.uint8)     # compressed rows
+    env.receiver.push(KVHandoff("bad", 5, 1, packed, packed, payload=bad))
+    run(env, lambda: bad.state is State.WAITING)
+    good = prefilled(env, "good", 5, 40, 2)
+    env.receiver.push(handoff(good, 40))
+    run(env, lambda: good.is_final)
+    assert good.output_ids == [40, 41]
+    assert env.stats.snapshot()["transfer_failures"] == 1
+    assert_no_page_held(env)
+
+
+def test_a_request_from_another_process_learns_its_first_token_from_the_handoff(pool):
+    env = make(pool, remote=True)
+    wire = Request("remote", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3)).to_wire()
+    mirror = Request.from_wire(wire)
+    env.requests.register(mirror)
+    kv = pages(LAYERS, 2, 1.0, PAGE_SIZE)
+    env.receiver.push(KVHandoff("remote", 5, 61, kv, kv, payload=wire))
+    run(env, lambda: mirror.is_final)
+    assert mirror.output_ids == [61, 62, 63]
+    assert mirror.timings.token_times[0] <= mirror.timings.kv_ready
+    assert_no_page_held(env)

@@ -1,0 +1,141 @@
+"""Import hygiene and packaging.
+
+The router role and the pure-Python modules must not load jax or flax (the router
+process needs no accelerator), and the wheel installs everything under `jaxpd.` so a
+user's own `models` package is never shadowed. Each check runs in a fresh interpreter:
+this test process has loaded jax long ago.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEAVY = ("jax", "jaxlib", "flax")
+SHOW_HEAVY = ("import sys; print(sorted(m for m in sys.modules "
+              f"if m.split('.')[0] in {HEAVY!r}))")
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": ROOT}
+
+
+def _python(code: str, *flags: str, cwd: str = ROOT, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *flags, "-c", code], cwd=cwd, env=env or _env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("module", ["jaxpd", "jaxpd.metrics", "jaxpd.errors",
+                                    "jaxpd.sharding.spec", "jaxpd.config", "jaxpd.frontend",
+                                    "jaxpd.models.config", "jaxpd.models.tokenizer",
+                                    "jaxpd.transfer.wire", "jaxpd.serving.router"])
+def test_pure_modules_load_no_jax(module):
+    out = _python(f"import {module}; {SHOW_HEAVY}")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"importing {module} loaded {out.stdout}"
+
+
+def test_lazy_exports_still_resolve():
+    out = _python("import jaxpd, jaxpd.sharding, jaxpd.transfer; "
+                  "from jaxpd.sharding.spec import parse_mesh_spec; "
+                  "assert parse_mesh_spec('decode=2x2').num_devices == 4; "
+                  "assert jaxpd.transfer.WireVersionError.__module__ == 'jaxpd.transfer.wire'; "
+                  "assert callable(jaxpd.sharding.build_meshes); "
+                  "assert 'build_meshes' in dir(jaxpd.sharding); "
+                  "print(jaxpd.SamplingParams(max_tokens=3).max_tokens)")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "3"
+
+
+def _imported(importtime_log: str) -> set[str]:
+    """Module names from `python -X importtime` output (stderr)."""
+    return {line.rsplit("|", 1)[1].strip() for line in importtime_log.splitlines()
+            if line.startswith("import time:") and "|" in line}
+
+
+def test_router_role_imports_no_jax_or_flax(tmp_path):
+    """The real `python -m jaxpd.launch --role router`, started until it polls its
+    (unreachable) workers and then stopped: every module it imported along the way,
+    shutdown included, comes from `-X importtime`."""
+    cmd = [sys.executable, "-X", "importtime", "-m", "jaxpd.launch", "--role", "router",
+           "--port", "0", "--host", "127.0.0.1", "--max_model_len", "160",
+           "--prefill_workers", "127.0.0.1:1", "--decode_workers", "127.0.0.1:2"]
+    log = tmp_path / "importtime.log"      # a file: a full stderr pipe would block it
+    with open(log, "w") as stderr:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=stderr,
+                             text=True)
+    watchdog = threading.Timer(120, p.kill)    # a hung start fails instead of hanging
+    watchdog.start()
+    try:
+        line = p.stdout.readline()
+        assert "jaxpd router listening" in line, line + log.read_text()[-3000:]
+        time.sleep(1.0)            # a few readiness polls: Info RPCs to the workers
+        p.send_signal(signal.SIGTERM)
+        out = p.communicate(timeout=60)[0]
+    finally:
+        watchdog.cancel()
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, line + out + log.read_text()[-3000:]
+    imported = _imported(log.read_text())
+    assert "jaxpd.serving.router" in imported and "grpc" in imported   # the log is complete
+    assert sorted(m for m in imported if m.split(".")[0] in HEAVY) == []
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> str:
+    """A wheel built from a copy of the source tree (building in place would leave a
+    build/ directory whose stale files the next build would ship)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "bench_out"))
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                          "--no-build-isolation", "-q", "-w", str(tmp / "dist"), str(src)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (built,) = (tmp / "dist").glob("jaxpd-*.whl")
+    return str(built)
+
+
+@pytest.mark.slow
+def test_wheel_is_namespaced_under_jaxpd(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    for path in ("jaxpd/models/__init__.py", "jaxpd/sharding/__init__.py",
+                 "jaxpd/sharding/spec.py", "jaxpd/transfer/__init__.py",
+                 "jaxpd/transfer/wire.py", "jaxpd/serving/proto/jaxpd_pb2.py",
+                 "jaxpd/default_model/model.safetensors"):
+        assert path in names, f"{path} missing from the wheel"
+    tops = {n.split("/")[0] for n in names}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"jaxpd"}, tops
+
+
+@pytest.mark.slow
+def test_installed_wheel_has_no_top_level_models(wheel, tmp_path):
+    site = tmp_path / "site"
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q",
+                          "--target", str(site), wheel],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    # -S: no site-packages (so not this checkout's editable install either), like a
+    # clean environment; these modules need only the standard library.
+    code = ("import jaxpd.models.config, jaxpd.sharding.spec\n"
+            "print(jaxpd.models.config.__file__)\n"
+            "try:\n"
+            "    import models\n"
+            "except ModuleNotFoundError as e:\n"
+            "    print('no', e.name)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    run = _python(code, "-S", cwd=str(elsewhere), env={**env, "PYTHONPATH": str(site)})
+    assert run.returncode == 0, run.stderr
+    file, missing = run.stdout.splitlines()
+    assert file.startswith(str(site / "jaxpd" / "models"))
+    assert missing == "no models"

@@ -1,0 +1,201 @@
+"""The receiving side of a transfer as objects the decode loop can poll.
+
+`InboundQueue` wraps a `KVReceiver`: each new transfer it receives (a request-level
+handoff, or the first part of a layer-wise one) becomes an `Inbound`; the later parts
+of a layer-wise transfer go to their own `Inbound` as they arrive, whether or not it
+has a slot yet. The decode loop only asks:
+
+    inbound.start(sharding, expect)   # its slot is reserved: move the pages there
+    inbound.poll(now)                 # PENDING | Placed(k, v, ...) | TransferError
+    inbound.end()                     # never mind (cancelled, stale, superseded)
+
+Pages move on the caller's transfer threads (`executor`), never on the decode thread;
+the layers of a layer-wise transfer are joined once all have arrived. A part out of
+order, overdue by `part_timeout_s`, or whose pages do not fit `expect` fails the
+transfer with a `TransferError`: the caller prefills the request again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent import futures
+
+import jax
+import jax.numpy as jnp
+
+from jaxpd.transfer.connector import KVHandoff, KVReceiver, TransferError
+
+PENDING = "pending"
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """All of a transfer's pages, on the shard they were started for."""
+    k: jax.Array           # [L, P, page_size, K, H]
+    v: jax.Array
+    num_bytes: int
+    seconds: float
+
+
+class Inbound:
+    """One request's KV on its way in: one part, or the layer groups of a layer-wise
+    transfer in order."""
+
+    def __init__(self, first: KVHandoff, receiver: KVReceiver, executor: futures.Executor,
+                 part_timeout_s: float, counted: bool, remote: bool):
+        self.request_id = first.request_id
+        self.num_tokens = first.num_tokens
+        self.num_pages = first.num_pages
+        self.payload = first.payload
+        self.stream = None if first.part is None else first.part.stream
+        self.count = 1 if first.part is None else first.part.count
+        self.counted = counted        # a transfer between meshes (not an on-mesh prefill)
+        self.remote = remote          # from another process: `payload` is a wire form
+        self.first_token: int | None = None
+        self.ended = False
+        self._receiver, self._executor = receiver, executor
+        self._part_timeout_s = part_timeout_s
+        self._received: list[KVHandoff] = []
+        self._futures: list[futures.Future] = []
+        self._start: tuple[jax.sharding.Sharding, jax.ShapeDtypeStruct] | None = None
+        self._deadline = 0.0
+        self._error: TransferError | None = None
+        self.add(first)
+
+    @property
+    def layerwise(self) -> bool:
+        return self.stream is not None
+
+    @property
+    def received_all(self) -> bool:
+        return len(self._received) == self.count
+
+    def add(self, h: KVHandoff) -> None:
+        """The next part of this transfer (the assembler checks it is ours)."""
+        index = 0 if h.part is None else h.part.index
+        count = 1 if h.part is None else h.part.count
+        if self.ended or self._error is not None:
+            self._receiver.discard(h)
+            return
+        if index != len(self._received) or count != self.count:
+            # Never assemble layers out of order: fail the transfer, prefill again.
+            self._receiver.discard(h)
+            self._error = TransferError(f"part {index}/{count} of {h.request_id!r} arrived "
+                                        f"after {len(self._received)}/{self.count} parts")
+            return
+        self._received.append(h)
+        if h.part is None or h.part.is_last:
+            self.first_token = h.first_token
+        if self._start is not None:
+            self._place(h)
+
+    def start(self, sharding: jax.sharding.Sharding, expect: jax.ShapeDtypeStruct) -> None:
+        """Move the parts received so far onto `sharding`, later ones as they come.
+        `expect`: the whole KV's shape [L, P, page_size, K, H] and dtype in the pool."""
+        self._start = (sharding, expect)
+        for h in self._received:
+            self._place(h)
+
+    def poll(self, now: float):
+        """`PENDING`, `Placed` once every part is on the shard, or the `TransferError`
+        that ended it. Errors other than `TransferError` are raised: a bug, not a peer."""
+        if self._error is not None:
+            return self._error
+        for f in self._futures:
+            if f.done() and f.exception() is not None:
+                if isinstance(f.exception(), TransferError):
+                    return f.exception()
+                raise f.exception()
+        if not self.received_all:
+            if self._start is not None and now > self._deadline:
+                self._error = TransferError(
+                    f"part {len(self._received)}/{self.count} of {self.request_id!r} not "
+                    f"received within {self._part_timeout_s:.1f}s")
+                return self._error
+            return PENDING
+        if not all(f.done() for f in self._futures):
+            return PENDING
+        return self._join([f.result() for f in self._futures])
+
+    def end(self) -> None:
+        """Forget this transfer: parts not yet placed, and any still to come, are
+        discarded (the sender frees their pages)."""
+        if not self.ended:
+            self.ended = True
+            for h in self._received[len(self._futures):]:
+                self._receiver.discard(h)
+
+    def _place(self, h: KVHandoff) -> None:
+        self._futures.append(self._executor.submit(self._checked_place, h, *self._start))
+        self._deadline = time.monotonic() + self._part_timeout_s
+
+    def _checked_place(self, h: KVHandoff, sharding, expect: jax.ShapeDtypeStruct):
+        """`receiver.place`, refusing pages that do not fit the pool (e.g. the peer
+        compresses KV and this side does not): a failed transfer, never a crash."""
+        k, v, stats = self._receiver.place(h, sharding)
+        for name, x in (("k", k), ("v", v)):
+            layers = expect.shape[0] if h.part is None else x.shape[0]
+            want = (layers, self.num_pages) + tuple(expect.shape[2:])
+            if x.shape != want or x.dtype != expect.dtype:
+                raise TransferError(
+                    f"{h.request_id!r}: {name} pages arrived as {x.dtype}{list(x.shape)}, the "
+                    f"pool needs {expect.dtype}{list(want)}: do prefill and decode serve the "
+                    f"same model, dtype and kv_transfer_dtype?")
+        return k, v, stats
+
+    def _join(self, results) -> Placed | TransferError:
+        if len(results) == 1:
+            k, v = results[0][:2]
+        else:   # layer-wise: join the groups' layers on the shard
+            k = jnp.concatenate([x[0] for x in results])
+            v = jnp.concatenate([x[1] for x in results])
+        layers = self._start[1].shape[0]
+        if k.shape[0] != layers:
+            self._error = TransferError(f"the parts of {self.request_id!r} hold {k.shape[0]} "
+                                        f"layers, the model has {layers}")
+            return self._error
+        return Placed(k, v, sum(x[2].num_bytes for x in results),
+                      sum(x[2].seconds for x in results))
+
+
+def wait_any(inbounds: list[Inbound], timeout: float) -> bool:
+    """Wait up to `timeout` s for any of their pages to finish moving; False at once
+    when none is moving (they wait for parts still to arrive)."""
+    running = [f for i in inbounds for f in i._futures if not f.done()]
+    if running:
+        futures.wait(running, timeout=timeout, return_when=futures.FIRST_COMPLETED)
+    return bool(running)
+
+
+class InboundQueue:
+    """Turns a receiver's handoffs into `Inbound`s; routes later layer-wise parts."""
+
+    def __init__(self, receiver: KVReceiver, executor: futures.Executor,
+                 part_timeout_s: float, *, counted: bool = True, remote: bool = False):
+        self.receiver = receiver
+        self._executor, self._part_timeout_s = executor, part_timeout_s
+        self._counted, self._remote = counted, remote
+        self._streams: dict[tuple[str, int], Inbound] = {}   # layer-wise, still receiving
+
+    def receive(self, timeout: float | None) -> list[Inbound]:
+        """New transfers, waiting up to `timeout` s for the first handoff (None: not at
+        all); parts of known transfers are handed to them on the way."""
+        new = []
+        h = self.receiver.receive(timeout)
+        while h is not None:
+            if h.part is not None and h.part.index > 0:
+                inbound = self._streams.get((h.request_id, h.part.stream))
+                if inbound is None:
+                    self.receiver.discard(h)   # its transfer ended (failed, cancelled)
+                else:
+                    inbound.add(h)
+            else:
+                inbound = Inbound(h, self.receiver, self._executor, self._part_timeout_s,
+                                  self._counted, self._remote)
+                if inbound.layerwise:
+                    self._streams[(h.request_id, inbound.stream)] = inbound
+                new.append(inbound)
+            h = self.receiver.receive(None)
+        for key in [k for k, i in self._streams.items() if i.ended or i.received_all]:
+            del self._streams[key]
+        return new
