@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from jaxpd.config import EngineConfig
+import jax
+
+from jaxpd.config import EngineConfig, resolve_dtype
 from jaxpd.default_model import default_model_dir
 from jaxpd.engine.engine import Engine
 from jaxpd.frontend import Frontend
@@ -20,20 +22,22 @@ class LLM(Frontend):
 
     model: a Hugging Face checkpoint directory, or None for the built-in default.
     mesh: "prefill=P,decode=D[xT]" or "colocated=N". warmup: compile every bucket now
-    (reporting through `progress`) instead of on first use. connector: how KV moves
-    (default: in-process `DevicePutConnector`; a cross-process sender or receiver for single-role
+    (reporting through `progress`) instead of on first use. dtype: "auto" (float32 on
+    CPU, bfloat16 on TPU/GPU), "float32" or "bfloat16". connector: how KV moves (default:
+    in-process `DevicePutConnector`; a cross-process sender or receiver for single-role
     meshes "prefill=P" / "decode=D"). Other keyword arguments go to `EngineConfig`
     (page_size, max_model_len, slots_per_shard, ...).
     """
 
     def __init__(self, model: str | None = None, mesh: str = "prefill=4,decode=4",
-                 dtype: str = "float32", warmup: bool = False,
+                 dtype: str = "auto", warmup: bool = False,
                  progress: Callable[[str], None] | None = None,
                  connector: Connector | KVSender | KVReceiver | None = None,
                  **engine_options):
         loaded = checkpoint.load(model or default_model_dir(), dtype="float32")
         engine_options.setdefault("max_model_len", min(loaded.cfg.max_position_embeddings, 1024))
-        self.config = EngineConfig(mesh=mesh, dtype=dtype, **engine_options)
+        self.config = EngineConfig(mesh=mesh, dtype=resolve_dtype(dtype, jax.default_backend()),
+                                   **engine_options)
         if self.config.max_model_len > loaded.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={loaded.cfg.max_position_embeddings}")

@@ -25,3 +25,9 @@ def test_text_and_token_prompts_agree_and_stream_text_adds_up():
         streamed = list(llm.stream("import", params))
         assert "".join(d.text for d in streamed) == by_text.text
         assert streamed[-1].finish_reason == by_text.finish_reason
+
+
+def test_the_default_dtype_is_float32_on_cpu():
+    with LLM(mesh="colocated=1", max_model_len=32) as llm:
+        assert llm.config.dtype == "float32"
+        assert llm.engine.decode_runner.k_pool.dtype == "float32"

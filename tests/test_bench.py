@@ -12,7 +12,6 @@ from jaxpd.bench import cli as bench
 from jaxpd.bench.driver import make_bench_requests
 from jaxpd.bench.workload import make_workload
 from tests.cli_fixtures import assert_flag_rejected
-from tests.hf_fixtures import build_hf_model
 
 NUM_REQUESTS = 5
 LATENCY_KEYS = {"mean", "p50", "p90", "p99"}
@@ -21,10 +20,8 @@ RUN_KEYS = {"name", "ttft_s", "tpot_s", "itl_s", "e2e_s", "output_tok_s", "req_s
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("bench_tiny"))
-    build_hf_model("llama_gqa", path)
-    return path
+def tiny_dir(tiny_hf_model):
+    return tiny_hf_model[0]     # the session's tiny llama_gqa checkpoint (read only)
 
 
 def _flags(model_dir, *extra):
@@ -34,6 +31,7 @@ def _flags(model_dir, *extra):
             "--warmup_requests", "1", "--no_progress", *extra]
 
 
+@pytest.mark.slow
 def test_bench_runs_meshes_and_hf_on_the_same_requests(tiny_dir, tmp_path, capsys):
     out = tmp_path / "bench.json"
     results = bench.main(_flags(tiny_dir, "--mesh", "prefill=1,decode=1",
@@ -72,6 +70,7 @@ def test_bench_runs_meshes_and_hf_on_the_same_requests(tiny_dir, tmp_path, capsy
         assert run["output_tok_s"] * duration == pytest.approx(expected_tokens)
 
 
+@pytest.mark.slow
 def test_rate_sweep_and_goodput_search_name_each_run(tiny_dir, tmp_path):
     results = bench.main(_flags(tiny_dir, "--mesh", "prefill=1,decode=1", "--compare", "none",
                                 "--rates", "10,40", "--goodput", "--goodput_max_iters", "0",
@@ -133,6 +132,7 @@ def test_missing_model_is_a_clear_error(tmp_path):
         bench.main(["--model", str(tmp_path), "--compare", "none"])
 
 
+@pytest.mark.slow
 def test_layerwise_bench_compares_both_modes_on_the_same_prompts(tiny_dir, tmp_path, capsys):
     from jaxpd.bench import layerwise as bench_layerwise
     out = tmp_path / "layerwise.json"

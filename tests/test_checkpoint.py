@@ -13,14 +13,11 @@ from jaxpd.models.config import ModelConfig
 from jaxpd.models.hf_io import save_hf_params
 from jaxpd.models.llama import abstract_params
 from jaxpd.sharding import build_meshes, logical_rules, named_shardings
-from tests.hf_fixtures import build_hf_model
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("ckpt"))
-    build_hf_model("qwen2_bias", path)
-    return path
+def hf_dir(hf_models):
+    return hf_models("qwen2_bias")[0]   # shared with the parity tests (read only)
 
 
 def _copy(src, dst):

@@ -20,7 +20,6 @@ from jaxpd.metrics import slo_attainment
 from jaxpd.plan.profile import MeshProfiler
 from jaxpd.bench.workload import make_workload
 from tests.cli_fixtures import assert_flag_rejected
-from tests.hf_fixtures import build_hf_model
 
 PROMPTS, OUTPUTS = "16:1,32:1", "32"
 NUM_REQUESTS, RATE, SEED = 12, 20.0, 1
@@ -54,10 +53,8 @@ def test_bad_flags_are_rejected_naming_the_flag(flags, named, capsys):
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("plan_tiny"))
-    build_hf_model("llama_gqa", path)
-    return path
+def tiny_dir(tiny_hf_model):
+    return tiny_hf_model[0]     # the session's tiny llama_gqa checkpoint (read only)
 
 
 def _planner(tiny_dir, assume="measured"):
@@ -66,6 +63,7 @@ def _planner(tiny_dir, assume="measured"):
                         profile_batches=(1, 4))
 
 
+@pytest.mark.slow
 def test_ideal_assumption_scales_one_device_profile(tiny_dir):
     planner = _planner(tiny_dir, assume="ideal")
     one = planner.models_for("prefill=1,decode=1", 4)
@@ -82,6 +80,7 @@ def test_ideal_assumption_scales_one_device_profile(tiny_dir):
     assert "scaled ideally" in table and "prefill=4,decode=2x2" in table
 
 
+@pytest.mark.slow
 def test_real_run_keeps_the_planner_ranking(tiny_dir):
     """REAL RUN: the planner's best split beats its worst when both serve for real."""
     planner = _planner(tiny_dir)

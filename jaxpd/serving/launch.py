@@ -39,8 +39,9 @@ def _define_serving_flags(fv: flags.FlagValues) -> None:
                         flag_values=fv)
     flags.DEFINE_string("mesh", "prefill=4,decode=4", "Mesh spec: prefill=P,decode=D[xT] "
                         "or colocated=N.", flag_values=fv)
-    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
-                      "Dtype of the weights and the KV cache.", flag_values=fv)
+    flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
+                      "Dtype of the weights and the KV cache; auto: float32 on CPU, bfloat16 "
+                      "on TPU/GPU.", flag_values=fv)
     flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (gRPC and /metrics).",
                         flag_values=fv)
     flags.DEFINE_integer("port", 50051, "gRPC port; 0 picks a free one and prints it.",
