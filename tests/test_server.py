@@ -2,6 +2,7 @@
 (with a tiny word-level tokenizer, so text prompts work too), driven by the generated
 stubs; plus `python -m jaxpd.launch` as a subprocess and the client CLI."""
 import contextlib
+import inspect
 import io
 import math
 import os
@@ -458,8 +459,11 @@ def test_launch_flags_document_their_defaults_and_match_engine_config():
     fv(["launch"])
     defaults = EngineConfig()
     for name in ("page_size", "slots_per_shard", "max_prefill_batch", "bucket_timeout_ms",
-                 "max_queued", "dtype"):
+                 "max_queued"):
         assert fv[name].default == getattr(defaults, name), name
+    # The dtype is resolved per backend before it reaches EngineConfig: the flag's
+    # default is LLM's.
+    assert fv["dtype"].default == inspect.signature(LLM).parameters["dtype"].default == "auto"
     assert fv.mesh == "prefill=4,decode=4" and fv.host == "127.0.0.1" and fv.port == 50051
     assert fv.warmup is True and fv.metrics_port == 0 and fv.slo_ttft_ms == 0
     help_text = " ".join(fv.get_help().split())   # unwrapped
