@@ -29,6 +29,7 @@ class EngineConfig:
     bucket_timeout_ms: float = 5.0
     min_prefill_batch: int = 1
     slots_per_shard: int = 8
+    decode_context_step: int = 8       # decode computes context in multiples of these pages
     pages_per_shard: int | None = None # default: every slot can reach max_model_len
     max_queued: int = 1024             # requests waiting for prefill before rejection
     local_prefill_below: int = 0       # prompts shorter than this prefill on the decode mesh
@@ -51,7 +52,8 @@ class EngineConfig:
             object.__setattr__(self, "max_prompt_len", self.max_model_len - 1)
         if not 1 <= self.max_prompt_len < self.max_model_len:
             raise ValueError(f"max_prompt_len must be in [1, max_model_len), got {self.max_prompt_len}")
-        for name in ("max_prefill_batch", "min_prefill_batch", "slots_per_shard", "max_queued"):
+        for name in ("max_prefill_batch", "min_prefill_batch", "slots_per_shard", "max_queued",
+                     "decode_context_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.bucket_timeout_ms < 0:

@@ -3,7 +3,8 @@ import pytest
 
 from jaxpd.request import Request, State
 from jaxpd.sampling_params import SamplingParams
-from jaxpd.engine.scheduler import (DecodeScheduler, PrefillScheduler, batch_buckets, length_buckets)
+from jaxpd.engine.scheduler import (DecodeScheduler, PrefillScheduler, batch_buckets, context_width,
+                                    context_widths, length_buckets)
 
 
 def free_pages(d: DecodeScheduler) -> int:
@@ -134,3 +135,12 @@ def test_slot_still_receiving_kv_is_neither_stepped_nor_preempted():
     assert d.slots[1].request is arriving
     d.mark_ready(1)
     assert [e.request for e in d.plan_step().entries] == [arriving]
+
+
+def test_decode_context_width_is_the_next_multiple_of_the_step():
+    assert [context_width(n, 4, 64) for n in (1, 4, 5, 8, 9, 33, 63, 64)] == \
+        [4, 4, 8, 8, 12, 36, 64, 64]
+    assert context_width(7, 4, 6) == 6                 # capped by the slot's pages
+    assert context_width(5, 1, 64) == 5                # step 1: exactly the context
+    assert context_widths(4, 10) == [4, 8, 10]
+    assert all(context_width(n, 4, 10) in context_widths(4, 10) for n in range(1, 11))

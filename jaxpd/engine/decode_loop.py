@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxpd.engine.requests import Requests
 from jaxpd.engine.runner import DecodeRunner, SamplingArrays
-from jaxpd.engine.scheduler import DecodeScheduler, StepPlan
+from jaxpd.engine.scheduler import DecodeScheduler, StepPlan, context_width
 from jaxpd.request import Request, State
 from jaxpd.stats import StatsCounter
 from jaxpd.transfer.connector import TransferError
@@ -48,10 +48,10 @@ class DecodeLoop:
 
     def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler,
                  inbound: list[InboundQueue], requests: Requests, stats: StatsCounter,
-                 max_pages_per_slot: int):
+                 max_pages_per_slot: int, context_step: int = 8):
         self.runner, self.scheduler, self.inbound = runner, scheduler, inbound
         self.requests, self.stats = requests, stats
-        self.max_pages_per_slot = max_pages_per_slot
+        self.max_pages_per_slot, self.context_step = max_pages_per_slot, context_step
         # Received, waiting for a slot (FIFO), with the request each belongs to.
         self.pending: collections.deque[tuple[Inbound, Request]] = collections.deque()
         self._admitted: list[_Admitted] = []
@@ -204,7 +204,7 @@ class DecodeLoop:
         token from that step's output, still on device; a newly inserted one takes its
         first token from the host (`fed_from_host`)."""
         n = len(self.scheduler.slots)
-        width = min(1 << (plan.max_pages - 1).bit_length(), self.max_pages_per_slot)
+        width = context_width(plan.max_pages, self.context_step, self.max_pages_per_slot)
         host_tokens = np.zeros(n, np.int32)
         fed_from_host = np.ones(n, bool)
         positions = np.zeros(n, np.int32)

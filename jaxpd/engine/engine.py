@@ -143,7 +143,8 @@ class Engine:
                                           self.requests.local_inbox, c.page_size, self.counters,
                                           on_decode_mesh=True)
         self.decode_loop = DecodeLoop(self.decode_runner, self.decode_scheduler, queues,
-                                      self.requests, self.counters, c.pages_per_slot)
+                                      self.requests, self.counters, c.pages_per_slot,
+                                      c.decode_context_step)
 
     # ---- public -------------------------------------------------------------------
 

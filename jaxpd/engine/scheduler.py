@@ -30,6 +30,19 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+def context_width(num_pages: int, step: int, max_pages: int) -> int:
+    """Pages of context one decode step computes when its longest slot holds
+    `num_pages`: the next multiple of `step` pages, at most `max_pages`. Small steps
+    keep the work close to the real context (a power of two would compute up to twice
+    it); each width is one compiled program."""
+    return min(-(-max(num_pages, 1) // step) * step, max_pages)
+
+
+def context_widths(step: int, max_pages: int) -> list[int]:
+    """Every width `context_width` can return (what warm-up compiles)."""
+    return sorted({context_width(n, step, max_pages) for n in range(1, max_pages + 1)})
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefillBatch:
     requests: list[Request]

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpd.engine.runner import SamplingArrays
+from jaxpd.engine.scheduler import context_widths
 from jaxpd.models.hf_io import DTYPES
 
 
@@ -39,15 +40,15 @@ def _warm_prefill(loop, progress: Callable[[str], None]) -> None:
 def _warm_decode(engine, progress: Callable[[str], None]) -> None:
     cfg, runner = engine.config, engine.decode_runner
     num_slots = len(engine.decode_scheduler.slots)
-    widths = sorted({min(1 << (n - 1).bit_length(), cfg.pages_per_slot)
-                     for n in range(1, cfg.pages_per_slot + 1)})
+    widths = context_widths(cfg.decode_context_step, cfg.pages_per_slot)
     for i, w in enumerate(widths):
         progress(f"compiling decode step {i + 1}/{len(widths)}: {w} pages of context")
         runner.step(np.zeros(num_slots, np.int32), np.ones(num_slots, bool),
                     np.zeros(num_slots, np.int32), np.zeros((num_slots, w), np.int32),
                     SamplingArrays.empty(num_slots))
     model = engine.model.cfg
-    for m in widths:
+    # Inserts pad their page count to a power of two (`DecodeRunner.insert`).
+    for m in sorted({1 << (n - 1).bit_length() for n in range(1, cfg.pages_per_slot + 1)}):
         progress(f"compiling page insert for {m} pages")
         shape = (model.num_layers, m, cfg.page_size, model.num_kv_heads, model.head_dim)
         pages = jax.device_put(jnp.zeros(shape, DTYPES[cfg.dtype]), runner.shard_sharding(0))

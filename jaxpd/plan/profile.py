@@ -21,6 +21,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from jaxpd.config import EngineConfig
+from jaxpd.engine.scheduler import context_width
+
 Sample = tuple[list[int], float]
 
 
@@ -102,7 +105,7 @@ class MeshProfiler:
         samples = []
         for context in contexts:
             num_pages = -(-(context + 1) // self.page_size)
-            width = min(1 << (num_pages - 1).bit_length(), pages_per_slot)
+            width = context_width(num_pages, EngineConfig.decode_context_step, pages_per_slot)
             for batch in sorted({min(b, num_slots) for b in batches}):
                 positions = np.zeros(num_slots, np.int32)
                 tables = np.zeros((num_slots, width), np.int32)

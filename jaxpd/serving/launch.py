@@ -70,6 +70,9 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                          lower_bound=1, flag_values=fv)
     flags.DEFINE_integer("slots_per_shard", 8, "Decode slots per decode dp shard.",
                          lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("decode_context_step", 8, "A decode step computes its context in "
+                         "multiples of this many pages (one compiled program per width).",
+                         lower_bound=1, flag_values=fv)
     flags.DEFINE_integer("max_prefill_batch", 8, "Most requests in one prefill batch.",
                          lower_bound=1, flag_values=fv)
     flags.DEFINE_float("bucket_timeout_ms", 5.0, "Longest wait for a prefill batch to fill.",
@@ -131,7 +134,8 @@ def engine_options(fv: flags.FlagValues) -> dict:
                    bucket_timeout_ms=fv.bucket_timeout_ms, max_queued=fv.max_queued,
                    layerwise_min_tokens=fv.layerwise_min_tokens,
                    layerwise_parts=fv.layerwise_parts, kv_transfer_dtype=fv.kv_transfer_dtype,
-                   local_prefill_below=fv.local_prefill_below)
+                   local_prefill_below=fv.local_prefill_below,
+                   decode_context_step=fv.decode_context_step)
     if fv.max_model_len is not None:
         options["max_model_len"] = fv.max_model_len
     return options
