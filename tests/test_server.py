@@ -478,6 +478,31 @@ def test_launch_flags_document_their_defaults_and_match_engine_config():
     assert launch.set_cpu_device_count("colocated=4", {"JAX_PLATFORMS": "cuda"}) is None
 
 
+def test_cpus_flag_names_cpu_sets_and_refuses_others_naming_the_flag():
+    assert launch.parse_cpus("0") == {0}
+    if {0, 1} <= os.sched_getaffinity(0):
+        assert launch.parse_cpus("1,0") == launch.parse_cpus("0-1") == {0, 1}
+    for bad in ("", "x", "1-0", "0,,1"):
+        with pytest.raises(ValueError, match="--cpus"):
+            launch.parse_cpus(bad)
+    with pytest.raises(ValueError, match="--cpus .* may not use"):
+        launch.parse_cpus(str(max(os.sched_getaffinity(0)) + 1))
+
+
+@pytest.mark.slow
+def test_a_pinned_process_runs_xla_on_its_cpus_only():
+    """`--cpus 0` before jax starts: the process runs on CPU 0 and XLA:CPU sizes its
+    thread pool to it (one Eigen thread), so pinned roles do not share cores."""
+    script = ("import os, sys; from jaxpd.serving.launch import pin_cpus; pin_cpus('0'); "
+              "import jax, jax.numpy as jnp; x = jnp.ones((256, 256)); (x @ x).block_until_ready(); "
+              "names = [open(f'/proc/self/task/{t}/comm').read() for t in os.listdir('/proc/self/task')]; "
+              "print(sorted(os.sched_getaffinity(0)), sum(n.startswith('tf_XLAEigen') for n in names))")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split("\n")[-2]
+    assert out == "[0] 1", out
+
+
 @pytest.mark.slow
 def test_launch_serves_until_sigterm_and_exits_zero(model_dir, tmp_path):
     log_path = tmp_path / "launch.log"

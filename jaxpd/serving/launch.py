@@ -52,6 +52,10 @@ def _define_serving_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_float("shutdown_grace_s", 5.0, "On SIGTERM/SIGINT, how long in-flight "
                        "requests may still run before they are aborted.", lower_bound=0,
                        flag_values=fv)
+    flags.DEFINE_string("cpus", None, "Run on these CPUs only, e.g. '0' or '1-3' (process "
+                        "affinity, set before jax starts, so XLA:CPU's threads use them alone): "
+                        "pin a prefill and a decode role to disjoint core sets. Default: all.",
+                        flag_values=fv)
     flags.DEFINE_integer("max_concurrent_rpcs", 128, "Concurrent RPCs (one thread each) "
                          "before gRPC itself answers RESOURCE_EXHAUSTED.", lower_bound=1,
                          flag_values=fv)
@@ -127,6 +131,34 @@ def set_cpu_device_count(mesh: str, environ=os.environ) -> int | None:
     return num
 
 
+def parse_cpus(spec: str) -> set[int]:
+    """"0", "1-3", "0,2-3" -> the CPU ids. ValueError naming --cpus for anything else,
+    or for CPUs this process may not run on."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise ValueError(f"--cpus must be CPU ids and ranges like '0' or '1-3,5', got {spec!r}")
+        cpus.update(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise ValueError(f"--cpus {spec!r} names CPUs {sorted(cpus - allowed)} this process may "
+                         f"not use (allowed: {sorted(allowed)})")
+    return cpus
+
+
+def pin_cpus(spec: str | None) -> set[int] | None:
+    """Run this process on `spec`'s CPUs only. Before jax starts: XLA:CPU sizes its
+    thread pool from the CPUs the process may use, so a role pinned to a core set
+    computes on those cores alone (one process per role is what isolates prefill from
+    decode on a CPU: one process's devices share one pool)."""
+    if spec is None:
+        return None
+    cpus = parse_cpus(spec)
+    os.sched_setaffinity(0, cpus)
+    return cpus
+
+
 def engine_options(fv: flags.FlagValues) -> dict:
     """`LLM` keyword arguments from the flags (unset ones keep the LLM's defaults)."""
     options = dict(mesh=fv.mesh, dtype=fv.dtype, page_size=fv.page_size,
@@ -149,6 +181,11 @@ def run(fv: flags.FlagValues) -> int:
     """Serve (or generate once) as the flags say; returns the exit status."""
     if fv.role == "router":
         return _run_router(fv)
+    try:
+        pin_cpus(fv.cpus)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     try:
         set_cpu_device_count(fv.mesh)
     except ValueError as e:
