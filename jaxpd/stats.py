@@ -85,8 +85,9 @@ def exported() -> list[tuple[str, str, str, str]]:
             out.append((f.name, f.metadata.get("metric") or f"jaxpd_{f.name}{suffix}", kind,
                         f.metadata["help"]))
     return out
-COUNTERS = tuple(f.name for f in dataclasses.fields(EngineStats) if f.metadata.get("kind") == "counter"
-                 and f.name != "num_compiled_programs")
+# What the engine counts itself (the compile counter keeps its own count).
+COUNTERS = tuple(f.name for f in dataclasses.fields(EngineStats)
+                 if f.metadata.get("kind") == "counter" and f.name != "num_compiled_programs")
 
 
 class StatsCounter:

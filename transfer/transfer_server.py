@@ -122,7 +122,8 @@ class _Pending:
 
 def start_transfer_server(options: TransferServerOptions):
     """A `jax.experimental.transfer` server, or `TransferServerUnavailable` saying why."""
-    fallback = "use jaxpd.transfer.grpc_stream's GrpcSender/GrpcReceiver instead (--kv_transport grpc)"
+    fallback = ("use jaxpd.transfer.grpc_stream's GrpcSender/GrpcReceiver instead "
+                "(--kv_transport grpc)")
     reason = jax_compat.unavailable_reason()
     if reason is not None:
         raise TransferServerUnavailable(f"jax {jax.__version__} has no usable transfer "
@@ -222,7 +223,8 @@ class TransferServerSender(_Endpoint):
         with self._lock:
             self._pending[uuid] = _Pending(handoff.k, handoff.v, time.monotonic() + ttl)
         try:
-            self._client(self._destination(handoff)).offer(offer, timeout=self.options.rpc_timeout_s)
+            client = self._client(self._destination(handoff))
+            client.offer(offer, timeout=self.options.rpc_timeout_s)
         except TransferError:
             # Nobody will pull it: end the offer now rather than at its TTL.
             self._release(uuid, reclaim=True)
