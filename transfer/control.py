@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from jaxpd.auth import NO_AUTH, InternalAuth
 from jaxpd.transfer.connector import KVPart
 from jaxpd.transfer.layout import ArrayLayout
 from jaxpd.transfer.wire import (WIRE_VERSION, TransferError, WireVersionError,
@@ -104,7 +105,8 @@ class ControlServer:
     """
 
     def __init__(self, address: str, *, on_offer: OfferHandler | None = None,
-                 on_ack: AckHandler | None = None, max_workers: int = 4):
+                 on_ack: AckHandler | None = None, max_workers: int = 4,
+                 auth: InternalAuth = NO_AUTH):
         handlers = {}
         if on_offer is not None:
             handlers["Offer"] = self._unary(lambda d, ctx: on_offer(
@@ -112,12 +114,14 @@ class ControlServer:
         if on_ack is not None:
             handlers["Ack"] = self._unary(lambda d, ctx: on_ack(Ack.from_dict(d)))
         self._server = grpc.server(
-            concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="control"))
+            concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="control"),
+            interceptors=auth.server_interceptors())
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, handlers),))
-        port = self._server.add_insecure_port(address)
-        if port == 0:
-            raise TransferError(f"control server cannot bind {address}")
+        try:
+            port = auth.add_port(self._server, address)
+        except OSError as e:
+            raise TransferError(f"control server: {e}") from None
         self.address = f"{address.rsplit(':', 1)[0]}:{port}"
         self._server.start()
 
@@ -144,9 +148,9 @@ class ControlServer:
 class ControlClient:
     """Sends Offers and Acks to one peer's `ControlServer`."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, auth: InternalAuth = NO_AUTH):
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        self._channel = auth.channel(address)
         self._offer = self._channel.unary_unary(
             OFFER_METHOD, request_serializer=pack, response_deserializer=unpack)
         self._ack = self._channel.unary_unary(

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpd.auth import NO_AUTH, InternalAuth
 from jaxpd.transfer.connector import KVHandoff, KVPart, TransferStats, next_or_none
 from jaxpd.transfer.control import BackpressureError, error_of
 from jaxpd.transfer.wire import (WIRE_VERSION, TransferError, WireVersionError,
@@ -238,8 +239,9 @@ class GrpcSender:
     when it has none."""
 
     def __init__(self, *, decode_address: str | None = None,
-                 options: GrpcStreamOptions = GrpcStreamOptions()):
+                 options: GrpcStreamOptions = GrpcStreamOptions(), auth: InternalAuth = NO_AUTH):
         self.address = decode_address
+        self._auth = auth
         self.options = options
         self._closed = False
         self._lock = threading.Lock()
@@ -268,7 +270,7 @@ class GrpcSender:
     def _sender(self, address: str) -> Callable:
         with self._lock:
             if address not in self._senders:
-                channel = grpc.insecure_channel(address, options=_LIMITS)
+                channel = self._auth.channel(address, options=_LIMITS)
                 self._senders[address] = (channel, channel.stream_unary(
                     SEND_METHOD, request_serializer=None, response_deserializer=unpack))
             return self._senders[address][1]
@@ -289,7 +291,7 @@ class GrpcReceiver:
     queueing it."""
 
     def __init__(self, *, address: str = "127.0.0.1:0",
-                 options: GrpcStreamOptions = GrpcStreamOptions()):
+                 options: GrpcStreamOptions = GrpcStreamOptions(), auth: InternalAuth = NO_AUTH):
         self.options = options
         self.num_failed = 0
         self._closed = False
@@ -297,14 +299,15 @@ class GrpcReceiver:
         self._queue: queue.Queue[StreamedKVHandoff] = queue.Queue(maxsize=options.max_pending)
         self._server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kv-stream"),
-            options=_LIMITS)
+            options=_LIMITS, interceptors=auth.server_interceptors())
         handler = grpc.stream_unary_rpc_method_handler(
             self._serve, request_deserializer=None, response_serializer=pack)
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, {"Send": handler}),))
-        port = self._server.add_insecure_port(address)
-        if port == 0:
-            raise TransferError(f"KV stream server cannot bind {address}")
+        try:
+            port = auth.add_port(self._server, address)
+        except OSError as e:
+            raise TransferError(f"KV stream server: {e}") from None
         self.address = f"{address.rsplit(':', 1)[0]}:{port}"
         self._server.start()
 

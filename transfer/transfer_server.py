@@ -46,6 +46,7 @@ from concurrent import futures
 
 import jax
 
+from jaxpd.auth import NO_AUTH, InternalAuth
 from jaxpd.transfer import jax_compat
 from jaxpd.transfer.connector import KVHandoff, TransferStats, next_or_none
 from jaxpd.transfer.control import Ack, BackpressureError, ControlClient, ControlServer, Offer
@@ -148,20 +149,22 @@ def _advertised(address: str, host: str | None) -> str:
 class _Endpoint:
     """What both sides share: this process's transfer server and a control server."""
 
-    def __init__(self, control_address: str, options: TransferServerOptions, **handlers):
+    def __init__(self, control_address: str, options: TransferServerOptions,
+                 auth: InternalAuth, **handlers):
         self.options = options
+        self._auth = auth
         self._server = start_transfer_server(options)
         self.transfer_address = _advertised(self._server.address(), options.advertise_host)
         self._lock = threading.Condition()
         self._closed = False
-        self._control = ControlServer(control_address, **handlers)
+        self._control = ControlServer(control_address, auth=auth, **handlers)
         self.control_address = _advertised(self._control.address, options.advertise_host)
         self._clients: dict[str, ControlClient] = {}
 
     def _client(self, address: str) -> ControlClient:
         with self._lock:
             if address not in self._clients:
-                self._clients[address] = ControlClient(address)
+                self._clients[address] = ControlClient(address, self._auth)
             return self._clients[address]
 
     def _check_open(self) -> None:
@@ -186,8 +189,9 @@ class TransferServerSender(_Endpoint):
 
     def __init__(self, *, control_address: str = "127.0.0.1:0",
                  decode_control_address: str | None = None,
-                 options: TransferServerOptions = TransferServerOptions()):
-        super().__init__(control_address, options, on_ack=self._on_ack)
+                 options: TransferServerOptions = TransferServerOptions(),
+                 auth: InternalAuth = NO_AUTH):
+        super().__init__(control_address, options, auth, on_ack=self._on_ack)
         self._default_destination = decode_control_address
         self._pending: dict[int, _Pending] = {}
         # jax < 0.10.1 cannot expire offers in the server: we end them ourselves.
@@ -314,9 +318,10 @@ class TransferServerReceiver(_Endpoint):
     `control_address` and say where to pull from."""
 
     def __init__(self, *, control_address: str = "127.0.0.1:0",
-                 options: TransferServerOptions = TransferServerOptions()):
+                 options: TransferServerOptions = TransferServerOptions(),
+                 auth: InternalAuth = NO_AUTH):
         self._queue: queue.Queue[RemoteKVHandoff] = queue.Queue(maxsize=options.max_pending)
-        super().__init__(control_address, options, on_offer=self._on_offer)
+        super().__init__(control_address, options, auth, on_offer=self._on_offer)
 
     def _on_offer(self, offer: Offer, seconds_left: float | None) -> None:
         if self._closed:
