@@ -13,6 +13,7 @@ from jaxpd.config import EngineConfig
 from jaxpd.outputs import CompletionOutput, RequestMetrics, StreamDelta
 from jaxpd.request import Request
 from jaxpd.sampling_params import SamplingParams
+from jaxpd.validation import check_request, check_request_id
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -53,7 +54,7 @@ class Frontend:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt and prompt_token_ids")
-        vocab = self.model_config.vocab_size
+        cfg = self.config
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
@@ -65,21 +66,10 @@ class Frontend:
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt_token_ids)
-            if not ids:
-                raise ValueError("prompt_token_ids is empty")
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt_token_ids: {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {vocab})")
-        cfg = self.config
-        if len(ids) > cfg.max_prompt_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_prompt_len="
-                             f"{cfg.max_prompt_len}")
-        if len(ids) + params.max_tokens > cfg.max_model_len:
-            raise ValueError(f"max_tokens={params.max_tokens} with a {len(ids)}-token prompt "
-                             f"exceeds max_model_len={cfg.max_model_len}")
+        ids = check_request(ids, params, vocab_size=self.model_config.vocab_size,
+                            max_prompt_len=cfg.max_prompt_len, max_model_len=cfg.max_model_len)
+        if request_id is not None:
+            check_request_id(request_id)
         return Request(request_id or self.new_request_id(), ids, params,
                        self.model_config.eos_token_ids)
 
