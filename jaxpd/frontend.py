@@ -13,7 +13,8 @@ from jaxpd.config import EngineConfig
 from jaxpd.outputs import CompletionOutput, RequestMetrics, StreamDelta
 from jaxpd.request import Request
 from jaxpd.sampling_params import SamplingParams
-from jaxpd.validation import check_request, check_request_id
+from jaxpd.validation import (check_request, check_request_id, check_text_size,
+                              default_max_prompt_bytes)
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -63,6 +64,7 @@ class Frontend:
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer.json; "
                                  "pass prompt_token_ids instead")
+            check_text_size(prompt, default_max_prompt_bytes(cfg.max_prompt_len))
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt_token_ids)

@@ -6,9 +6,9 @@ from typing import Callable, Sequence
 import jax
 
 from jaxpd.config import EngineConfig, resolve_dtype
-from jaxpd.default_model import default_model_dir
 from jaxpd.engine.engine import Engine
 from jaxpd.frontend import Frontend
+from jaxpd.model_registry import resolve_model
 from jaxpd.outputs import CompletionOutput
 from jaxpd.request import Request
 from jaxpd.sampling_params import SamplingParams
@@ -20,7 +20,8 @@ from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
 class LLM(Frontend):
     """Load a model, build the meshes, start the engine.
 
-    model: a Hugging Face checkpoint directory, or None for the built-in default.
+    model: a Hugging Face checkpoint directory, a .gguf file, a registered name
+    (`jaxpd.model_registry.MODELS`, fetched once), a hub id, or None for the built-in default.
     mesh: "prefill=P,decode=D[xT]" or "colocated=N". warmup: compile every bucket now
     (reporting through `progress`) instead of on first use. dtype: "auto" (float32 on
     CPU, bfloat16 on TPU/GPU), "float32" or "bfloat16". connector: how KV moves (default:
@@ -34,7 +35,7 @@ class LLM(Frontend):
                  progress: Callable[[str], None] | None = None,
                  connector: Connector | KVSender | KVReceiver | None = None,
                  **engine_options):
-        loaded = checkpoint.load(model or default_model_dir(), dtype="float32")
+        loaded = checkpoint.load(resolve_model(model), dtype="float32")
         engine_options.setdefault("max_model_len", min(loaded.cfg.max_position_embeddings, 1024))
         self.config = EngineConfig(mesh=mesh, dtype=resolve_dtype(dtype, jax.default_backend()),
                                    **engine_options)

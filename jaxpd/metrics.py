@@ -247,20 +247,28 @@ class LatencyHistogram:
             self._sum += value
             self._count += 1
 
+    def snapshot(self) -> tuple[list[tuple[float, int]], float]:
+        """(cumulative count of each bucket, `(le, count)` ending with +Inf; sum), taken
+        together; the +Inf count is the number of observations."""
+        with self._lock:
+            bucket_counts, total = list(self._bucket_counts), self._sum
+        cumulative, buckets = 0, []
+        for bound, bucket_count in zip(self._bounds + (math.inf,), bucket_counts):
+            cumulative += bucket_count
+            buckets.append((bound, cumulative))
+        return buckets, total
+
     def render(self, name: str, help: str) -> str:
         """The histogram in Prometheus text exposition format (ends with a newline)."""
         if not _METRIC_NAME.fullmatch(name):
             raise ValueError(f"invalid Prometheus metric name {name!r}")
-        with self._lock:
-            bucket_counts, total, count = list(self._bucket_counts), self._sum, self._count
+        buckets, total = self.snapshot()
         escaped_help = help.replace("\\", "\\\\").replace("\n", "\\n")
         lines = [f"# HELP {name} {escaped_help}", f"# TYPE {name} histogram"]
-        cumulative = 0
-        for bound, bucket_count in zip(self._bounds + (math.inf,), bucket_counts):
-            cumulative += bucket_count
+        for bound, cumulative in buckets:
             lines.append(f'{name}_bucket{{le="{_format_float(bound)}"}} {cumulative}')
         lines.append(f"{name}_sum {_format_float(total)}")
-        lines.append(f"{name}_count {count}")
+        lines.append(f"{name}_count {buckets[-1][1]}")
         return "\n".join(lines) + "\n"
 
 

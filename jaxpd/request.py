@@ -22,6 +22,14 @@ import time
 from jaxpd.sampling_params import SamplingParams
 
 
+def _ints(value, field: str) -> list[int]:
+    """A list of plain ints from a peer's wire form (ranges are checked by the engine)."""
+    if not isinstance(value, (list, tuple)) or any(
+            isinstance(t, bool) or not isinstance(t, int) for t in value):
+        raise ValueError(f"{field} must be a list of integers")
+    return list(value)
+
+
 class State(enum.Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
@@ -101,12 +109,30 @@ class Request:
     @classmethod
     def from_wire(cls, d: dict, state: State = State.TRANSFERRING) -> "Request":
         """A request from another process: by default a decode-side mirror of one
-        prefilled there (its KV is on the way); WAITING to prefill it here."""
-        params = SamplingParams(**{**d["params"], "stop_token_ids": tuple(d["params"]["stop_token_ids"])})
-        r = cls(d["request_id"], d["prompt_ids"], params, state=state)
-        r.seed = int(d["seed"])
-        r.stop_ids = frozenset(d["stop_ids"])
-        r.output_ids = list(d["output_ids"])
+        prefilled there (its KV is on the way); WAITING to prefill it here.
+
+        `d` is a peer's word: every field's type is checked (`ValueError` naming it);
+        whether the ids and lengths fit this engine is `Requests.check`'s job."""
+        if not isinstance(d, dict):
+            raise ValueError(f"request must be a map, got {type(d).__name__}")
+        wire = d.get("params")
+        if not isinstance(wire, dict):
+            raise ValueError("params must be a map")
+        try:
+            params = SamplingParams(**{**wire, "stop_token_ids": tuple(
+                _ints(wire.get("stop_token_ids", ()), "params.stop_token_ids"))})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"params: {e}") from None
+        request_id = d.get("request_id")
+        if not isinstance(request_id, str):
+            raise ValueError("request_id must be a string")
+        seed = d.get("seed")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+        r = cls(request_id, _ints(d.get("prompt_ids"), "prompt_ids"), params, state=state)
+        r.seed = seed
+        r.stop_ids = frozenset(_ints(d.get("stop_ids"), "stop_ids"))
+        r.output_ids = _ints(d.get("output_ids"), "output_ids")
         return r
 
     def __repr__(self):

@@ -44,6 +44,9 @@ class EngineStats(collections.abc.Mapping):
     transfer_failures: int = _counter("KV transfers that failed (the request was prefilled again "
                                       "or failed over).")
     kv_streams_rejected: int = _counter("Inbound KV streams rejected as damaged or malformed.")
+    handoffs_rejected: int = _counter("KV handoffs refused before any device op: for no "
+                                      "request here, or contradicting this side's pages, "
+                                      "limits or vocabulary.")
     offers_reclaimed: int = _counter("KV offers ended by the sender because nobody pulled them.")
     decode_steps: int = _counter("Decode steps run.")
     preemptions: int = _counter("Requests preempted for lack of pages.")

@@ -13,6 +13,13 @@ from jaxpd.sampling_params import SamplingParams
 
 MAX_REQUEST_ID_LEN = 128
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]+")
+# Prompt text is refused before it is tokenized when it is longer than this many bytes
+# per token of max_prompt_len (real tokenizers average 3-5 bytes a token; 32 leaves room
+# for long whitespace and repeat tokens), and never below the floor. Tokenizing costs
+# about a microsecond a byte: the limit is what keeps that work bounded.
+BYTES_PER_TOKEN = 32
+MIN_PROMPT_BYTES = 64 * 1024
+MAX_STOP_TOKEN_IDS = 256
 
 
 def check_request_id(request_id: Any) -> str:
@@ -28,6 +35,22 @@ def check_request_id(request_id: Any) -> str:
     if not _REQUEST_ID.fullmatch(request_id):
         raise ValueError("request_id may only contain letters, digits and . _ : @ / + = -")
     return request_id
+
+
+def default_max_prompt_bytes(max_prompt_len: int) -> int:
+    """The longest prompt text (UTF-8 bytes) worth tokenizing for `max_prompt_len` tokens."""
+    return max(max_prompt_len * BYTES_PER_TOKEN, MIN_PROMPT_BYTES)
+
+
+def check_text_size(text: str, max_bytes: int, field: str = "prompt") -> str:
+    """Text that may be tokenized: at most `max_bytes` UTF-8 bytes. Checked before the
+    tokenizer sees it, so an oversized text costs a length check, not a tokenization."""
+    # Characters never outnumber bytes: a text over the limit in characters is refused
+    # without encoding it.
+    if len(text) > max_bytes or len(text.encode("utf-8", "surrogatepass")) > max_bytes:
+        raise ValueError(f"{field} is longer than max_prompt_bytes={max_bytes} bytes of "
+                         f"UTF-8 text (refused before tokenizing)")
+    return text
 
 
 def check_token_ids(ids: Any, vocab_size: int, field: str) -> list[int]:
@@ -50,6 +73,9 @@ def check_request(prompt_ids: Sequence[int], params: SamplingParams, *, vocab_si
     if not ids:
         raise ValueError("prompt_token_ids is empty")
     check_token_ids(output_ids, vocab_size, "output_ids")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids has {len(params.stop_token_ids)} ids, more than "
+                         f"{MAX_STOP_TOKEN_IDS}")
     bad_stop = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad_stop:
         raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary "

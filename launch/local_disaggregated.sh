@@ -6,6 +6,7 @@
 #   python -m jaxpd.client "The list type" --target 127.0.0.1:50051
 set -euo pipefail
 ROUTER_PORT=${ROUTER_PORT:-50051}
+INTERNAL_PORT=${INTERNAL_PORT:-50052}   # workers register here (loopback: no token needed)
 COMMON=(--host 127.0.0.1 --max_model_len "${MAX_MODEL_LEN:-512}" "$@")
 
 pids=()
@@ -13,10 +14,12 @@ cleanup() { kill -TERM "${pids[@]}" 2>/dev/null || true; wait; }
 trap cleanup EXIT INT TERM
 
 # Start order does not matter: workers register with the router, retrying with backoff,
-# and the router reports SERVING (gRPC health) once a prefill and a decode worker answer.
+# on its internal port, and the router reports SERVING (gRPC health) once a decode
+# worker is live.
 python -m jaxpd.launch --role prefill --mesh prefill=4 --port 0 \
-    --router "127.0.0.1:${ROUTER_PORT}" "${COMMON[@]}" & pids+=($!)
+    --router "127.0.0.1:${INTERNAL_PORT}" "${COMMON[@]}" & pids+=($!)
 python -m jaxpd.launch --role decode --mesh decode=4 --port 0 \
-    --router "127.0.0.1:${ROUTER_PORT}" "${COMMON[@]}" & pids+=($!)
-python -m jaxpd.launch --role router --port "${ROUTER_PORT}" "${COMMON[@]}" & pids+=($!)
+    --router "127.0.0.1:${INTERNAL_PORT}" "${COMMON[@]}" & pids+=($!)
+python -m jaxpd.launch --role router --port "${ROUTER_PORT}" \
+    --internal_port "${INTERNAL_PORT}" "${COMMON[@]}" & pids+=($!)
 wait -n

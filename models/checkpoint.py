@@ -1,9 +1,9 @@
-"""Loading a model directory, and orbax save/restore of converted params.
+"""Loading a model, and orbax save/restore of converted params.
 
-`load(path)` accepts either a Hugging Face checkpoint directory (config.json +
-safetensors [+ tokenizer.json]) or a directory written by `save_converted`
-(config.json + an orbax `params/` checkpoint), and places every weight straight onto
-the shardings it is given.
+`load(path)` accepts a Hugging Face checkpoint directory (config.json + safetensors
+[+ tokenizer.json]), a directory written by `save_converted` (config.json + an orbax
+`params/` checkpoint) or a GGUF file (dequantized on load), and places every weight
+straight onto the shardings it is given.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxpd.models.config import ModelConfig
-from jaxpd.models.hf_io import DTYPES, load_hf_params
+from jaxpd.models import source
+from jaxpd.models.hf_io import DTYPES, _get, _set, load_hf_params
 from jaxpd.models.llama import abstract_params
 from jaxpd.models.tokenizer import Tokenizer
 
@@ -35,6 +36,9 @@ class LoadedModel:
 def load(path: str, dtype: str = "float32", shardings=None) -> LoadedModel:
     """Load config, params (onto `shardings`, a tree like params, or default device) and
     tokenizer (None when the directory has no tokenizer.json)."""
+    path = source.checkpoint_path(path)
+    if source.is_gguf(path):
+        return _load_gguf(path, dtype, shardings)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path} does not exist")
     cfg = ModelConfig.from_dir(path)
@@ -45,6 +49,26 @@ def load(path: str, dtype: str = "float32", shardings=None) -> LoadedModel:
         params = load_hf_params(path, cfg, dtype, shardings,
                                 jax.tree.map(lambda s: s.shape, shapes))
     tokenizer = Tokenizer(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+    return LoadedModel(path, cfg, params, tokenizer, dtype)
+
+
+def _load_gguf(path: str, dtype: str, shardings) -> LoadedModel:
+    from jaxpd.models import gguf   # the gguf package only for GGUF files
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; expected one of {sorted(DTYPES)}")
+    f = gguf.GGUFFile(path)
+    cfg, tokenizer = gguf.model_config(f), gguf.tokenizer(f)
+    shapes, _ = abstract_params(cfg, DTYPES[dtype])
+    params: dict = {}
+    for ours, w in gguf.weights(f, cfg):
+        want = _get(shapes, ours).shape
+        if tuple(w.shape) != tuple(want):
+            raise ValueError(f"{path}: weight {'/'.join(ours)} has shape {tuple(w.shape)} "
+                             f"after conversion, expected {tuple(want)} from the metadata")
+        w = w.astype(DTYPES[dtype])
+        sharding = _get(shardings, ours)
+        _set(params, ours, jax.device_put(w, sharding) if sharding is not None else jnp.asarray(w))
     return LoadedModel(path, cfg, params, tokenizer, dtype)
 
 

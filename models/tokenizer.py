@@ -1,4 +1,5 @@
-"""Tokenizer: a `tokenizers.Tokenizer` from `tokenizer.json`, plus streaming detokenisation."""
+"""Tokenizer: a `tokenizers.Tokenizer` (from `tokenizer.json`, or built from a GGUF file's
+metadata by `jaxpd.models.gguf`), plus streaming detokenisation."""
 from __future__ import annotations
 
 import json
@@ -8,36 +9,62 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 
 class Tokenizer:
-    """Encode text to ids (adding BOS the way the checkpoint says) and decode ids."""
+    """Encode text to ids (adding BOS the way the checkpoint says) and decode ids.
 
-    def __init__(self, path: str):
-        file = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(file):
-            raise FileNotFoundError(f"no tokenizer.json in {path}")
-        self._tok = _HFTokenizer.from_file(file)
-        self.bos_token_id, self.add_bos = None, False
-        cfg_file = os.path.join(path, "tokenizer_config.json")
-        if os.path.isfile(cfg_file):
-            with open(cfg_file) as f:
-                tcfg = json.load(f)
-            bos = tcfg.get("bos_token")
-            bos = bos.get("content") if isinstance(bos, dict) else bos
-            if bos is not None:
-                self.bos_token_id = self._tok.token_to_id(bos)
-            self.add_bos = bool(tcfg.get("add_bos_token", False))
+    `source`: a checkpoint directory (`tokenizer.json` [+ `tokenizer_config.json`]) or a
+    built `tokenizers.Tokenizer`, whose BOS handling and chat template are then given
+    explicitly. `chat_template` is the checkpoint's Jinja template, None if it has none.
+    """
+
+    def __init__(self, source: str | _HFTokenizer, bos_token_id: int | None = None,
+                 add_bos: bool = False, chat_template: str | None = None):
+        if isinstance(source, _HFTokenizer):
+            self._tok = source
+        else:
+            self._tok, bos_token_id, add_bos, chat_template = _read_dir(source)
+        self.bos_token_id = bos_token_id
+        self.add_bos = add_bos
+        self.chat_template = chat_template
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=True).ids
+        # encode_batch releases the GIL while it works (encode holds it throughout: a
+        # 4 MB text froze every other thread for seconds); one text, same ids.
+        ids = self._tok.encode_batch([text], add_special_tokens=True)[0].ids
         if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id] + ids
         return ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def _read_dir(path: str) -> tuple[_HFTokenizer, int | None, bool, str | None]:
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"no tokenizer.json in {path}")
+    tok = _HFTokenizer.from_file(file)
+    bos_token_id, add_bos, chat_template = None, False, None
+    cfg_file = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(cfg_file):
+        with open(cfg_file) as f:
+            tcfg = json.load(f)
+        bos = tcfg.get("bos_token")
+        bos = bos.get("content") if isinstance(bos, dict) else bos
+        if bos is not None:
+            bos_token_id = tok.token_to_id(bos)
+        add_bos = bool(tcfg.get("add_bos_token", False))
+        if isinstance(tcfg.get("chat_template"), str):
+            chat_template = tcfg["chat_template"]
+    # transformers >= 4.43 may write the template to its own file instead.
+    jinja = os.path.join(path, "chat_template.jinja")
+    if chat_template is None and os.path.isfile(jinja):
+        with open(jinja) as f:
+            chat_template = f.read()
+    return tok, bos_token_id, add_bos, chat_template
 
 
 class IncrementalDecoder:

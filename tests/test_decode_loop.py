@@ -9,16 +9,19 @@ import numpy as np
 import pytest
 
 from jaxpd.engine.decode_loop import DecodeLoop
-from jaxpd.engine.requests import Requests
+from jaxpd.engine.requests import Limits, Requests
 from jaxpd.engine.scheduler import DecodeScheduler
 from jaxpd.request import Request, State
 from jaxpd.sampling_params import SamplingParams
 from jaxpd.stats import StatsCounter
 from jaxpd.transfer.connector import KVHandoff, KVPart
-from jaxpd.transfer.inbound import InboundQueue
+from jaxpd.transfer.inbound import HandoffSpec, InboundQueue
 from tests.fake_runner import FakeReceiver, FakeRunner, InlineExecutor, pages
 
 LAYERS, PAGE_SIZE = 2, 4
+MAX_PAGES_PER_SLOT = 8
+MAX_MODEL_LEN = MAX_PAGES_PER_SLOT * PAGE_SIZE
+VOCAB = 1000                           # the fake model counts mod 1000
 
 
 @pytest.fixture
@@ -26,15 +29,20 @@ def pool():
     return InlineExecutor()
 
 
-def make(pool, slots=2, pages_per_shard=17, num_shards=1, part_timeout_s=30.0, remote=False):
+def make(pool, slots=2, pages_per_shard=17, num_shards=1, part_timeout_s=30.0, remote=False,
+         receiver=None, runner=None):
     stats = StatsCounter()
-    requests = Requests(stats, 64, has_prefill=not remote, has_decode=True,
-                        has_local_prefill=False)
-    runner = FakeRunner(num_shards, slots, pages_per_shard, PAGE_SIZE, LAYERS)
+    requests = Requests(stats, 64, Limits(VOCAB, MAX_MODEL_LEN - 1, MAX_MODEL_LEN),
+                        has_prefill=not remote, has_decode=True, has_local_prefill=False)
+    runner = runner or FakeRunner(num_shards, slots, pages_per_shard, PAGE_SIZE, LAYERS)
     scheduler = DecodeScheduler(num_shards, slots, pages_per_shard, PAGE_SIZE)
-    receiver = FakeReceiver()
-    queue = InboundQueue(receiver, pool, part_timeout_s, remote=remote)
-    loop = DecodeLoop(runner, scheduler, [queue], requests, stats, max_pages_per_slot=8)
+    receiver = receiver or FakeReceiver()
+    spec = HandoffSpec(num_layers=LAYERS, page_size=PAGE_SIZE, page_shape=(PAGE_SIZE, 1, 2),
+                       dtype="float32", vocab_size=VOCAB, max_model_len=MAX_MODEL_LEN,
+                       max_pages=min(MAX_PAGES_PER_SLOT, pages_per_shard - 1))
+    queue = InboundQueue(receiver, pool, part_timeout_s, spec, remote=remote)
+    loop = DecodeLoop(runner, scheduler, [queue], requests, stats,
+                      max_pages_per_slot=MAX_PAGES_PER_SLOT)
     return types.SimpleNamespace(loop=loop, runner=runner, scheduler=scheduler, stats=stats,
                                  requests=requests, receiver=receiver)
 

@@ -73,7 +73,7 @@ def test_router_role_imports_no_jax_or_flax(tmp_path):
     watchdog = threading.Timer(120, p.kill)    # a hung start fails instead of hanging
     watchdog.start()
     try:
-        line = p.stdout.readline()
+        line = p.stdout.readline() + p.stdout.readline()   # internal plane, then public port
         assert "jaxpd router listening" in line, line + log.read_text()[-3000:]
         time.sleep(1.0)            # a few readiness polls: Info RPCs to the workers
         p.send_signal(signal.SIGTERM)

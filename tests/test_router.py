@@ -49,8 +49,8 @@ class Procs:
     def __init__(self):
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, args, fault=None) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONPATH": ROOT}
+    def start(self, args, fault=None, env=None) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
         env.pop("XLA_FLAGS", None)
         cmd = ([sys.executable, os.path.join(ROOT, "tests", "fault_launch.py"), fault] if fault
                else [sys.executable, "-m", "jaxpd.launch"])
@@ -91,19 +91,25 @@ def procs():
 
 
 def _deployment(procs, path, num_decode=1, prefill_fault=None, transport="transfer_server",
-                extra=()):
+                extra=(), router_extra=(), env=None):
+    """Router first (it needs no jax: up at once), then workers that register on its
+    internal port; returns once every worker has joined and the router serves."""
     if transport == "transfer_server" and jax_compat.unavailable_reason() is not None:
         pytest.skip(jax_compat.unavailable_reason())
     router_port = _free_port()
     router_addr = f"127.0.0.1:{router_port}"
-    common = COMMON + ["--kv_transport", transport] + list(extra)
-    # Workers first: they retry registering until the router is up (any start order).
+    router = procs.start(["--role", "router", "--model", path, "--port", str(router_port),
+                          "--internal_port", "0"] + COMMON + list(router_extra), env=env)
+    internal = procs.wait_line(router, r"internal plane on (\S+)").group(1)
+    common = COMMON + ["--kv_transport", transport, "--router", internal] + list(extra)
     workers = [procs.start(["--role", "prefill", "--mesh", "prefill=2", "--model", path,
-                            "--port", "0", "--router", router_addr] + common, fault=prefill_fault)]
+                            "--port", "0"] + common, fault=prefill_fault, env=env)]
     workers += [procs.start(["--role", "decode", "--mesh", "decode=2", "--model", path,
-                             "--port", "0", "--router", router_addr, "--slots_per_shard", "4"]
-                            + common) for _ in range(num_decode)]
-    router = procs.start(["--role", "router", "--model", path, "--port", str(router_port)] + COMMON)
+                             "--port", "0", "--slots_per_shard", "4"] + common, env=env)
+                for _ in range(num_decode)]
+    for w in workers:
+        address = procs.wait_line(w, r"worker on (\S+)").group(1)
+        procs.wait_line(router, rf"worker {re.escape(address)} joined")
     procs.wait_line(router, r"jaxpd serving")
     return router_addr, router, workers
 
@@ -245,3 +251,70 @@ def test_last_decode_worker_killed_aborts_with_a_reason(model, procs):
     for o, e in zip(outs, expected_long):
         if o.finish_reason == "length":
             assert list(o.token_ids) == e
+
+
+TOKEN = "deployment-cluster-token-0123456789"
+
+
+def test_cluster_token_deployment_matches_single_process(model, procs):
+    """Every internal call (register, heartbeat, prefill, decode, KV control and stream)
+    on a token-authenticated plane; strangers are refused by every worker."""
+    from jaxpd.auth import InternalAuth
+    path, prompts, max_tokens, expected, long_tokens, expected_long = model
+    addr, router, workers = _deployment(procs, path, transport="grpc",
+                                        env={"JAXPD_CLUSTER_TOKEN": TOKEN})
+    assert "(auth: cluster token)" in "".join(router.lines)
+    outs = _generate_all(addr, prompts, max_tokens)
+    assert [list(o.token_ids) for o in outs] == expected
+    decode = procs.wait_line(workers[1], r"decode worker on (\S+)").group(1)
+    assert RoleClient(decode, InternalAuth(token=TOKEN)).info(timeout=10)["transfers"] == NUM
+    with pytest.raises(grpc.RpcError) as e:
+        RoleClient(decode).abort("rt-0", "stranger", timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_sigstop_decode_worker_calls_end_then_it_rejoins(model, procs):
+    """A decode worker frozen mid-stream (SIGSTOP): every call ends within a few
+    seconds (its lease runs out, or its stream stalls, and the other worker takes over);
+    after SIGCONT it heartbeats again, rejoins and serves."""
+    path, prompts, max_tokens, expected, long_tokens, expected_long = model
+    liveness = ["--heartbeat_s", "0.3", "--stall_timeout_s", "2"]
+    addr, router, workers = _deployment(procs, path, num_decode=2, transport="grpc",
+                                        extra=liveness, router_extra=liveness)
+    clients = [RoleClient(procs.wait_line(w, r"decode worker on (\S+)").group(1))
+               for w in workers[1:]]
+    holder = {}
+    t = threading.Thread(target=lambda: holder.update(
+        outs=_generate_all(addr, prompts, long_tokens, timeout=120)))
+    t.start()
+    deadline = time.monotonic() + 120
+    victim = None
+    while victim is None:
+        assert time.monotonic() < deadline
+        for i, c in enumerate(clients):
+            if c.info(timeout=10)["free_slots"] <= 8 - 2:
+                victim = i
+                break
+        time.sleep(0.02)
+    workers[1 + victim].send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        t.join(60)
+        assert not t.is_alive(), "a call hung on the frozen worker"
+        survivor = clients[1 - victim]
+        procs.wait_line(router, rf"decode worker {re.escape(clients[victim].address)} left")
+        assert time.monotonic() - stopped < 60      # bounded (never the 120 s deadline)
+        outs = holder["outs"]
+        assert [list(o.token_ids) for o in outs] == expected_long   # failed over, same tokens
+        joined = "".join(router.lines).count(f"decode worker {clients[victim].address} joined")
+    finally:
+        workers[1 + victim].send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while "".join(router.lines).count(f"decode worker {clients[victim].address} joined") == joined:
+        assert time.monotonic() < deadline, "".join(router.lines)
+        time.sleep(0.05)
+    before = clients[victim].info(timeout=10)["transfers"]
+    outs = _generate_all(addr, prompts, max_tokens)
+    assert [list(o.token_ids) for o in outs] == expected
+    assert clients[victim].info(timeout=10)["transfers"] > before    # it serves again
+    assert survivor.info(timeout=10)["free_slots"] == 8

@@ -229,6 +229,10 @@ BAD = [
     (dict(ids=[1, 2], stop_token_ids=[VOCAB + 3]), "stop_token_ids"),
     (dict(ids=[1, 2], stop_token_ids=[-2]), "stop_token_ids"),
     (dict(ids=[1, 2], request_id=""), "request_id"),
+    (dict(ids=[1, 2], request_id="x" * (1 << 20)), "request_id"),
+    (dict(ids=[1, 2], request_id="a\x00\x1b[2J"), "request_id"),
+    (dict(ids=[1, 2], stop_token_ids=[3] * 257), "stop_token_ids"),
+    (dict(prompt="fox " * 20_000), "max_prompt_bytes"),
 ]
 
 
@@ -245,6 +249,29 @@ def test_bad_input_is_invalid_argument_naming_the_field(stub, fields, field):
 @pytest.mark.slow
 def test_server_keeps_serving_after_bad_input_and_pages_are_free(llm, stub):
     assert collect(stub, gen_request([3, 4], max_tokens=4, temperature=0.0))[2].finish_reason
+    assert_all_pages_free(llm)
+
+
+@pytest.mark.slow
+def test_oversized_prompt_is_refused_untokenized_while_a_small_request_streams(llm, stub,
+                                                                            monkeypatch):
+    encoded, encode = [], llm.tokenizer.encode
+    monkeypatch.setattr(llm.tokenizer, "encode",
+                        lambda text: encoded.append(len(text)) or encode(text))
+    big = "the quick brown fox jumps over the lazy dog " * 88_000    # 3.9 MB
+    with futures.ThreadPoolExecutor(1, thread_name_prefix="test-client") as pool:
+        small = stub.Generate(gen_request(prompt="the lazy dog", max_tokens=8, temperature=0.0,
+                                          ignore_eos=True), timeout=60)
+        first = next(small)
+        refused = pool.submit(lambda: list(stub.Generate(gen_request(prompt=big), timeout=60)))
+        rest = list(small)
+        with pytest.raises(grpc.RpcError) as err:
+            refused.result(timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt is longer than max_prompt_bytes=65536" in err.value.details()
+    assert [t for r in [first] + rest for t in r.token_ids] == \
+        llm.generate("the lazy dog", greedy(8))[0].token_ids
+    assert max(encoded) < 65536   # the big prompt never reached the tokenizer
     assert_all_pages_free(llm)
 
 
@@ -280,7 +307,9 @@ def test_deadline_aborts_at_once(llm, stub, monkeypatch):
             list(stub.Generate(gen_request([1, 2, 3], max_tokens=5, request_id="late"),
                                timeout=0.3))
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        wait_for(lambda: ("late", "deadline exceeded") in aborts, what="the deadline abort")
+        # The engine runs it under its own id (the client's is only echoed).
+        wait_for(lambda: [reason for _, reason in aborts] == ["deadline exceeded"],
+                 what="the deadline abort")
     assert_all_pages_free(llm)
 
 
@@ -373,7 +402,7 @@ def test_stats_rpc_and_prometheus_endpoint(llm, stub, server):
         text = resp.read().decode()
     for name in ("jaxpd_ttft_seconds", "jaxpd_tpot_seconds", "jaxpd_itl_seconds"):
         assert f"# TYPE {name} histogram" in text
-        assert int(re.search(rf"^{name}_count (\d+)$", text, re.M).group(1)) > 0
+        assert float(re.search(rf"^{name}_count ([\d.]+)$", text, re.M).group(1)) > 0
         assert f'{name}_bucket{{le="+Inf"}}' in text
     for line in ("# TYPE jaxpd_pages_used gauge", "# TYPE jaxpd_queue_waiting gauge",
                  "# TYPE jaxpd_slots_active gauge", "# TYPE jaxpd_transfer_bytes_total counter",
@@ -417,19 +446,20 @@ def test_health_serving_only_while_attached_and_shutdown_aborts_in_flight(llm, m
             server.attach(llm)
             assert check("") == check(SERVICE_NAME) == SERVING
             assert next(watch).status == SERVING
-            # A stream that cannot finish within the grace (its prefill is held) is cut
-            # off, and its request aborted with reason "shutdown".
+            # A stream that cannot finish within the grace (its prefill is held) is
+            # aborted with reason "shutdown", and still gets its final message saying so.
             with prefill_blocked(llm) as prefilling:
                 stream = stub.Generate(gen_request([9] * 20, max_tokens=10,
                                                    request_id="in-flight"))
                 assert prefilling.wait(timeout=30)
                 server.stop(grace_s=0.2)
                 assert next(watch).status == NOT_SERVING
-                with pytest.raises(grpc.RpcError):
-                    list(stream)
+                responses = list(stream)
     finally:
         server.stop(grace_s=0)
-    assert ("in-flight", "shutdown") in aborts
+    assert responses[-1].request_id == "in-flight" and responses[-1].finish_reason == "abort"
+    assert responses[-1].metrics.abort_reason == "shutdown"
+    assert [reason for _, reason in aborts] == ["shutdown"]
     assert not [t.name for t in set(threading.enumerate()) - threads_before
                 if t.name.startswith("jaxpd-")]
     assert_all_pages_free(llm)
@@ -537,7 +567,7 @@ def test_launch_serves_until_sigterm_and_exits_zero(model_dir, tmp_path):
             out = stub.Complete(gen_request(prompt="a small model", max_tokens=4), timeout=60)
             assert len(out.token_ids) == 4 or out.finish_reason == "stop"
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
-            assert "jaxpd_ttft_seconds_count 1" in r.read().decode()
+            assert "jaxpd_ttft_seconds_count 1.0" in r.read().decode()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log_path.read_text()
         assert "threads still running" not in log_path.read_text()

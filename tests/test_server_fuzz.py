@@ -1,10 +1,10 @@
 """Property test: random and malformed GenerateRequests against a real server.
 
 Whatever the fields (NaN, infinities, huge or negative numbers, out-of-vocabulary ids,
-empty or missing prompts, client cancels mid-stream), every call ends either normally
-or with INVALID_ARGUMENT / RESOURCE_EXHAUSTED -- never UNKNOWN or INTERNAL, which would
-mean an unmapped exception -- the engine stays alive, and afterwards every KV page and
-decode slot is free again.
+empty or missing prompts, client cancels mid-stream) or the bytes (random, truncated),
+every call ends either normally or with INVALID_ARGUMENT / RESOURCE_EXHAUSTED -- never
+UNKNOWN or INTERNAL, which would mean an unmapped exception -- the engine stays alive,
+and afterwards every KV page and decode slot is free again.
 """
 import grpc
 import pytest
@@ -83,7 +83,7 @@ def served(tmp_path_factory):
         server.attach(llm)
         try:
             with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-                yield llm, jaxpd_pb2_grpc.GenerationStub(channel)
+                yield llm, jaxpd_pb2_grpc.GenerationStub(channel), channel
         finally:
             server.stop(grace_s=1)
 
@@ -92,7 +92,7 @@ def served(tmp_path_factory):
           suppress_health_check=[HealthCheck.too_slow])
 @given(fields=requests(), unary=st.booleans(), cancel_after=st.one_of(st.none(), st.integers(0, 3)))
 def test_any_request_gets_a_response_or_a_proper_status(served, fields, unary, cancel_after):
-    llm, stub = served
+    llm, stub, _ = served
     msg = jaxpd_pb2.GenerateRequest(**fields)
     event(f"input={msg.WhichOneof('input')}")
     try:
@@ -115,5 +115,26 @@ def test_any_request_gets_a_response_or_a_proper_status(served, fields, unary, c
             assert e.code() in EXPECTED_ERRORS, (e.code(), e.details(), msg)
             assert e.details()
             event(e.code().name)
+    assert_all_pages_free(llm)
+    assert llm.failure() is None
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.binary(max_size=48) | requests().map(
+           lambda f: jaxpd_pb2.GenerateRequest(**f).SerializeToString()[:-1]),
+       method=st.sampled_from(["Generate", "Complete", "Tokenize"]))
+def test_any_bytes_get_a_response_or_a_proper_status(served, data, method):
+    """Bytes off the wire, random or a truncated request: never INTERNAL or UNKNOWN."""
+    llm, _, channel = served
+    make = channel.unary_stream if method == "Generate" else channel.unary_unary
+    call = make(f"/jaxpd.v1.Generation/{method}", request_serializer=None,
+                response_deserializer=None)
+    try:
+        result = call(data, timeout=60)
+        if method == "Generate":
+            list(result)
+    except grpc.RpcError as e:
+        assert e.code() in EXPECTED_ERRORS, (e.code(), e.details(), data)
+        event(e.code().name)
     assert_all_pages_free(llm)
     assert llm.failure() is None

@@ -7,7 +7,10 @@ in which layout, an `Ack` tells the sender it may drop its arrays.
 
 Every message carries `wire_version`; a server that receives another version answers
 FAILED_PRECONDITION and the client raises `WireVersionError`, so version skew is an
-error on both sides, never a misread message.
+error on both sides, never a misread message. Bodies are peer input: gRPC refuses one
+over `MAX_MESSAGE_BYTES` before it reaches us, and the handler decodes it itself with
+`unpack_checked` (size and container limits, version first), so truncated or garbage
+bytes are INVALID_ARGUMENT -- a deserializer that raises inside gRPC would be INTERNAL.
 
 Threads: a `ControlServer` runs gRPC's own thread pool (`max_workers`); handlers only
 validate and hand the message to a callback.
@@ -16,7 +19,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
+import ipaddress
 import logging
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -25,12 +31,16 @@ import grpc
 from jaxpd.auth import NO_AUTH, InternalAuth
 from jaxpd.transfer.connector import KVPart
 from jaxpd.transfer.layout import ArrayLayout
-from jaxpd.transfer.wire import (WIRE_VERSION, TransferError, WireVersionError,
-                                 check_wire_version, pack, unpack)
+from jaxpd.transfer.wire import (MAX_MESSAGE_BYTES, WIRE_VERSION, MalformedMessage,
+                                 TransferError, WireVersionError, check_wire_version, pack,
+                                 unpack, unpack_checked)
 
 SERVICE = "jaxpd.transfer.Control"
 OFFER_METHOD = f"/{SERVICE}/Offer"
 ACK_METHOD = f"/{SERVICE}/Ack"
+
+# Room for gRPC's own framing around the largest body `unpack_checked` takes.
+SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES + 1024)]
 
 _log = logging.getLogger(__name__)
 
@@ -44,6 +54,9 @@ class Offer:
     """Prefill → decode: a finished prefill whose KV waits on `transfer_address`.
 
     `payload` must be msgpack-able (the request's ids, sampling params, timings).
+    `k_checksums`/`v_checksums`: the crc32 of each page (`transfer.checksum`; None when
+    the sender does not compute them); they travel with `first_token` on the
+    authenticated control plane and bind the data plane's bytes to it.
     """
     uuid: int
     request_id: str
@@ -55,26 +68,51 @@ class Offer:
     ack_address: str
     payload: Any = None
     part: KVPart | None = None
+    k_checksums: tuple[int, ...] | None = None
+    v_checksums: tuple[int, ...] | None = None
     wire_version: int = WIRE_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        return {"part": self.part and self.part.to_dict(),
-            "wire_version": self.wire_version, "uuid": self.uuid,
+        return {"wire_version": self.wire_version, "part": self.part and self.part.to_dict(),
+            "uuid": self.uuid,
             "request_id": self.request_id, "num_tokens": self.num_tokens,
             "first_token": self.first_token, "k": self.k.to_dict(), "v": self.v.to_dict(),
             "transfer_address": self.transfer_address, "ack_address": self.ack_address,
             "payload": self.payload,
+            "k_checksums": _plain(self.k_checksums), "v_checksums": _plain(self.v_checksums),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Offer:
         check_wire_version(d.get("wire_version"), "Offer")
-        return cls(uuid=int(d["uuid"]), request_id=str(d["request_id"]),
-                   num_tokens=int(d["num_tokens"]), first_token=int(d["first_token"]),
-                   k=ArrayLayout.from_dict(d["k"]), v=ArrayLayout.from_dict(d["v"]),
-                   transfer_address=str(d["transfer_address"]),
-                   ack_address=str(d["ack_address"]), payload=d.get("payload"),
-                   part=KVPart.from_dict(d.get("part")))
+        offer = cls(uuid=int(d["uuid"]), request_id=str(d["request_id"]),
+                    num_tokens=int(d["num_tokens"]), first_token=int(d["first_token"]),
+                    k=ArrayLayout.from_dict(d["k"]), v=ArrayLayout.from_dict(d["v"]),
+                    transfer_address=str(d["transfer_address"]),
+                    ack_address=str(d["ack_address"]), payload=d.get("payload"),
+                    part=KVPart.from_dict(d.get("part")),
+                    k_checksums=_checksums(d.get("k_checksums"), "k_checksums"),
+                    v_checksums=_checksums(d.get("v_checksums"), "v_checksums"))
+        for name, sums, layout in (("k", offer.k_checksums, offer.k),
+                                   ("v", offer.v_checksums, offer.v)):
+            if sums is not None and (len(layout.shape) < 2 or len(sums) != layout.shape[1]):
+                raise ValueError(f"{name}_checksums: {len(sums)} values for the pages of "
+                                 f"{name} {list(layout.shape)}")
+        return offer
+
+
+def _plain(sums: tuple[int, ...] | None) -> list[int] | None:
+    return None if sums is None else list(sums)
+
+
+def _checksums(value: Any, field: str) -> tuple[int, ...] | None:
+    """A list of uint32 page checksums, or None."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or any(
+            isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < 2**32 for x in value):
+        raise ValueError(f"{field} must be a list of uint32 values")
+    return tuple(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,15 +131,16 @@ class Ack:
         return cls(uuid=int(d["uuid"]), error=str(d.get("error", "")))
 
 
-OfferHandler = Callable[[Offer, float | None], None]
+OfferHandler = Callable[[Offer, float | None, str], None]
 AckHandler = Callable[[Ack], None]
 
 
 class ControlServer:
     """Serves Offer and/or Ack on `address` ("host:0" picks a free port).
 
-    `on_offer(offer, seconds_left)` may block up to `seconds_left` for backpressure and
-    raises `BackpressureError` when it gives up.
+    `on_offer(offer, seconds_left, peer)` may block up to `seconds_left` for
+    backpressure and raises `BackpressureError` when it gives up; `peer` is grpc's
+    address of the caller ("ipv4:10.0.0.5:41234").
     """
 
     def __init__(self, address: str, *, on_offer: OfferHandler | None = None,
@@ -109,13 +148,13 @@ class ControlServer:
                  auth: InternalAuth = NO_AUTH):
         handlers = {}
         if on_offer is not None:
-            handlers["Offer"] = self._unary(lambda d, ctx: on_offer(
-                Offer.from_dict(d), ctx.time_remaining()))
+            handlers["Offer"] = self._unary("Offer", lambda d, ctx: on_offer(
+                Offer.from_dict(d), ctx.time_remaining(), ctx.peer()))
         if on_ack is not None:
-            handlers["Ack"] = self._unary(lambda d, ctx: on_ack(Ack.from_dict(d)))
+            handlers["Ack"] = self._unary("Ack", lambda d, ctx: on_ack(Ack.from_dict(d)))
         self._server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="control"),
-            interceptors=auth.server_interceptors())
+            interceptors=auth.server_interceptors(), options=SERVER_OPTIONS)
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, handlers),))
         try:
@@ -126,20 +165,23 @@ class ControlServer:
         self._server.start()
 
     @staticmethod
-    def _unary(handle: Callable[[dict[str, Any], grpc.ServicerContext], None]):
-        def serve(request: dict[str, Any], context: grpc.ServicerContext) -> dict[str, Any]:
+    def _unary(name: str, handle: Callable[[dict[str, Any], grpc.ServicerContext], None]):
+        def serve(request: bytes, context: grpc.ServicerContext) -> dict[str, Any]:
             try:
-                handle(request, context)
+                handle(unpack_checked(request, name), context)
             except WireVersionError as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             except BackpressureError as e:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            except (KeyError, TypeError, ValueError, TransferError) as e:
+            except MalformedMessage as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except (KeyError, TypeError, ValueError, AttributeError, TransferError) as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"malformed message: {type(e).__name__}: {e}")
             return {}
+        # Bytes in: decoded in `serve`, where a bad body can be answered properly.
         return grpc.unary_unary_rpc_method_handler(
-            serve, request_deserializer=unpack, response_serializer=pack)
+            serve, request_deserializer=None, response_serializer=pack)
 
     def stop(self) -> None:
         self._server.stop(grace=None)
@@ -185,3 +227,30 @@ def error_of(e: grpc.RpcError, address: str) -> TransferError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return BackpressureError(f"{address} is full: {details}")
     return TransferError(f"control call to {address} failed: {code.name}: {details}")
+
+
+def peer_ip(peer: str) -> str | None:
+    """The IP of a grpc peer string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5"); None otherwise."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    return rest.rsplit(":", 1)[0].strip("[]")
+
+
+@functools.lru_cache(maxsize=256)
+def _ips_of(host: str) -> frozenset[str]:
+    try:
+        return frozenset(a[4][0] for a in socket.getaddrinfo(host, None))
+    except OSError:
+        return frozenset()
+
+
+def address_is_on(address: str, ip: str | None) -> bool:
+    """`address` ("host:port") names the host `ip` (both loopback counts as the same
+    host): an Offer may only send the decode side to the machine the Offer came from."""
+    if ip is None:
+        return False
+    ips = _ips_of(address.rsplit(":", 1)[0].strip("[]"))
+    loopback = lambda a: ipaddress.ip_address(a).is_loopback
+    return ip in ips or (loopback(ip) and bool(ips) and all(loopback(a) for a in ips))
+

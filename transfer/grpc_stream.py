@@ -10,6 +10,9 @@ The receiver answers an empty map, or a status the sender raises as an error:
 FAILED_PRECONDITION version skew, DATA_LOSS fewer/more bytes than announced or a
 crc32 mismatch, INVALID_ARGUMENT malformed header, RESOURCE_EXHAUSTED queue full.
 A damaged stream is never queued, so it can only cost a retry, not wrong tokens.
+The header is peer input: one over `MAX_HEADER_SIZE` is refused before it is decoded,
+it is decoded with `unpack_checked`'s limits (version first), and the body's buffer
+grows with the bytes that actually arrive, never to the size a header announces.
 
 The pages travel through host memory on both ends (gather, bytes, `device_put`), which
 is why this is the fallback and not the default.
@@ -38,15 +41,18 @@ import numpy as np
 from jaxpd.auth import NO_AUTH, InternalAuth
 from jaxpd.transfer.connector import KVHandoff, KVPart, TransferStats, next_or_none
 from jaxpd.transfer.control import BackpressureError, error_of
-from jaxpd.transfer.wire import (WIRE_VERSION, TransferError, WireVersionError,
-                                 check_wire_version, pack, unpack)
+from jaxpd.transfer.wire import (MAX_MESSAGE_BYTES, WIRE_VERSION, MalformedMessage,
+                                 TransferError, WireVersionError, pack, unpack,
+                                 unpack_checked)
 
 SERVICE = "jaxpd.transfer.KVStream"
 SEND_METHOD = f"/{SERVICE}/Send"
 MiB = 1 << 20
 MAX_CHUNK_SIZE = 4 * MiB
-# Headers carry the request payload; allow it room beyond one chunk.
-MAX_MESSAGE_SIZE = 16 * MiB
+# A header carries the request's wire form: a control message's bound.
+MAX_HEADER_SIZE = MAX_MESSAGE_BYTES
+# gRPC's own cap on any one message of the stream (a chunk, or the header).
+MAX_MESSAGE_SIZE = MAX_CHUNK_SIZE + 1024
 
 _LIMITS = [("grpc.max_receive_message_length", MAX_MESSAGE_SIZE),
            ("grpc.max_send_message_length", MAX_MESSAGE_SIZE)]
@@ -128,8 +134,8 @@ def encode_handoff(handoff: KVHandoff) -> EncodedHandoff:
     except (TypeError, ValueError) as e:
         raise TypeError(f"payload of {handoff.request_id!r} must be msgpack-able "
                         f"(dicts, lists, str, numbers, bytes): {e}") from e
-    if len(packed) > MAX_MESSAGE_SIZE:
-        raise ValueError(f"stream header is {len(packed)} bytes, over {MAX_MESSAGE_SIZE}: "
+    if len(packed) > MAX_HEADER_SIZE:
+        raise ValueError(f"stream header is {len(packed)} bytes, over {MAX_HEADER_SIZE}: "
                          "the payload is too large")
     return EncodedHandoff(packed, body)
 
@@ -157,12 +163,9 @@ class _Header:
 
 def _parse_header(message: bytes, max_bytes: int) -> _Header:
     try:
-        d = unpack(message)
-    except Exception as e:  # noqa: BLE001 -- msgpack raises several unrelated types
-        raise MalformedHeaderError(f"stream header is not msgpack: {e}") from e
-    if not isinstance(d, dict):
-        raise MalformedHeaderError(f"stream header is a {type(d).__name__}, not a map")
-    check_wire_version(d.get("wire_version"), "KV stream header")
+        d = unpack_checked(message, "KV stream header", MAX_HEADER_SIZE)
+    except MalformedMessage as e:
+        raise MalformedHeaderError(f"stream header is not msgpack within limits: {e}") from None
     try:
         header = _Header(
             request_id=str(d["request_id"]), num_tokens=int(d["num_tokens"]),
@@ -199,13 +202,13 @@ def decode_handoff(messages: Iterable[bytes],
     start = time.perf_counter()
     header = _parse_header(first, max_bytes)
     total, who = header.num_bytes, repr(header.request_id)
-    buf = bytearray(total)
-    view = memoryview(buf)
+    # Grown as bytes arrive: a header that announces gigabytes and sends none costs none.
+    buf = bytearray()
     offset, crc = 0, 0
     for chunk in it:
         if offset + len(chunk) > total:
             raise TruncatedStreamError(f"{who}: more bytes than the {total} announced")
-        view[offset:offset + len(chunk)] = chunk
+        buf += chunk
         crc = zlib.crc32(chunk, crc)
         offset += len(chunk)
     if offset != total:

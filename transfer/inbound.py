@@ -13,6 +13,13 @@ Pages move on the caller's transfer threads (`executor`), never on the decode th
 the layers of a layer-wise transfer are joined once all have arrived. A part out of
 order, overdue by `part_timeout_s`, or whose pages do not fit `expect` fails the
 transfer with a `TransferError`: the caller prefills the request again.
+
+A handoff is a peer's word. Before it becomes an `Inbound` (before any slot, page or
+device op), `HandoffSpec.check` holds what it announces against what this side
+computes itself: its pages against `num_tokens` and this pool's page size, layers,
+page shape and dtype; `num_tokens` against what a slot can ever hold; its first
+token against the vocabulary. One that fails is discarded and handed back to the
+caller as a `Rejected` (with the request it names, so the caller can fail it).
 """
 from __future__ import annotations
 
@@ -24,8 +31,91 @@ import jax
 import jax.numpy as jnp
 
 from jaxpd.transfer.connector import KVHandoff, KVReceiver, TransferError
+from jaxpd.validation import check_request_id
 
 PENDING = "pending"
+
+
+class HandoffRejected(TransferError):
+    """A handoff whose announcement contradicts this side's own numbers: refused
+    before anything is reserved or moved; its request is prefilled again."""
+
+
+class HandoffNeverFits(HandoffRejected):
+    """A handoff of more tokens than a decode slot here can ever hold: its request is
+    aborted with this reason (waiting would block admission for good)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HandoffSpec:
+    """What a handoff into one decode pool must announce, from this side's config --
+    never from the sender's own counts.
+
+    page_shape, dtype: one page of k or v as it travels (the pool's `(page_size, K, H)`
+      and dtype; compressed: `(page_size*K*H + 4,)` uint8, see `transfer.compression`).
+    max_pages: the most pages one slot can hold (per slot and per shard).
+    """
+    num_layers: int
+    page_size: int
+    page_shape: tuple[int, ...]
+    dtype: str
+    vocab_size: int
+    max_model_len: int
+    max_pages: int
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def check(self, h: KVHandoff) -> None:
+        """Raise `HandoffNeverFits` or `HandoffRejected` saying what is wrong with `h`."""
+        try:
+            check_request_id(h.request_id)
+        except ValueError as e:
+            raise HandoffRejected(f"handoff names a bad request id: {e}") from None
+        n = h.num_tokens
+        who = f"handoff of {h.request_id!r}"
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise HandoffRejected(f"{who}: num_tokens must be a positive integer, got {n!r}")
+        # The first fed token goes at position n: the slot needs pages for n + 1.
+        if n + 1 > self.max_model_len or self.pages_for(n + 1) > self.max_pages:
+            raise HandoffNeverFits(
+                f"{who}: {n} tokens can never fit a decode slot here (max_model_len="
+                f"{self.max_model_len}, at most {self.max_pages} pages of {self.page_size})")
+        shapes = [getattr(x, "shape", None) for x in (h.k, h.v)]
+        dtypes = [getattr(x, "dtype", None) for x in (h.k, h.v)]
+        if shapes[0] is None or dtypes[0] is None or shapes[0] != shapes[1] \
+                or dtypes[0] != dtypes[1]:
+            raise HandoffRejected(f"{who}: k and v must be arrays of one shape and dtype")
+        shape, dtype = tuple(shapes[0]), jnp.dtype(dtypes[0]).name
+        if len(shape) != 2 + len(self.page_shape) or shape[2:] != self.page_shape \
+                or dtype != self.dtype:
+            raise HandoffRejected(
+                f"{who}: pages announced as {dtype}{list(shape)}, this pool takes "
+                f"{self.dtype}[L, P, {', '.join(map(str, self.page_shape))}]: do prefill and "
+                f"decode serve the same model, dtype and kv_transfer_dtype?")
+        if shape[1] != self.pages_for(n):
+            raise HandoffRejected(f"{who}: {shape[1]} pages announced for {n} tokens, which "
+                                  f"fill {self.pages_for(n)} pages of {self.page_size}")
+        part = h.part
+        first = 0 if part is None else part.layer_start
+        layers = self.num_layers if part is None else part.count
+        if shape[0] < 1 or first + shape[0] > self.num_layers or layers > self.num_layers \
+                or (part is None and shape[0] != self.num_layers):
+            raise HandoffRejected(f"{who}: layers [{first}, {first + shape[0]}) announced, "
+                                  f"the model has {self.num_layers}")
+        if part is None or part.is_last:
+            t = h.first_token
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise HandoffRejected(f"{who}: first token {t!r} is outside the vocabulary "
+                                      f"[0, {self.vocab_size})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejected:
+    """A handoff `HandoffSpec` refused (already discarded): the caller fails the
+    request it names, if that request waits for it."""
+    handoff: KVHandoff
+    error: HandoffRejected
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,15 +169,30 @@ class Inbound:
             return
         if index != len(self._received) or count != self.count:
             # Never assemble layers out of order: fail the transfer, prefill again.
-            self._receiver.discard(h)
-            self._error = TransferError(f"part {index}/{count} of {h.request_id!r} arrived "
-                                        f"after {len(self._received)}/{self.count} parts")
+            self.fail(h, TransferError(f"part {index}/{count} of {h.request_id!r} arrived "
+                                       f"after {len(self._received)}/{self.count} parts"))
+            return
+        if h.num_tokens != self.num_tokens:
+            self.fail(h, HandoffRejected(f"part {index}/{count} of {h.request_id!r} covers "
+                                         f"{h.num_tokens} tokens, the first said "
+                                         f"{self.num_tokens}"))
             return
         self._received.append(h)
         if h.part is None or h.part.is_last:
             self.first_token = h.first_token
         if self._start is not None:
             self._place(h)
+
+    def fail(self, h: KVHandoff, error: TransferError) -> None:
+        """A part of this transfer that cannot be used: discard it, fail the transfer."""
+        self._receiver.discard(h)
+        if self._error is None:
+            self._error = error
+
+    @property
+    def error(self) -> TransferError | None:
+        """What failed this transfer already, if anything (before `poll` says so)."""
+        return self._error
 
     def start(self, sharding: jax.sharding.Sharding, expect: jax.ShapeDtypeStruct) -> None:
         """Move the parts received so far onto `sharding`, later ones as they come.
@@ -131,8 +236,17 @@ class Inbound:
 
     def _checked_place(self, h: KVHandoff, sharding, expect: jax.ShapeDtypeStruct):
         """`receiver.place`, refusing pages that do not fit the pool (e.g. the peer
-        compresses KV and this side does not): a failed transfer, never a crash."""
-        k, v, stats = self._receiver.place(h, sharding)
+        compresses KV and this side does not): a failed transfer, never a crash. From
+        another process, whatever `place` raises is a failed transfer too: it acted on a
+        peer's word (an unpullable layout, a bad address, a pull too large for memory)."""
+        try:
+            k, v, stats = self._receiver.place(h, sharding)
+        except TransferError:
+            raise
+        except Exception as e:
+            if not self.remote:
+                raise
+            raise TransferError(f"placing {h.request_id!r} failed: {type(e).__name__}: {e}") from e
         for name, x in (("k", k), ("v", v)):
             layers = expect.shape[0] if h.part is None else x.shape[0]
             want = (layers, self.num_pages) + tuple(expect.shape[2:])
@@ -171,31 +285,50 @@ class InboundQueue:
     """Turns a receiver's handoffs into `Inbound`s; routes later layer-wise parts."""
 
     def __init__(self, receiver: KVReceiver, executor: futures.Executor,
-                 part_timeout_s: float, *, counted: bool = True, remote: bool = False):
-        self.receiver = receiver
+                 part_timeout_s: float, spec: HandoffSpec, *, counted: bool = True,
+                 remote: bool = False):
+        self.receiver, self.spec = receiver, spec
+        self.remote = remote
         self._executor, self._part_timeout_s = executor, part_timeout_s
-        self._counted, self._remote = counted, remote
+        self._counted = counted
         self._streams: dict[tuple[str, int], Inbound] = {}   # layer-wise, still receiving
 
-    def receive(self, timeout: float | None) -> list[Inbound]:
-        """New transfers, waiting up to `timeout` s for the first handoff (None: not at
-        all); parts of known transfers are handed to them on the way."""
-        new = []
+    def receive(self, timeout: float | None) -> tuple[list[Inbound], list[Rejected]]:
+        """New transfers, and the new handoffs `spec` refused (discarded already),
+        waiting up to `timeout` s for the first handoff (None: not at all); parts of
+        known transfers are handed to them on the way (a refused one fails its
+        transfer)."""
+        new, rejected = [], []
         h = self.receiver.receive(timeout)
         while h is not None:
+            error = self._check(h)
             if h.part is not None and h.part.index > 0:
                 inbound = self._streams.get((h.request_id, h.part.stream))
                 if inbound is None:
                     self.receiver.discard(h)   # its transfer ended (failed, cancelled)
+                elif error is not None:
+                    inbound.fail(h, error)
                 else:
                     inbound.add(h)
+            elif error is not None:
+                self.receiver.discard(h)
+                rejected.append(Rejected(h, error))
             else:
                 inbound = Inbound(h, self.receiver, self._executor, self._part_timeout_s,
-                                  self._counted, self._remote)
+                                  self._counted, self.remote)
                 if inbound.layerwise:
                     self._streams[(h.request_id, inbound.stream)] = inbound
                 new.append(inbound)
             h = self.receiver.receive(None)
         for key in [k for k, i in self._streams.items() if i.ended or i.received_all]:
             del self._streams[key]
-        return new
+        return new, rejected
+
+    def _check(self, h: KVHandoff) -> HandoffRejected | None:
+        try:
+            self.spec.check(h)
+        except HandoffRejected as e:
+            return e
+        except Exception as e:  # noqa: BLE001 -- any oddity of a peer's handoff refuses it
+            return HandoffRejected(f"malformed handoff: {type(e).__name__}: {e}")
+        return None

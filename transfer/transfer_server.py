@@ -28,6 +28,20 @@ side one `jaxpd-reclaim` thread. `place` runs on
 the caller's thread and polls the pulled arrays; on timeout it poisons the connection,
 which fails the pending pull instead of leaving a thread blocked forever.
 
+Integrity (`verify_checksums`): the sender puts a crc32 of every page of k and v in
+the Offer (`transfer.checksum`), and the receiver checks the pulled arrays against
+them before resharding; a mismatch is a `ChecksumMismatchError` (the Ack says the pull
+completed, so the sender does not try to reclaim it) and the request is prefilled
+again.
+The first token rides in the same Offer and is *trusted*, not recomputed: the decode
+side could only recompute it with one more decode step per request (feed the last
+prompt token over the received pages, sample with the request's seed), and that step
+would trust the same pages the checksums already bind to the Offer. The Offer itself
+comes over the authenticated control plane (cluster token or mTLS); the decode side
+checks the token is inside its vocabulary and the pages match its own page count for
+`num_tokens` (`transfer.inbound.HandoffSpec`). What no checksum can catch is an
+authenticated peer that lies consistently -- that is what authentication is for.
+
 Seen with jax 0.10.2 on CPU: `pull(..., timeout=datetime)` is accepted but does not
 end a pull of a uuid that is never offered; `await_pull(..., timeout=datetime)` does
 expire the offer. The transfer server has no stop method: it lives until the process
@@ -48,12 +62,15 @@ import jax
 
 from jaxpd.auth import NO_AUTH, InternalAuth
 from jaxpd.transfer import jax_compat
+from jaxpd.transfer.checksum import check_page_checksums, page_checksums
 from jaxpd.transfer.connector import KVHandoff, TransferStats, next_or_none
-from jaxpd.transfer.control import Ack, BackpressureError, ControlClient, ControlServer, Offer
+from jaxpd.transfer.control import (Ack, BackpressureError, ControlClient, ControlServer, Offer,
+                                    address_is_on, peer_ip)
 from jaxpd.transfer.layout import ArrayLayout, check_layout, describe, shape_dtype_struct
 from jaxpd.transfer.wire import TransferError, pack
 
 MiB = 1 << 20
+PULLED = "pulled, then refused: "   # an Ack error after a completed pull: nothing to reclaim
 
 _log = logging.getLogger(__name__)
 
@@ -76,6 +93,16 @@ class TransferServerOptions:
     advertise_host: the host the peer should dial, when binding to 0.0.0.0 / [::].
     transfer_size: chunk size of the bulk copy; 4 MiB roughly doubles CPU loopback
       throughput over the 256 MiB default and maps far less memory.
+    verify_checksums: the sender crc32s every page it offers, the receiver checks the
+      pulled pages against them (`transfer.checksum`). Cost, on each side: one pass of
+      crc32 over the KV's host bytes (~GB/s, no compile) -- free of copies on CPU,
+      where the pages already live in host memory, but a device -> host copy of the
+      whole KV on an accelerator. None (default): on when `jax.default_backend()` is
+      "cpu". A receiver checks the checksums an Offer carries; an Offer without them
+      (its sender has them off) is taken unchecked.
+    check_offer_addresses: an Offer may only name transfer and ack addresses on the
+      host it came from (a peer with the cluster token still cannot point the decode
+      side at a third machine); off for senders behind address translation.
     """
     transfer_address: str = "127.0.0.1:0"
     transport_addresses: tuple[str, ...] = ("127.0.0.1:0",)
@@ -87,6 +114,8 @@ class TransferServerOptions:
     rpc_timeout_s: float = 10.0
     max_pending: int = 64
     reclaim_timeout_s: float = 5.0
+    verify_checksums: bool | None = None
+    check_offer_addresses: bool = True
 
     def __post_init__(self):
         if not self.transport_addresses:
@@ -98,6 +127,13 @@ class TransferServerOptions:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_pending <= 0:
             raise ValueError(f"max_pending must be positive, got {self.max_pending}")
+
+    def checksums_on(self) -> bool:
+        """`verify_checksums`, with None resolved for this process's backend (at use,
+        not at construction: a default instance is built when this module loads)."""
+        if self.verify_checksums is None:
+            return jax.default_backend() == "cpu"
+        return self.verify_checksums
 
 
 @dataclasses.dataclass
@@ -206,12 +242,14 @@ class TransferServerSender(_Endpoint):
         if not isinstance(handoff.k, jax.Array) or not isinstance(handoff.v, jax.Array):
             raise TypeError("send needs k and v as jax.Array on this process's devices")
         uuid = secrets.randbits(63)
+        sums = ((page_checksums(handoff.k), page_checksums(handoff.v))
+                if self.options.checksums_on() else (None, None))
         offer = Offer(uuid=uuid, request_id=handoff.request_id,
                       num_tokens=handoff.num_tokens, first_token=handoff.first_token,
                       k=describe(handoff.k), v=describe(handoff.v),
                       transfer_address=self.transfer_address,
                       ack_address=self.control_address, payload=handoff.payload,
-                      part=handoff.part)
+                      part=handoff.part, k_checksums=sums[0], v_checksums=sums[1])
         try:
             pack(offer.to_dict())
         except (TypeError, ValueError) as e:
@@ -300,10 +338,10 @@ class TransferServerSender(_Endpoint):
 
     def _on_ack(self, ack: Ack) -> None:
         if ack.error and not ack.error.startswith("discarded"):
-            _log.warning("decode side failed to pull offer %d: %s", ack.uuid, ack.error)
-        # Pulled: the server has let go. Not pulled (discarded, or the peer's pull
-        # failed): end the offer in the server too.
-        self._release(ack.uuid, reclaim=bool(ack.error))
+            _log.warning("decode side failed to take offer %d: %s", ack.uuid, ack.error)
+        # Pulled (even if the pages were then refused): the server has let go. Not
+        # pulled (discarded, or the peer's pull failed): end the offer in the server too.
+        self._release(ack.uuid, reclaim=bool(ack.error) and not ack.error.startswith(PULLED))
 
     def close(self) -> None:
         """Also drop the arrays of offers not yet acked."""
@@ -323,9 +361,17 @@ class TransferServerReceiver(_Endpoint):
         self._queue: queue.Queue[RemoteKVHandoff] = queue.Queue(maxsize=options.max_pending)
         super().__init__(control_address, options, auth, on_offer=self._on_offer)
 
-    def _on_offer(self, offer: Offer, seconds_left: float | None) -> None:
+    def _on_offer(self, offer: Offer, seconds_left: float | None, peer: str) -> None:
         if self._closed:
             raise BackpressureError("decode side is closed")
+        if self.options.check_offer_addresses:
+            # The data plane (the JAX transfer server) has no auth of its own: pull only
+            # from, and ack only to, the host whose authenticated Offer this is.
+            ip = peer_ip(peer)
+            for field in ("transfer_address", "ack_address"):
+                if not address_is_on(getattr(offer, field), ip):
+                    raise ValueError(f"offer's {field} {getattr(offer, field)!r} is not on "
+                                     f"the host it came from ({peer})")
         handoff = RemoteKVHandoff(
             request_id=offer.request_id, num_tokens=offer.num_tokens,
             first_token=offer.first_token, k=_struct(offer.k), v=_struct(offer.v),
@@ -344,16 +390,26 @@ class TransferServerReceiver(_Endpoint):
 
     def place(self, handoff: RemoteKVHandoff, sharding: jax.sharding.Sharding
               ) -> tuple[jax.Array, jax.Array, TransferStats]:
-        """Pull the pages in the sender's layout, reshard onto `sharding`, ack."""
+        """Pull the pages in the sender's layout, check them against the Offer's
+        checksums, reshard onto `sharding`, ack. Every failure is a `TransferError`:
+        what arrives here is a peer's word."""
         self._check_open()
         offer = handoff.offer
         start = time.perf_counter()
+        pulled = False
         try:
             k_raw, v_raw = self._pull(offer)
+            pulled = True
+            if self.options.checksums_on() and (offer.k_checksums, offer.v_checksums) != (
+                    None, None):
+                self._verify(offer, k_raw, v_raw)
             k, v = jax.block_until_ready(jax.device_put((k_raw, v_raw), sharding))
         except Exception as e:
-            self._ack(offer, error=f"{type(e).__name__}: {e}")
-            raise
+            self._ack(offer, error=(PULLED if pulled else "") + f"{type(e).__name__}: {e}")
+            if isinstance(e, TransferError):
+                raise
+            raise TransferError(f"placing {offer.request_id!r} (uuid {offer.uuid}) failed: "
+                                f"{type(e).__name__}: {e}") from e
         seconds = time.perf_counter() - start
         self._ack(offer)
         return k, v, TransferStats(int(k.nbytes) + int(v.nbytes), seconds)
@@ -382,6 +438,14 @@ class TransferServerReceiver(_Endpoint):
         check_layout(offer.k, describe(k_raw))
         check_layout(offer.v, describe(v_raw))
         return k_raw, v_raw
+
+    @staticmethod
+    def _verify(offer: Offer, k: jax.Array, v: jax.Array) -> None:
+        what = f"pull of {offer.request_id!r} (uuid {offer.uuid})"
+        if offer.k_checksums is None or offer.v_checksums is None:
+            raise TransferError(f"{what}: the Offer has checksums for only one of k and v")
+        check_page_checksums("k", k, offer.k_checksums, what)
+        check_page_checksums("v", v, offer.v_checksums, what)
 
     def _ack(self, offer: Offer, error: str = "") -> None:
         self._client(offer.ack_address).ack(Ack(offer.uuid, error=error),

@@ -133,18 +133,17 @@ def compare_flag(text: str) -> list[str]:
 
 
 def resolve_model(model: str | None) -> str:
-    """The checkpoint directory `--model` names, or the built-in default model; exits
-    with a message naming `--model` when neither is usable."""
-    from jaxpd.default_model import default_model_dir
-    if model is not None:
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            raise SystemExit(f"--model: {model} has no config.json (not a Hugging Face "
-                             f"checkpoint directory)")
-        return model
+    """The checkpoint `--model` names (a directory, a GGUF file, a registered name such
+    as smollm2-135m-instruct, a hub id), or the built-in default model; exits with a
+    message naming `--model` when it cannot be used."""
+    from jaxpd.model_registry import resolve_model as resolve
+    from jaxpd.models.source import model_config_and_tokenizer
     try:
-        return default_model_dir()
-    except FileNotFoundError as e:
-        raise SystemExit(f"--model not given and {e}") from None
+        path = resolve(model)
+        model_config_and_tokenizer(path)      # readable: a config, a tokenizer if any
+        return path
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--model: {e}") from None
 
 
 def describe_devices() -> dict:

@@ -162,9 +162,9 @@ class Benchmark:
     """Runs every backend over the workload at every rate and collects reports."""
 
     def __init__(self, args: argparse.Namespace, model_dir: str):
-        from jaxpd.models.config import ModelConfig
+        from jaxpd.models.source import model_config_and_tokenizer
         self.args, self.model_dir = args, model_dir
-        cfg = ModelConfig.from_dir(model_dir)
+        cfg = model_config_and_tokenizer(model_dir)[0]
         self.vocab_size = cfg.vocab_size
         prompts = [n for n, _ in parse_length_mix(args.prompt_lens)]
         outputs = [n for n, _ in parse_length_mix(args.output_lens)]

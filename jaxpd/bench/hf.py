@@ -36,7 +36,12 @@ class HFBackend:
             raise ValueError(f"hf max_batch must be >= 1, got {max_batch}")
         self._torch = torch
         self.max_batch = max_batch
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        # Same placement and dtype policy as jaxpd's dtype="auto": float32 on CPU,
+        # bfloat16 on an accelerator.
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.model.to(self.device)
         # A generation_config.json may carry sampling defaults; greedy is asked explicitly,
         # so drop them rather than have transformers warn on every call.
         gen = self.model.generation_config
@@ -81,6 +86,8 @@ class HFBackend:
                 self.times: list[float] = []
 
             def __call__(self, input_ids, scores, **kwargs):
+                if input_ids.is_cuda:   # the step's time is when its token exists
+                    torch.cuda.synchronize()
                 self.times.append(time.perf_counter())
                 return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -94,7 +101,7 @@ class HFBackend:
         steps = max(r.output_len for r in batch)
         clock = StepClock()
         with torch.no_grad():
-            self.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=steps,
+            self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False, max_new_tokens=steps,
                                 min_new_tokens=steps, eos_token_id=None, pad_token_id=0,
                                 stopping_criteria=StoppingCriteriaList([clock]))
         if len(clock.times) < steps:

@@ -7,6 +7,14 @@ this loop never sees how the bytes travel, only whether they are there yet.
 
 It owns no thread: the engine calls it from `jaxpd-decode` (or, colocated, from the
 one engine thread). Only that thread touches the schedulers and the donated pool.
+
+A handoff is refused as it is received -- before a slot, a page or a device op --
+when it belongs to no request here, contradicts this pool's own numbers
+(`transfer.inbound.HandoffSpec`), or covers another number of tokens than its request
+holds: its request is prefilled again (`transfer_failures`), or aborted with the
+reason when no slot here could ever hold it, so admission never waits on it. Every
+refusal counts in `handoffs_rejected`. Nothing a peer sends raises out of `iterate`:
+what does is the engine's own failure, and the engine surfaces it (`Engine.error`).
 """
 from __future__ import annotations
 
@@ -24,7 +32,10 @@ from jaxpd.engine.scheduler import DecodeScheduler, StepPlan, context_width
 from jaxpd.request import Request, State
 from jaxpd.stats import StatsCounter
 from jaxpd.transfer.connector import TransferError
-from jaxpd.transfer.inbound import PENDING, Inbound, InboundQueue, Placed, wait_any
+from jaxpd.transfer.inbound import (PENDING, HandoffNeverFits, HandoffRejected, Inbound,
+                                    InboundQueue, Placed, wait_any)
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -101,10 +112,47 @@ class DecodeLoop:
 
     def _receive(self, timeout: float | None) -> None:
         for queue in self.inbound:
-            for inbound in queue.receive(timeout):
-                self.pending.append((inbound, self.requests.resolve(inbound.payload,
-                                                                    inbound.remote)))
+            inbounds, rejected = queue.receive(timeout)
+            for x in rejected:
+                self._refuse(x.handoff.request_id, x.handoff.payload, queue.remote, x.error)
+            for inbound in inbounds:
+                key = (inbound.request_id, inbound.payload, inbound.remote)
+                try:
+                    r = self.requests.resolve(*key)
+                except ValueError as e:
+                    self._refuse(*key, HandoffRejected(str(e)), inbound)
+                    continue
+                if r.state is State.TRANSFERRING and \
+                        inbound.num_tokens not in (r.num_tokens - 1, r.num_tokens):
+                    # It waits for KV of its prompt + output so far (the first token
+                    # may be appended already): any other count is not its KV.
+                    self._refuse(*key, HandoffRejected(
+                        f"handoff of {r.request_id!r} covers {inbound.num_tokens} tokens, "
+                        f"the request holds {r.num_tokens}"), inbound)
+                    continue
+                self.pending.append((inbound, r))
             timeout = None
+
+    def _refuse(self, request_id: str, payload, remote: bool, error: HandoffRejected,
+                inbound: Inbound | None = None) -> None:
+        """A handoff that will not be placed. Its request, if it waits for exactly this
+        (no transfer of it holds a slot), is prefilled again -- or aborted with the
+        reason, when no slot here could ever hold it."""
+        if inbound is not None:
+            inbound.end()
+        self.stats.add(handoffs_rejected=1)
+        _log.warning("refused a KV handoff of %r: %s", request_id, error)
+        try:
+            r = self.requests.resolve(request_id, payload, remote)
+        except ValueError:
+            return                             # nobody here waits for it
+        if r.state is not State.TRANSFERRING or self.scheduler.slot_of(r) is not None:
+            return
+        if isinstance(error, HandoffNeverFits):
+            if r.abort(f"refused: {error}"):
+                self.stats.add(aborted=1)
+        elif self.requests.resubmit(r):
+            self.stats.add(transfer_failures=1)
 
     def _mirror_first_tokens(self) -> None:
         """A request prefilled in another process learns its first token from the
@@ -133,6 +181,10 @@ class DecodeLoop:
                 # second prefill of it (a router retry) while the first one has a slot.
                 self.pending.popleft()
                 inbound.end()
+                continue
+            if inbound.error is not None:      # a later part failed already
+                self.pending.popleft()
+                self._fail_transfer(r, inbound.error, inbound)
                 continue
             slot = self.scheduler.find_slot(inbound.num_tokens)
             if slot is None:
@@ -174,15 +226,25 @@ class DecodeLoop:
             result = a.inbound.poll(now)
             if result is PENDING:
                 continue
+            if isinstance(result, Placed) and r.num_tokens != a.inbound.num_tokens + 1:
+                result = TransferError(f"{r.request_id!r} holds {r.num_tokens} tokens, its KV "
+                                       f"covers {a.inbound.num_tokens}: not its first token's")
             if isinstance(result, TransferError):
-                # Never decode from pages we do not have: free the slot, prefill again.
-                logging.warning("transfer of %s failed (%s); re-prefilling", r.request_id, result)
                 self._drop(a)
-                self.stats.add(transfer_failures=1)
-                self.requests.resubmit(r)
+                self._fail_transfer(r, result)
                 continue
             self._admitted.remove(a)
             self._insert(a, result)
+
+    def _fail_transfer(self, r: Request, error: TransferError, inbound: Inbound | None = None
+                       ) -> None:
+        """Never decode from pages we do not have: prefill again."""
+        _log.warning("transfer of %s failed (%s); re-prefilling", r.request_id, error)
+        if inbound is not None:
+            inbound.end()
+        self.stats.add(transfer_failures=1, handoffs_rejected=int(
+            isinstance(error, HandoffRejected)))
+        self.requests.resubmit(r)
 
     def _insert(self, a: _Admitted, placed: Placed) -> None:
         r, slot, inbound = a.request, a.slot, a.inbound

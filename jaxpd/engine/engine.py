@@ -24,7 +24,7 @@ import jax
 from jaxpd.config import EngineConfig
 from jaxpd.engine.decode_loop import DecodeLoop
 from jaxpd.engine.prefill_loop import PrefillLoop
-from jaxpd.engine.requests import Requests
+from jaxpd.engine.requests import Limits, Requests
 from jaxpd.engine.runner import CompileCounter, DecodeRunner, PrefillRunner
 from jaxpd.engine.scheduler import DecodeScheduler, PrefillScheduler
 from jaxpd.engine.warmup import warm_up
@@ -37,7 +37,7 @@ from jaxpd.stats import EngineStats, StatsCounter
 from jaxpd.transfer.compression import CompressingReceiver, CompressingSender
 from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
 from jaxpd.transfer.device_put import DevicePutConnector
-from jaxpd.transfer.inbound import InboundQueue
+from jaxpd.transfer.inbound import HandoffSpec, InboundQueue
 
 
 class Engine:
@@ -57,7 +57,9 @@ class Engine:
         self.counters = StatsCounter()
         self.connector = connector or DevicePutConnector()
         self.requests = Requests(
-            self.counters, config.max_queued, has_prefill=spec.has_prefill,
+            self.counters, config.max_queued,
+            Limits(model.cfg.vocab_size, config.max_prompt_len, config.max_model_len),
+            has_prefill=spec.has_prefill,
             has_decode=spec.has_decode, local_prefill_below=config.local_prefill_below,
             has_local_prefill=spec.has_decode and not spec.colocated and (
                 config.local_prefill_below > 0 or not spec.has_prefill))
@@ -93,6 +95,16 @@ class Engine:
     def _page_shape(self) -> tuple[int, int, int]:
         return (self.config.page_size, self.model.cfg.num_kv_heads, self.model.cfg.head_dim)
 
+    def _handoff_spec(self, compressed: bool) -> HandoffSpec:
+        """What a handoff into this decode pool must announce (`transfer.inbound`)."""
+        c, page = self.config, self._page_shape()
+        return HandoffSpec(
+            num_layers=self.model.cfg.num_layers, page_size=c.page_size,
+            page_shape=(page[0] * page[1] * page[2] + 4,) if compressed else page,
+            dtype="uint8" if compressed else c.dtype, vocab_size=self.model.cfg.vocab_size,
+            max_model_len=c.max_model_len,
+            max_pages=min(c.pages_per_slot, c.pages_per_shard - 1))
+
     def _build_prefill(self) -> None:
         c, mesh = self.config, self.meshes.prefill
         params, rules = self._params_on(mesh)
@@ -121,10 +133,12 @@ class Engine:
         self.decode_scheduler = DecodeScheduler(num_shards, c.slots_per_shard, c.pages_per_shard,
                                                 c.page_size)
         receiver = self.connector
+        handoffs = self._handoff_spec(compressed=False)
         if c.kv_transfer_dtype is not None:
             receiver = CompressingReceiver(receiver, c.kv_transfer_dtype, self._page_shape(),
                                            c.dtype)
         queues = [InboundQueue(receiver, self._transfers, c.kv_part_timeout_s,
+                               self._handoff_spec(c.kv_transfer_dtype is not None),
                                remote=not spec.has_prefill)]
         if self.requests.has_local_prefill:
             # Prefill on the decode mesh itself, between decode steps, with the decode
@@ -132,7 +146,7 @@ class Engine:
             # cost dominates for them) and, in a decode-only process, to re-prefill a
             # request whose transfer failed. Its pages are already on this mesh.
             pipe = DevicePutConnector()
-            queues.append(InboundQueue(pipe, self._transfers, c.kv_part_timeout_s,
+            queues.append(InboundQueue(pipe, self._transfers, c.kv_part_timeout_s, handoffs,
                                        counted=False))
             runner = PrefillRunner(self.model.cfg, params, mesh, rules, c.page_size,
                                    self.counter, self.dtype, name="local_prefill")

@@ -56,8 +56,15 @@ class PrefillLoop:
                 r = self.inbox.get_nowait()
             except queue.Empty:
                 return
-            if not r.is_final:
+            if r.is_final:
+                continue
+            try:
                 self.scheduler.add(r)
+            except ValueError as e:
+                # `Requests` checks every request against this engine's limits; one
+                # that still has no bucket here fails alone, never the loop.
+                if r.abort(f"refused: {e}"):
+                    self.stats.add(aborted=1)
 
     def run_once(self, now: float) -> tuple[bool, float | None]:
         """Run one batch if one is due. Returns (ran, seconds until one may be due)."""

@@ -6,16 +6,35 @@ prefilled elsewhere), `resolve` (the request a handoff belongs to), `resubmit` (
 preempted, or its transfer failed: prefill it again), `handed_off` (a prefill-only
 process: it now lives on the decode side). The loops hold this one object instead of
 callbacks into the engine. Plain Python; thread-safe.
+
+Every request that comes in is checked against this engine's own `Limits` with
+`jaxpd.validation` (the front ends' checks): one that arrives from a peer beyond them
+(a router with a larger max_model_len, a forged RPC) is refused here with a
+`ValueError` naming the field, before a loop could choke on it. A handoff from another
+process resolves only to a request registered here first (the router's `Decode`
+always registers before it asks for the prefill); one for an id nobody registered is
+refused, so a peer cannot make this engine decode a request of its own invention.
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import secrets
 import threading
+from typing import Any
 
 from jaxpd.errors import QueueFull
 from jaxpd.request import Request, State
 from jaxpd.stats import StatsCounter
+from jaxpd.validation import check_request, check_request_id
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What a request must fit here (the engine's config and model)."""
+    vocab_size: int
+    max_prompt_len: int
+    max_model_len: int
 
 
 class Requests:
@@ -23,10 +42,12 @@ class Requests:
     form; a handed-off request is forgotten here). `local_prefill_below`: prompts
     shorter than this prefill on the decode mesh, when it has a prefill loop there."""
 
-    def __init__(self, stats: StatsCounter, max_queued: int, *, has_prefill: bool,
-                 has_decode: bool, has_local_prefill: bool, local_prefill_below: int = 0):
+    def __init__(self, stats: StatsCounter, max_queued: int, limits: Limits, *,
+                 has_prefill: bool, has_decode: bool, has_local_prefill: bool,
+                 local_prefill_below: int = 0):
         self.stats = stats
         self.max_queued = max_queued
+        self.limits = limits
         self.remote_decode = not has_decode
         self.has_prefill, self.has_local_prefill = has_prefill, has_local_prefill
         self._local_below = local_prefill_below
@@ -41,9 +62,21 @@ class Requests:
         """An unguessable request id."""
         return f"req-{secrets.token_hex(8)}"
 
+    def check(self, request: Request) -> None:
+        """Raise `ValueError` (naming the field) unless `request` fits this engine: its
+        id, token ids, lengths and sampling fields, as every front end checks them."""
+        c = self.limits
+        check_request_id(request.request_id)
+        check_request(request.prompt_ids, request.params, vocab_size=c.vocab_size,
+                      max_prompt_len=c.max_prompt_len, max_model_len=c.max_model_len,
+                      output_ids=request.output_ids)
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in request.stop_ids):
+            raise ValueError("stop_ids must be token ids")
+
     def submit(self, request: Request) -> None:
-        """Admit a validated request and queue it for prefill. Raises `QueueFull`, or
-        `ValueError` for an id already in flight."""
+        """Admit a request and queue it for prefill. Raises `QueueFull`, or `ValueError`
+        for an id already in flight or a request beyond this engine's limits."""
+        self.check(request)
         with self._lock:
             self._prune()
             waiting = sum(r.state is State.WAITING for r in self._live.values())
@@ -60,23 +93,34 @@ class Requests:
         the handoff that brings its KV resolves to this object, whose events stream."""
         if request.state is not State.TRANSFERRING:
             raise ValueError(f"register takes a request waiting for its KV, got {request}")
+        self.check(request)
         with self._lock:
             self._prune()
+            if request.request_id in self._live:
+                raise ValueError(f"request_id {request.request_id!r} is already in flight")
             self._live[request.request_id] = request
 
     def get(self, request_id: str) -> Request | None:
         with self._lock:
             return self._live.get(request_id)
 
-    def resolve(self, payload, remote: bool) -> Request:
-        """The request a handoff belongs to: the object itself from this process; from
-        another (`remote`), the registered mirror, or a new one built from the wire form."""
+    def resolve(self, request_id: str, payload: Any, remote: bool) -> Request:
+        """The request a handoff of `request_id` belongs to: the object itself from this
+        process; from another (`remote`), the mirror registered for that id (its wire
+        form must name the same id; the mirror, not the wire form, is what decodes).
+        Raises `ValueError` saying why a handoff belongs to no request here."""
         if not remote:
+            if not isinstance(payload, Request) or payload.request_id != request_id:
+                raise ValueError(f"handoff of {request_id!r} carries no request of that id")
             return payload
-        with self._lock:
-            r = self._live.get(payload["request_id"])
-            if r is None:
-                r = self._live[payload["request_id"]] = Request.from_wire(payload)
+        check_request_id(request_id)
+        if not isinstance(payload, dict) or payload.get("request_id") != request_id:
+            raise ValueError(f"handoff of {request_id!r} carries the wire form of another "
+                             f"request, or none")
+        r = self.get(request_id)
+        if r is None:
+            raise ValueError(f"no request {request_id!r} is registered here (a remote "
+                             f"handoff is taken only for a request announced by register)")
         return r
 
     def payload_of(self, request: Request, num_tokens: int):

@@ -30,6 +30,7 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     _define_serving_flags(fv)
     _define_engine_flags(fv)
     _define_role_flags(fv)
+    _define_auth_flags(fv)
 
 
 def _define_serving_flags(fv: flags.FlagValues) -> None:
@@ -56,9 +57,13 @@ def _define_serving_flags(fv: flags.FlagValues) -> None:
                         "affinity, set before jax starts, so XLA:CPU's threads use them alone): "
                         "pin a prefill and a decode role to disjoint core sets. Default: all.",
                         flag_values=fv)
-    flags.DEFINE_integer("max_concurrent_rpcs", 128, "Concurrent RPCs (one thread each) "
-                         "before gRPC itself answers RESOURCE_EXHAUSTED.", lower_bound=1,
+    flags.DEFINE_integer("max_concurrent_rpcs", 128, "Concurrent Generate/Complete calls "
+                         "(one thread each) before more get RESOURCE_EXHAUSTED; health, "
+                         "ModelInfo and Stats have threads of their own.", lower_bound=1,
                          flag_values=fv)
+    flags.DEFINE_integer("max_prompt_bytes", 0, "Longest prompt or Tokenize text in UTF-8 "
+                         "bytes, refused before tokenizing; 0 = 32 bytes per token of "
+                         "max_prompt_len, at least 64 KiB.", lower_bound=0, flag_values=fv)
     flags.DEFINE_string("once", None, "Instead of serving, generate greedily for this prompt, "
                         "print the completion and exit (default: unset, serve).", flag_values=fv)
     flags.DEFINE_integer("once_max_tokens", 32, "Tokens to generate with --once.",
@@ -99,13 +104,17 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
 
 
 def _define_role_flags(fv: flags.FlagValues) -> None:
-    """Multi-process deployments: roles, the router, the KV transport."""
+    """Multi-process deployments: roles, the router, the KV transport, liveness."""
     flags.DEFINE_enum("role", "", ["", "prefill", "decode", "router"],
                       "Multi-process deployments: run one role (its --mesh is then prefill=P or "
                       "decode=D[xT]; the router needs none). Empty: both phases in this "
                       "process.", flag_values=fv)
-    flags.DEFINE_string("router", None, "prefill/decode roles: host:port of the router to "
+    flags.DEFINE_string("router", None, "prefill/decode roles: host:port of the router's "
+                        "internal port (its --internal_port, not its public --port) to "
                         "register with (retried with backoff until it answers).", flag_values=fv)
+    flags.DEFINE_integer("internal_port", 0, "router role: port of the internal plane "
+                         "(workers register and heartbeat there; authenticated); 0 picks a "
+                         "free one and prints it.", lower_bound=0, flag_values=fv)
     flags.DEFINE_list("prefill_workers", [], "router role: host:port of prefill workers "
                       "(workers may also register themselves).", flag_values=fv)
     flags.DEFINE_list("decode_workers", [], "router role: host:port of decode workers.",
@@ -113,6 +122,58 @@ def _define_role_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_enum("kv_transport", "transfer_server", ["transfer_server", "grpc"],
                       "prefill/decode roles: how KV pages cross processes (the JAX transfer "
                       "server, or a gRPC byte stream where it is unavailable).", flag_values=fv)
+    flags.DEFINE_float("heartbeat_s", 1.0, "Workers heartbeat the router this often (the "
+                       "router probes --prefill_workers/--decode_workers as often).",
+                       lower_bound=0.01, flag_values=fv)
+    flags.DEFINE_float("lease_s", None, "router role: drop a worker whose last heartbeat is "
+                       "older than this, failing its requests over (default: 3 x "
+                       "--heartbeat_s).", lower_bound=0.01, flag_values=fv)
+    flags.DEFINE_float("stall_timeout_s", 5.0, "router role: a decode stream that sends "
+                       "nothing (workers send a keepalive each second) for this long is a "
+                       "lost worker: its request fails over.", lower_bound=0.01, flag_values=fv)
+
+
+def _define_auth_flags(fv: flags.FlagValues) -> None:
+    """Authentication of the internal plane (roles, the router's internal port, KV)."""
+    flags.DEFINE_string("cluster_token", None, "Shared secret every internal call carries "
+                        "(shows in `ps`: prefer --cluster_token_file or the "
+                        "JAXPD_CLUSTER_TOKEN environment variable).", flag_values=fv)
+    flags.DEFINE_string("cluster_token_file", None, "File holding the cluster token.",
+                        flag_values=fv)
+    flags.DEFINE_string("tls_cert", None, "mTLS: this process's certificate chain (PEM).",
+                        flag_values=fv)
+    flags.DEFINE_string("tls_key", None, "mTLS: this process's private key (PEM).",
+                        flag_values=fv)
+    flags.DEFINE_string("tls_ca", None, "mTLS: the CA that signs every peer's certificate "
+                        "(PEM).", flag_values=fv)
+    flags.DEFINE_string("tls_server_name", None, "mTLS: the name peers' certificates are "
+                        "checked against when it is not the host dialled.", flag_values=fv)
+    flags.DEFINE_boolean("insecure_internal", False, "Allow an internal plane without "
+                         "authentication on a non-loopback --host (anyone who reaches it can "
+                         "drive the process; not recommended).", flag_values=fv)
+
+
+def internal_auth(fv: flags.FlagValues):
+    """One `InternalAuth` from the auth flags (and JAXPD_CLUSTER_TOKEN). Raises
+    ValueError (AuthConfigError) or OSError (an unreadable file)."""
+    from jaxpd.auth import InternalAuth   # plain Python (grpc): the router may import it
+
+    return InternalAuth.from_options(
+        cluster_token=fv.cluster_token, cluster_token_file=fv.cluster_token_file,
+        tls_cert=fv.tls_cert, tls_key=fv.tls_key, tls_ca=fv.tls_ca,
+        tls_server_name=fv.tls_server_name, insecure=fv.insecure_internal)
+
+
+def _role_auth(fv: flags.FlagValues, what: str):
+    """The internal auth of a role, checked against its --host; None (after printing
+    why) when the flags are wrong or the plane would be open."""
+    try:
+        auth = internal_auth(fv)
+        auth.check_bind(fv.host, what)
+    except (ValueError, OSError) as e:
+        print(f"cannot start {what}: {e}", file=sys.stderr)
+        return None
+    return auth
 
 
 def set_cpu_device_count(mesh: str, environ=os.environ) -> int | None:
@@ -202,13 +263,17 @@ def run(fv: flags.FlagValues) -> int:
 
 
 def _run_role(fv: flags.FlagValues, stop: threading.Event) -> int:
-    """A prefill or decode role of a multi-process deployment."""
+    """A prefill or decode role of a multi-process deployment: 2 for bad auth flags or
+    an open plane, 1 when it cannot start or the router refuses it."""
+    auth = _role_auth(fv, f"the {fv.role} worker")
+    if auth is None:
+        return 2
     from jaxpd.serving.role_server import serve_role
     from jaxpd.transfer.transfer_server import TransferServerUnavailable
     options = dict(engine_options(fv), warmup=fv.warmup)
     try:
         return serve_role(fv.role, fv.model, fv.host, fv.port, fv.router, fv.kv_transport,
-                            stop, _say, options)
+                          stop, _say, options, auth=auth, heartbeat_s=fv.heartbeat_s)
     except (OSError, ValueError, TransferServerUnavailable) as e:
         print(f"cannot start the {fv.role} worker: {e}", file=sys.stderr)
         return 1
@@ -220,7 +285,8 @@ def _serve(fv: flags.FlagValues, stop: threading.Event, LLM) -> int:
 
     server = InferenceServer(fv.host, fv.port, fv.slo_ttft_ms,
                              metrics_port=fv.metrics_port or None,
-                             max_concurrent_rpcs=fv.max_concurrent_rpcs)
+                             max_concurrent_rpcs=fv.max_concurrent_rpcs,
+                             max_prompt_bytes=fv.max_prompt_bytes or None)
     llm = None
     try:
         _say(f"jaxpd listening on {fv.host}:{server.port} (NOT_SERVING until the model is warm)")
@@ -257,29 +323,66 @@ def _stop_on_signals() -> threading.Event:
 
 
 def _run_router(fv: flags.FlagValues) -> int:
-    """The front door: Generation service over a `Router`; SERVING once at least one
-    prefill and one decode worker answer."""
-    from jaxpd.default_model import default_model_dir
+    """The front door: Generation service over a `Router` on --port, workers' Register
+    on the authenticated --internal_port; SERVING while `Router.ready()` holds."""
+    from jaxpd.model_registry import resolve_model
+    from jaxpd.models.source import model_config_and_tokenizer
     from jaxpd.serving.router import Router, RouterConfig
     from jaxpd.serving.server import InferenceServer
 
+    auth = _role_auth(fv, "the router's internal port")
+    if auth is None:
+        return 2
     stop = _stop_on_signals()
-    config = RouterConfig(max_model_len=fv.max_model_len or 1024, max_queued=fv.max_queued,
-                          dtype=fv.dtype, page_size=fv.page_size)
-    router = Router(fv.model or default_model_dir(), config, tuple(fv.prefill_workers),
-                    tuple(fv.decode_workers))
-    server = InferenceServer(fv.host, fv.port, fv.slo_ttft_ms, metrics_port=fv.metrics_port or None,
-                             max_concurrent_rpcs=fv.max_concurrent_rpcs,
-                             extra_handlers=(router.handlers(),))
     try:
-        _say(f"jaxpd router listening on {fv.host}:{server.port} (NOT_SERVING until a prefill "
-             f"and a decode worker answer)")
-        while not stop.is_set() and not router.ready():
+        model = resolve_model(fv.model)
+        # The workers' default: the model's max_position_embeddings, at most 1024.
+        max_model_len = fv.max_model_len or min(
+            model_config_and_tokenizer(model)[0].max_position_embeddings, 1024)
+        config = RouterConfig(max_model_len=max_model_len, max_queued=fv.max_queued,
+                              dtype=fv.dtype, page_size=fv.page_size,
+                              heartbeat_s=fv.heartbeat_s, lease_s=fv.lease_s,
+                              stall_timeout_s=fv.stall_timeout_s)
+        router = Router(model, config, tuple(fv.prefill_workers), tuple(fv.decode_workers),
+                        auth=auth)
+    except (OSError, ValueError) as e:
+        print(f"cannot start the router: {e}", file=sys.stderr)
+        return 1
+    try:
+        internal_port = router.listen(fv.host, fv.internal_port)
+        server = InferenceServer(fv.host, fv.port, fv.slo_ttft_ms,
+                                 metrics_port=fv.metrics_port or None,
+                                 max_concurrent_rpcs=fv.max_concurrent_rpcs,
+                                 max_prompt_bytes=fv.max_prompt_bytes or None)
+    except (OSError, ValueError) as e:
+        print(f"cannot start the router: {e}", file=sys.stderr)
+        router.shutdown()
+        return 1
+    try:
+        _say(f"jaxpd router internal plane on {fv.host}:{internal_port} "
+             f"(auth: {auth.describe()})")
+        _say(f"jaxpd router listening on {fv.host}:{server.port} (NOT_SERVING until a "
+             f"decode worker is live)")
+        known, serving, attached = {}, False, False
+        while not stop.is_set():             # health follows the live decode workers
+            live = router.live_workers()
+            for address in live.keys() - known.keys():
+                _say(f"jaxpd router: {live[address]} worker {address} joined")
+            for address in known.keys() - live.keys():
+                _say(f"jaxpd router: {known[address]} worker {address} left")
+            known = live
+            if router.ready() != serving:
+                serving = not serving
+                if not attached:
+                    server.attach(router)
+                    attached = True
+                    _say(f"jaxpd serving {router.model_path} on {fv.host}:{server.port} "
+                         f"(mesh router)")
+                else:
+                    server.set_serving(serving)
+                    _say(f"jaxpd router {'SERVING' if serving else 'NOT_SERVING'}: "
+                         f"{'a' if serving else 'no'} live decode worker")
             stop.wait(0.2)
-        if not stop.is_set():
-            server.attach(router)
-            _say(f"jaxpd serving {router.model_path} on {fv.host}:{server.port} (mesh router)")
-            stop.wait()
         _say("jaxpd shutting down")
     finally:
         server.stop(fv.shutdown_grace_s)

@@ -2,39 +2,81 @@
 
 No protobuf codegen (these never face users): msgpack bodies over gRPC generic
 handlers, like the transfer control plane. Every body carries `wire_version`. Plain
-Python (`jaxpd.transfer.wire`, no jax): the router process imports this.
+Python (msgpack, grpc, no jax): the router process imports this.
 
-  Info      unary     -> role, mesh, kv_address, free slots/pages, queue depth
+  Info      unary     -> the worker's identity (`WorkerInfo` fields) and its load
   Prefill   unary     request (wire form) + destination -> "handed_off" | "finished"
-  Decode    stream    request (wire form) [+ local] -> {"registered"}, then token events
+  Decode    stream    request (wire form) [+ local] -> {"registered"}, then token
+                      events, and {"alive"} after each second without one
   Reprefill unary     request_id -> the decode worker prefills it itself
   Abort     unary     request_id, reason
-  Register  unary     (served by the router) role, address -> {}
+  Register  unary     (served by the router's internal port) `WorkerInfo` fields +
+                      address + load, every `heartbeat_s` -> {"lease_s"}
+
+All of them travel on the internal plane only: servers take `InternalAuth`'s
+interceptors and credentials, clients its channel. Bodies are decoded here, with size
+limits, so a malformed one is INVALID_ARGUMENT and a body of another wire version
+FAILED_PRECONDITION, before any handler runs.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import os
 from typing import Any, Iterator
 
 import grpc
+import msgpack
 
-from jaxpd.transfer.wire import WIRE_VERSION, check_wire_version, pack, unpack
+from jaxpd.auth import NO_AUTH, InternalAuth
+from jaxpd.transfer.wire import WIRE_VERSION, check_wire_version, pack
 
 ROLE_SERVICE = "jaxpd.internal.Worker"
 ROUTER_SERVICE = "jaxpd.internal.Router"
+ROLES = ("prefill", "decode")
+KV_TRANSPORTS = ("transfer_server", "grpc")
+MAX_ADDRESS_LEN = 256
+MAX_REASON_LEN = 256
+_MAX_IDS = 1 << 20            # token ids in one body: far above any max_model_len
+
+# The router -> worker channel pings an idle connection so a half-open one (a frozen
+# or unplugged peer) is noticed; worker servers allow pings that often.
+CLIENT_KEEPALIVE = (("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                    ("grpc.keepalive_permit_without_calls", 1),
+                    ("grpc.http2.max_pings_without_data", 0))
+SERVER_KEEPALIVE = (("grpc.keepalive_permit_without_calls", 1),
+                    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000))
+
+
+def unpack_body(data: bytes) -> dict[str, Any]:
+    """A role RPC body, decoded with container limits (no huge allocation from a small
+    message). ValueError for anything that is not one msgpack map."""
+    try:
+        body = msgpack.unpackb(data, raw=False, max_str_len=1 << 16, max_bin_len=1 << 16,
+                               max_array_len=_MAX_IDS, max_map_len=64,
+                               max_ext_len=0)
+    except Exception as e:  # msgpack raises several types for truncated/garbage bytes
+        raise ValueError(f"body is not msgpack: {e}") from None
+    if not isinstance(body, dict):
+        raise ValueError(f"body must be a map, got {type(body).__name__}")
+    return body
 
 
 def unary_handler(fn):
-    return grpc.unary_unary_rpc_method_handler(_checked(fn), request_deserializer=unpack,
-                                               response_serializer=pack)
+    return grpc.unary_unary_rpc_method_handler(_checked(fn), response_serializer=pack)
 
 
 def stream_handler(fn):
-    return grpc.unary_stream_rpc_method_handler(_checked(fn), request_deserializer=unpack,
-                                                response_serializer=pack)
+    return grpc.unary_stream_rpc_method_handler(_checked(fn), response_serializer=pack)
 
 
 def _checked(fn):
-    def serve(message: dict[str, Any], context: grpc.ServicerContext):
+    def serve(data: bytes, context: grpc.ServicerContext):
+        try:
+            message = unpack_body(data)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             check_wire_version(message.get("wire_version"), fn.__name__)
         except Exception as e:
@@ -43,14 +85,104 @@ def _checked(fn):
     return serve
 
 
+# ---- what a worker is ---------------------------------------------------------------
+
+def model_identity(model_path: str) -> str:
+    """sha256 over config.json's bytes and the weight files' relative names and sizes
+    (`*.safetensors`, and an orbax `params/` tree) -- or, for a GGUF file, over its size
+    and its first and last 4 MiB (metadata and tensor data): equal on two hosts that
+    hold the same checkpoint, without reading gigabytes of weights."""
+    from jaxpd.models.source import checkpoint_path, is_gguf
+    model_path = checkpoint_path(model_path)
+    h = hashlib.sha256()
+    if is_gguf(model_path):
+        size = os.path.getsize(model_path)
+        h.update(f"gguf\0{size}".encode())
+        with open(model_path, "rb") as f:
+            h.update(f.read(4 << 20))
+            f.seek(max(0, size - (4 << 20)))
+            h.update(f.read())
+        return h.hexdigest()
+    with open(os.path.join(model_path, "config.json"), "rb") as f:
+        h.update(f.read())
+    for root, dirs, files in os.walk(model_path):
+        dirs.sort()
+        rel_root = os.path.relpath(root, model_path)
+        for name in sorted(files):
+            rel = os.path.normpath(os.path.join(rel_root, name))
+            if name.endswith(".safetensors") or rel.split(os.sep)[0] == "params":
+                size = os.path.getsize(os.path.join(root, name))
+                h.update(f"\0{rel}\0{size}".encode())
+    return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker says about itself at registration (and in Info): the router
+    refuses one whose model or limits differ from its own."""
+    role: str
+    address: str
+    kv_address: str
+    model: str                # model_identity() of its checkpoint
+    max_model_len: int
+    max_prompt_len: int
+    vocab_size: int
+    page_size: int
+    dtype: str
+    kv_transport: str
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "WorkerInfo":
+        """Every field checked for type and size; ValueError naming the field."""
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            value = d.get(f.name)
+            if f.type == "int":
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
+                    raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
+            elif not isinstance(value, str) or len(value) > MAX_ADDRESS_LEN or (
+                    not value.isprintable()):
+                raise ValueError(f"{f.name} must be a printable string of at most "
+                                 f"{MAX_ADDRESS_LEN} characters")
+            kwargs[f.name] = value
+        info = cls(**kwargs)
+        if info.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {info.role!r}")
+        if info.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, "
+                             f"got {info.kv_transport!r}")
+        if not info.address:
+            raise ValueError("address is empty")
+        return info
+
+    def to_wire(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def check_load(d: Any) -> dict[str, int]:
+    """A heartbeat's load: free slots, free pages, queued requests (ints >= 0)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"load must be a map, got {type(d).__name__}")
+    load = {}
+    for name in ("free_slots", "free_pages", "queue"):
+        value = d.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+            raise ValueError(f"load.{name} must be a non-negative integer, got {value!r}")
+        load[name] = value
+    return load
+
+
+# ---- clients ------------------------------------------------------------------------
+
 class RoleClient:
     """The router's handle on one worker process."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, auth: InternalAuth = NO_AUTH):
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        self._channel = auth.channel(address, options=CLIENT_KEEPALIVE)
         call = lambda kind, name: getattr(self._channel, kind)(
-            f"/{ROLE_SERVICE}/{name}", request_serializer=pack, response_deserializer=unpack)
+            f"/{ROLE_SERVICE}/{name}", request_serializer=pack,
+            response_deserializer=unpack_body)
         self._info = call("unary_unary", "Info")
         self._prefill = call("unary_unary", "Prefill")
         self._decode = call("unary_stream", "Decode")
@@ -60,8 +192,10 @@ class RoleClient:
     def info(self, timeout: float) -> dict:
         return self._info(_msg(), timeout=timeout)
 
-    def prefill(self, request: dict, destination: str, timeout: float) -> dict:
-        return self._prefill(_msg(request=request, destination=destination), timeout=timeout)
+    def prefill(self, request: dict, destination: str, timeout: float) -> grpc.Future:
+        """A cancellable call: `.result()` is {"status": ...}."""
+        return self._prefill.future(_msg(request=request, destination=destination),
+                                    timeout=timeout)
 
     def decode(self, request: dict, local: bool = False) -> Iterator[dict]:
         """A cancellable stream (`.cancel()`): {"registered": True} first, then events."""
@@ -77,12 +211,14 @@ class RoleClient:
         self._channel.close()
 
 
-def register(router_address: str, role: str, address: str, timeout: float) -> None:
-    """Announce a worker to the router (raises grpc.RpcError while it is not up)."""
-    with grpc.insecure_channel(router_address) as channel:
+def register(router_address: str, info: WorkerInfo, load: dict, auth: InternalAuth,
+             timeout: float) -> dict:
+    """Announce (or re-announce: the heartbeat) a worker to the router. Raises
+    grpc.RpcError while the router is not up, or when it refuses this worker."""
+    with auth.channel(router_address) as channel:
         call = channel.unary_unary(f"/{ROUTER_SERVICE}/Register", request_serializer=pack,
-                                   response_deserializer=unpack)
-        call(_msg(role=role, address=address), timeout=timeout)
+                                   response_deserializer=unpack_body)
+        return call(_msg(**info.to_wire(), load=load), timeout=timeout)
 
 
 def _msg(**fields) -> dict:

@@ -4,32 +4,69 @@ Prefill worker: `Prefill` submits the request to its prefill-only engine with th
 chosen decode worker as the KV destination and answers once the KV is handed off (or
 the first token already finished the request). Decode worker: `Decode` registers a
 mirror of the request (its KV arrives through the connector; or, with `local`, it is
-prefilled right here) and streams its tokens. A cancelled RPC aborts the request, so
-its slot and pages are freed by the engine's next iteration.
+prefilled right here) and streams its tokens, with an {"alive"} event after each
+second without one so the router can tell a slow request from a frozen worker. A
+cancelled RPC aborts the request, so its slot and pages are freed by the engine's
+next iteration.
+
+Nothing a peer sends is trusted: every request is rebuilt from its wire form and
+checked by `jaxpd.validation` against this worker's own limits (INVALID_ARGUMENT
+naming the field) before the engine sees it, and every RPC is authenticated by the
+server's `InternalAuth`. A worker whose engine died answers UNAVAILABLE and its health
+turns NOT_SERVING (a `jaxpd-role-health` thread watches `engine.error`); it also stops
+heartbeating, so the router drops it when its lease runs out.
+
+Threads: the gRPC pool (`jaxpd-worker-*`), `jaxpd-role-health`, and `jaxpd-register`
+(register, then heartbeat every `heartbeat_s`; a refusal from the router is final).
 """
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from concurrent import futures
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from jaxpd.auth import NO_AUTH, InternalAuth
 from jaxpd.engine.engine import Engine
 from jaxpd.errors import QueueFull
 from jaxpd.request import Request, State
-from jaxpd.serving.role_rpc import ROLE_SERVICE, register, stream_handler, unary_handler
+from jaxpd.serving.role_rpc import (MAX_ADDRESS_LEN, MAX_REASON_LEN, ROLE_SERVICE,
+                                    SERVER_KEEPALIVE, WorkerInfo, model_identity, register,
+                                    stream_handler, unary_handler)
+from jaxpd.validation import check_request, check_request_id, check_token_ids
 
 _log = logging.getLogger(__name__)
+ALIVE_EVERY_S = 1.0
+# Refusals that retrying cannot cure: the worker stops and says why.
+_FINAL_REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
+                   grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 class RoleService:
-    def __init__(self, engine: Engine, kv_address: str, model_path: str):
+    def __init__(self, engine: Engine, kv_address: str, kv_transport: str = "grpc",
+                 alive_every_s: float = ALIVE_EVERY_S):
         self.engine = engine
         self.kv_address = kv_address
-        self.model_path = model_path
+        self.kv_transport = kv_transport
+        self.alive_every_s = alive_every_s
         self.role = "prefill" if engine.prefill_loop is not None else "decode"
+        self.model = model_identity(engine.model.path)
+
+    def info(self, address: str) -> WorkerInfo:
+        c, m = self.engine.config, self.engine.model.cfg
+        return WorkerInfo(role=self.role, address=address, kv_address=self.kv_address,
+                          model=self.model, max_model_len=c.max_model_len,
+                          max_prompt_len=c.max_prompt_len, vocab_size=m.vocab_size,
+                          page_size=c.page_size, dtype=c.dtype, kv_transport=self.kv_transport)
+
+    def load(self) -> dict:
+        s = self.engine.stats()
+        return {"free_slots": s.slots_total - s.slots_active,
+                "free_pages": s.pages_total - s.pages_used, "queue": s.queue_waiting}
 
     def handlers(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(ROLE_SERVICE, {
@@ -38,17 +75,23 @@ class RoleService:
             "Abort": unary_handler(self.Abort)})
 
     def Info(self, msg, context) -> dict:
+        self._alive(context)
         s = self.engine.stats()
-        return {"role": self.role, "mesh": s.mesh, "kv_address": self.kv_address,
-                "model": self.model_path, "free_slots": s.slots_total - s.slots_active,
-                "free_pages": s.pages_total - s.pages_used, "queue": s.queue_waiting,
-                "transfers": s.transfers, "layerwise_transfers": s.layerwise_transfers,
+        return {**self.info("").to_wire(), **self.load(), "mesh": s.mesh,
+                "model_path": self.engine.model.path, "transfers": s.transfers,
+                "slots_total": s.slots_total, "pages_total": s.pages_total,
+                "layerwise_transfers": s.layerwise_transfers,
                 "transfer_failures": s.transfer_failures}
 
     def Prefill(self, msg, context) -> dict:
         self._require("prefill", context)
-        r = _request(msg["request"], context, State.WAITING)
-        r.destination = msg["destination"]
+        r = self._request(msg, context, State.WAITING)
+        destination = msg.get("destination")
+        if not isinstance(destination, str) or not 0 < len(destination) <= MAX_ADDRESS_LEN:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"destination must be a host:port of at most {MAX_ADDRESS_LEN} "
+                          f"characters")
+        r.destination = destination
         self._submit(r, context)
         context.add_callback(lambda: self.engine.abort(r.request_id, "router cancelled"))
         tokens = []
@@ -65,80 +108,162 @@ class RoleService:
     def Decode(self, msg, context):
         self._require("decode", context)
         local = bool(msg.get("local"))
-        r = _request(msg["request"], context, State.WAITING if local else State.TRANSFERRING)
+        r = self._request(msg, context, State.WAITING if local else State.TRANSFERRING)
         if local:
             self._submit(r, context)
         else:
-            self.engine.register(r)
+            self._alive(context)
+            self._unique(r, context)
+            try:
+                self.engine.register(r)
+            except ValueError as e:     # the same id registered meanwhile
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         context.add_callback(lambda: self.engine.abort(r.request_id, "router cancelled"))
         yield {"registered": True}
         while True:
-            ids, finish = r.events.get()
+            try:
+                ids, finish = r.events.get(timeout=self.alive_every_s)
+            except queue.Empty:
+                yield {"alive": True}       # lets the router tell slow from frozen
+                continue
             yield {"token_ids": ids, "finish": finish, "abort_reason": r.abort_reason}
             if finish is not None:
                 return
 
     def Reprefill(self, msg, context) -> dict:
         self._require("decode", context)
-        return {"ok": self.engine.reprefill(msg["request_id"])}
+        return {"ok": self.engine.reprefill(_request_id(msg, context))}
 
     def Abort(self, msg, context) -> dict:
-        return {"aborted": self.engine.abort(msg["request_id"], msg.get("reason") or "cancelled")}
+        request_id = _request_id(msg, context)
+        reason = msg.get("reason") or "cancelled"
+        if not isinstance(reason, str) or len(reason) > MAX_REASON_LEN or not reason.isprintable():
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"reason must be printable text of at most {MAX_REASON_LEN} characters")
+        return {"aborted": self.engine.abort(request_id, reason)}
+
+    # ---- checks -------------------------------------------------------------------
+
+    def _alive(self, context) -> None:
+        if self.engine.error is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"this {self.role} worker's engine failed: {self.engine.error!r}")
 
     def _require(self, role: str, context) -> None:
+        self._alive(context)
         if self.role != role:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"this is a {self.role} worker, not a {role} worker")
+
+    def _request(self, msg: dict, context, state: State) -> Request:
+        """The request from its wire form, checked against this worker's own limits:
+        a peer's request is as untrusted as a client's."""
+        c, m = self.engine.config, self.engine.model.cfg
+        try:
+            r = Request.from_wire(msg["request"], state)
+            check_request_id(r.request_id)
+            check_request(r.prompt_ids, r.params, vocab_size=m.vocab_size,
+                          max_prompt_len=c.max_prompt_len, max_model_len=c.max_model_len,
+                          output_ids=r.output_ids)
+            check_token_ids(sorted(r.stop_ids), m.vocab_size, "stop_ids")
+            if not 0 <= r.seed < 2**63:
+                raise ValueError(f"seed must be in [0, 2**63), got {r.seed}")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {_describe(e)}")
+        return r
+
+    def _unique(self, r: Request, context) -> None:
+        live = self.engine.requests.get(r.request_id)
+        if live is not None and not live.is_final:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                          f"request_id {r.request_id!r} is already in flight here")
 
     def _submit(self, r: Request, context) -> None:
         try:
             self.engine.submit(r)
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except (ValueError, RuntimeError) as e:
+        except ValueError as e:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except RuntimeError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
 
-def _request(wire: dict, context, state: State) -> Request:
+def _request_id(msg: dict, context) -> str:
     try:
-        return Request.from_wire(wire, state)
-    except (KeyError, TypeError, ValueError) as e:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {e}")
+        return check_request_id(msg.get("request_id"))
+    except ValueError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+
+def _describe(e: Exception) -> str:
+    return f"missing field {e}" if isinstance(e, KeyError) else str(e)
 
 
 class RoleServer:
     """gRPC server of a worker: the Worker service plus standard health checking
-    (SERVING once started: the engine is built and warm by then)."""
+    (SERVING once started: the engine is built and warm by then; NOT_SERVING once its
+    engine has failed). Every call is authenticated by `auth`."""
 
-    def __init__(self, service: RoleService, host: str, port: int, max_workers: int = 64):
+    def __init__(self, service: RoleService, host: str, port: int,
+                 auth: InternalAuth = NO_AUTH, max_workers: int = 64):
         self.service = service
+        self.auth = auth
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers,
-                                                              thread_name_prefix="jaxpd-worker"))
+                                                              thread_name_prefix="jaxpd-worker"),
+                                   interceptors=auth.server_interceptors(),
+                                   options=SERVER_KEEPALIVE)
         self._server.add_generic_rpc_handlers((service.handlers(),))
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        self.port = auth.add_port(self._server, f"{host}:{port}")
         self.address = f"{host}:{self.port}"
         self._stop = threading.Event()
+        self.refused: str | None = None     # why the router refused this worker
 
     def start(self) -> None:
         self._server.start()
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        threading.Thread(target=self._watch_engine, name="jaxpd-role-health",
+                         daemon=True).start()
 
-    def register_with(self, router_address: str, backoff_s: float = 0.2,
-                      max_backoff_s: float = 5.0) -> threading.Thread:
-        """Announce this worker to the router, retrying with backoff until it answers
-        (workers and router may start in any order)."""
+    def _watch_engine(self) -> None:
+        while not self._stop.wait(0.2):
+            if self.service.engine.error is not None:
+                self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                _log.error("engine failed (%r): health NOT_SERVING",
+                           self.service.engine.error)
+                return
+
+    def register_with(self, router_address: str, heartbeat_s: float = 1.0,
+                      on_refused: Callable[[str], None] | None = None) -> threading.Thread:
+        """Announce this worker to the router and heartbeat every `heartbeat_s` with its
+        load (the router drops a worker whose lease runs out). Retries with backoff while
+        the router does not answer (workers and router may start in any order); a
+        refusal (mismatched model or limits, bad credentials) is logged, kept in
+        `refused`, passed to `on_refused`, and ends the loop."""
+        info = self.service.info(self.address)
+
         def loop():
-            delay = backoff_s
+            delay, registered = heartbeat_s, False
             while not self._stop.is_set():
+                if self.service.engine.error is not None:
+                    return                      # a dead engine: let the lease run out
                 try:
-                    register(router_address, self.service.role, self.address, timeout=5)
-                    _log.info("registered with router %s", router_address)
-                    return
-                except grpc.RpcError:
-                    self._stop.wait(delay)
-                    delay = min(delay * 2, max_backoff_s)
+                    register(router_address, info, self.service.load(), self.auth,
+                             timeout=max(heartbeat_s, 2.0))
+                    if not registered:
+                        _log.info("registered with router %s", router_address)
+                    registered, delay = True, heartbeat_s
+                except grpc.RpcError as e:
+                    if e.code() in _FINAL_REFUSALS:
+                        self.refused = f"router {router_address} refused this worker: {e.details()}"
+                        _log.error("%s", self.refused)
+                        if on_refused is not None:
+                            on_refused(self.refused)
+                        return
+                    registered, delay = False, min(delay * 2, max(5.0, heartbeat_s))
+                self._stop.wait(heartbeat_s if registered else delay)
         t = threading.Thread(target=loop, name="jaxpd-register", daemon=True)
         t.start()
         return t
@@ -149,40 +274,46 @@ class RoleServer:
         self._server.stop(grace).wait()
 
 
-def make_connector(role: str, transport: str, host: str):
+def make_connector(role: str, transport: str, host: str, auth: InternalAuth = NO_AUTH):
     """The cross-process connector of a worker, and the address its peers use."""
     if transport == "transfer_server":
         from jaxpd.transfer import transfer_server as ts
         options = ts.TransferServerOptions(transfer_address=f"{host}:0",
                                            transport_addresses=(f"{host}:0",))
         kind = ts.TransferServerSender if role == "prefill" else ts.TransferServerReceiver
-        conn = kind(control_address=f"{host}:0", options=options)
+        conn = kind(control_address=f"{host}:0", options=options, auth=auth)
         return conn, conn.control_address
     if transport == "grpc":
         from jaxpd.transfer.grpc_stream import GrpcReceiver, GrpcSender
         if role == "prefill":
-            return GrpcSender(), ""
-        conn = GrpcReceiver(address=f"{host}:0")
+            return GrpcSender(auth=auth), ""
+        conn = GrpcReceiver(address=f"{host}:0", auth=auth)
         return conn, conn.address
     raise ValueError(f"kv_transport must be 'transfer_server' or 'grpc', got {transport!r}")
 
 
 def serve_role(role: str, model: str | None, host: str, port: int, router: str | None,
-                 transport: str, stop: threading.Event, say, llm_options: dict) -> int:
-    """Run a prefill or decode worker process until `stop` is set."""
+               transport: str, stop: threading.Event, say, llm_options: dict,
+               auth: InternalAuth = NO_AUTH, heartbeat_s: float = 1.0) -> int:
+    """Run a prefill or decode worker process until `stop` is set; 1 if the router
+    refused it, or its engine failed."""
     from jaxpd.llm import LLM
 
-    connector, kv_address = make_connector(role, transport, host)
+    auth.check_bind(host, f"the {role} worker")
+    connector, kv_address = make_connector(role, transport, host, auth)
     llm = LLM(model, connector=connector, progress=say, **llm_options)
-    server = RoleServer(RoleService(llm.engine, kv_address, llm.model_path), host, port)
+    server = RoleServer(RoleService(llm.engine, kv_address, transport), host, port, auth)
     try:
         server.start()
         if router:
-            server.register_with(router)
+            server.register_with(router, heartbeat_s, on_refused=lambda _: stop.set())
         say(f"jaxpd {role} worker on {server.address} (mesh {llm.config.mesh}, "
-            f"kv {transport} {kv_address or 'sender'})")
+            f"kv {transport} {kv_address or 'sender'}, auth: {auth.describe()})")
         stop.wait()
     finally:
         server.stop()
         llm.shutdown()
+    if server.refused is not None:
+        say(f"jaxpd {role} worker stopped: {server.refused}")
+        return 1
     return 0

@@ -1,170 +1,389 @@
 """The router: front door of a multi-process deployment.
 
 It speaks the same `Frontend` interface as `LLM`, so the gRPC `Generation` service
-(and `generate`/`stream`) run on it unchanged. Each request runs on one thread of a
-bounded pool (`jaxpd-router-*`):
+(and `generate`/`stream`) run on it unchanged. Workers reach it on a separate,
+authenticated *internal* port (`listen`), never on the public one.
 
-  1. pick the decode worker with the most free slots; open its `Decode` stream, which
-     registers the request there;
-  2. ask a prefill worker (least queued first) to prefill it with that decode worker as
-     the KV destination; if every prefill worker fails, the decode worker prefills it
+Workers. A worker registers on the internal port (`Register`) with its `WorkerInfo`
+(model identity, limits, page size, dtype, KV transport) and then heartbeats the same
+call every `heartbeat_s` with its load. A worker whose model or limits differ from the
+router's is refused with FAILED_PRECONDITION naming the field; a malformed
+registration is INVALID_ARGUMENT. A worker whose last heartbeat is older than
+`lease_s` is dropped, and every call the router has open on it is cancelled: its
+requests fail over exactly as for a SIGKILLed worker. Workers given statically
+(`prefill=`, `decode=`) are probed with `Info` instead, checked the same way before
+their first use, and count as live while they answer.
+
+Each request runs on one thread of a bounded pool (`jaxpd-router-*`):
+  1. pick a live decode worker (fewest of our streams, then most free slots in its last
+     heartbeat: no RPC per request); open its `Decode` stream, which registers the
+     request there;
+  2. ask a prefill worker (shortest queue first) to prefill it with that decode worker
+     as the KV destination; if every prefill worker fails, the decode worker prefills it
      itself (`Reprefill`);
   3. relay the decode stream's tokens into the request.
-If the decode stream breaks (the worker died), the request is re-run on another decode
-worker from prompt + tokens so far (same greedy output: recompute); with none left it
-is aborted with a reason. Nothing is dropped silently, nothing waits forever: every
-RPC has a deadline and the decode stream is cancelled on abort.
+If the decode stream breaks (the worker died, lost its lease, or sent nothing -- not
+even its once-a-second {"alive"} -- for `stall_timeout_s`), the request is re-run on
+another decode worker from prompt + tokens so far (same greedy output: recompute);
+with none left it is aborted with a reason. Nothing is dropped silently, nothing waits
+forever: every unary RPC has a deadline, a stream is watched, and every call is
+cancelled on abort.
+
+The `jaxpd-router-watch` thread expires leases, probes static workers and cancels
+stalled streams; `stats()` asks every live worker for `Info` in parallel
+(`jaxpd-router-info`) with a `info_timeout_s` deadline, so a frozen worker costs that
+once, not once per worker.
+
+SERVING (`ready()`): the router is not shut down and holds at least one live decode
+worker, i.e. one that registered and whose lease has not run out, or a static one that
+answered its last probe, in both cases with the router's model and limits. Prefill
+workers are optional: without one, the decode worker prefills on its own mesh. The
+launcher flips the public health to NOT_SERVING as soon as this stops holding, and
+back when it holds again.
 """
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
+import secrets
 import threading
 import time
 from concurrent import futures
 
 import grpc
 
+from jaxpd.auth import NO_AUTH, InternalAuth
 from jaxpd.errors import QueueFull
 from jaxpd.frontend import Frontend
-from jaxpd.request import Request
+from jaxpd.request import Request, State
 from jaxpd.stats import StatsCounter
-from jaxpd.serving.role_rpc import ROUTER_SERVICE, RoleClient, unary_handler
-from jaxpd.models.config import ModelConfig
-from jaxpd.models.tokenizer import Tokenizer
+from jaxpd.serving.role_rpc import (ROLES, ROUTER_SERVICE, RoleClient, WorkerInfo, check_load,
+                                    model_identity, unary_handler)
+from jaxpd.models.source import model_config_and_tokenizer
 
 _log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
-    """The limits the router validates requests against (the workers' own limits must
-    be at least as large), and what it reports as its mesh."""
+    """The limits the router validates requests against (a worker's own limits must be
+    at least as large: it is refused otherwise), what it reports as its mesh, and its
+    liveness clocks. dtype "auto": the first worker admitted fixes it for the rest."""
     max_model_len: int = 1024
     max_prompt_len: int | None = None
     max_queued: int = 1024
     rpc_timeout_s: float = 10.0
     prefill_timeout_s: float = 120.0
-    dtype: str = "float32"
+    dtype: str = "auto"
     page_size: int = 16
+    heartbeat_s: float = 1.0           # how often static workers are probed
+    lease_s: float | None = None       # default: 3 * heartbeat_s
+    stall_timeout_s: float = 5.0       # a decode stream silent this long is a lost worker
+    info_timeout_s: float = 1.0        # Info fan-out of stats()
 
     def __post_init__(self):
         if self.max_prompt_len is None:
             object.__setattr__(self, "max_prompt_len", self.max_model_len - 1)
+        if self.lease_s is None:
+            object.__setattr__(self, "lease_s", 3 * self.heartbeat_s)
         for name in ("max_model_len", "max_prompt_len", "max_queued"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("rpc_timeout_s", "prefill_timeout_s", "heartbeat_s", "lease_s",
+                     "stall_timeout_s", "info_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
 
     mesh = "router"
 
 
+@dataclasses.dataclass(eq=False)
+class _Worker:
+    role: str
+    address: str
+    client: RoleClient
+    static: bool
+    info: WorkerInfo | None = None      # None: a static worker not yet probed
+    load: dict = dataclasses.field(default_factory=lambda: {"free_slots": 0, "free_pages": 0,
+                                                            "queue": 0})
+    seen: float = 0.0                   # time.monotonic() of the last heartbeat / probe
+    live: bool = False
+    probing: bool = False
+    num_calls: int = 0                  # our calls open on it
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """One RPC the router has open on a worker for a request (cancellable)."""
+    request_id: str
+    worker: _Worker
+    handle: object                      # a grpc stream or future: `.cancel()`
+    last_seen: float | None = None      # a watched stream: when it last said something
+    why: str | None = None              # set when the router cancels it itself
+
+
 class Router(Frontend):
     def __init__(self, model_dir: str, config: RouterConfig = RouterConfig(),
-                 prefill: tuple[str, ...] = (), decode: tuple[str, ...] = ()):
+                 prefill: tuple[str, ...] = (), decode: tuple[str, ...] = (),
+                 auth: InternalAuth = NO_AUTH):
         self.model_path = model_dir
-        self.model_config = ModelConfig.from_dir(model_dir)
-        try:
-            self.tokenizer = Tokenizer(model_dir)
-        except FileNotFoundError:
-            self.tokenizer = None
+        self.model_config, self.tokenizer = model_config_and_tokenizer(model_dir)
+        self.model_identity = model_identity(model_dir)
         self.config = config
-        self._workers: dict[str, dict[str, RoleClient]] = {"prefill": {}, "decode": {}}
+        self.auth = auth
         self._lock = threading.Lock()
+        self._workers: dict[str, _Worker] = {}
+        self._clients: dict[str, RoleClient] = {}   # by address, reused on re-registration
+        self._pinned: dict[str, str] = {} if config.dtype == "auto" else {"dtype": config.dtype}
         self._live: dict[str, Request] = {}
-        self._streams: dict[str, object] = {}
-        self._ids = itertools.count()
+        self._calls: set[_Call] = set()
         self._pool = futures.ThreadPoolExecutor(config.max_queued, thread_name_prefix="jaxpd-router")
-        self._closed = False
-        self.counters = StatsCounter(("finished", "aborted", "decode_failovers",
-                                      "prefill_failovers", "decode_prefills"))
+        self._info_pool = futures.ThreadPoolExecutor(8, thread_name_prefix="jaxpd-router-info")
+        self._internal: grpc.Server | None = None
+        self._closed = threading.Event()
+        self.counters = StatsCounter(("requests_submitted", "finished", "aborted",
+                                      "decode_failovers",
+                                      "prefill_failovers", "decode_prefills", "workers_dropped"))
         for a in prefill:
-            self.add_worker("prefill", a)
+            self.add_static_worker("prefill", a)
         for a in decode:
-            self.add_worker("decode", a)
+            self.add_static_worker("decode", a)
+        self._watcher = threading.Thread(target=self._watch, name="jaxpd-router-watch",
+                                         daemon=True)
+        self._watcher.start()
 
     # ---- workers ------------------------------------------------------------------
 
-    def add_worker(self, role: str, address: str) -> None:
-        if role not in self._workers:
+    def add_static_worker(self, role: str, address: str) -> None:
+        """A worker named on the command line: probed with Info, used once it matches."""
+        if role not in ROLES:
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
         with self._lock:
-            self._workers[role].setdefault(address, RoleClient(address))
+            if address not in self._workers:
+                self._workers[address] = _Worker(role, address, self._client(address), static=True)
 
-    def handlers(self) -> grpc.GenericRpcHandler:
-        """The `Register` RPC that workers call at start-up (served next to Generation)."""
-        def Register(msg, context):
-            try:
-                self.add_worker(msg["role"], msg["address"])
-            except ValueError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            return {}
-        return grpc.method_handlers_generic_handler(ROUTER_SERVICE,
-                                                    {"Register": unary_handler(Register)})
+    def _client(self, address: str) -> RoleClient:
+        """Under the lock."""
+        if address not in self._clients:
+            self._clients[address] = RoleClient(address, self.auth)
+        return self._clients[address]
+
+    def listen(self, host: str, port: int = 0) -> int:
+        """Serve `Register` on the internal port (authenticated by `auth`); returns the
+        port. OSError when it cannot bind; AuthConfigError for an open port without auth."""
+        self.auth.check_bind(host, "the router's internal port")
+        server = grpc.server(futures.ThreadPoolExecutor(16, thread_name_prefix="jaxpd-router-rpc"),
+                             interceptors=self.auth.server_interceptors())
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            ROUTER_SERVICE, {"Register": unary_handler(self._register)}),))
+        port = self.auth.add_port(server, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        server.start()
+        self._internal = server
+        return port
+
+    def _register(self, msg: dict, context) -> dict:
+        try:
+            info = WorkerInfo.from_wire(msg)
+            load = check_load(msg.get("load", {}))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad registration: {e}")
+        refusal = self.admit(info, load)
+        if refusal is not None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+        return {"lease_s": self.config.lease_s}
+
+    def admit(self, info: WorkerInfo, load: dict, static: bool = False) -> str | None:
+        """Add or refresh a worker (a registration or a heartbeat); the reason it is
+        refused, naming the field, or None."""
+        with self._lock:
+            refusal = self._mismatch(info)
+            if refusal is not None:
+                return refusal
+            w = self._workers.get(info.address)
+            if w is None or w.role != info.role:
+                if w is not None:
+                    self._lose(w, "re-registered with another role")
+                w = self._workers[info.address] = _Worker(info.role, info.address,
+                                                          self._client(info.address), static)
+                _log.info("%s worker %s joined", info.role, info.address)
+            for field in ("dtype", "kv_transport"):
+                self._pinned.setdefault(field, getattr(info, field))
+            w.info, w.load, w.seen, w.live = info, load, time.monotonic(), True
+        return None
+
+    def _mismatch(self, info: WorkerInfo) -> str | None:
+        who = f"{info.role} worker {info.address}"
+        if info.model != self.model_identity:
+            return (f"model: {who} serves another checkpoint (identity {info.model[:16]}..., "
+                    f"the router's is {self.model_identity[:16]}...): every role must load the "
+                    f"same model files")
+        same = {"vocab_size": self.model_config.vocab_size, "page_size": self.config.page_size,
+                **self._pinned}
+        for field, want in same.items():
+            if getattr(info, field) != want:
+                return f"{field}: {who} has {getattr(info, field)!r}, the deployment uses {want!r}"
+        for field in ("max_model_len", "max_prompt_len"):
+            if getattr(info, field) < getattr(self.config, field):
+                return (f"{field}: {who} has {getattr(info, field)}, smaller than the router's "
+                        f"{getattr(self.config, field)}: start the router with a "
+                        f"--{field} no larger than every worker's")
+        return None
+
+    def _live_workers(self, role: str, exclude=()) -> list[_Worker]:
+        with self._lock:
+            return [w for w in self._workers.values()
+                    if w.live and w.role == role and w.address not in exclude]
+
+    def live_workers(self) -> dict[str, str]:
+        """address -> role of every live worker."""
+        with self._lock:
+            return {a: w.role for a, w in self._workers.items() if w.live}
 
     def ready(self) -> bool:
-        """At least one prefill and one decode worker answer."""
-        return bool(self._reachable("prefill")) and bool(self._reachable("decode"))
+        """SERVING: see the module docstring (at least one live decode worker)."""
+        return not self._closed.is_set() and bool(self._live_workers("decode"))
 
-    def _reachable(self, role: str, exclude=()) -> list[tuple[dict, RoleClient]]:
+    # ---- liveness -----------------------------------------------------------------
+
+    def _watch(self) -> None:
+        tick = min(0.1, self.config.heartbeat_s / 4)
+        next_probe = 0.0
+        while not self._closed.wait(tick):
+            now = time.monotonic()
+            with self._lock:
+                workers = list(self._workers.values())
+                calls = list(self._calls)
+            for w in workers:
+                if w.live and now - w.seen > self.config.lease_s:
+                    self._expire(w)
+            if now >= next_probe:
+                next_probe = now + self.config.heartbeat_s
+                for w in workers:
+                    if w.static and not w.probing:
+                        w.probing = True
+                        self._info_pool.submit(self._probe, w)
+            for c in calls:
+                if c.last_seen is not None and now - c.last_seen > self.config.stall_timeout_s:
+                    self._cancel(c, f"sent nothing for {self.config.stall_timeout_s:g} s")
+
+    def _expire(self, w: _Worker) -> None:
         with self._lock:
-            workers = [w for a, w in self._workers[role].items() if a not in exclude]
-        found = []
-        for w in workers:
-            try:
-                found.append((w.info(timeout=self.config.rpc_timeout_s), w))
-            except grpc.RpcError:
-                continue
-        return found
+            if not w.live or time.monotonic() - w.seen <= self.config.lease_s:
+                return                              # a heartbeat came meanwhile
+            if w.static:
+                w.live = False
+            elif self._workers.get(w.address) is w:
+                del self._workers[w.address]
+            self._lose(w, f"no heartbeat for {self.config.lease_s:g} s")
+
+    def _lose(self, w: _Worker, why: str) -> None:
+        """Under the lock: `w` is gone; cancel our calls on it (they fail over)."""
+        w.live = False
+        self.counters.add(workers_dropped=1)
+        _log.warning("%s worker %s dropped: %s", w.role, w.address, why)
+        for c in [c for c in self._calls if c.worker is w]:
+            self._cancel(c, f"its worker was dropped ({why})")
+
+    def _probe(self, w: _Worker) -> None:
+        try:
+            reply = w.client.info(timeout=self.config.info_timeout_s)
+            info = WorkerInfo.from_wire({**reply, "address": w.address})
+            load = check_load(reply)
+        except (grpc.RpcError, ValueError, KeyError, TypeError):
+            return
+        finally:
+            w.probing = False
+        refusal = self.admit(info, load, static=True)
+        if refusal is not None and w.info is None:
+            _log.error("not using %s", refusal)
+            w.info = info                         # logged once; never live
+
+    # ---- calls --------------------------------------------------------------------
+
+    def _track(self, r: Request, w: _Worker, handle, watched: bool) -> _Call:
+        c = _Call(r.request_id, w, handle, time.monotonic() if watched else None)
+        with self._lock:
+            self._calls.add(c)
+            w.num_calls += 1
+        return c
+
+    def _untrack(self, c: _Call) -> None:
+        with self._lock:
+            if c in self._calls:
+                self._calls.discard(c)
+                c.worker.num_calls -= 1
+
+    @staticmethod
+    def _cancel(c: _Call, why: str) -> None:
+        if c.why is None:
+            c.why = why
+        c.handle.cancel()
 
     # ---- Frontend -----------------------------------------------------------------
 
     def new_request_id(self) -> str:
-        return f"rt-{next(self._ids)}"
+        return f"rt-{secrets.token_hex(8)}"
 
     def submit(self, request: Request) -> Request:
         with self._lock:
-            if self._closed:
+            if self._closed.is_set():
                 raise RuntimeError("router is shut down")
             for k in [k for k, r in self._live.items() if r.is_final]:
                 del self._live[k]
             if len(self._live) >= self.config.max_queued:
                 raise QueueFull(f"{len(self._live)} requests in flight "
                                 f"(max_queued={self.config.max_queued})")
+            if request.request_id in self._live:
+                raise ValueError(f"request_id {request.request_id!r} is already in flight")
             self._live[request.request_id] = request
+        self.counters.add(requests_submitted=1)
         self._pool.submit(self._run, request)
         return request
 
     def abort(self, request_id: str, reason: str = "cancelled") -> bool:
         with self._lock:
             r = self._live.get(request_id)
-            stream = self._streams.get(request_id)
+            calls = [c for c in self._calls if c.request_id == request_id]
         if r is None or not r.abort(reason):
             return False
         self.counters.add(aborted=1)
-        if stream is not None:
-            stream.cancel()          # the decode worker aborts it and frees its pages
+        for c in calls:
+            c.handle.cancel()        # the worker aborts it and frees its pages
         return True
 
     def stats(self) -> dict:
-        workers = {role: [dict(info, address=w.address) for info, w in self._reachable(role)]
-                   for role in ("prefill", "decode")}
+        """Counters, and every live worker's Info, asked in parallel with a short deadline
+        (a worker that does not answer in time is left out)."""
         with self._lock:
+            workers = [w for w in self._workers.values() if w.live]
             in_flight = sum(not r.is_final for r in self._live.values())
+        asked = {self._info_pool.submit(w.client.info, self.config.info_timeout_s): w
+                 for w in workers}
+        done, _ = futures.wait(asked, timeout=self.config.info_timeout_s + 0.5)
+        found = {role: [] for role in ROLES}
+        for f in done:
+            if f.exception() is None:
+                w = asked[f]
+                found[w.role].append(dict(f.result(), address=w.address))
         return {"mesh": self.config.mesh, "in_flight": in_flight, **self.counters.snapshot(),
-                "workers": workers}
+                "workers": found}
 
     def shutdown(self) -> None:
         with self._lock:
-            self._closed = True
+            self._closed.set()
             live = list(self._live)
         for rid in live:
             self.abort(rid, "shutdown")
         self._pool.shutdown(wait=True)
+        self._watcher.join(timeout=5)
+        if self._internal is not None:
+            self._internal.stop(1).wait()
+        self._info_pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
-            for role in self._workers.values():
-                for w in role.values():
-                    w.close()
+            for client in self._clients.values():
+                client.close()
 
     # ---- one request --------------------------------------------------------------
 
@@ -175,64 +394,80 @@ class Router(Frontend):
             _log.exception("router failed on %s", r.request_id)
             if r.abort(f"failed: {e!r}"):
                 self.counters.add(aborted=1)
-        finally:
-            with self._lock:
-                self._streams.pop(r.request_id, None)
+        # Counted once, here: `append_token` also answers True for a request that an
+        # abort (counted where it happened) ended first.
+        if r.state is State.FINISHED:
+            self.counters.add(finished=1)
 
     def _run_until_final(self, r: Request) -> None:
         tried: set[str] = set()
         while not r.is_final:
-            decoders = sorted(self._reachable("decode", exclude=tried),
-                              key=lambda iw: -iw[0]["free_slots"])
+            decoders = self._live_workers("decode", exclude=tried)
             if not decoders:
-                r.abort("failed: no decode worker reachable")
-                self.counters.add(aborted=1)
+                if r.abort("failed: no decode worker reachable"):
+                    self.counters.add(aborted=1)
                 return
-            info, decoder = decoders[0]
-            stream = decoder.decode(r.to_wire())
-            with self._lock:
-                self._streams[r.request_id] = stream
+            decoder = min(decoders, key=lambda w: (w.num_calls, -w.load["free_slots"]))
+            call = self._track(r, decoder, decoder.client.decode(r.to_wire()), watched=True)
             try:
-                next(stream)                                   # registered there
+                if r.is_final:                                 # aborted meanwhile
+                    call.handle.cancel()
+                    return
+                next(call.handle)                              # registered there
                 if not r.is_final:
-                    self._prefill(r, decoder, info["kv_address"])
-                for event in stream:
+                    call.last_seen = None                      # not read while prefilling
+                    self._prefill(r, decoder)
+                    call.last_seen = time.monotonic()
+                for event in call.handle:
+                    call.last_seen = time.monotonic()
                     if self._relay(r, event):
                         return
+                why = "its stream ended early"
             except grpc.RpcError as e:
                 if r.is_final:
                     return                                     # we cancelled it
-                _log.warning("decode worker %s lost %s (%s); re-running elsewhere",
-                             decoder.address, r.request_id, e.code())
-                tried.add(decoder.address)
-                self.counters.add(decode_failovers=1)
+                why = call.why or str(e.code())
+            finally:
+                self._untrack(call)
+            _log.warning("decode worker %s lost %s (%s); re-running elsewhere",
+                         decoder.address, r.request_id, why)
+            tried.add(decoder.address)
+            self.counters.add(decode_failovers=1)
 
-    def _prefill(self, r: Request, decoder: RoleClient, kv_address: str) -> None:
-        prefillers = sorted(self._reachable("prefill"), key=lambda iw: iw[0]["queue"])
-        for _, p in prefillers:
+    def _prefill(self, r: Request, decoder: _Worker) -> None:
+        prefillers = sorted(self._live_workers("prefill"),
+                            key=lambda w: w.load["queue"] + w.num_calls)
+        for p in prefillers:
+            call = self._track(r, p, p.client.prefill(r.to_wire(), decoder.info.kv_address,
+                                                      timeout=self.config.prefill_timeout_s),
+                               watched=False)
             try:
-                out = p.prefill(r.to_wire(), kv_address, timeout=self.config.prefill_timeout_s)
-            except grpc.RpcError as e:
-                _log.warning("prefill worker %s failed %s (%s)", p.address, r.request_id, e.code())
+                out = call.handle.result()
+            except (grpc.RpcError, grpc.FutureCancelledError) as e:
+                if r.is_final:
+                    return
+                why = call.why or (e.code() if isinstance(e, grpc.RpcError) else "cancelled")
+                _log.warning("prefill worker %s failed %s (%s)", p.address, r.request_id, why)
                 self.counters.add(prefill_failovers=1)
                 continue
-            if out["status"] == "finished":                    # its first token ended it
+            finally:
+                self._untrack(call)
+            if out.get("status") == "finished":                # its first token ended it
                 now = time.perf_counter()
-                for t in out["token_ids"]:
+                for t in out.get("token_ids", ()):
                     r.append_token(t, now)
-                self.counters.add(finished=1)
-                decoder.abort(r.request_id, "finished at prefill", timeout=self.config.rpc_timeout_s)
+                decoder.client.abort(r.request_id, "finished at prefill",
+                                     timeout=self.config.rpc_timeout_s)
             return
         # No prefill worker could: the decode worker prefills it on its own mesh.
         self.counters.add(decode_prefills=1)
-        decoder.reprefill(r.request_id, timeout=self.config.rpc_timeout_s)
+        decoder.client.reprefill(r.request_id, timeout=self.config.rpc_timeout_s)
 
     def _relay(self, r: Request, event: dict) -> bool:
-        """Apply one decode event; True once the request is final."""
+        """Apply one decode event ({"alive"} carries nothing); True once the request is final."""
         now = time.perf_counter()
         for t in event.get("token_ids", ()):
             if r.append_token(t, now):
-                self.counters.add(finished=1)
                 return True
         finish = event.get("finish")
         if finish == "abort":

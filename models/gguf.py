@@ -1,0 +1,295 @@
+"""GGUF checkpoints (llama.cpp's single-file format) -> `ModelConfig`, weights, `Tokenizer`.
+
+Read with the `gguf` package, which also dequantizes every tensor type it knows (F32,
+F16, BF16, Q4_0/1, Q5_0/1, Q8_0, the K-quants, the IQ types); we only map names and
+layouts. Plain numpy: no jax here, so the router reads config and tokenizer from a GGUF
+file without loading jax.
+
+llama.cpp's converter changes two things we undo:
+- for llama (and mistral, which llama.cpp files as llama) it permutes the rows of each
+  head of `attn_q`/`attn_k` so that rope pairs are adjacent (GPT-J style); we put them
+  back in halves (the Hugging Face rotate-half layout our rope uses).
+- the tokenizer is metadata (tokens, merges, token types, special ids) instead of a
+  `tokenizer.json`; we rebuild it as transformers' GGUF loader does.
+
+Anything we would run differently from llama.cpp is refused with a `ValueError` naming
+the metadata key or tensor and its value.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterator
+
+import gguf
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _HFTokenizer
+
+from jaxpd.models.config import ModelConfig
+from jaxpd.models.tokenizer import Tokenizer
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# Architectures whose q/k rows llama.cpp's converter permutes (its `LlamaModel`).
+_PERMUTED_QK = ("llama", "mistral")
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+_CONTROL, _USER_DEFINED = 3, 4   # tokenizer.ggml.token_type values
+
+# How llama.cpp splits text before byte-level BPE, by `tokenizer.ggml.pre`. Unlisted
+# types use GPT-2's split (ByteLevel's own regex), as transformers does.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {name: _LLAMA3_SPLIT for name in ("llama3", "llama-v3", "llama-bpe", "smaug-bpe",
+                                            "dbrx", "falcon3")}
+_SPLITS.update({name: _QWEN2_SPLIT for name in ("qwen2", "deepseek-r1-qwen")})
+# Every digit on its own, then GPT-2's split (llama.cpp: `\p{N}` before the GPT-2 regex;
+# the original tokenizer.json of SmolLM/StarCoder: `Digits(individual_digits=True)`).
+_SPLIT_DIGITS = ("smollm", "starcoder", "refact", "codeshell")
+
+
+class GGUFFile:
+    """A GGUF file's metadata (parsed on demand) and tensors (memory-mapped)."""
+
+    def __init__(self, path: str):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        self.path = path
+        self._reader = gguf.GGUFReader(path)
+        self.tensors = {t.name: t for t in self._reader.tensors}
+
+    def get(self, key: str, default=None):
+        field = self._reader.fields.get(key)
+        return default if field is None else _field_value(field)
+
+    def require(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"{self.path}: missing metadata key {key!r}")
+        return value
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's numpy shape (GGUF lists dimensions innermost first)."""
+        return tuple(int(n) for n in reversed(self.tensors[name].shape))
+
+
+def _field_value(field):
+    """A metadata value as Python: str, int, float, bool, or a list of them (the parts
+    API is the same since gguf 0.10; `ReaderField.contents` is newer)."""
+    string = gguf.GGUFValueType.STRING
+    if field.types[0] == gguf.GGUFValueType.ARRAY:
+        if not field.data:
+            return []
+        if field.types[-1] == string:
+            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        return np.concatenate([field.parts[i] for i in field.data]).tolist()
+    part = field.parts[field.data[0]]
+    return bytes(part).decode("utf-8") if field.types[0] == string else part.tolist()[0]
+
+
+def model_config(f: GGUFFile) -> ModelConfig:
+    """The `ModelConfig` a GGUF file's metadata describes, refusing what we can't run."""
+    arch = f.require("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{f.path}: general.architecture={arch!r} is not supported; "
+                         f"expected one of {SUPPORTED_ARCHITECTURES}")
+
+    def key(name: str, default=None):
+        value = f.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"{f.path}: missing metadata key {arch}.{name!r}")
+        if isinstance(value, list):
+            raise ValueError(f"{f.path}: {arch}.{name} varies per layer ({value[:4]}...), "
+                             f"which is not supported")
+        return value
+
+    if key("expert_count", 0):
+        raise ValueError(f"{f.path}: {arch}.expert_count={key('expert_count')} "
+                         f"(mixture of experts) is not supported")
+    hidden, num_heads = key("embedding_length"), key("attention.head_count")
+    head_dim = key("attention.key_length", hidden // num_heads)
+    for name, value in (("attention.value_length", key("attention.value_length", head_dim)),
+                        ("rope.dimension_count", key("rope.dimension_count", head_dim))):
+        if value != head_dim:
+            raise ValueError(f"{f.path}: {arch}.{name}={value} differs from the head size "
+                             f"{head_dim}, which is not supported")
+    scaling = key("rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"{f.path}: {arch}.rope.scaling.type={scaling!r} is not supported")
+    if "rope_freqs.weight" in f.tensors:
+        # Llama 3.1+ scaling, stored as per-frequency factors rather than its parameters.
+        raise ValueError(f"{f.path}: tensor 'rope_freqs.weight' (rope frequency factors) "
+                         f"is not supported")
+    context = key("context_length")
+    window = key("attention.sliding_window", 0)
+    if 0 < window < context:
+        raise ValueError(f"{f.path}: {arch}.attention.sliding_window={window} < "
+                         f"context_length={context} is not supported")
+    if "token_embd.weight" not in f.tensors:
+        raise ValueError(f"{f.path}: missing tensor 'token_embd.weight'")
+    tokens = f.get("tokenizer.ggml.tokens") or []
+    vocab_size = key("vocab_size", len(tokens) or f.shape("token_embd.weight")[0])
+    eos = [f.get(f"tokenizer.ggml.{name}") for name in ("eos_token_id", "eot_token_id")]
+    return ModelConfig(
+        model_type=arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=key("feed_forward_length"),
+        num_layers=key("block_count"),
+        num_heads=num_heads,
+        num_kv_heads=key("attention.head_count_kv", num_heads),
+        head_dim=head_dim,
+        max_position_embeddings=context,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        attention_bias="blk.0.attn_q.bias" in f.tensors,
+        tie_word_embeddings="output.weight" not in f.tensors,
+        bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
+    )
+
+
+def _mapping(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, Callable]]:
+    """(our path, GGUF tensor name, numpy [rows, cols] -> ours) for every weight; the
+    GGUF layout is torch's Linear [out, in], as in `hf_io`."""
+    d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    permuted = cfg.model_type in _PERMUTED_QK
+
+    def unpermute(w, heads):
+        # llama.cpp: rows of a head reordered [2, H/2] -> [H/2, 2]; put them back.
+        if not permuted:
+            return w
+        return w.reshape(heads, h // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    def proj_in(heads, rope: bool):   # [heads*H, D] -> [D, heads, H]
+        return lambda w: (unpermute(w, heads) if rope else w).T.reshape(d, heads, h)
+
+    def bias(heads, rope: bool):
+        return lambda w: (unpermute(w, heads) if rope else w).reshape(heads, h)
+
+    def ident(w):
+        return w
+
+    def transpose(w):
+        return w.T
+
+    yield ("embed_tokens",), "token_embd.weight", ident
+    for i in range(cfg.num_layers):
+        p, b = f"layers_{i}", f"blk.{i}"
+        yield (p, "input_norm", "scale"), f"{b}.attn_norm.weight", ident
+        yield (p, "post_norm", "scale"), f"{b}.ffn_norm.weight", ident
+        yield (p, "q_proj"), f"{b}.attn_q.weight", proj_in(n, rope=True)
+        yield (p, "k_proj"), f"{b}.attn_k.weight", proj_in(k, rope=True)
+        yield (p, "v_proj"), f"{b}.attn_v.weight", proj_in(k, rope=False)
+        yield (p, "o_proj"), f"{b}.attn_output.weight", lambda w: w.T.reshape(n, h, d)
+        if cfg.attention_bias:
+            yield (p, "q_bias"), f"{b}.attn_q.bias", bias(n, rope=True)
+            yield (p, "k_bias"), f"{b}.attn_k.bias", bias(k, rope=True)
+            yield (p, "v_bias"), f"{b}.attn_v.bias", bias(k, rope=False)
+        yield (p, "gate_proj"), f"{b}.ffn_gate.weight", transpose
+        yield (p, "up_proj"), f"{b}.ffn_up.weight", transpose
+        yield (p, "down_proj"), f"{b}.ffn_down.weight", transpose
+    yield ("norm", "scale"), "output_norm.weight", ident
+    if not cfg.tie_word_embeddings:
+        yield ("lm_head",), "output.weight", transpose
+
+
+def weights(f: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
+    """(our param path, float32 array in our layout) for every weight, dequantized one
+    tensor at a time so peak host memory stays near one float32 tensor."""
+    mapping = list(_mapping(cfg))
+    unexpected = sorted(set(f.tensors) - {name for _, name, _ in mapping})
+    if unexpected:
+        raise ValueError(f"{f.path}: tensors {unexpected[:5]} are not part of a "
+                         f"{cfg.model_type} model we can run")
+    for ours, name, to_ours in mapping:
+        if name not in f.tensors:
+            raise ValueError(f"{f.path}: missing tensor {name!r}")
+        yield ours, to_ours(dequantize(f, name))
+
+
+def dequantize(f: GGUFFile, name: str) -> np.ndarray:
+    """One tensor as float32 in numpy layout, through `gguf`'s own dequantizers."""
+    tensor = f.tensors[name]
+    qtype = tensor.tensor_type
+    if qtype.name.startswith("I") and not qtype.name.startswith("IQ"):   # I8 ... I64
+        raise ValueError(f"{f.path}: tensor {name!r} has integer type {qtype.name}, "
+                         f"which is not a weight type")
+    try:
+        w = gguf.quants.dequantize(tensor.data, qtype)
+    except NotImplementedError:
+        raise ValueError(f"{f.path}: tensor {name!r} has quant type {qtype.name}, which "
+                         f"gguf {_gguf_version()} cannot dequantize") from None
+    return np.asarray(w, np.float32).reshape(f.shape(name))
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "(unknown version)"
+
+
+def tokenizer(f: GGUFFile) -> Tokenizer:
+    """The tokenizer the metadata describes: byte-level BPE (`tokenizer.ggml.model` gpt2),
+    built as transformers builds it from the same file, with the chat template kept."""
+    kind = f.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{f.path}: tokenizer.ggml.model={kind!r} is not supported "
+                         f"(supported: 'gpt2', byte-level BPE)")
+    tokens = f.require("tokenizer.ggml.tokens")
+    types = f.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # Tokens are stored in the byte-level alphabet; respell any that are not (as
+    # transformers does), so a special token written in plain UTF-8 still maps.
+    vocab = {tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode()): i
+             for i, tok in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges") or []]
+    tok = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                                  continuing_subword_prefix="", end_of_word_suffix=""))
+    tok.pre_tokenizer = _pre_tokenizer(f.get("tokenizer.ggml.pre"))
+    tok.decoder = decoders.ByteLevel()
+
+    special_ids = {f.get(f"tokenizer.ggml.{name}") for name in
+                   ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")}
+    # A control token spelled outside the byte alphabet is a llama.cpp mislabel; adding it
+    # would grow the vocabulary past the model's (transformers skips it too).
+    special = [t for i, (t, ty) in enumerate(zip(tokens, types))
+               if (ty == _CONTROL or i in special_ids) and set(t) <= alphabet]
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
+    user = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab]
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+    return Tokenizer(tok, bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
+                     add_bos=bool(f.get("tokenizer.ggml.add_bos_token", False)),
+                     chat_template=f.get("tokenizer.chat_template"))
+
+
+def _pre_tokenizer(pre: str | None):
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if pre in _SPLIT_DIGITS:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    return pre_tokenizers.ByteLevel(add_prefix_space=False)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    table, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b], extra = chr(256 + extra), extra + 1
+    return table
+
+
+def read_config_and_tokenizer(path: str) -> tuple[ModelConfig, Tokenizer]:
+    """Config and tokenizer of a GGUF file, without reading any tensor data."""
+    f = GGUFFile(path)
+    return model_config(f), tokenizer(f)

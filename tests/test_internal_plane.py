@@ -1,0 +1,506 @@
+"""The internal plane between the router and its workers, in one process: who may call
+it, what it accepts, and how it notices dead, frozen or mismatched workers.
+
+The router side runs against fake workers (plain gRPC servers speaking the role RPCs,
+no jax); the worker side runs a real tiny engine behind a `RoleServer`.
+"""
+import re
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxpd.auth import NO_AUTH, InternalAuth
+from jaxpd.default_model import default_model_dir
+from jaxpd.models.config import ModelConfig
+from jaxpd.sampling_params import SamplingParams
+from jaxpd.serving.role_rpc import (ROLE_SERVICE, ROUTER_SERVICE, RoleClient, WorkerInfo,
+                                    model_identity, register, stream_handler, unary_handler)
+from jaxpd.serving.router import Router, RouterConfig
+from jaxpd.transfer.wire import WIRE_VERSION, pack
+
+from certs import issue, make_ca
+
+TOKEN = "cluster-token-for-tests-0123456789"
+AUTH = InternalAuth(token=TOKEN)
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _code(fn):
+    with pytest.raises(grpc.RpcError) as e:
+        fn()
+    return e.value.code(), e.value.details()
+
+
+def _wait(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+# ---- fake workers (router side) ----------------------------------------------------------
+
+class FakeWorker:
+    """A worker that speaks the role RPCs: Decode streams token 7 until max_tokens (or,
+    `frozen`, says nothing at all); `hang_info` makes Info never answer."""
+
+    def __init__(self, role="decode", auth=NO_AUTH, model_dir=None, frozen=False,
+                 hang_info=False, free_slots=8, **overrides):
+        model_dir = model_dir or default_model_dir()
+        self.frozen, self.hang_info = frozen, hang_info
+        self.decode_calls = 0
+        self.release = threading.Event()
+        self._server = grpc.server(futures.ThreadPoolExecutor(8),
+                                   interceptors=auth.server_interceptors())
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ROLE_SERVICE, {
+            "Info": unary_handler(self.Info), "Decode": stream_handler(self.Decode),
+            "Reprefill": unary_handler(lambda m, c: {"ok": True}),
+            "Abort": unary_handler(lambda m, c: {"aborted": True})}),))
+        port = auth.add_port(self._server, "127.0.0.1:0")
+        self._server.start()
+        fields = dict(role=role, address=f"127.0.0.1:{port}", kv_address="127.0.0.1:1",
+                      model=model_identity(model_dir), max_model_len=1024, max_prompt_len=1023,
+                      vocab_size=ModelConfig.from_dir(model_dir).vocab_size, page_size=16,
+                      dtype="float32", kv_transport="grpc")
+        self.info = WorkerInfo(**{**fields, **overrides})
+        self.load = {"free_slots": free_slots, "free_pages": 100, "queue": 0}
+        self._beating = threading.Event()
+
+    def Info(self, msg, context):
+        if self.hang_info:
+            self.release.wait(30)
+        return {**self.info.to_wire(), **self.load}
+
+    def Decode(self, msg, context):
+        self.decode_calls += 1
+        yield {"registered": True}
+        if self.frozen:
+            self.release.wait(30)
+            return
+        r = msg["request"]
+        for _ in range(r["params"]["max_tokens"] - len(r["output_ids"])):
+            yield {"token_ids": [7], "finish": None, "abort_reason": None}
+
+    def register(self, router_address, auth=AUTH):
+        return register(router_address, self.info, self.load, auth, timeout=5)
+
+    def heartbeat(self, router_address, every_s=0.1):
+        self._beating.set()
+
+        def loop():
+            while self._beating.is_set():
+                self.register(router_address)
+                time.sleep(every_s)
+        threading.Thread(target=loop, daemon=True).start()
+
+    def stop_heartbeat(self):
+        self._beating.clear()
+
+    def close(self):
+        self.stop_heartbeat()
+        self.release.set()
+        self._server.stop(0)
+
+
+@pytest.fixture
+def fakes():
+    made = []
+
+    def make(**kwargs):
+        made.append(FakeWorker(**kwargs))
+        return made[-1]
+    yield make
+    for w in made:
+        w.close()
+
+
+def _router(auth=AUTH, **config):
+    config = {"max_model_len": 512, "heartbeat_s": 0.1, "lease_s": 0.6,
+              "stall_timeout_s": 0.6, **config}
+    router = Router(default_model_dir(), RouterConfig(**config), auth=auth)
+    port = router.listen("127.0.0.1", 0)
+    return router, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def router():
+    router, address = _router()
+    yield router, address
+    router.shutdown()
+
+
+def test_rogue_cannot_register_without_the_token_and_gets_no_requests(router, fakes):
+    router, address = router
+    rogue = fakes(free_slots=10**9)      # advertises a huge capacity
+    for auth in (NO_AUTH, InternalAuth(token="not-the-cluster-token-000")):
+        code, _ = _code(lambda: rogue.register(address, auth=auth))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert not router.ready() and router.live_workers() == {}
+    out = router.generate(prompt_token_ids=[[1, 2, 3]],
+                          sampling_params=SamplingParams(max_tokens=4, **GREEDY))[0]
+    assert out.finish_reason == "abort" and "no decode worker" in out.abort_reason
+    assert rogue.decode_calls == 0       # nobody's prompt reached the rogue
+
+
+def test_rogue_register_on_the_public_port_is_unimplemented(router, fakes):
+    from jaxpd.serving.server import InferenceServer
+    router, _ = router
+    public = InferenceServer("127.0.0.1", 0)
+    public.attach(router)
+    try:
+        with AUTH.channel(f"127.0.0.1:{public.port}") as channel:
+            call = channel.unary_unary(f"/{ROUTER_SERVICE}/Register", request_serializer=pack)
+            code, _ = _code(lambda: call({"wire_version": WIRE_VERSION, **fakes().info.to_wire()},
+                                         timeout=5))
+        assert code == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        public.stop(0)
+
+
+def test_registered_worker_serves_and_request_ids_are_unguessable(router, fakes):
+    router, address = router
+    worker = fakes()
+    assert worker.register(address) == {"lease_s": 0.6}
+    assert router.ready()
+    outs = router.generate(prompt_token_ids=[[1, 2], [3]],
+                           sampling_params=SamplingParams(max_tokens=3, **GREEDY))
+    assert [o.token_ids for o in outs] == [[7, 7, 7]] * 2
+    ids = {router.new_request_id() for _ in range(100)}
+    assert len(ids) == 100 and all(re.fullmatch(r"rt-[0-9a-f]{16}", i) for i in ids)
+
+
+@pytest.mark.parametrize("override,field", [
+    (dict(max_model_len=128, max_prompt_len=127), "max_model_len"),
+    (dict(max_prompt_len=100), "max_prompt_len"),
+    (dict(model="0" * 64), "model"),
+    (dict(vocab_size=32000), "vocab_size"),
+    (dict(page_size=32), "page_size")])
+def test_mismatch_worker_is_refused_naming_the_field(router, fakes, override, field):
+    router, address = router
+    code, details = _code(lambda: fakes(**override).register(address))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert details.startswith(f"{field}:"), details
+    assert not router.ready()
+
+
+def test_mismatch_dtype_and_transport_follow_the_first_worker(router, fakes):
+    router, address = router
+    fakes().register(address)
+    for override, field in ((dict(dtype="bfloat16"), "dtype"),
+                            (dict(kv_transport="transfer_server"), "kv_transport")):
+        code, details = _code(lambda: fakes(**override).register(address))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(field)
+
+
+@pytest.mark.parametrize("junk", [
+    dict(role="bogus"), dict(role=None), dict(address=5), dict(address=""),
+    dict(address="x" * 5000), dict(max_model_len="big"), dict(page_size=-1),
+    dict(vocab_size=True), dict(kv_transport="carrier pigeon"), dict(load={"free_slots": -1}),
+    dict(load=[1, 2]), dict(dtype="\x1b[31m")])
+def test_rogue_junk_registration_is_invalid_argument(router, fakes, junk):
+    router, address = router
+    body = {"wire_version": WIRE_VERSION, **fakes().info.to_wire(), "load": {}, **junk}
+    with AUTH.channel(address) as channel:
+        call = channel.unary_unary(f"/{ROUTER_SERVICE}/Register", request_serializer=pack)
+        code, _ = _code(lambda: call(body, timeout=5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert router.live_workers() == {}
+
+
+def test_rogue_garbage_body_is_invalid_argument(router):
+    router, address = router
+    with AUTH.channel(address) as channel:
+        call = channel.unary_unary(f"/{ROUTER_SERVICE}/Register")
+        for body in (b"\xc1\xff", b"\x93\x01\x02", b"\xdd\xff\xff\xff\xff"):
+            assert _code(lambda: call(body, timeout=5))[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_lease_drops_a_silent_worker_and_readmits_it(router, fakes):
+    router, address = router
+    worker = fakes()
+    worker.heartbeat(address)
+    _wait(router.ready)
+    worker.stop_heartbeat()
+    _wait(lambda: not router.ready(), timeout=5)        # lease 0.6 s
+    assert router.live_workers() == {}
+    worker.heartbeat(address)
+    _wait(router.ready)
+
+
+def test_stalled_decode_stream_fails_over_within_the_stall_deadline(router, fakes):
+    """A decode worker that keeps heartbeating but whose stream says nothing (not even
+    its keepalive) loses the request to another worker after stall_timeout_s."""
+    router, address = router
+    frozen, good = fakes(frozen=True, free_slots=100), fakes(free_slots=1)
+    frozen.heartbeat(address)
+    good.heartbeat(address)
+    _wait(lambda: len(router.live_workers()) == 2)
+    start = time.monotonic()
+    out = router.generate(prompt_token_ids=[[1, 2, 3]],
+                          sampling_params=SamplingParams(max_tokens=4, **GREEDY))[0]
+    assert time.monotonic() - start < 5                  # stall deadline 0.6 s
+    assert (frozen.decode_calls, good.decode_calls) == (1, 1)
+    assert out.token_ids == [7] * 4 and router.counters.snapshot()["decode_failovers"] == 1
+
+
+def test_stalled_last_decode_worker_aborts_with_a_reason(router, fakes):
+    router, address = router
+    frozen = fakes(frozen=True)
+    frozen.heartbeat(address)
+    _wait(router.ready)
+    start = time.monotonic()
+    out = router.generate(prompt_token_ids=[[1, 2, 3]],
+                          sampling_params=SamplingParams(max_tokens=4, **GREEDY))[0]
+    assert time.monotonic() - start < 5
+    assert out.finish_reason == "abort" and "no decode worker" in out.abort_reason
+
+
+def test_lease_expiry_cancels_streams_on_the_dropped_worker(fakes):
+    """A worker frozen whole (no heartbeat, no stream): its lease runs out first and
+    its request fails over, as for a SIGKILLed worker."""
+    router, address = _router(stall_timeout_s=60)
+    try:
+        frozen, good = fakes(frozen=True, free_slots=100), fakes(free_slots=1)
+        frozen.register(address)                         # one registration, then silence
+        good.heartbeat(address)
+        start = time.monotonic()
+        out = router.generate(prompt_token_ids=[[4, 5]],
+                              sampling_params=SamplingParams(max_tokens=3, **GREEDY))[0]
+        assert time.monotonic() - start < 5
+        assert out.token_ids == [7] * 3 and frozen.decode_calls == 1
+        assert frozen.info.address not in router.live_workers()
+    finally:
+        router.shutdown()
+
+
+def test_stats_fan_out_is_parallel_and_bounded(router, fakes):
+    router, address = router
+    for _ in range(4):
+        w = fakes(hang_info=True)
+        w.heartbeat(address)
+    answering = fakes()
+    answering.heartbeat(address)
+    _wait(lambda: len(router.live_workers()) == 5)
+    start = time.monotonic()
+    stats = router.stats()
+    assert time.monotonic() - start < 3                  # 4 x 1 s if asked one by one
+    assert [w["address"] for w in stats["workers"]["decode"]] == [answering.info.address]
+
+
+def test_static_workers_are_probed_and_checked_before_use(fakes):
+    good, small = fakes(), fakes(max_model_len=64, max_prompt_len=63)
+    router = Router(default_model_dir(), RouterConfig(max_model_len=512, heartbeat_s=0.1),
+                    decode=(good.info.address, small.info.address))
+    try:
+        _wait(router.ready)
+        time.sleep(0.3)                                  # a few more probes
+        assert router.live_workers() == {good.info.address: "decode"}
+    finally:
+        router.shutdown()
+
+
+def test_mtls_register_and_role_client(tmp_path, fakes):
+    ca = make_ca(str(tmp_path))
+    pem = lambda name: issue(str(tmp_path), ca, name)
+    auth = lambda p: InternalAuth.from_options(tls_cert=p.cert, tls_key=p.key, tls_ca=p.ca)
+    router_auth, worker_auth = auth(pem("router")), auth(pem("worker"))
+    router, address = _router(auth=router_auth)
+    try:
+        worker = fakes(auth=worker_auth)
+        worker.register(address, auth=worker_auth)
+        assert router.ready()
+        rogue_pem = issue(str(tmp_path), make_ca(str(tmp_path), "other-ca"), "rogue")
+        rogue = InternalAuth.from_options(tls_cert=rogue_pem.cert, tls_key=rogue_pem.key,
+                                          tls_ca=ca[2])
+        for stranger in (NO_AUTH, rogue):
+            code, _ = _code(lambda: fakes().register(address, auth=stranger))
+            assert code == grpc.StatusCode.UNAVAILABLE   # the handshake fails
+            code, _ = _code(lambda: RoleClient(worker.info.address, stranger).info(timeout=5))
+            assert code == grpc.StatusCode.UNAVAILABLE
+        assert len(router.live_workers()) == 1
+        assert RoleClient(worker.info.address, router_auth).info(timeout=5)["role"] == "decode"
+        out = router.generate(prompt_token_ids=[[1]],
+                              sampling_params=SamplingParams(max_tokens=2, **GREEDY))[0]
+        assert out.token_ids == [7, 7]
+    finally:
+        router.shutdown()
+
+
+# ---- a real engine behind a RoleServer (worker side) --------------------------------------
+
+MAX_MODEL_LEN = 128
+
+
+def _worker(path, mesh="decode=1", auth=AUTH):
+    from jaxpd.llm import LLM
+    from jaxpd.serving.role_server import RoleServer, RoleService
+
+    llm = LLM(path, mesh=mesh, max_model_len=MAX_MODEL_LEN, slots_per_shard=2)
+    server = RoleServer(RoleService(llm.engine, "", "grpc"), "127.0.0.1", 0, auth)
+    server.start()
+    return llm, server
+
+
+@pytest.fixture(scope="module")
+def decode_worker(tiny_hf_model):
+    llm, server = _worker(tiny_hf_model[0])
+    yield llm, server, RoleClient(server.address, AUTH)
+    server.stop(0)
+    llm.shutdown()
+
+
+def _wire(request_id="w-1", prompt=(5, 6, 7), max_tokens=4, **changes):
+    wire = {"request_id": request_id, "prompt_ids": list(prompt), "output_ids": [], "seed": 1,
+            "stop_ids": [], "params": {"max_tokens": max_tokens, "temperature": 0.0, "top_k": 0,
+                                       "top_p": 1.0, "seed": None, "stop_token_ids": [],
+                                       "ignore_eos": True}}
+    return {**wire, **changes}
+
+
+def _decode_all(client, wire):
+    tokens, finish = [], None
+    for event in client.decode(wire, local=True):
+        tokens += event.get("token_ids", [])
+        finish = event.get("finish") or finish
+    return tokens, finish
+
+
+FORGED = [
+    (_wire(prompt=[3] * 300), "max_prompt_len"),             # finding 4
+    (_wire(prompt=[3] * 100, max_tokens=100), "max_model_len"),
+    (_wire(prompt=[3, 10**6]), "vocabulary"),
+    (_wire(prompt=[]), "empty"),
+    (_wire(prompt="abc"), "prompt"),
+    (_wire(request_id="x\x00\x1b[2J"), "request_id"),
+    (_wire(request_id="r" * 10_000), "request_id"),
+    (_wire(output_ids=[1] * 4), "output_ids"),
+    (_wire(stop_ids=[10**9]), "stop_ids"),
+    (_wire(seed="nope"), ""),
+    (_wire(seed=-1), "seed"),
+    (_wire(params=None), "params"),
+    (_wire(params={"max_tokens": -3, "stop_token_ids": []}), "max_tokens"),
+    (_wire(params={"evil": 1, "stop_token_ids": []}), ""),
+    (_wire(stop_ids=[[1]]), ""),
+    ({"request_id": "w-2"}, ""),
+    ([1, 2, 3], ""),
+    ("junk", ""),
+    (None, "")]
+
+
+def test_forged_decode_requests_are_invalid_argument_and_engine_keeps_serving(decode_worker):
+    llm, server, client = decode_worker
+    before = _decode_all(client, _wire(request_id="before-forgery", max_tokens=5))
+    for wire, word in FORGED:
+        code, details = _code(lambda: list(client.decode(wire, local=True)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (wire, details)
+        assert word in details, (word, details)
+        code, _ = _code(lambda: list(client.decode(wire, local=False)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+    with server.auth.channel(server.address) as channel:     # not even msgpack
+        call = channel.unary_stream(f"/{ROLE_SERVICE}/Decode")
+        assert _code(lambda: list(call(b"\xc1garbage", timeout=5)))[0] == \
+            grpc.StatusCode.INVALID_ARGUMENT
+    assert llm.engine.error is None
+    after = _decode_all(client, _wire(request_id="after-forgery", max_tokens=5))
+    assert after == before and len(after[0]) == 5 and after[1] == "length"
+
+
+def test_forged_prefill_requests_are_invalid_argument(tiny_hf_model):
+    llm, server = _worker(tiny_hf_model[0], mesh="prefill=1")
+    try:
+        client = RoleClient(server.address, AUTH)
+        for wire, word in FORGED[:6]:
+            code, details = _code(lambda: client.prefill(wire, "127.0.0.1:1", timeout=10).result())
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and word in details
+        for destination in (None, 5, "", "h" * 1000):
+            code, _ = _code(lambda: client.prefill(_wire(), destination, timeout=10).result())
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert llm.engine.error is None and llm.engine.is_idle()
+    finally:
+        server.stop(0)
+        llm.shutdown()
+
+
+def test_stranger_cannot_abort_info_or_decode(decode_worker):
+    llm, server, client = decode_worker
+    stranger = RoleClient(server.address, NO_AUTH)
+    wrong = RoleClient(server.address, InternalAuth(token="guessed-token-0123456789"))
+    stream = client.decode(_wire(request_id="victim", max_tokens=40), local=True)
+    assert next(stream) == {"registered": True}
+    for who in (stranger, wrong):
+        assert _code(lambda: who.abort("victim", "gotcha", timeout=5))[0] == \
+            grpc.StatusCode.UNAUTHENTICATED
+        assert _code(lambda: who.info(timeout=5))[0] == grpc.StatusCode.UNAUTHENTICATED
+        assert _code(lambda: list(who.decode(_wire(request_id="s"), local=True)))[0] == \
+            grpc.StatusCode.UNAUTHENTICATED
+        assert _code(lambda: who.reprefill("victim", timeout=5))[0] == \
+            grpc.StatusCode.UNAUTHENTICATED
+    events = list(stream)
+    assert events[-1]["finish"] == "length" and events[-1]["abort_reason"] is None
+    assert sum(len(e.get("token_ids", [])) for e in events) == 40
+    with pytest.raises(grpc.RpcError):                  # bad abort fields from a peer
+        client.abort("victim", "\x1b[2J" * 100, timeout=5)
+
+
+@pytest.mark.slow
+def test_cluster_token_router_to_real_worker_in_process(decode_worker, tiny_hf_model):
+    """Router -> registered decode worker (prefilling locally: no prefill worker), all
+    on the token-authenticated plane; greedy output equals Hugging Face's."""
+    from tests.hf_fixtures import hf_greedy
+    llm, server, _ = decode_worker
+    path, hf = tiny_hf_model
+    router = Router(path, RouterConfig(max_model_len=MAX_MODEL_LEN, heartbeat_s=0.2), auth=AUTH)
+    try:
+        address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
+        server.register_with(address, heartbeat_s=0.2)
+        _wait(router.ready, timeout=20)
+        prompts = [[5, 6, 7], [9] * 20, [11, 12]]
+        outs = router.generate(prompt_token_ids=prompts,
+                               sampling_params=SamplingParams(max_tokens=6, **GREEDY))
+        assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
+        assert router.counters.snapshot()["decode_prefills"] == 3
+    finally:
+        router.shutdown()
+
+
+def test_mismatch_router_larger_than_worker_is_refused_and_worker_stops(decode_worker,
+                                                                        tiny_hf_model):
+    llm, server, _ = decode_worker
+    router = Router(tiny_hf_model[0], RouterConfig(max_model_len=4 * MAX_MODEL_LEN), auth=AUTH)
+    try:
+        address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
+        refused = []
+        thread = server.register_with(address, heartbeat_s=0.2, on_refused=refused.append)
+        thread.join(20)
+        assert not thread.is_alive()                     # stopped retrying
+        assert refused and "max_model_len: decode worker" in refused[0]
+        assert f"smaller than the router's {4 * MAX_MODEL_LEN}" in refused[0]
+        assert not router.ready()
+    finally:
+        router.shutdown()
+
+
+def test_dead_engine_health_not_serving_and_unavailable(tiny_hf_model):
+    llm, server = _worker(tiny_hf_model[0])
+    try:
+        client = RoleClient(server.address, AUTH)
+        assert client.info(timeout=5)["role"] == "decode"
+
+        def boom(**_):
+            raise RuntimeError("injected engine failure")
+        llm.engine.decode_loop.iterate = boom
+        _wait(lambda: llm.engine.error is not None)
+        with NO_AUTH.channel(server.address) as channel:     # health needs no token
+            check = lambda: health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5).status
+            _wait(lambda: check() == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
+        assert _code(lambda: client.info(timeout=5))[0] == grpc.StatusCode.UNAVAILABLE
+        code, details = _code(lambda: list(client.decode(_wire(), local=True)))
+        assert code == grpc.StatusCode.UNAVAILABLE and "injected" in details
+    finally:
+        server.stop(0)
+        llm.shutdown()
