@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 from typing import Iterator, Sequence
 
+from jaxpd.chat import render_chat
 from jaxpd.config import EngineConfig
 from jaxpd.outputs import CompletionOutput, RequestMetrics, StreamDelta
 from jaxpd.request import Request
@@ -105,6 +106,28 @@ class Frontend:
             for r in submitted:
                 if not r.is_final:
                     self.abort(r.request_id, "caller gave up")
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+             ) -> list[CompletionOutput]:
+        """Generate a reply to one conversation (a list of {"role", "content"} dicts) or
+        to each of a batch of them, through the model's chat template with the
+        generation prompt added (`jaxpd.chat`); outputs in conversation order.
+        ValueError for a model without a template, a bad role or non-string content."""
+        batch = (isinstance(messages, (list, tuple)) and bool(messages)
+                 and all(isinstance(m, (list, tuple)) for m in messages))
+        conversations = list(messages) if batch else [messages]
+        return self.generate([self.chat_prompt(c) for c in conversations], sampling_params)
+
+    def chat_prompt(self, messages: Sequence[dict]) -> str:
+        """The prompt text the model's chat template makes of one conversation."""
+        if self.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer.json, so no chat template")
+        tok = self.tokenizer
+        eos_ids = self.model_config.eos_token_ids
+        return render_chat(tok.chat_template, messages,
+                           bos_token=tok.id_to_token(tok.bos_token_id) or "",
+                           eos_token=(tok.id_to_token(eos_ids[0]) if eos_ids else None) or "")
 
     def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                prompt_token_ids: Sequence[int] | None = None) -> Iterator[StreamDelta]:

@@ -41,6 +41,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def id_to_token(self, token_id: int | None) -> str | None:
+        """The token's own text (special tokens included, e.g. "</s>"); None if unknown."""
+        return None if token_id is None else self._tok.id_to_token(token_id)
+
 
 def _read_dir(path: str) -> tuple[_HFTokenizer, int | None, bool, str | None]:
     file = os.path.join(path, "tokenizer.json")

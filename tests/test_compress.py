@@ -35,6 +35,7 @@ def page_amax(x) -> np.ndarray:
     return np.max(np.abs(np.asarray(x, np.float32)), axis=(2, 3, 4), keepdims=True)
 
 
+@pytest.mark.slow
 def test_int8_error_is_within_half_a_step_of_each_page():
     x = pages()
     y = roundtrip(x, "int8")

@@ -172,6 +172,7 @@ def hf_llama(hf_models, bpe):
     return hf_models("llama_gqa", vocab_size=len(bpe[0]))[1]
 
 
+@pytest.mark.slow
 def test_q8_0_matches_transformers_and_f32_matches_the_source_model(tmp_path, hf_llama, bpe):
     # F32: the permutation round trip gives back the very model the file came from.
     assert_same_model(write_from_hf(tmp_path, hf_llama, Q.F32, bpe), hf_llama, greedy_prompts=())

@@ -64,7 +64,7 @@ def test_router_role_imports_no_jax_or_flax(tmp_path):
     (unreachable) workers and then stopped: every module it imported along the way,
     shutdown included, comes from `-X importtime`."""
     cmd = [sys.executable, "-X", "importtime", "-m", "jaxpd.launch", "--role", "router",
-           "--port", "0", "--host", "127.0.0.1", "--max_model_len", "160",
+           "--port", "0", "--http_port", "0", "--host", "127.0.0.1", "--max_model_len", "160",
            "--prefill_workers", "127.0.0.1:1", "--decode_workers", "127.0.0.1:2"]
     log = tmp_path / "importtime.log"      # a file: a full stderr pipe would block it
     with open(log, "w") as stderr:

@@ -394,3 +394,47 @@ def test_shutdown_ends_streams_with_a_final_message_saying_shutdown(serve):
     assert responses[-1].metrics.abort_reason == "shutdown"
     assert done.finish_reason == "abort" and done.metrics.abort_reason == "shutdown"
     assert not [t.name for t in threading.enumerate() if t.name.startswith("jaxpd-")]
+
+
+def test_public_port_serves_tls_and_refuses_plaintext(tmp_path):
+    """--public_tls_cert/--public_tls_key: the public gRPC service speaks TLS; the CLI
+    client connects with --tls_ca; a plaintext client gets nothing."""
+    import io
+    from absl import flags as absl_flags
+    from jaxpd.serving import client as client_cli
+    from jaxpd.serving.launch import _public_tls, define_flags
+    from certs import issue, make_ca
+
+    ca = make_ca(str(tmp_path))
+    pem = issue(str(tmp_path), ca, "server")
+    fv = absl_flags.FlagValues()
+    define_flags(fv)
+    fv(["launch", f"--public_tls_cert={pem.cert}", f"--public_tls_key={pem.key}"])
+    creds, ssl = _public_tls(fv)
+    assert ssl == {"ssl_certfile": pem.cert, "ssl_keyfile": pem.key}
+    server = InferenceServer(port=0, tls=creds)
+    server.attach(HeldFrontend(held=False))
+    try:
+        target = f"localhost:{server.port}"
+        with grpc.secure_channel(target, grpc.ssl_channel_credentials(
+                open(pem.ca, "rb").read())) as channel:
+            info = jaxpd_pb2_grpc.GenerationStub(channel).ModelInfo(
+                jaxpd_pb2.ModelInfoRequest(), timeout=10)
+            assert info.max_model_len > 0
+        with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError) as e:
+            jaxpd_pb2_grpc.GenerationStub(channel).ModelInfo(jaxpd_pb2.ModelInfoRequest(),
+                                                             timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        cv = absl_flags.FlagValues()
+        client_cli.define_flags(cv)
+        cv(["client", f"--target={target}", f"--tls_ca={pem.ca}", "--max_tokens=2",
+            "--token_ids=1,2,3"])
+        out, err = io.StringIO(), io.StringIO()
+        assert client_cli.run(None, cv, out, err) == 0, err.getvalue()
+    finally:
+        server.stop(0)
+    with pytest.raises(ValueError, match="both --public_tls_cert"):
+        fv2 = absl_flags.FlagValues()
+        define_flags(fv2)
+        fv2(["launch", f"--public_tls_cert={pem.cert}"])
+        _public_tls(fv2)

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM = 8
-COMMON = ["--max_model_len", "160", "--nowarmup", "--host", "127.0.0.1"]
+COMMON = ["--max_model_len", "160", "--nowarmup", "--host", "127.0.0.1", "--http_port", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +271,15 @@ def test_cluster_token_deployment_matches_single_process(model, procs):
     with pytest.raises(grpc.RpcError) as e:
         RoleClient(decode).abort("rt-0", "stranger", timeout=10)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # Every role answers GET /health on its HTTP port (workers: /health and /metrics only).
+    import json
+    import urllib.request
+    for w, role in zip(workers, ("prefill", "decode")):
+        url = procs.wait_line(w, r"worker HTTP \(/health, /metrics\) on (\S+)").group(1)
+        health = json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())
+        assert health["status"] == "ok" and health["role"] == role, health
+        assert health["pages_used"] == 0
+    assert health["slots_total"] > 0 and health["pages_total"] > 0      # the decode worker
 
 
 def test_sigstop_decode_worker_calls_end_then_it_rejoins(model, procs):

@@ -544,7 +544,7 @@ def test_launch_serves_until_sigterm_and_exits_zero(model_dir, tmp_path):
     cmd = [sys.executable, "-m", "jaxpd.launch", f"--model={model_dir}",
            "--mesh=prefill=1,decode=1", "--port=0", "--max_model_len=32",
            "--max_prefill_batch=1", "--slots_per_shard=2", "--shutdown_grace_s=1",
-           f"--metrics_port={metrics_port}"]
+           f"--metrics_port={metrics_port}", "--http_port=0"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     try:

@@ -1,6 +1,29 @@
-"""In-process transfer: `jax.device_put` from the prefill mesh onto a decode shard."""
+"""In-process transfer: `jax.device_put` from the prefill mesh onto a decode shard.
+
+Why `send` stages the pages on the decode mesh at once: left to `place` (called on a
+`jaxpd-transfer` thread once the decode loop has a slot for the request), the copy is
+issued after the prefill loop may have dispatched its next batch, and whether it then
+waits behind that batch is up to the runtime's ordering (issue 12 measured first ->
+second token gaps of 0.8-1.6 s, gone when the pages were copied before the next
+batch; on jax 0.10.2 XLA:CPU, a copy of a ready buffer was seen not to wait for a
+program running on its source device). Staging makes the order ours: the engine gives
+the connector a staging sharding on the decode mesh (`stage_on`: dp shard 0's page
+layout), and `send` issues `jax.device_put(pages, staging)` before it returns, i.e.
+before the prefill loop can dispatch anything else; the copy runs asynchronously.
+`place` then moves staging -> the request's shard on decode devices only (nothing to
+do when the request lands on shard 0, which is every request on `decode=1`).
+
+What it costs: staged pages live on decode shard 0 until placed, where they used to
+live on the prefill devices; they are the same pages, bounded the same way (this
+queue's `max_pending`, plus handoffs the decode loop has received and not yet
+admitted). Layer-wise parts are staged one by one as they are sent, so a group's copy
+still overlaps the next group's compute. Compressed transfer wraps this sender, so
+the packed bytes are what is staged (the engine passes their replicated layout).
+`place`'s `TransferStats.seconds` covers only what is left to move when it runs.
+"""
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
 
@@ -13,14 +36,26 @@ class DevicePutConnector:
     """Prefill and decode in one process; a bounded queue is the control plane.
 
     The bound gives backpressure: a prefill worker that outruns decode blocks in
-    `send` instead of piling KV on the prefill devices.
+    `send` instead of piling up KV. `stage=False` leaves the pages on the prefill
+    devices until `place` (the behaviour before staging; for comparisons).
     """
 
-    def __init__(self, max_pending: int = 64):
+    def __init__(self, max_pending: int = 64, stage: bool = True):
         self._queue: queue.Queue[KVHandoff] = queue.Queue(maxsize=max_pending)
         self._closed = False
+        self.stage = stage
+        self._staging: jax.sharding.Sharding | None = None
+
+    def stage_on(self, sharding: jax.sharding.Sharding | None) -> None:
+        """Where `send` copies each handoff's pages (decode devices, in the layout the
+        pages travel in); None: nowhere. A no-op when built with `stage=False`."""
+        self._staging = sharding if self.stage else None
 
     def send(self, handoff: KVHandoff) -> None:
+        if self._staging is not None:
+            # Issued now, before the prefill loop dispatches its next program.
+            k, v = jax.device_put((handoff.k, handoff.v), self._staging)
+            handoff = dataclasses.replace(handoff, k=k, v=v)
         while True:
             if self._closed:
                 raise RuntimeError("DevicePutConnector is closed")

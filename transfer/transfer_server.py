@@ -28,6 +28,16 @@ side one `jaxpd-reclaim` thread. `place` runs on
 the caller's thread and polls the pulled arrays; on timeout it poisons the connection,
 which fails the pending pull instead of leaving a thread blocked forever.
 
+Why this sender stages nothing (unlike `DevicePutConnector`, whose copy would be
+issued only after the prefill loop dispatched its next batch, and could wait behind
+it): the transfer server (jaxlib's socket transfer, as its source reads) copies an
+offered buffer with `CopyRawToHost` once the buffer is ready, not as a program queued
+on the prefill devices, so a pull is not ordered behind a later prefill batch; and
+on CPU (checksums on by default) `send` reads the pages to host before it returns,
+before the next batch is dispatched. What a long prefill can still take from a pull
+in a CPU prefill process is CPU time: pin the roles to separate cores. Not yet
+measured across processes (issue 12).
+
 Integrity (`verify_checksums`): the sender puts a crc32 of every page of k and v in
 the Offer (`transfer.checksum`), and the receiver checks the pulled arrays against
 them before resharding; a mismatch is a `ChecksumMismatchError` (the Ack says the pull

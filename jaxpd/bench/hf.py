@@ -15,6 +15,7 @@ PyTorch on CPU, float32 weights loaded with `AutoModelForCausalLM.from_pretraine
 from __future__ import annotations
 
 import collections
+import os
 import time
 from typing import Callable, Sequence
 
@@ -40,7 +41,13 @@ class HFBackend:
         # bfloat16 on an accelerator.
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        from jaxpd.models.source import checkpoint_path, is_gguf
+        path = checkpoint_path(model_dir)
+        if is_gguf(path):      # transformers dequantizes a GGUF file to `dtype`
+            self.model = AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype).eval()
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         self.model.to(self.device)
         # A generation_config.json may carry sampling defaults; greedy is asked explicitly,
         # so drop them rather than have transformers warn on every call.

@@ -8,6 +8,8 @@ Threads (named, few; a dead one aborts every live request with its error and mak
                                 PrefillLoop (short prompts, re-prefills) between steps
   colocated      jaxpd-engine   a due prefill batch, then one decode step, in one loop
   transfers      jaxpd-transfer a small pool: pages move into reserved slots here
+                 (in one process `send` has already copied them onto the decode
+                 mesh, before the next prefill batch: `transfer.device_put`)
 Queues: the prefill inboxes of `Requests` (bounded by `max_queued` at submit) and the
 connector's bounded handoff queue (prefill -> decode: backpressure on prefill).
 """
@@ -20,6 +22,7 @@ from concurrent import futures
 from typing import Callable
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpd.config import EngineConfig
 from jaxpd.engine.decode_loop import DecodeLoop
@@ -70,6 +73,9 @@ class Engine:
             self._build_prefill()
         if spec.has_decode:
             self._build_decode()
+        if spec.has_prefill and spec.has_decode and not spec.colocated and \
+                isinstance(self.connector, DevicePutConnector):
+            self.connector.stage_on(self._staging_sharding())
         if warmup:
             warm_up(self, progress or (lambda msg: None))
         self._stop = threading.Event()
@@ -104,6 +110,16 @@ class Engine:
             dtype="uint8" if compressed else c.dtype, vocab_size=self.model.cfg.vocab_size,
             max_model_len=c.max_model_len,
             max_pages=min(c.pages_per_slot, c.pages_per_shard - 1))
+
+    def _staging_sharding(self) -> NamedSharding:
+        """Where a `DevicePutConnector` copies each handoff's pages in `send`, before the
+        prefill loop dispatches its next batch (`transfer.device_put`): dp shard 0 of
+        the decode mesh, in the layout the pages travel in (packed bytes are replicated
+        over the shard's devices, see `CompressingReceiver.place`)."""
+        pages = self.decode_runner.shard_sharding(0)
+        if self.config.kv_transfer_dtype is not None:
+            return NamedSharding(pages.mesh, PartitionSpec())
+        return pages
 
     def _build_prefill(self) -> None:
         c, mesh = self.config, self.meshes.prefill

@@ -18,6 +18,8 @@ from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
 def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     """Define the client's flags on `fv` (the global FLAGS when run as a program)."""
     flags.DEFINE_string("target", "127.0.0.1:50051", "host:port of the server.", flag_values=fv)
+    flags.DEFINE_string("tls_ca", None, "PEM CA of a server started with --public_tls_cert: "
+                        "connect over TLS.", flag_values=fv)
     flags.DEFINE_integer("max_tokens", 32, "Tokens to generate at most.", flag_values=fv)
     flags.DEFINE_float("temperature", None, "0 = greedy (default: the server's, 1.0).",
                        flag_values=fv)
@@ -87,7 +89,9 @@ def print_stream(responses: Iterator[jaxpd_pb2.GenerateResponse], out: TextIO,
 def run(prompt: str | None, fv: flags.FlagValues, out: TextIO = sys.stdout,
         err: TextIO = sys.stderr) -> int:
     """One streamed generation; returns the exit status (1 on an RPC error)."""
-    with grpc.insecure_channel(fv.target) as channel:
+    channel = (grpc.secure_channel(fv.target, grpc.ssl_channel_credentials(
+        open(fv.tls_ca, "rb").read())) if fv.tls_ca else grpc.insecure_channel(fv.target))
+    with channel:
         stub = jaxpd_pb2_grpc.GenerationStub(channel)
         try:
             print_stream(stream(stub, build_request(prompt, fv), fv.timeout_s), out, err)

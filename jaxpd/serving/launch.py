@@ -6,8 +6,8 @@ Start-up order matters:
    this point imports jax (the `jaxpd` package exports lazily, the mesh spec is parsed
    by the plain-Python `jaxpd.sharding.spec`), and the engine is imported only after.
    The router role never imports jax or flax at all: it needs no accelerator;
-2. the gRPC server starts listening at once with health NOT_SERVING, so orchestrators
-   can watch the (long) load and compile;
+2. the gRPC server (and the OpenAI-compatible HTTP API on --http_port) starts listening
+   at once with health NOT_SERVING, so orchestrators can watch the (long) load and compile;
 3. the model loads and every bucket compiles (progress printed), then health flips to
    SERVING and a final `jaxpd serving ...` line is printed;
 4. SIGTERM or SIGINT: health NOT_SERVING, no new calls, in-flight ones get
@@ -21,6 +21,7 @@ import re
 import signal
 import sys
 import threading
+import time
 
 from absl import app, flags
 
@@ -49,6 +50,12 @@ def _define_serving_flags(fv: flags.FlagValues) -> None:
                          lower_bound=0, flag_values=fv)
     flags.DEFINE_integer("metrics_port", 0, "Port of the Prometheus /metrics endpoint; 0 = off.",
                          lower_bound=0, flag_values=fv)
+    flags.DEFINE_integer("http_port", 8000, "Port of the OpenAI-compatible HTTP API (with "
+                         "/health and /metrics) on --host, for the single-process server and "
+                         "the router; 0 picks a free one and prints it, -1 = off. Prefill and "
+                         "decode roles serve /health and /metrics there only when it is given "
+                         "(several roles share a host).",
+                         lower_bound=-1, flag_values=fv)
     flags.DEFINE_boolean("warmup", True, "Compile every bucket before serving.", flag_values=fv)
     flags.DEFINE_float("shutdown_grace_s", 5.0, "On SIGTERM/SIGINT, how long in-flight "
                        "requests may still run before they are aborted.", lower_bound=0,
@@ -56,6 +63,13 @@ def _define_serving_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("cpus", None, "Run on these CPUs only, e.g. '0' or '1-3' (process "
                         "affinity, set before jax starts, so XLA:CPU's threads use them alone): "
                         "pin a prefill and a decode role to disjoint core sets. Default: all.",
+                        flag_values=fv)
+    flags.DEFINE_string("public_tls_cert", None, "PEM certificate chain: serve the public gRPC "
+                        "and HTTP ports over TLS (with --public_tls_key).", flag_values=fv)
+    flags.DEFINE_string("public_tls_key", None, "PEM private key of --public_tls_cert.",
+                        flag_values=fv)
+    flags.DEFINE_string("public_tls_client_ca", None, "PEM CA: public clients must present a "
+                        "certificate it signed (mutual TLS on the public ports).",
                         flag_values=fv)
     flags.DEFINE_integer("max_concurrent_rpcs", 128, "Concurrent Generate/Complete calls "
                          "(one thread each) before more get RESOURCE_EXHAUSTED; health, "
@@ -273,23 +287,87 @@ def _run_role(fv: flags.FlagValues, stop: threading.Event) -> int:
     options = dict(engine_options(fv), warmup=fv.warmup)
     try:
         return serve_role(fv.role, fv.model, fv.host, fv.port, fv.router, fv.kv_transport,
-                          stop, _say, options, auth=auth, heartbeat_s=fv.heartbeat_s)
+                          stop, _say, options, auth=auth, heartbeat_s=fv.heartbeat_s,
+                          http_port=fv.http_port if fv["http_port"].present else -1)
     except (OSError, ValueError, TransferServerUnavailable) as e:
         print(f"cannot start the {fv.role} worker: {e}", file=sys.stderr)
         return 1
 
 
+def _public_tls(fv: flags.FlagValues):
+    """(grpc server credentials, uvicorn ssl options) from the --public_tls_* flags, or
+    (None, {}). ValueError naming the flag; OSError for an unreadable file."""
+    if not fv.public_tls_cert and not fv.public_tls_key:
+        if fv.public_tls_client_ca:
+            raise ValueError("--public_tls_client_ca needs --public_tls_cert and --public_tls_key")
+        return None, {}
+    if not (fv.public_tls_cert and fv.public_tls_key):
+        raise ValueError("give both --public_tls_cert and --public_tls_key")
+    import grpc
+    read = lambda path: open(path, "rb").read()
+    ca = read(fv.public_tls_client_ca) if fv.public_tls_client_ca else None
+    creds = grpc.ssl_server_credentials(
+        ((read(fv.public_tls_key), read(fv.public_tls_cert)),), root_certificates=ca,
+        require_client_auth=ca is not None)
+    ssl = {"ssl_certfile": fv.public_tls_cert, "ssl_keyfile": fv.public_tls_key}
+    if ca is not None:
+        import ssl as ssl_module
+        ssl.update(ssl_ca_certs=fv.public_tls_client_ca, ssl_cert_reqs=ssl_module.CERT_REQUIRED)
+    return creds, ssl
+
+
+def _start_http(fv: flags.FlagValues, role: str, server):
+    """The OpenAI-compatible HTTP server beside gRPC `server` (sharing its admission,
+    histograms and stats), or None with --http_port -1. Raises OSError."""
+    if fv.http_port < 0:
+        return None
+    from jaxpd.serving.http import HttpServer, OpenAIService
+
+    names = (fv.model,) if fv.model and not os.path.exists(fv.model) else ()
+    service = OpenAIService(role, names, server.servicer.admission, server.metrics,
+                            server.servicer.stats, fv.max_concurrent_rpcs,
+                            2 * fv.max_prompt_bytes + 64 * 1024 if fv.max_prompt_bytes else None)
+    return HttpServer(service, fv.host, fv.http_port, ssl=_public_tls(fv)[1])
+
+
+def _say_http(fv: flags.FlagValues, http) -> None:
+    if http is not None:
+        scheme = "https" if fv.public_tls_cert else "http"
+        _say(f"jaxpd HTTP (OpenAI API, /health, /metrics) on {scheme}://{fv.host}:{http.port}")
+
+
+def _stop_servers(server, http, grace_s: float) -> None:
+    """Drain gRPC and HTTP together: one grace period for both."""
+    start = time.monotonic()
+    if http is not None:
+        http.service.draining = True
+    server.stop(grace_s)
+    if http is not None:
+        http.stop(max(0.0, grace_s - (time.monotonic() - start)))
+
+
 def _serve(fv: flags.FlagValues, stop: threading.Event, LLM) -> int:
-    """Both phases in this process, behind the public gRPC service."""
+    """Both phases in this process, behind the public gRPC service (and HTTP)."""
     from jaxpd.serving.server import InferenceServer
 
+    try:
+        tls = _public_tls(fv)[0]
+    except (OSError, ValueError) as e:
+        print(f"cannot start the server: {e}", file=sys.stderr)
+        return 2
     server = InferenceServer(fv.host, fv.port, fv.slo_ttft_ms,
                              metrics_port=fv.metrics_port or None,
                              max_concurrent_rpcs=fv.max_concurrent_rpcs,
-                             max_prompt_bytes=fv.max_prompt_bytes or None)
-    llm = None
+                             max_prompt_bytes=fv.max_prompt_bytes or None, tls=tls)
+    llm = http = None
     try:
+        try:
+            http = _start_http(fv, "single", server)
+        except OSError as e:
+            print(f"cannot start the HTTP server: {e}", file=sys.stderr)
+            return 1
         _say(f"jaxpd listening on {fv.host}:{server.port} (NOT_SERVING until the model is warm)")
+        _say_http(fv, http)
         if server.metrics_port is not None:
             _say(f"jaxpd metrics on http://{fv.host}:{server.metrics_port}/metrics")
         _say(f"loading {fv.model or 'the built-in default model'} onto mesh {fv.mesh}")
@@ -300,12 +378,14 @@ def _serve(fv: flags.FlagValues, stop: threading.Event, LLM) -> int:
             return 1
         if not stop.is_set():
             server.attach(llm)
+            if http is not None:
+                http.attach(llm)
             _say(f"jaxpd serving {llm.model_path} on {fv.host}:{server.port} "
                  f"(mesh {llm.config.mesh})")
             stop.wait()
         _say("jaxpd shutting down")
     finally:
-        server.stop(fv.shutdown_grace_s)
+        _stop_servers(server, http, fv.shutdown_grace_s)
         if llm is not None:
             llm.shutdown()
     left = [t.name for t in threading.enumerate()
@@ -348,14 +428,19 @@ def _run_router(fv: flags.FlagValues) -> int:
     except (OSError, ValueError) as e:
         print(f"cannot start the router: {e}", file=sys.stderr)
         return 1
+    server = http = None
     try:
         internal_port = router.listen(fv.host, fv.internal_port)
         server = InferenceServer(fv.host, fv.port, fv.slo_ttft_ms,
                                  metrics_port=fv.metrics_port or None,
                                  max_concurrent_rpcs=fv.max_concurrent_rpcs,
-                                 max_prompt_bytes=fv.max_prompt_bytes or None)
+                                 max_prompt_bytes=fv.max_prompt_bytes or None,
+                                 tls=_public_tls(fv)[0])
+        http = _start_http(fv, "router", server)
     except (OSError, ValueError) as e:
         print(f"cannot start the router: {e}", file=sys.stderr)
+        if server is not None:
+            server.stop(0)
         router.shutdown()
         return 1
     try:
@@ -363,6 +448,7 @@ def _run_router(fv: flags.FlagValues) -> int:
              f"(auth: {auth.describe()})")
         _say(f"jaxpd router listening on {fv.host}:{server.port} (NOT_SERVING until a "
              f"decode worker is live)")
+        _say_http(fv, http)
         known, serving, attached = {}, False, False
         while not stop.is_set():             # health follows the live decode workers
             live = router.live_workers()
@@ -375,17 +461,21 @@ def _run_router(fv: flags.FlagValues) -> int:
                 serving = not serving
                 if not attached:
                     server.attach(router)
+                    if http is not None:
+                        http.attach(router)
                     attached = True
                     _say(f"jaxpd serving {router.model_path} on {fv.host}:{server.port} "
                          f"(mesh router)")
                 else:
                     server.set_serving(serving)
+                    if http is not None:
+                        http.set_serving(serving)
                     _say(f"jaxpd router {'SERVING' if serving else 'NOT_SERVING'}: "
                          f"{'a' if serving else 'no'} live decode worker")
             stop.wait(0.2)
         _say("jaxpd shutting down")
     finally:
-        server.stop(fv.shutdown_grace_s)
+        _stop_servers(server, http, fv.shutdown_grace_s)
         router.shutdown()
     return 0
 

@@ -294,16 +294,24 @@ def make_connector(role: str, transport: str, host: str, auth: InternalAuth = NO
 
 def serve_role(role: str, model: str | None, host: str, port: int, router: str | None,
                transport: str, stop: threading.Event, say, llm_options: dict,
-               auth: InternalAuth = NO_AUTH, heartbeat_s: float = 1.0) -> int:
+               auth: InternalAuth = NO_AUTH, heartbeat_s: float = 1.0,
+               http_port: int = -1) -> int:
     """Run a prefill or decode worker process until `stop` is set; 1 if the router
-    refused it, or its engine failed."""
+    refused it, or its engine failed. `http_port` >= 0: GET /health and /metrics there
+    (0: a free port, printed), as on the router and a single process."""
     from jaxpd.llm import LLM
 
     auth.check_bind(host, f"the {role} worker")
     connector, kv_address = make_connector(role, transport, host, auth)
     llm = LLM(model, connector=connector, progress=say, **llm_options)
     server = RoleServer(RoleService(llm.engine, kv_address, transport), host, port, auth)
+    http = None
     try:
+        if http_port >= 0:
+            from jaxpd.serving.http import HttpServer, OpenAIService
+            http = HttpServer(OpenAIService(role), host, http_port, openai_routes=False)
+            http.service.attach(llm)
+            say(f"jaxpd {role} worker HTTP (/health, /metrics) on http://{host}:{http.port}")
         server.start()
         if router:
             server.register_with(router, heartbeat_s, on_refused=lambda _: stop.set())
@@ -311,7 +319,11 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
             f"kv {transport} {kv_address or 'sender'}, auth: {auth.describe()})")
         stop.wait()
     finally:
+        if http is not None:
+            http.service.draining = True
         server.stop()
+        if http is not None:
+            http.stop(0)
         llm.shutdown()
     if server.refused is not None:
         say(f"jaxpd {role} worker stopped: {server.refused}")

@@ -1,0 +1,373 @@
+"""The gRPC `jaxpd.v1.Generation` service over a front end (`LLM` or `Router`).
+
+`GenerationServicer` turns RPCs into requests of a front end -- an `LLM` (engine in
+this process) or anything with its interface (`make_request`, `submit`, `abort`,
+`events`, `completion`, `stats`, `tokenizer`, `config`, `model_config`, `model_path`):
+- bad input is INVALID_ARGUMENT with a message naming the field (the `ValueError`s of
+  `SamplingParams` and `jaxpd.validation`, plus the proto-level checks here), bytes that
+  do not parse as the request message included (the service's handlers parse requests
+  themselves: grpc's own deserializer would answer INTERNAL);
+- work is bounded before it starts: prompt and Tokenize text over `max_prompt_bytes`
+  are refused before the tokenizer sees them (which then runs without holding the GIL),
+  token ids over `max_prompt_len` and stop ids over `MAX_STOP_TOKEN_IDS` before they are
+  copied;
+- overload is RESOURCE_EXHAUSTED before any work is done: more than
+  `max_concurrent_rpcs` Generate/Complete calls at once, the engine's bounded queue
+  (`QueueFull`), or the predicted TTFT above the SLO (`jaxpd.admission`);
+- a cancelled call or a passed deadline aborts the request at once (an RPC callback),
+  so its slot and pages are freed by the engine's next iteration.
+
+Request ids: the front end always runs a request under an id it assigns itself
+(`req-` + 64 random bits in an engine). A client-chosen `request_id` is validated
+(`check_request_id`: at most 128 characters of `[A-Za-z0-9._:@/+=-]`), echoed in every
+response and used for nothing else: two callers choosing the same id never collide (no
+ALREADY_EXISTS), and no public RPC looks a request up by id, so no caller can reach
+another's request. Unset, the response carries the assigned id.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from jaxpd.serving.admission import AdmissionController
+from jaxpd.errors import QueueFull
+from jaxpd.outputs import RequestMetrics
+from jaxpd.serving.pool import ShrinkingThreadPool
+from jaxpd.serving.prometheus import ServingMetrics
+from jaxpd.serving.proto import jaxpd_pb2
+from jaxpd.request import Request, State
+from jaxpd.sampling_params import SamplingParams
+from jaxpd.validation import (MAX_STOP_TOKEN_IDS, check_request_id, check_text_size,
+                              default_max_prompt_bytes)
+from jaxpd.models.tokenizer import IncrementalDecoder
+
+if TYPE_CHECKING:
+    from jaxpd.llm import LLM
+
+_SERVICE = jaxpd_pb2.DESCRIPTOR.services_by_name["Generation"]
+SERVICE_NAME = _SERVICE.full_name
+_DEFAULTS = SamplingParams()
+_INT32_MAX = 2**31 - 1   # the engine keeps top_k in an int32 array
+_CONTROL_METHODS = ("ModelInfo", "Stats")
+
+
+class _Reject(Exception):
+    """Answer the RPC with this status and message (raised inside the servicer)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def sampling_params(msg: jaxpd_pb2.GenerateRequest) -> SamplingParams:
+    """The request's sampling options; unset optional fields take SamplingParams' defaults.
+    Raises ValueError naming the field."""
+    if not 0 <= msg.top_k <= _INT32_MAX:
+        raise ValueError(f"top_k must be an integer in [0, 2**31) (0 = off), got {msg.top_k}")
+    if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids has {len(msg.stop_token_ids)} ids, more than "
+                         f"{MAX_STOP_TOKEN_IDS}")
+    opt = lambda name: getattr(msg, name) if msg.HasField(name) else getattr(_DEFAULTS, name)
+    return SamplingParams(max_tokens=opt("max_tokens"), temperature=opt("temperature"),
+                          top_k=msg.top_k, top_p=opt("top_p"), seed=opt("seed"),
+                          stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos)
+
+
+def metrics_message(r: Request) -> jaxpd_pb2.RequestMetrics:
+    m = RequestMetrics.of(r)
+    return jaxpd_pb2.RequestMetrics(
+        ttft_s=m.ttft_s, tpot_s=m.tpot_s, queue_s=m.queue_s, prefill_s=m.prefill_s,
+        transfer_s=m.transfer_s, transfer_bytes=m.transfer_bytes, e2e_s=m.e2e_s,
+        num_preemptions=m.num_preemptions, abort_reason=r.abort_reason)
+
+
+def on_pool(behaviour: Callable, pool: ShrinkingThreadPool) -> Callable:
+    """`behaviour`, run by grpc on `pool` instead of the server's own pool."""
+    def handle(request, context):
+        return behaviour(request, context)
+    handle.experimental_thread_pool = pool
+    return handle
+
+
+def _parsing(behaviour: Callable, request_class) -> Callable:
+    """`behaviour` taking the request's bytes: what does not parse is INVALID_ARGUMENT."""
+    def handle(data: bytes, context):
+        try:
+            request = request_class.FromString(data)
+        except DecodeError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"the request is not a valid {request_class.DESCRIPTOR.full_name}: {e}")
+        return behaviour(request, context)
+    return handle
+
+
+class GenerationServicer:
+    """RPCs -> front-end requests. Answers UNAVAILABLE until `attach` and after `drain`.
+
+    `max_generating`: Generate/Complete calls at once (more: RESOURCE_EXHAUSTED).
+    `max_prompt_bytes`: longest prompt/Tokenize text; None: derived from the front
+    end's max_prompt_len (`default_max_prompt_bytes`)."""
+
+    def __init__(self, admission: AdmissionController, metrics: ServingMetrics,
+                 max_generating: int = 128, max_prompt_bytes: int | None = None):
+        if max_generating < 1:
+            raise ValueError(f"max_concurrent_rpcs must be >= 1, got {max_generating}")
+        if max_prompt_bytes is not None and max_prompt_bytes < 1:
+            raise ValueError(f"max_prompt_bytes must be >= 1, got {max_prompt_bytes}")
+        self.admission, self.metrics = admission, metrics
+        self.max_generating, self._max_prompt_bytes = max_generating, max_prompt_bytes
+        self.llm: LLM | None = None
+        self._lock = threading.Lock()
+        self._generation_done = threading.Condition(self._lock)
+        # engine request_id -> (request, prompt tokens queued ahead of it when it arrived)
+        self._in_flight: dict[str, tuple[Request, int]] = {}
+        self._num_generating = 0
+        self._draining = False
+        self.num_queue_full = 0
+        self.num_rpc_limit = 0
+
+    def attach(self, llm: LLM) -> None:
+        self.llm = llm
+
+    def drain(self) -> None:
+        """Refuse new requests; abort reasons of those cut off from now on are 'shutdown'."""
+        self._draining = True
+
+    def abort_all(self, reason: str) -> None:
+        with self._lock:
+            live = [r for r, _ in self._in_flight.values()]
+        for r in live:
+            self.llm.abort(r.request_id, reason)
+
+    def wait_generation_done(self, timeout_s: float) -> bool:
+        """Wait until no Generate/Complete call is running; False if `timeout_s` passed."""
+        with self._generation_done:
+            return self._generation_done.wait_for(lambda: self._num_generating == 0,
+                                                  timeout=timeout_s)
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        if self._max_prompt_bytes is not None:
+            return self._max_prompt_bytes
+        return default_max_prompt_bytes(self.llm.config.max_prompt_len)
+
+    def handlers(self, control_pool: ShrinkingThreadPool) -> grpc.GenericRpcHandler:
+        """The Generation service, every method as the proto declares it, parsing its
+        requests itself; ModelInfo and Stats run on `control_pool`."""
+        methods = {}
+        for method in _SERVICE.methods:
+            request_class = getattr(jaxpd_pb2, method.input_type.name)
+            response_class = getattr(jaxpd_pb2, method.output_type.name)
+            behaviour = _parsing(getattr(self, method.name), request_class)
+            if method.name in _CONTROL_METHODS:
+                behaviour = on_pool(behaviour, control_pool)
+            make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                    else grpc.unary_unary_rpc_method_handler)
+            methods[method.name] = make(behaviour, request_deserializer=None,
+                                        response_serializer=response_class.SerializeToString)
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
+
+    # ---- RPCs ---------------------------------------------------------------------
+
+    def Generate(self, request, context):
+        with self._generation_slot(context):
+            try:
+                r, label = self._start(request, context)
+            except _Reject as e:
+                context.abort(e.code, e.message)
+            decoder = IncrementalDecoder(self.llm.tokenizer) if self.llm.tokenizer else None
+            try:
+                for ids, finish in self.llm.events(r):
+                    text = decoder.push(ids) if decoder else ""
+                    if finish is None:
+                        yield jaxpd_pb2.GenerateResponse(request_id=label, token_ids=ids,
+                                                         text=text)
+                    else:
+                        text += decoder.flush() if decoder else ""
+                        yield jaxpd_pb2.GenerateResponse(request_id=label, token_ids=ids,
+                                                         text=text, finish_reason=finish,
+                                                         metrics=metrics_message(r))
+            finally:
+                self._finish(r)
+
+    def Complete(self, request, context):
+        with self._generation_slot(context):
+            try:
+                r, label = self._start(request, context)
+            except _Reject as e:
+                context.abort(e.code, e.message)
+            try:
+                for _ in self.llm.events(r):
+                    pass
+                out = self.llm.completion(r)
+                return jaxpd_pb2.CompleteResponse(
+                    request_id=label, prompt_token_ids=out.prompt_token_ids,
+                    token_ids=out.token_ids, text=out.text or "",
+                    finish_reason=out.finish_reason, metrics=metrics_message(r))
+            finally:
+                self._finish(r)
+
+    def Tokenize(self, request, context):
+        llm = self._llm(context)
+        if llm.tokenizer is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this model has no tokenizer.json; send token_ids instead")
+        try:
+            check_text_size(request.text, self.max_prompt_bytes, "text")
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return jaxpd_pb2.TokenizeResponse(token_ids=llm.tokenizer.encode(request.text))
+
+    def ModelInfo(self, request, context):
+        llm = self._llm(context)
+        cfg = llm.config
+        return jaxpd_pb2.ModelInfoResponse(
+            model_path=llm.model_path, vocab_size=llm.model_config.vocab_size,
+            max_prompt_len=cfg.max_prompt_len, max_model_len=cfg.max_model_len,
+            mesh=str(cfg.mesh), eos_token_ids=llm.model_config.eos_token_ids,
+            has_tokenizer=llm.tokenizer is not None, dtype=cfg.dtype, page_size=cfg.page_size)
+
+    def Stats(self, request, context):
+        self._llm(context)
+        fields = jaxpd_pb2.StatsResponse.DESCRIPTOR.fields_by_name
+        return jaxpd_pb2.StatsResponse(**{k: v for k, v in self.stats().items()
+                                          if k in fields and v is not None})
+
+    def stats(self) -> dict:
+        """The engine's stats plus the server's own counts (one dict for Stats and /metrics)."""
+        stats = dict(self.llm.stats()) if self.llm is not None else {}
+        with self._lock:
+            stats["requests_in_flight"] = len(self._in_flight)
+            stats["rejections_queue_full"] = self.num_queue_full
+            stats["rejections_rpc_limit"] = self.num_rpc_limit
+        stats["rejections_slo"] = self.admission.num_rejected
+        stats["rejections"] = (stats["rejections_queue_full"] + stats["rejections_rpc_limit"]
+                               + stats["rejections_slo"])
+        stats["prefill_s_per_token"] = self.admission.s_per_token
+        return stats
+
+    # ---- helpers ------------------------------------------------------------------
+
+    def _llm(self, context) -> LLM:
+        if self.llm is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        return self.llm
+
+    @contextlib.contextmanager
+    def _generation_slot(self, context):
+        """Hold one of `max_generating` slots for the call's life, or refuse it."""
+        with self._lock:
+            full = self._num_generating >= self.max_generating
+            if full:
+                self.num_rpc_limit += 1
+            else:
+                self._num_generating += 1
+        if full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self.max_generating} Generate/Complete calls are in flight "
+                          f"(max_concurrent_rpcs={self.max_generating})")
+        try:
+            yield
+        finally:
+            with self._generation_done:
+                self._num_generating -= 1
+                self._generation_done.notify_all()
+
+    def _make_request(self, msg: jaxpd_pb2.GenerateRequest) -> tuple[Request, str | None]:
+        """Validate and build under an id the front end assigns; also returns the
+        client's own id (validated) to echo. ValueError names the field."""
+        llm = self.llm
+        params = sampling_params(msg)
+        which = msg.WhichOneof("input")
+        if which is None:
+            raise ValueError("give one of prompt (text) and token_ids")
+        client_id = None
+        if msg.HasField("request_id"):
+            if not msg.request_id:
+                raise ValueError("request_id is empty (leave it unset to get one assigned)")
+            client_id = check_request_id(msg.request_id)
+        if which == "token_ids":
+            if not msg.token_ids.ids:
+                raise ValueError("token_ids is empty")
+            if len(msg.token_ids.ids) > llm.config.max_prompt_len:
+                raise ValueError(f"prompt has {len(msg.token_ids.ids)} tokens, more than "
+                                 f"max_prompt_len={llm.config.max_prompt_len}")
+            ids = list(msg.token_ids.ids)
+        else:
+            if not msg.prompt:
+                raise ValueError("prompt is empty")
+            if llm.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer.json; send token_ids instead")
+            check_text_size(msg.prompt, self.max_prompt_bytes, "prompt")
+            ids = llm.tokenizer.encode(msg.prompt)
+            if not ids:
+                raise ValueError("prompt encodes to no tokens")
+        return llm.make_request(prompt_token_ids=ids, sampling_params=params), client_id
+
+    def _start(self, msg: jaxpd_pb2.GenerateRequest, context) -> tuple[Request, str]:
+        """Validate, admit, submit, and arrange for cancellation to abort it. Returns the
+        request and the id its responses carry."""
+        llm = self._llm(context)
+        if self._draining:
+            raise _Reject(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        try:
+            r, client_id = self._make_request(msg)
+        except ValueError as e:
+            raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        with self._lock:
+            ahead = sum(q.num_tokens for q, _ in self._in_flight.values()
+                        if q.state in (State.WAITING, State.PREFILLING))
+        refusal = self.admission.check(ahead, len(r.prompt_ids))
+        if refusal is not None:
+            raise _Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        with self._lock:
+            self._in_flight[r.request_id] = (r, ahead)
+        try:
+            llm.submit(r)
+        except QueueFull as e:
+            self._forget(r)
+            with self._lock:
+                self.num_queue_full += 1
+            raise _Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        except RuntimeError as e:   # engine failed or shut down
+            self._forget(r)
+            raise _Reject(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        if self._draining:   # `stop` began while it was submitted: abort_all may have missed it
+            llm.abort(r.request_id, "shutdown")
+
+        def on_rpc_done():
+            # Runs when the RPC ends for any reason: at once on a cancel or a passed
+            # deadline (the handler may still be blocked waiting for the next token),
+            # and as a no-op after a normal end.
+            if self._draining:
+                reason = "shutdown"
+            elif context.time_remaining() is not None and context.time_remaining() <= 0:
+                reason = "deadline exceeded"
+            else:
+                reason = "cancelled"
+            self._finish(r, reason)
+
+        if not context.add_callback(on_rpc_done):
+            on_rpc_done()   # the RPC already ended before we could register
+        return r, client_id or r.request_id
+
+    def _finish(self, r: Request, reason: str = "cancelled") -> None:
+        """The RPC is done with `r`: abort it if it still runs, and the first time,
+        forget it and learn from it if it finished. Both the handler and the RPC
+        callback call this; whichever runs second finds nothing to do."""
+        if not r.is_final:
+            self.llm.abort(r.request_id, "shutdown" if self._draining else reason)
+        with self._lock:
+            entry = self._in_flight.pop(r.request_id, None)
+        if entry is not None and r.finish_reason in ("stop", "length"):
+            m = RequestMetrics.of(r)
+            self.metrics.observe(m)
+            self.admission.observe(entry[1], len(r.prompt_ids), m)
+
+    def _forget(self, r: Request) -> None:
+        with self._lock:
+            self._in_flight.pop(r.request_id, None)

@@ -1,0 +1,120 @@
+"""Chat templates (`jaxpd.chat`) and `LLM.chat` on the built-in default model."""
+import pytest
+
+from jaxpd import LLM, SamplingParams, default_model_dir
+from jaxpd.chat import ChatTemplateError, check_messages, render_chat
+from jaxpd.models.tokenizer import Tokenizer
+
+# The shape of a real instruct template (ChatML-like): system/user/assistant turns,
+# the generation prompt, a refusal through raise_exception, a bos token and tojson.
+CHATML = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}"
+    "{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+CONVERSATION = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Name a colour."}]
+
+
+def test_renders_system_user_assistant_and_the_generation_prompt():
+    text = render_chat(CHATML, CONVERSATION, bos_token="<s>")
+    assert text == ("<s><|im_start|>system\nBe brief.<|im_end|>\n"
+                    "<|im_start|>user\nHi<|im_end|>\n"
+                    "<|im_start|>assistant\nHello.<|im_end|>\n"
+                    "<|im_start|>user\nName a colour.<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    without = render_chat(CHATML, CONVERSATION, bos_token="<s>", add_generation_prompt=False)
+    assert text == without + "<|im_start|>assistant\n"
+
+
+def test_trim_blocks_lstrip_blocks_and_tojson_as_transformers():
+    template = ("{% for m in messages %}\n"
+                "    {{ m['content'] | tojson }}\n"
+                "{% endfor %}")
+    # trim_blocks eats the newline after a tag, lstrip_blocks the indent before one;
+    # tojson keeps non-ASCII and does not HTML-escape.
+    assert render_chat(template, [{"role": "user", "content": "café <b>"}]) == \
+        '    "café <b>"\n'
+
+
+def test_raise_exception_in_the_template_is_a_value_error():
+    with pytest.raises(ChatTemplateError, match="unknown role tool"):
+        render_chat(CHATML, [{"role": "tool", "content": "42"}])
+
+
+@pytest.mark.parametrize("attack", [
+    "{{ ''.__class__.__mro__ }}",
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ messages.append(1) }}",            # immutable: the caller's list is not changed
+    "{{ cycler.__init__.__globals__ }}",
+])
+def test_the_sandbox_refuses_escapes(attack):
+    messages = [{"role": "user", "content": "x"}]
+    with pytest.raises(ValueError, match="unsafe|failed"):
+        render_chat(attack, messages)
+    assert messages == [{"role": "user", "content": "x"}]
+
+
+def test_no_template_bad_roles_and_content_are_value_errors():
+    with pytest.raises(ValueError, match="no chat template"):
+        render_chat(None, CONVERSATION)
+    with pytest.raises(ValueError, match=r"messages\[0\]\.role"):
+        check_messages([{"role": "robot", "content": "x"}])
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content must be a string"):
+        check_messages([{"role": "user", "content": "x"}, {"role": "user", "content": 3}])
+    with pytest.raises(ValueError, match="messages is empty"):
+        check_messages([])
+    with pytest.raises(ValueError, match="messages must be a list"):
+        check_messages("hello")
+    with pytest.raises(ChatTemplateError, match="does not parse"):
+        render_chat("{% for %}", CONVERSATION)
+
+
+def test_the_default_model_has_a_template():
+    tok = Tokenizer(default_model_dir())
+    text = render_chat(tok.chat_template, CONVERSATION, eos_token="</s>")
+    assert text == ("Be brief.\nUser: Hi\nAssistant: Hello.</s>\nUser: Name a colour.\n"
+                    "Assistant:")
+    assert tok.encode("Hello.</s>")[-1] == 2   # the eos string is the eos token
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(mesh="colocated=1", max_model_len=64, slots_per_shard=2) as llm:
+        yield llm
+
+
+@pytest.mark.slow
+def test_llm_chat_is_generate_on_the_rendered_prompt(llm):
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    (out,) = llm.chat(CONVERSATION, params)
+    (ref,) = llm.generate(llm.chat_prompt(CONVERSATION), params)
+    assert out.token_ids == ref.token_ids and out.text == ref.text
+    assert out.prompt_token_ids == llm.tokenizer.encode(
+        "Be brief.\nUser: Hi\nAssistant: Hello.</s>\nUser: Name a colour.\nAssistant:")
+    # a batch of conversations: one output each, in order
+    other = [{"role": "user", "content": "What is a string?"}]
+    batch = llm.chat([CONVERSATION, other], params)
+    assert [o.token_ids for o in batch] == [out.token_ids,
+                                            llm.chat(other, params)[0].token_ids]
+
+
+@pytest.mark.slow
+def test_llm_chat_refuses_bad_messages(llm):
+    with pytest.raises(ValueError, match=r"messages\[0\]\.role"):
+        llm.chat([{"role": "narrator", "content": "x"}])
+    with pytest.raises(ValueError, match=r"content must be a string"):
+        llm.chat([{"role": "user", "content": None}])
+
+
+def test_llm_chat_without_a_template_is_a_clear_error(llm, monkeypatch):
+    monkeypatch.setattr(llm.tokenizer, "chat_template", None)
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat(CONVERSATION)

@@ -1,0 +1,361 @@
+"""The OpenAI-compatible HTTP server (`jaxpd.serving.http`) with the official `openai`
+client, on the built-in default model (it has a tokenizer and a chat template) served
+disaggregated (prefill=1,decode=1); a fake front end makes overload, shutdown and
+disconnects deterministic."""
+import http.client
+import json
+import threading
+import time
+import types
+
+import openai
+import pytest
+
+from jaxpd import LLM, SamplingParams
+from jaxpd.errors import QueueFull
+from jaxpd.frontend import Frontend
+from jaxpd.request import Request
+from jaxpd.serving.http import HttpServer, OpenAIService
+
+MODEL = "default_model"
+GREEDY = dict(temperature=0, max_tokens=8)
+CHAT = [{"role": "user", "content": "What is a string?"}]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(mesh="prefill=1,decode=1", max_model_len=64, slots_per_shard=4) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    server = HttpServer(OpenAIService(), port=0)
+    server.attach(llm)
+    yield server
+    server.stop(grace_s=0)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                         max_retries=0, timeout=60)
+
+
+def request(port: int, method: str, path: str, body: bytes | None = None,
+            headers: dict | None = None) -> tuple[int, dict, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def wait_all_free(llm, timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = llm.stats()
+        if stats["pages_used"] == 0 and stats["slots_active"] == 0:
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+
+
+# ---- the real model ---------------------------------------------------------------
+
+def test_models_list_names_the_served_model(client, llm):
+    (model,) = client.models.list().data
+    assert model.id == MODEL and model.owned_by == "jaxpd"
+    assert model.model_extra["max_model_len"] == llm.config.max_model_len
+
+
+def test_completions_match_llm_generate_streamed_or_not(client, llm):
+    ref = llm.generate("The cat", SamplingParams(**GREEDY))[0]
+    out = client.completions.create(model=MODEL, prompt="The cat", **GREEDY,
+                                    extra_body={"return_token_ids": True})
+    (choice,) = out.choices
+    assert choice.text == ref.text
+    assert choice.model_extra["token_ids"] == ref.token_ids
+    assert choice.finish_reason == ref.finish_reason
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == \
+        (len(ref.prompt_token_ids), len(ref.token_ids),
+         len(ref.prompt_token_ids) + len(ref.token_ids))
+    # the same prompt as token ids, streamed, with the usage chunk at the end
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=ref.prompt_token_ids, stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == ref.finish_reason and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_chat_stream_assembles_the_non_streamed_answer(client, llm):
+    ref = llm.chat(CHAT, SamplingParams(**GREEDY))[0]
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, **GREEDY)
+    assert whole.choices[0].message.content == ref.text
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == len(ref.prompt_token_ids)
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, stream=True,
+                                            temperature=0, max_completion_tokens=8)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_vllm_extra_fields_are_applied(client, llm):
+    ref = llm.generate("The cat", SamplingParams(max_tokens=8, temperature=0.7, top_k=5,
+                                                 seed=3, ignore_eos=True))[0]
+    out = client.completions.create(
+        model=MODEL, prompt="The cat", max_tokens=8, temperature=0.7, seed=3, user="someone",
+        extra_body={"top_k": 5, "ignore_eos": True, "min_p": 0.0, "repetition_penalty": 1.0,
+                    "return_token_ids": True})
+    assert out.choices[0].model_extra["token_ids"] == ref.token_ids
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(extra_body={"top_k": "many"}), "top_k"),
+    (dict(extra_body={"stop_token_ids": [10**9]}), "stop_token_ids"),
+    (dict(extra_body={"bogus": 1}), "bogus"),
+    (dict(n=2), "n"),
+    (dict(stop=["x"]), "stop"),
+    (dict(logprobs=2), "logprobs"),
+    (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(extra_body={"min_p": 0.1}), "min_p"),
+    (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty"),
+])
+def test_bad_or_unsupported_fields_are_400_naming_the_field(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="The cat", **{"max_tokens": 4, **kwargs})
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param and param in e.value.body["message"]
+    assert e.value.body["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(logprobs=True), "logprobs"),
+    (dict(n=2), "n"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), "messages"),
+    (dict(messages=[{"role": "user", "content": 5}]), "messages"),
+    (dict(max_completion_tokens=1000), "max_completion_tokens"),
+])
+def test_chat_bad_fields_are_400(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**{"model": MODEL, "messages": CHAT, **kwargs})
+    assert e.value.body["param"] == param
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+
+
+def test_the_full_model_path_is_accepted(client, llm):
+    out = client.completions.create(model=llm.model_path, prompt="The cat", max_tokens=1,
+                                    temperature=0)
+    assert out.model == MODEL
+
+
+def test_bad_json_and_huge_bodies_are_refused(server):
+    status, _, body = request(server.port, "POST", "/v1/completions", b"{not json",
+                              {"Content-Type": "application/json"})
+    assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
+    huge = json.dumps({"model": MODEL, "prompt": "a" * (server.service.max_body_bytes + 1)})
+    status, _, body = request(server.port, "POST", "/v1/completions", huge.encode())
+    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+
+
+def test_closing_a_stream_aborts_it_and_frees_its_pages(client, llm):
+    aborted = llm.stats()["aborted"]
+    stream = client.completions.create(model=MODEL, prompt="The cat", stream=True,
+                                       max_tokens=60, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    for _ in range(3):   # tokens after the first come from the decode mesh: it holds pages
+        next(chunks)
+    stream.close()
+    wait_all_free(llm)
+    deadline = time.monotonic() + 30
+    while llm.stats()["aborted"] == aborted:
+        assert time.monotonic() < deadline, llm.stats()
+        time.sleep(0.05)
+
+
+def test_health_and_metrics(server, llm):
+    status, _, body = request(server.port, "GET", "/health")
+    health = json.loads(body)
+    assert status == 200 and health["status"] == "ok" and health["role"] == "single"
+    assert health["mesh"] == str(llm.config.mesh)
+    stats = llm.stats()
+    assert health["slots_total"] == stats["slots_total"] > 0
+    assert health["pages_total"] == stats["pages_total"] > 0
+    assert {"queue_waiting", "slots_active", "pages_used"} <= health.keys()
+    status, headers, body = request(server.port, "GET", "/metrics")
+    text = body.decode()
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    assert "jaxpd_ttft_seconds_count" in text and "jaxpd_pages_total" in text
+
+
+# ---- a fake front end: overload, loading, shutdown, disconnects --------------------
+
+class FakeFrontend(Frontend):
+    """Requests that produce what the test puts in their events; `full` refuses."""
+
+    def __init__(self):
+        self.config = types.SimpleNamespace(max_prompt_len=16, max_model_len=32, mesh="fake=1")
+        self.model_config = types.SimpleNamespace(vocab_size=100, eos_token_ids=(2,))
+        self.model_path, self.tokenizer = "/models/fake", None
+        self.full = False
+        self.submitted: list[Request] = []
+        self._next = 0
+
+    def new_request_id(self):
+        self._next += 1
+        return f"fake-{self._next}"
+
+    def submit(self, request):
+        if self.full:
+            raise QueueFull("the queue is full (max_queued=1)")
+        self.submitted.append(request)
+        return request
+
+    def abort(self, request_id, reason="cancelled"):
+        return any(r.abort(reason) for r in self.submitted if r.request_id == request_id)
+
+    def stats(self):
+        return {"mesh": "fake=1", "slots_total": 2, "pages_total": 8, "queue_waiting": 0,
+                "slots_active": 0, "pages_used": 0}
+
+
+@pytest.fixture
+def fake():
+    fe = FakeFrontend()
+    server = HttpServer(OpenAIService(model_names=("fake",)), port=0)
+    yield fe, server, openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1",
+                                    api_key="x", max_retries=0, timeout=30)
+    server.stop(grace_s=0)
+
+
+def wait_for(predicate, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_503_until_attached_then_429_with_retry_after_when_the_queue_is_full(fake):
+    fe, server, client = fake
+    status, _, body = request(server.port, "GET", "/health")
+    assert status == 503 and json.loads(body)["status"] == "starting"
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model="fake", prompt=[5, 6], max_tokens=2)
+    assert e.value.status_code == 503 and e.value.body["code"] == "service_unavailable"
+    server.attach(fe)
+    fe.full = True
+    with pytest.raises(openai.RateLimitError) as e:
+        client.completions.create(model="fake", prompt=[5, 6], max_tokens=2)
+    assert e.value.response.headers["retry-after"] == "1"
+    assert "queue is full" in e.value.body["message"]
+    status, _, body = request(server.port, "GET", "/metrics")
+    assert 'jaxpd_rejections_total{reason="queue_full"} 1.0' in body.decode()
+    # a prompt string on a model without a tokenizer: 400 naming the prompt
+    fe.full = False
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="fake", prompt="text", max_tokens=2)
+    assert e.value.body["param"] == "prompt"
+
+
+def test_a_client_gone_mid_stream_aborts_its_request(fake):
+    fe, server, client = fake
+    server.attach(fe)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"model": "fake", "prompt": [5, 6], "max_tokens": 10, "stream": True,
+         "return_token_ids": True}))
+    wait_for(lambda: fe.submitted)
+    (r,) = fe.submitted
+    r.events.put(([7], None))
+    resp = conn.getresponse()
+    assert json.loads(resp.readline()[len(b"data: "):])["choices"][0]["token_ids"] == [7]
+    conn.sock.close()   # the client goes away while the request waits for its next token
+    conn.close()
+    wait_for(lambda: r.is_final)
+    assert r.abort_reason == "client disconnected"
+    wait_for(lambda: server.service.stats()["requests_in_flight"] == 0)
+
+
+def test_stop_drains_then_aborts_streams_with_shutdown(fake):
+    fe, server, client = fake
+    server.attach(fe)
+    stream = client.completions.create(model="fake", prompt=[5, 6], max_tokens=10, stream=True,
+                                       extra_body={"return_token_ids": True})
+    wait_for(lambda: fe.submitted)
+    (r,) = fe.submitted
+    r.events.put(([7], None))
+    chunks = iter(stream)
+    assert next(chunks).choices[0].model_extra["token_ids"] == [7]
+    stopper = threading.Thread(target=server.stop, kwargs={"grace_s": 1.0})
+    stopper.start()
+    wait_for(lambda: server.service.draining)
+    status, _, body = request(server.port, "GET", "/health")
+    assert status == 503 and json.loads(body)["status"] == "draining"
+    with pytest.raises(openai.APIError, match="shutting down|shutdown"):
+        list(chunks)   # the stream's last event is the error
+    stopper.join(30)
+    assert r.abort_reason == "shutdown"
+
+
+# ---- a router deployment answers like a single process ------------------------------
+
+@pytest.mark.slow
+def test_a_router_deployment_answers_http_like_one_process(llm):
+    from tests.test_router import Procs   # processes killed at the end whatever happens
+
+    procs = Procs()
+    common = ["--max_model_len", "64", "--nowarmup", "--host", "127.0.0.1"]
+    try:
+        router = procs.start(["--role", "router", "--port", "0", "--http_port", "0",
+                              "--internal_port", "0"] + common)
+        internal = procs.wait_line(router, r"internal plane on (\S+)").group(1)
+        port = int(procs.wait_line(router, r"HTTP .* on http://127\.0\.0\.1:(\d+)").group(1))
+        status, _, body = request(port, "GET", "/health")
+        assert status == 503 and json.loads(body)["status"] == "starting"
+        for role, mesh in (("prefill", "prefill=1"), ("decode", "decode=1")):
+            procs.start(["--role", role, "--mesh", mesh, "--port", "0", "--router", internal,
+                         "--kv_transport", "grpc"] + common)
+        procs.wait_line(router, r"jaxpd serving")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0, timeout=120)
+        ref = llm.generate("The cat", SamplingParams(**GREEDY))[0]
+        out = client.completions.create(model=MODEL, prompt="The cat", **GREEDY,
+                                        extra_body={"return_token_ids": True})
+        assert out.choices[0].model_extra["token_ids"] == ref.token_ids
+        assert out.choices[0].text == ref.text
+        ref_chat = llm.chat(CHAT, SamplingParams(**GREEDY))[0]
+        chunks = client.chat.completions.create(model=MODEL, messages=CHAT, stream=True,
+                                                **GREEDY)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref_chat.text
+        stream = client.completions.create(model=MODEL, prompt="The cat", stream=True,
+                                           max_tokens=60, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        for _ in range(3):   # decoding: the decode worker holds the request's pages
+            next(chunks)
+        stream.close()
+        deadline = time.monotonic() + 60
+        while True:   # the decode worker freed the cancelled request's slot and pages
+            status, _, body = request(port, "GET", "/health")
+            health = json.loads(body)
+            if health["pages_used"] == 0 and health["slots_active"] == 0:
+                break
+            assert time.monotonic() < deadline, health
+            time.sleep(0.1)
+        assert status == 200 and health["role"] == "router" and health["slots_total"] > 0
+    finally:
+        procs.close()
