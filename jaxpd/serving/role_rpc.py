@@ -26,10 +26,10 @@ import os
 from typing import Any, Iterator
 
 import grpc
-import msgpack
 
 from jaxpd.auth import NO_AUTH, InternalAuth
-from jaxpd.transfer.wire import WIRE_VERSION, check_wire_version, pack
+from jaxpd.transfer.wire import (WIRE_VERSION, MalformedMessage, WireVersionError, pack,
+                                 unpack, unpack_checked)
 
 ROLE_SERVICE = "jaxpd.internal.Worker"
 ROUTER_SERVICE = "jaxpd.internal.Router"
@@ -37,7 +37,6 @@ ROLES = ("prefill", "decode")
 KV_TRANSPORTS = ("transfer_server", "grpc")
 MAX_ADDRESS_LEN = 256
 MAX_REASON_LEN = 256
-_MAX_IDS = 1 << 20            # token ids in one body: far above any max_model_len
 
 # The router -> worker channel pings an idle connection so a half-open one (a frozen
 # or unplugged peer) is noticed; worker servers allow pings that often.
@@ -47,20 +46,6 @@ CLIENT_KEEPALIVE = (("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout
 SERVER_KEEPALIVE = (("grpc.keepalive_permit_without_calls", 1),
                     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000))
-
-
-def unpack_body(data: bytes) -> dict[str, Any]:
-    """A role RPC body, decoded with container limits (no huge allocation from a small
-    message). ValueError for anything that is not one msgpack map."""
-    try:
-        body = msgpack.unpackb(data, raw=False, max_str_len=1 << 16, max_bin_len=1 << 16,
-                               max_array_len=_MAX_IDS, max_map_len=64,
-                               max_ext_len=0)
-    except Exception as e:  # msgpack raises several types for truncated/garbage bytes
-        raise ValueError(f"body is not msgpack: {e}") from None
-    if not isinstance(body, dict):
-        raise ValueError(f"body must be a map, got {type(body).__name__}")
-    return body
 
 
 def unary_handler(fn):
@@ -74,13 +59,11 @@ def stream_handler(fn):
 def _checked(fn):
     def serve(data: bytes, context: grpc.ServicerContext):
         try:
-            message = unpack_body(data)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        try:
-            check_wire_version(message.get("wire_version"), fn.__name__)
-        except Exception as e:
+            message = unpack_checked(data, fn.__name__)
+        except WireVersionError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except MalformedMessage as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return fn(message, context)
     return serve
 
@@ -182,7 +165,7 @@ class RoleClient:
         self._channel = auth.channel(address, options=CLIENT_KEEPALIVE)
         call = lambda kind, name: getattr(self._channel, kind)(
             f"/{ROLE_SERVICE}/{name}", request_serializer=pack,
-            response_deserializer=unpack_body)
+            response_deserializer=unpack)
         self._info = call("unary_unary", "Info")
         self._prefill = call("unary_unary", "Prefill")
         self._decode = call("unary_stream", "Decode")
@@ -217,7 +200,7 @@ def register(router_address: str, info: WorkerInfo, load: dict, auth: InternalAu
     grpc.RpcError while the router is not up, or when it refuses this worker."""
     with auth.channel(router_address) as channel:
         call = channel.unary_unary(f"/{ROUTER_SERVICE}/Register", request_serializer=pack,
-                                   response_deserializer=unpack_body)
+                                   response_deserializer=unpack)
         return call(_msg(**info.to_wire(), load=load), timeout=timeout)
 
 
