@@ -504,3 +504,38 @@ def test_dead_engine_health_not_serving_and_unavailable(tiny_hf_model):
     finally:
         server.stop(0)
         llm.shutdown()
+
+
+def test_worker_health_answers_while_every_stream_thread_is_busy():
+    """Health Check has its own threads on a worker: with every Decode-stream thread
+    held (max_workers=2, two streams that never end), a probe still gets SERVING."""
+    import types
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from jaxpd.serving.role_server import RoleServer
+
+    release = threading.Event()
+
+    def hold(_request, context):
+        yield b"started"
+        release.wait(30)
+
+    service = types.SimpleNamespace(
+        engine=types.SimpleNamespace(error=None),
+        handlers=lambda: grpc.method_handlers_generic_handler(
+            "t.Hold", {"Hold": grpc.unary_stream_rpc_method_handler(hold)}))
+    server = RoleServer(service, "127.0.0.1", 0, max_workers=2)
+    server.start()
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            streams = [channel.unary_stream("/t.Hold/Hold")(b"", timeout=30) for _ in range(2)]
+            assert [next(s) for s in streams] == [b"started", b"started"]   # both threads held
+            check = health_pb2_grpc.HealthStub(channel).Check
+            for _ in range(5):
+                assert check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+                    health_pb2.HealthCheckResponse.SERVING
+            release.set()
+            for s in streams:
+                assert list(s) == []
+    finally:
+        release.set()
+        server.stop(0)

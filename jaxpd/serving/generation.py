@@ -36,7 +36,7 @@ from google.protobuf.message import DecodeError
 from jaxpd.serving.admission import AdmissionController
 from jaxpd.errors import QueueFull
 from jaxpd.outputs import RequestMetrics
-from jaxpd.serving.pool import ShrinkingThreadPool
+from jaxpd.serving.pool import ShrinkingThreadPool, on_pool
 from jaxpd.serving.prometheus import ServingMetrics
 from jaxpd.serving.proto import jaxpd_pb2
 from jaxpd.request import Request, State
@@ -83,14 +83,6 @@ def metrics_message(r: Request) -> jaxpd_pb2.RequestMetrics:
         ttft_s=m.ttft_s, tpot_s=m.tpot_s, queue_s=m.queue_s, prefill_s=m.prefill_s,
         transfer_s=m.transfer_s, transfer_bytes=m.transfer_bytes, e2e_s=m.e2e_s,
         num_preemptions=m.num_preemptions, abort_reason=r.abort_reason)
-
-
-def on_pool(behaviour: Callable, pool: ShrinkingThreadPool) -> Callable:
-    """`behaviour`, run by grpc on `pool` instead of the server's own pool."""
-    def handle(request, context):
-        return behaviour(request, context)
-    handle.experimental_thread_pool = pool
-    return handle
 
 
 def _parsing(behaviour: Callable, request_class) -> Callable:

@@ -24,16 +24,16 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from concurrent import futures
 from typing import Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from jaxpd.auth import NO_AUTH, InternalAuth
 from jaxpd.engine.engine import Engine
 from jaxpd.errors import QueueFull
 from jaxpd.request import Request, State
+from jaxpd.serving.pool import ShrinkingThreadPool, health_handler
 from jaxpd.serving.role_rpc import (MAX_ADDRESS_LEN, MAX_REASON_LEN, ROLE_SERVICE,
                                     SERVER_KEEPALIVE, WorkerInfo, model_identity, register,
                                     stream_handler, unary_handler)
@@ -206,16 +206,19 @@ class RoleServer:
     engine has failed). Every call is authenticated by `auth`."""
 
     def __init__(self, service: RoleService, host: str, port: int,
-                 auth: InternalAuth = NO_AUTH, max_workers: int = 64):
+                 auth: InternalAuth = NO_AUTH, max_workers: int = 1024):
         self.service = service
         self.auth = auth
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers,
-                                                              thread_name_prefix="jaxpd-worker"),
-                                   interceptors=auth.server_interceptors(),
+        # One thread per Decode stream (each request registered here holds one for its
+        # life): a shrinking pool, so a burst's threads go with the burst; health Check
+        # on a pool of its own, so a probe never waits behind streams.
+        self._pool = ShrinkingThreadPool(max_workers, "jaxpd-worker")
+        self._health_pool = ShrinkingThreadPool(2, "jaxpd-worker-health")
+        self._server = grpc.server(self._pool, interceptors=auth.server_interceptors(),
                                    options=SERVER_KEEPALIVE)
-        self._server.add_generic_rpc_handlers((service.handlers(),))
         self._health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self._server.add_generic_rpc_handlers((service.handlers(),
+                                               health_handler(self._health, self._health_pool)))
         self.port = auth.add_port(self._server, f"{host}:{port}")
         self.address = f"{host}:{self.port}"
         self._stop = threading.Event()
@@ -272,6 +275,8 @@ class RoleServer:
         self._stop.set()
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        self._pool.shutdown(wait=True)
+        self._health_pool.shutdown(wait=True)
 
 
 def make_connector(role: str, transport: str, host: str, auth: InternalAuth = NO_AUTH):

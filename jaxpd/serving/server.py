@@ -26,9 +26,9 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from jaxpd.serving.admission import AdmissionController
-from jaxpd.serving.pool import ShrinkingThreadPool
+from jaxpd.serving.pool import ShrinkingThreadPool, health_handler
 from jaxpd.serving.prometheus import MetricsEndpoint, ServingCollector, ServingMetrics
-from jaxpd.serving.generation import SERVICE_NAME, GenerationServicer, on_pool
+from jaxpd.serving.generation import SERVICE_NAME, GenerationServicer
 
 if TYPE_CHECKING:
     from jaxpd.llm import LLM
@@ -73,7 +73,7 @@ class InferenceServer:
                                  maximum_concurrent_rpcs=max_concurrent_rpcs + _BACKLOG,
                                  options=[("grpc.max_receive_message_length", max_message)])
         self._grpc.add_generic_rpc_handlers((self.servicer.handlers(self._control_pool),
-                                             self._health_handler()))
+                                             health_handler(self.health, self._health_pool)))
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -97,19 +97,6 @@ class InferenceServer:
                 raise
         self.metrics_port = None if self._metrics_endpoint is None else self._metrics_endpoint.port
         self._stopped = False
-
-    def _health_handler(self) -> grpc.GenericRpcHandler:
-        """grpc.health.v1 with Check on its own pool (Watch holds no thread)."""
-        request, response = health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
-        return grpc.method_handlers_generic_handler(health.SERVICE_NAME, {
-            "Check": grpc.unary_unary_rpc_method_handler(
-                on_pool(self.health.Check, self._health_pool),
-                request_deserializer=request.FromString,
-                response_serializer=response.SerializeToString),
-            "Watch": grpc.unary_stream_rpc_method_handler(
-                self.health.Watch, request_deserializer=request.FromString,
-                response_serializer=response.SerializeToString),
-        })
 
     def attach(self, llm: LLM) -> None:
         """Serve `llm` (loaded and warm): health flips to SERVING."""
