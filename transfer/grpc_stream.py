@@ -78,17 +78,23 @@ class MalformedHeaderError(TransferError):
 @dataclasses.dataclass(frozen=True)
 class GrpcStreamOptions:
     """chunk_size: bytes per stream message; max_handoff_bytes: refuse larger
-    announcements before allocating for them."""
+    announcements before allocating for them. A send's deadline is `rpc_timeout_s`
+    plus one second per `min_bytes_per_s` bytes: short for the usual few-MB handoff, so
+    a frozen decode side (SIGSTOP: TCP open, nobody answering) holds the prefill loop
+    for seconds, not a minute."""
     chunk_size: int = MAX_CHUNK_SIZE
-    rpc_timeout_s: float = 60.0
+    rpc_timeout_s: float = 5.0
+    min_bytes_per_s: float = 100e6
     max_pending: int = 64
     max_handoff_bytes: int = 16 << 30
 
     def __post_init__(self):
         if not 0 < self.chunk_size <= MAX_CHUNK_SIZE:
             raise ValueError(f"chunk_size must be in (0, {MAX_CHUNK_SIZE}], got {self.chunk_size}")
-        if self.rpc_timeout_s <= 0 or self.max_pending <= 0 or self.max_handoff_bytes <= 0:
-            raise ValueError("rpc_timeout_s, max_pending and max_handoff_bytes must be positive")
+        if (self.rpc_timeout_s <= 0 or self.max_pending <= 0 or self.max_handoff_bytes <= 0
+                or self.min_bytes_per_s <= 0):
+            raise ValueError("rpc_timeout_s, max_pending, max_handoff_bytes and "
+                             "min_bytes_per_s must be positive")
 
 
 @dataclasses.dataclass
@@ -105,6 +111,10 @@ class EncodedHandoff:
     """A handoff ready to stream: packed header plus k's and v's bytes (no copy yet)."""
     header: bytes
     body: tuple[memoryview, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return len(self.header) + sum(buf.nbytes for buf in self.body)
 
     def messages(self, chunk_size: int = MAX_CHUNK_SIZE) -> Iterator[bytes]:
         yield self.header
@@ -260,8 +270,9 @@ class GrpcSender:
             raise TransferError(f"handoff {handoff.request_id!r} names no decode destination "
                                 f"and the connector has no default")
         try:
-            self._sender(address)(encoded.messages(self.options.chunk_size),
-                                  timeout=self.options.rpc_timeout_s)
+            timeout = (self.options.rpc_timeout_s
+                       + encoded.num_bytes / self.options.min_bytes_per_s)
+            self._sender(address)(encoded.messages(self.options.chunk_size), timeout=timeout)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DATA_LOSS:
                 raise StreamDataError(f"{address} rejected the stream of "

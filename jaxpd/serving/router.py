@@ -122,6 +122,7 @@ class _Call:
     handle: object                      # a grpc stream or future: `.cancel()`
     last_seen: float | None = None      # a watched stream: when it last said something
     why: str | None = None              # set when the router cancels it itself
+    destination: _Worker | None = None  # a Prefill's decode worker (where its KV goes)
 
 
 class Router(Frontend):
@@ -283,7 +284,9 @@ class Router(Frontend):
         w.live = False
         self.counters.add(workers_dropped=1)
         _log.warning("%s worker %s dropped: %s", w.role, w.address, why)
-        for c in [c for c in self._calls if c.worker is w]:
+        # Its own calls, and Prefills whose KV was on its way to it (the prefill worker
+        # would otherwise wait out its send timeout on a frozen destination).
+        for c in [c for c in self._calls if c.worker is w or c.destination is w]:
             self._cancel(c, f"its worker was dropped ({why})")
 
     def _probe(self, w: _Worker) -> None:
@@ -302,8 +305,10 @@ class Router(Frontend):
 
     # ---- calls --------------------------------------------------------------------
 
-    def _track(self, r: Request, w: _Worker, handle, watched: bool) -> _Call:
-        c = _Call(r.request_id, w, handle, time.monotonic() if watched else None)
+    def _track(self, r: Request, w: _Worker, handle, watched: bool,
+               destination: _Worker | None = None) -> _Call:
+        c = _Call(r.request_id, w, handle, time.monotonic() if watched else None,
+                  destination=destination)
         with self._lock:
             self._calls.add(c)
             w.num_calls += 1
@@ -440,12 +445,12 @@ class Router(Frontend):
         for p in prefillers:
             call = self._track(r, p, p.client.prefill(r.to_wire(), decoder.info.kv_address,
                                                       timeout=self.config.prefill_timeout_s),
-                               watched=False)
+                               watched=False, destination=decoder)
             try:
                 out = call.handle.result()
             except (grpc.RpcError, grpc.FutureCancelledError) as e:
-                if r.is_final:
-                    return
+                if r.is_final or not decoder.live:
+                    return          # (the decode stream, cancelled too, fails it over)
                 why = call.why or (e.code() if isinstance(e, grpc.RpcError) else "cancelled")
                 _log.warning("prefill worker %s failed %s (%s)", p.address, r.request_id, why)
                 self.counters.add(prefill_failovers=1)
