@@ -1,6 +1,6 @@
 """Soak: the router deployment under steady random traffic -- cancels, short deadlines,
 complete requests -- while one decode worker is SIGKILLed (and a new one started) and
-another is SIGSTOPped and resumed. Bounded (40 s of traffic).
+another is SIGSTOPped and resumed. Bounded (30 s of traffic).
 
 What must hold at the end: no call outlived its deadline (+ a margin); every request
 the router accepted finished or was aborted with a reason (its counters add up
@@ -24,7 +24,7 @@ from tests.test_router import COMMON, _deployment, model, procs  # noqa: F401 (f
 pytestmark = pytest.mark.slow
 
 TOKEN = "soak-cluster-token-0123456789abcdef"
-TRAFFIC_S = 40.0
+TRAFFIC_S = 30.0
 CLIENTS = 6
 MARGIN_S = 5.0                     # a call may end this much after its deadline
 LIVENESS = ["--heartbeat_s", "0.3", "--lease_s", "1.5", "--stall_timeout_s", "2"]
