@@ -6,7 +6,9 @@ and in how a dead back end shows (`failure`).
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
+import threading
 from typing import Iterator, Sequence
 
 from jaxpd.chat import render_chat
@@ -14,10 +16,11 @@ from jaxpd.config import EngineConfig
 from jaxpd.outputs import CompletionOutput, RequestMetrics, StreamDelta
 from jaxpd.request import Request
 from jaxpd.sampling_params import SamplingParams
-from jaxpd.validation import (check_request, check_request_id, check_text_size,
-                              default_max_prompt_bytes)
+from jaxpd.text import TextStream, output_text
+from jaxpd.validation import (MAX_REQUEST_ID_LEN, check_request, check_request_id,
+                              check_text_size, default_max_prompt_bytes)
 from jaxpd.models.config import ModelConfig
-from jaxpd.models.tokenizer import IncrementalDecoder, Tokenizer
+from jaxpd.models.tokenizer import Tokenizer
 
 _POLL_S = 0.5
 
@@ -50,7 +53,20 @@ class Frontend:
     def make_request(self, prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
                      sampling_params: SamplingParams | None = None,
                      request_id: str | None = None) -> Request:
-        """Validate and build a request (not yet submitted). ValueError names the field."""
+        """Validate and build one request (not yet submitted). ValueError names the field.
+        With `n` > 1 use `make_requests`, which builds one request per sample."""
+        requests = self.make_requests(prompt, prompt_token_ids, sampling_params, request_id)
+        if len(requests) != 1:
+            raise ValueError(f"n={len(requests)}: one request is one sample; make_requests "
+                             f"builds the {len(requests)} samples")
+        return requests[0]
+
+    def make_requests(self, prompt: str | None = None,
+                      prompt_token_ids: Sequence[int] | None = None,
+                      sampling_params: SamplingParams | None = None,
+                      request_id: str | None = None) -> list[Request]:
+        """Validate and build the `n` requests of one prompt (its samples, each with
+        n=1; a seeded one's seeds are seed, seed+1, ...). ValueError names the field."""
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -71,17 +87,31 @@ class Frontend:
             ids = list(prompt_token_ids)
         ids = check_request(ids, params, vocab_size=self.model_config.vocab_size,
                             max_prompt_len=cfg.max_prompt_len, max_model_len=cfg.max_model_len)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: this model has no tokenizer, so no stop strings "
+                             "(use stop_token_ids)")
         if request_id is not None:
             check_request_id(request_id)
-        return Request(request_id or self.new_request_id(), ids, params,
-                       self.model_config.eos_token_ids)
+            if params.n > 1 and len(request_id) + 3 > MAX_REQUEST_ID_LEN:
+                raise ValueError(f"request_id: at most {MAX_REQUEST_ID_LEN - 3} characters "
+                                 f"with n > 1 (each sample's id gets a suffix)")
+        requests = []
+        for i in range(params.n):
+            one = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else (params.seed + i) % 2**63)
+            rid = request_id or self.new_request_id()
+            if request_id is not None and params.n > 1:
+                rid = f"{request_id}-{i}"
+            requests.append(Request(rid, ids, one, self.model_config.eos_token_ids))
+        return requests
 
     # ---- generation ---------------------------------------------------------------
 
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  prompt_token_ids: Sequence[Sequence[int]] | None = None) -> list[CompletionOutput]:
-        """Generate for every prompt (all submitted at once); outputs in prompt order."""
+        """Generate for every prompt (all submitted at once). Outputs in prompt order;
+        a prompt whose params have `n` > 1 gives its n samples in a row (`index` 0..n-1)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if (prompts is None) == (prompt_token_ids is None):
@@ -94,14 +124,16 @@ class Frontend:
             params = list(sampling_params)
         else:
             params = [sampling_params] * len(items)
-        requests = [self.make_request(prompt=x, sampling_params=p) if prompts is not None else
-                    self.make_request(prompt_token_ids=x, sampling_params=p)
-                    for x, p in zip(items, params)]
+        samples = []    # (request, its index among its prompt's samples)
+        for x, p in zip(items, params):
+            made = (self.make_requests(prompt=x, sampling_params=p) if prompts is not None
+                    else self.make_requests(prompt_token_ids=x, sampling_params=p))
+            samples += [(r, i) for i, r in enumerate(made)]
         submitted = []
         try:
-            for r in requests:
+            for r, _ in samples:
                 submitted.append(self.submit(r))
-            return [self._wait(r) for r in submitted]
+            return [self._wait(r, i) for r, i in samples]
         finally:
             for r in submitted:
                 if not r.is_final:
@@ -131,18 +163,56 @@ class Frontend:
 
     def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                prompt_token_ids: Sequence[int] | None = None) -> Iterator[StreamDelta]:
-        """Yield `StreamDelta`s as tokens are produced; the last one has finish_reason."""
+        """Yield `StreamDelta`s as tokens are produced; the last one has finish_reason.
+        One sample: `n` > 1 is a ValueError (`generate` returns n samples)."""
         r = self.submit(self.make_request(prompt, prompt_token_ids, sampling_params))
-        decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer else None
         try:
-            for ids, finish in self.events(r):
-                text = decoder.push(ids) if decoder else ""
-                if finish is not None and decoder:
-                    text += decoder.flush()
-                yield StreamDelta(r.request_id, ids, text, finish)
+            yield from self.deltas(r)
         finally:
             if not r.is_final:
                 self.abort(r.request_id, "stream closed")
+
+    def deltas(self, request: Request) -> Iterator[StreamDelta]:
+        """`events(request)` as `StreamDelta`s: the text of the new tokens (stop strings
+        applied: text that may begin one is held back until it is known not to) and
+        their log-probabilities when the request asked for them."""
+        text = TextStream(self.tokenizer, request.params.stop) if self.tokenizer else None
+        seen = 0
+        for ids, finish in self.events(request):
+            new = text.push(ids) if text else ""
+            if finish is not None and text:
+                new += text.finish()
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs, seen = request.logprobs[seen:seen + len(ids)], seen + len(ids)
+            yield StreamDelta(request.request_id, ids, new, finish, logprobs)
+
+    def merged_deltas(self, requests: Sequence[Request]) -> Iterator[tuple[int, StreamDelta]]:
+        """(index in `requests`, delta) of several requests as they come (one thread
+        per request beyond the first follows its events); ends when all have ended."""
+        if len(requests) == 1:
+            for d in self.deltas(requests[0]):
+                yield 0, d
+            return
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+        def follow(i: int, r: Request) -> None:
+            try:
+                for d in self.deltas(r):
+                    inbox.put((i, d))
+            except BaseException as e:   # noqa: BLE001 -- re-raised by the consumer
+                inbox.put((i, e))
+
+        for i, r in enumerate(requests):
+            threading.Thread(target=follow, args=(i, r), name="jaxpd-samples",
+                             daemon=True).start()
+        live = len(requests)
+        while live:
+            i, d = inbox.get()
+            if isinstance(d, BaseException):
+                raise d
+            yield i, d
+            live -= d.finish_reason is not None
 
     def events(self, request: Request) -> Iterator[tuple[list[int], str | None]]:
         """(new token ids, finish reason or None) until the request ends; never hangs on a
@@ -159,15 +229,17 @@ class Frontend:
             if finish is not None:
                 return
 
-    def completion(self, r: Request) -> CompletionOutput:
-        text = self.tokenizer.decode(r.output_ids) if self.tokenizer else None
+    def completion(self, r: Request, index: int = 0) -> CompletionOutput:
+        """The output of a final request (its text cut before the first stop string)."""
+        text = output_text(self.tokenizer, r.output_ids, r.params.stop) if self.tokenizer else None
         return CompletionOutput(r.request_id, list(r.prompt_ids), list(r.output_ids), text,
-                                r.finish_reason or "abort", r.abort_reason, RequestMetrics.of(r))
+                                r.finish_reason or "abort", r.abort_reason, RequestMetrics.of(r),
+                                None if r.logprobs is None else list(r.logprobs), index)
 
-    def _wait(self, r: Request) -> CompletionOutput:
+    def _wait(self, r: Request, index: int = 0) -> CompletionOutput:
         for _ in self.events(r):
             pass
-        return self.completion(r)
+        return self.completion(r, index)
 
     def __enter__(self):
         return self

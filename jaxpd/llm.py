@@ -7,6 +7,7 @@ import jax
 
 from jaxpd.config import EngineConfig, resolve_dtype
 from jaxpd.engine.engine import Engine
+from jaxpd import xla_cache
 from jaxpd.frontend import Frontend
 from jaxpd.model_registry import resolve_model
 from jaxpd.outputs import CompletionOutput
@@ -26,7 +27,9 @@ class LLM(Frontend):
     (reporting through `progress`) instead of on first use. dtype: "auto" (float32 on
     CPU, bfloat16 on TPU/GPU), "float32" or "bfloat16". connector: how KV moves (default:
     in-process `DevicePutConnector`; a cross-process sender or receiver for single-role
-    meshes "prefill=P" / "decode=D"). Other keyword arguments go to `EngineConfig`
+    meshes "prefill=P" / "decode=D"). compilation_cache_dir: keep compiled programs
+    there and load them next time (`jaxpd.xla_cache`; None leaves jax as configured,
+    e.g. by $JAX_COMPILATION_CACHE_DIR). Other keyword arguments go to `EngineConfig`
     (page_size, max_model_len, slots_per_shard, ...).
     """
 
@@ -34,7 +37,8 @@ class LLM(Frontend):
                  dtype: str = "auto", warmup: bool = False,
                  progress: Callable[[str], None] | None = None,
                  connector: Connector | KVSender | KVReceiver | None = None,
-                 **engine_options):
+                 compilation_cache_dir: str | None = None, **engine_options):
+        xla_cache.enable(compilation_cache_dir)
         loaded = checkpoint.load(resolve_model(model), dtype="float32")
         engine_options.setdefault("max_model_len", min(loaded.cfg.max_position_embeddings, 1024))
         self.config = EngineConfig(mesh=mesh, dtype=resolve_dtype(dtype, jax.default_backend()),

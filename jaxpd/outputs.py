@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpd.metrics import tpot, ttft
-from jaxpd.request import Request
+from jaxpd.request import Request, TokenLogprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +37,9 @@ class RequestMetrics:
 
 @dataclasses.dataclass(frozen=True)
 class CompletionOutput:
+    """One sample of one prompt. `text` is cut before the first stop string (None
+    without a tokenizer); `logprobs` has one `TokenLogprobs` per token id when the
+    request asked for them; `index` numbers the samples of a prompt (`n` > 1)."""
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -44,12 +47,16 @@ class CompletionOutput:
     finish_reason: str            # "stop" | "length" | "abort"
     abort_reason: str | None
     metrics: RequestMetrics
+    logprobs: list[TokenLogprobs] | None = None
+    index: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class StreamDelta:
-    """New tokens (and their text) of one request since the last delta."""
+    """New tokens of one request since the last delta: their text (what is certain
+    to be output: text that may begin a stop string waits) and log-probabilities."""
     request_id: str
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None

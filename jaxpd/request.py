@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import queue
 import threading
 import time
 
 from jaxpd.sampling_params import SamplingParams
+from jaxpd.text import StopText
+
+# (log-probability of the sampled token, ((token id, log-probability), ...) best first)
+TokenLogprobs = tuple[float, tuple[tuple[int, float], ...]]
 
 
 def _ints(value, field: str) -> list[int]:
@@ -28,6 +33,42 @@ def _ints(value, field: str) -> list[int]:
             isinstance(t, bool) or not isinstance(t, int) for t in value):
         raise ValueError(f"{field} must be a list of integers")
     return list(value)
+
+
+def _logprob(value, field: str) -> float:
+    if not isinstance(value, float) or math.isinf(value):
+        raise ValueError(f"{field}: a log-probability must be a finite float or nan, "
+                         f"got {value!r}")
+    return value
+
+
+def token_logprobs_from_wire(value, top: int, field: str) -> TokenLogprobs:
+    """One token's log-probabilities from a peer, `[logprob, [[id, logprob], ...]]` with
+    at most `top` pairs, checked as untrusted input (`ValueError` naming `field`)."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2 \
+            or not isinstance(value[1], (list, tuple)):
+        raise ValueError(f"{field} must be [logprob, [[token id, logprob], ...]]")
+    if len(value[1]) > top:
+        raise ValueError(f"{field} has {len(value[1])} top log-probabilities, more than "
+                         f"the {top} asked for")
+    pairs = []
+    for pair in value[1]:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError(f"{field}: a top log-probability must be [token id, logprob]")
+        token = pair[0]
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 2**31:
+            raise ValueError(f"{field}: token id {token!r} is not an integer in [0, 2**31)")
+        pairs.append((token, _logprob(pair[1], field)))
+    return _logprob(value[0], field), tuple(pairs)
+
+
+def logprobs_from_wire(value, num_tokens: int, top: int, field: str = "logprobs"
+                       ) -> list[TokenLogprobs]:
+    """The log-probabilities of `num_tokens` tokens from a peer (see
+    `token_logprobs_from_wire`); `ValueError` naming `field`."""
+    if not isinstance(value, (list, tuple)) or len(value) != num_tokens:
+        raise ValueError(f"{field} must be a list of {num_tokens} tokens' log-probabilities")
+    return [token_logprobs_from_wire(x, top, f"{field}[{i}]") for i, x in enumerate(value)]
 
 
 class State(enum.Enum):
@@ -88,31 +129,50 @@ class Request:
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # (new_ids, finished) for streams
         self._lock = threading.Lock()
         self.destination: str | None = None   # decode peer for its KV (multi-process)
+        # Per output token, when params.logprobs is set: (its log-probability, the
+        # params.logprobs most likely (token id, log-probability) pairs, best first).
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self._stop_text: StopText | None = None
+
+    def watch_stop_strings(self, tokenizer) -> None:
+        """End the request (reason "stop") as soon as its output text contains one of
+        params.stop (the engine that samples its tokens calls this). ValueError without
+        a tokenizer."""
+        if self.params.stop:
+            if tokenizer is None:
+                raise ValueError("stop: this model has no tokenizer, so no stop strings "
+                                 "(use stop_token_ids)")
+            self._stop_text = StopText(tokenizer, self.params.stop)
+            self._stop_text.push(self.output_ids)
 
     def to_wire(self, num_tokens: int | None = None) -> dict:
         """Msgpack-able form for another process. `num_tokens`: how many of
         prompt + output the accompanying KV covers (the output beyond it, i.e. the
-        first token just sampled, is left for the handoff's `first_token`)."""
+        first token just sampled, is left for the handoff's `first_token`; its
+        log-probabilities, when asked for, travel here as `next_logprobs`)."""
         n = self.num_tokens if num_tokens is None else num_tokens
-        p = self.params
-        return {
+        output = self.output_ids[:n - len(self.prompt_ids)]
+        wire = {
             "request_id": self.request_id,
             "prompt_ids": self.prompt_ids,
-            "output_ids": self.output_ids[:n - len(self.prompt_ids)],
+            "output_ids": output,
             "seed": self.seed,
             "stop_ids": sorted(self.stop_ids),
-            "params": {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k,
-                       "top_p": p.top_p, "seed": p.seed, "stop_token_ids": list(p.stop_token_ids),
-                       "ignore_eos": p.ignore_eos},
+            "params": self.params.to_wire(),
         }
+        if self.logprobs is not None and len(self.logprobs) > len(output):
+            wire["next_logprobs"] = self.logprobs[len(output)]
+        return wire
 
     @classmethod
     def from_wire(cls, d: dict, state: State = State.TRANSFERRING) -> "Request":
         """A request from another process: by default a decode-side mirror of one
         prefilled there (its KV is on the way); WAITING to prefill it here.
 
-        `d` is a peer's word: every field's type is checked (`ValueError` naming it);
-        whether the ids and lengths fit this engine is `Requests.check`'s job."""
+        `d` is a peer's word: every field's type is checked (`ValueError` naming it),
+        the log-probabilities of its output too (one per output token, when its params
+        ask for them); whether the ids and lengths fit this engine is `Requests.check`'s
+        job."""
         if not isinstance(d, dict):
             raise ValueError(f"request must be a map, got {type(d).__name__}")
         wire = d.get("params")
@@ -133,6 +193,10 @@ class Request:
         r.seed = seed
         r.stop_ids = frozenset(_ints(d.get("stop_ids"), "stop_ids"))
         r.output_ids = _ints(d.get("output_ids"), "output_ids")
+        if params.logprobs is not None:
+            # The output's log-probabilities stay with whoever already streamed it (a
+            # failover or recompute would otherwise resend them all): placeholders here.
+            r.logprobs = [(math.nan, ())] * len(r.output_ids)
         return r
 
     def __repr__(self):
@@ -166,16 +230,22 @@ class Request:
                                f"{self.state.value} -> {new.value}")
         self.state = new
 
-    def append_token(self, token: int, now: float) -> bool:
-        """Record one generated token; True when it ends the request (and it is finished).
-        A request that is already final (e.g. aborted meanwhile) takes no more tokens."""
+    def append_token(self, token: int, now: float,
+                     logprobs: TokenLogprobs | None = None) -> bool:
+        """Record one generated token (and, when asked for, its log-probabilities); True
+        when it ends the request (and it is finished). A request that is already final
+        (e.g. aborted meanwhile) takes no more tokens."""
         with self._lock:
             if self.state in FINAL:
                 return True
             self.output_ids.append(token)
             self.timings.token_times.append(now)
+            if self.logprobs is not None:
+                self.logprobs.append(logprobs if logprobs is not None else (float("nan"), ()))
         reason = None
         if token in self.stop_ids:
+            reason = "stop"
+        elif self._stop_text is not None and self._stop_text.push([token]):
             reason = "stop"
         elif len(self.output_ids) >= self.params.max_tokens:
             reason = "length"
@@ -188,6 +258,20 @@ class Request:
             self.events.put(([], reason))
             return True
         return False
+
+    def finish(self, reason: str) -> bool:
+        """End the request as its sampler said when the checks here cannot see why
+        (a decode worker matched a stop string): True if this call finished it."""
+        if reason not in ("stop", "length"):
+            raise ValueError(f"finish reason must be 'stop' or 'length', got {reason!r}")
+        with self._lock:
+            if self.state in FINAL:
+                return False
+            self._move(State.FINISHED)
+            self.finish_reason = reason
+        self.timings.finish = time.perf_counter()
+        self.events.put(([], reason))
+        return True
 
     def abort(self, reason: str) -> bool:
         """Move to ABORTED unless already final. Returns whether this call aborted it."""

@@ -9,8 +9,9 @@ llama.cpp's converter changes two things we undo:
 - for llama (and mistral, which llama.cpp files as llama) it permutes the rows of each
   head of `attn_q`/`attn_k` so that rope pairs are adjacent (GPT-J style); we put them
   back in halves (the Hugging Face rotate-half layout our rope uses).
-- the tokenizer is metadata (tokens, merges, token types, special ids) instead of a
-  `tokenizer.json`; we rebuild it as transformers' GGUF loader does.
+- the tokenizer is metadata (tokens, merges or SentencePiece scores, token types, special
+  ids) instead of a `tokenizer.json`; we rebuild it -- byte-level BPE (`gpt2`) or
+  SentencePiece BPE with byte fallback (`llama`) -- as transformers' GGUF loader does.
 
 Anything we would run differently from llama.cpp is refused with a `ValueError` naming
 the metadata key or tensor and its value.
@@ -22,7 +23,7 @@ from typing import Callable, Iterator
 
 import gguf
 import numpy as np
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
 
 from jaxpd.models.config import ModelConfig
@@ -32,7 +33,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 # Architectures whose q/k rows llama.cpp's converter permutes (its `LlamaModel`).
 _PERMUTED_QK = ("llama", "mistral")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
-_CONTROL, _USER_DEFINED = 3, 4   # tokenizer.ggml.token_type values
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4   # tokenizer.ggml.token_type values
 
 # How llama.cpp splits text before byte-level BPE, by `tokenizer.ggml.pre`. Unlisted
 # types use GPT-2's split (ByteLevel's own regex), as transformers does.
@@ -232,38 +233,96 @@ def _gguf_version() -> str:
 
 
 def tokenizer(f: GGUFFile) -> Tokenizer:
-    """The tokenizer the metadata describes: byte-level BPE (`tokenizer.ggml.model` gpt2),
-    built as transformers builds it from the same file, with the chat template kept."""
+    """The tokenizer the metadata describes -- byte-level BPE (`tokenizer.ggml.model` gpt2)
+    or SentencePiece BPE (llama) -- built as transformers builds it from the same file,
+    with its special tokens, BOS/EOS handling and chat template."""
     kind = f.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise ValueError(f"{f.path}: tokenizer.ggml.model={kind!r} is not supported "
-                         f"(supported: 'gpt2', byte-level BPE)")
+                         f"(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece BPE)")
     tokens = f.require("tokenizer.ggml.tokens")
     types = f.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tok = _byte_level_bpe(f, tokens) if kind == "gpt2" else _sentencepiece_bpe(f, tokens)
+
+    ids = {name: f.get(f"tokenizer.ggml.{name}_token_id")
+           for name in ("bos", "eos", "unknown", "padding")}
+    special = [t for i, (t, ty) in enumerate(zip(tokens, types))
+               if ty in (_UNKNOWN, _CONTROL) or i in ids.values()]
+    if kind == "gpt2":
+        # A control token spelled outside the byte alphabet is a llama.cpp mislabel; adding
+        # it would grow the vocabulary past the model's (transformers skips it too).
+        alphabet = set(_bytes_to_unicode().values())
+        special = [t for t in special if set(t) <= alphabet]
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
+    user = [t for t, ty in zip(tokens, types)
+            if ty == _USER_DEFINED and tok.token_to_id(t) is not None]
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+    if f.get("tokenizer.ggml.add_eos_token", False) and ids["eos"] is not None:
+        eos = tokens[ids["eos"]]
+        tok.post_processor = processors.TemplateProcessing(
+            single=["$A", eos], special_tokens=[(eos, ids["eos"])])
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+    add_bos = f.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    return Tokenizer(tok, bos_token_id=ids["bos"], add_bos=bool(add_bos),
+                     chat_template=f.get("tokenizer.chat_template"))
+
+
+def _byte_level_bpe(f: GGUFFile, tokens: list[str]) -> _HFTokenizer:
     spelling = _bytes_to_unicode()
     alphabet = set(spelling.values())
     # Tokens are stored in the byte-level alphabet; respell any that are not (as
     # transformers does), so a special token written in plain UTF-8 still maps.
     vocab = {tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode()): i
              for i, tok in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges") or []]
-    tok = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+    tok = _HFTokenizer(models.BPE(vocab=vocab, merges=_file_merges(f), fuse_unk=False,
                                   continuing_subword_prefix="", end_of_word_suffix=""))
     tok.pre_tokenizer = _pre_tokenizer(f.get("tokenizer.ggml.pre"))
     tok.decoder = decoders.ByteLevel()
+    return tok
 
-    special_ids = {f.get(f"tokenizer.ggml.{name}") for name in
-                   ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")}
-    # A control token spelled outside the byte alphabet is a llama.cpp mislabel; adding it
-    # would grow the vocabulary past the model's (transformers skips it too).
-    special = [t for i, (t, ty) in enumerate(zip(tokens, types))
-               if (ty == _CONTROL or i in special_ids) and set(t) <= alphabet]
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
-    user = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab]
-    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
-    return Tokenizer(tok, bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
-                     add_bos=bool(f.get("tokenizer.ggml.add_bos_token", False)),
-                     chat_template=f.get("tokenizer.chat_template"))
+
+def _sentencepiece_bpe(f: GGUFFile, tokens: list[str]) -> _HFTokenizer:
+    """SentencePiece BPE as llama.cpp files it: "▁" for a space, `<0x00>`..`<0xFF>` for
+    the bytes of text no piece covers, and a score per piece instead of merges."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = _file_merges(f) or _merges_from_scores(
+        tokens, f.require("tokenizer.ggml.scores"), vocab)
+    unk = f.get("tokenizer.ggml.unknown_token_id")
+    tok = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True,
+                                  unk_token=None if unk is None else tokens[unk],
+                                  fuse_unk=True))
+    # The whole text is one word (merges may cross spaces). The prefix space goes only
+    # before the text's first piece, not after each special token: transformers'
+    # `LlamaTokenizer` and the original tokenizer.json do this (llama.cpp puts one after
+    # each special token too).
+    prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if prefix else "never", split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1))
+    tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
+def _file_merges(f: GGUFFile) -> list[tuple[str, str]]:
+    return [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges") or []]
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float],
+                        vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """BPE merges from SentencePiece scores (a higher-scored piece merges first): each way
+    to cut a piece into two pieces is a merge at its score; ties go to the longer left,
+    then right, part, then to file order (transformers' `generate_merges`)."""
+    scored = []
+    for piece, score in zip(tokens, scores):
+        cuts = [(piece[:k], piece[k:]) for k in range(1, len(piece))
+                if piece[:k] in vocab and piece[k:] in vocab]
+        cuts.sort(key=lambda cut: (vocab[cut[0]], vocab[cut[1]]))
+        scored += [(score, left, right) for left, right in cuts]
+    # Stable under reverse=True: equal keys keep file order.
+    scored.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
+    return [(left, right) for _, left, right in scored]
 
 
 def _pre_tokenizer(pre: str | None):

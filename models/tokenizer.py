@@ -72,27 +72,32 @@ def _read_dir(path: str) -> tuple[_HFTokenizer, int | None, bool, str | None]:
 
 
 class IncrementalDecoder:
-    """Text deltas for a growing list of ids.
+    """Text deltas for a growing list of ids, in time independent of the output's length.
 
-    Decoding token by token splits multi-byte characters and drops BPE spaces, so we
-    decode the whole tail and emit only what is new -- and hold back a trailing
-    replacement char, which means a UTF-8 sequence is still incomplete.
+    Decoding token by token splits multi-byte characters and drops the spaces that
+    some tokenizers only render after a previous token, so each push decodes a short
+    window (from a few tokens back) twice -- without and with the new ids -- and emits
+    the difference; a trailing replacement character means a UTF-8 sequence is still
+    incomplete, and its text waits for the next push (or `flush`).
     """
 
     def __init__(self, tokenizer: Tokenizer):
         self._tok = tokenizer
         self._ids: list[int] = []
-        self._text = ""
+        self._prefix = 0     # the window starts here
+        self._read = 0       # ids before this are already emitted
 
     def push(self, ids: list[int]) -> str:
         self._ids.extend(ids)
-        text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self._text = text[len(self._text):], text
-        return delta
+        return self._emit(final=False)
 
     def flush(self) -> str:
-        text = self._tok.decode(self._ids)
-        delta, self._text = text[len(self._text):], text
-        return delta
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        before = self._tok.decode(self._ids[self._prefix:self._read])
+        text = self._tok.decode(self._ids[self._prefix:])
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
+            return ""
+        self._prefix, self._read = max(self._read - 4, 0), len(self._ids)
+        return text[len(before):]

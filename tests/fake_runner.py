@@ -43,7 +43,7 @@ class FakeRunner:
         self.steps.append({"tokens": tokens.copy(), "positions": positions.copy(),
                            "width": block_tables.shape[1]})
         self.prev = (tokens + 1) % 1000
-        return self.prev.copy()
+        return self.prev.copy(), None           # no log-probabilities: none asked here
 
 
 class FakeReceiver:

@@ -25,6 +25,7 @@ def _copy(src, dst):
     return str(dst)
 
 
+@pytest.mark.slow
 def test_orbax_round_trip_is_exact_including_onto_four_devices(hf_dir, tmp_path):
     loaded = checkpoint.load(hf_dir)
     checkpoint.save_params(loaded.params, str(tmp_path / "params"))

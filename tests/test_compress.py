@@ -43,6 +43,7 @@ def test_int8_error_is_within_half_a_step_of_each_page():
     assert np.all(err <= page_amax(x) / 254 * (1 + 1e-5))
 
 
+@pytest.mark.slow
 def test_fp8_error_is_within_its_mantissa_precision():
     x = pages()
     packed = pack_pages(x, "fp8")

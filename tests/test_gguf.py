@@ -5,10 +5,12 @@ The files are written here with `gguf.GGUFWriter`, the way llama.cpp's converter
 them (q/k rows permuted for llama, 1-D tensors kept F32): weights of a tiny random
 transformers model quantized with `gguf.quants.quantize` (F32, F16, BF16, Q8_0, Q4_0,
 Q4_1, Q5_0), or random K-quant blocks (Q4_K, Q5_K, Q6_K: `gguf` only dequantizes those,
-so they are tested on the read side), and a byte-level BPE trained here.
+so they are tested on the read side), and a byte-level BPE or a SentencePiece vocabulary
+(scores, no merges, byte fallback) trained here.
 """
 import json
 import os
+from typing import NamedTuple
 
 import gguf
 import jax.numpy as jnp
@@ -36,6 +38,19 @@ PROMPTS = ["Hello world, hello", "The quick brown fox", "Prefill and decode run 
 NUM_NEW = 32
 
 
+class SentencePieceVocab(NamedTuple):
+    """A vocabulary as llama.cpp files a SentencePiece one (`tokenizer.ggml.model` llama)."""
+    tokens: list[str]
+    scores: list[float]
+    types: list[int]
+
+
+SPM_CONTROL = ["[INST]", "[/INST]"]
+SPM_TEXTS = ["Hello world!", "The lazy dog jumps over 42 quick foxes.", " leading space",
+             "trailing  ", "  two  spaces\tand\nlines\n\n", "\n", "12345 and 2024",
+             "café naïve über 日本語 🙂", "[INST] hi [/INST]ok", "x </s>y", "", " "]
+
+
 @pytest.fixture(scope="module")
 def bpe():
     """(tokens, token types, merges) of a small byte-level BPE, as GGUF stores them."""
@@ -51,6 +66,25 @@ def bpe():
               for m in json.loads(tok.to_str())["model"]["merges"]]
     types = [3 if t in SPECIALS else 4 if t in USER_DEFINED else 1 for t in tokens]
     return tokens, types, merges
+
+
+@pytest.fixture(scope="module")
+def spm():
+    """A SentencePiece BPE laid out as in Llama 2's file: <unk> <s> </s> (and two control
+    tokens), the 256 byte tokens, then pieces scored best merge first, then single
+    characters; text outside the corpus' alphabet (日本語, 🙂, ü) falls back to bytes."""
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.train_from_iterator([text for text in CORPUS if "日" not in text] + ["naïve café — déjà vu"],
+                            trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    model = json.loads(tok.to_str())["model"]
+    pieces = ["".join(m if isinstance(m, list) else m.split(" ")) for m in model["merges"]]
+    chars = sorted(t for t in model["vocab"] if len(t) == 1)
+    head = ["<unk>", "<s>", "</s>"] + SPM_CONTROL + [f"<0x{b:02X}>" for b in range(256)]
+    return SentencePieceVocab(
+        tokens=head + pieces + chars,
+        scores=[0.0] * len(head) + [-float(i) for i in range(len(pieces) + len(chars))],
+        types=[2, 3, 3] + [3] * len(SPM_CONTROL) + [6] * 256 + [1] * (len(pieces) + len(chars)))
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -81,12 +115,12 @@ def gguf_tensors(state: dict, hf_cfg, arch: str) -> dict:
     return out
 
 
-def write_gguf(path: str, tensors: dict, qtype, *, arch, bpe, block_count, hidden, ffn, heads,
+def write_gguf(path: str, tensors: dict, qtype, *, arch, vocab, block_count, hidden, ffn, heads,
                kv_heads, head_dim=None, rope_theta=10000.0, eps=1e-6, pre="gpt-2", extra=None,
                raw: dict | None = None) -> str:
     """A GGUF file as llama.cpp writes it: 2-D weights in `qtype`, 1-D tensors F32.
+    `vocab`: the `bpe` or `spm` fixture; `extra`: more metadata, bool or uint32;
     `raw`: name -> (uint8 blocks, qtype) written as they are."""
-    tokens, types, merges = bpe
     w = gguf.GGUFWriter(path, arch)
     w.add_name("tiny test model")
     w.add_block_count(block_count)
@@ -101,18 +135,28 @@ def write_gguf(path: str, tensors: dict, qtype, *, arch, bpe, block_count, hidde
     w.add_rope_dimension_count(head_dim or hidden // heads)
     w.add_rope_freq_base(rope_theta)
     w.add_layer_norm_rms_eps(eps)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tokens.index("<|endoftext|>"))
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
-    w.add_pad_token_id(tokens.index("<|endoftext|>"))
-    w.add_add_bos_token(False)
+    if isinstance(vocab, SentencePieceVocab):
+        w.add_tokenizer_model("llama")
+        w.add_token_list(vocab.tokens)
+        w.add_token_scores(vocab.scores)
+        w.add_token_types(vocab.types)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+    else:
+        tokens, types, merges = vocab
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(tokens.index("<|endoftext|>"))
+        w.add_eos_token_id(tokens.index("<|im_end|>"))
+        w.add_pad_token_id(tokens.index("<|endoftext|>"))
+        w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
     for key, value in (extra or {}).items():
-        w.add_uint32(key, value)
+        (w.add_bool if isinstance(value, bool) else w.add_uint32)(key, value)
     for name, t in tensors.items():
         t = np.asarray(t, np.float32)
         if t.ndim == 1 or qtype == Q.F32:
@@ -130,12 +174,12 @@ def write_gguf(path: str, tensors: dict, qtype, *, arch, bpe, block_count, hidde
     return path
 
 
-def write_from_hf(tmp_path, hf_model, qtype, bpe, arch="llama") -> str:
+def write_from_hf(tmp_path, hf_model, qtype, vocab, arch="llama") -> str:
     cfg = hf_model.config
     state = {k: v.numpy() for k, v in hf_model.state_dict().items()}
     head_dim = getattr(cfg, "head_dim", None)
     path = os.path.join(tmp_path, f"{arch}-{qtype.name}.gguf")
-    return write_gguf(path, gguf_tensors(state, cfg, arch), qtype, arch=arch, bpe=bpe,
+    return write_gguf(path, gguf_tensors(state, cfg, arch), qtype, arch=arch, vocab=vocab,
                       block_count=cfg.num_hidden_layers, hidden=cfg.hidden_size,
                       ffn=cfg.intermediate_size, heads=cfg.num_attention_heads,
                       kv_heads=cfg.num_key_value_heads, rope_theta=cfg.rope_parameters["rope_theta"],
@@ -199,6 +243,15 @@ def test_tied_embeddings_and_qwen2_bias_match_transformers(tmp_path, hf_models, 
     assert loaded.cfg.attention_bias == (arch == "qwen2")
 
 
+@pytest.mark.slow
+def test_llama_with_a_sentencepiece_vocabulary_matches_transformers(tmp_path, hf_models, spm):
+    hf_model = hf_models("llama_gqa", vocab_size=len(spm.tokens))[1]
+    path = write_from_hf(tmp_path, hf_model, Q.Q8_0, spm)
+    # Prompts start with BOS, as llama.cpp tokenizes them for this vocabulary.
+    loaded = assert_same_model(path, transformers_gguf(path), greedy_prompts=())
+    assert loaded.tokenizer.encode(PROMPTS[0])[0] == spm.tokens.index("<s>")
+
+
 def random_k_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
     """Random K-quant blocks with small f16 scales (random bytes there could be inf)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -230,7 +283,7 @@ def test_k_quants_read_like_transformers(tmp_path, bpe):
     for i in range(layers):
         norms.update({f"blk.{i}.attn_norm.weight": rng.uniform(0.5, 1.5, d),
                       f"blk.{i}.ffn_norm.weight": rng.uniform(0.5, 1.5, d)})
-    path = write_gguf(str(tmp_path / "k.gguf"), norms, Q.F32, arch="llama", bpe=bpe,
+    path = write_gguf(str(tmp_path / "k.gguf"), norms, Q.F32, arch="llama", vocab=bpe,
                       block_count=layers, hidden=d, ffn=f, heads=n, kv_heads=k, raw=raw)
     assert_same_model(path, transformers_gguf(path), atol=2e-4)
 
@@ -251,11 +304,11 @@ def test_llm_serves_a_gguf_file(tmp_path, hf_llama, bpe):
 
 # ---- tokenizer and config -----------------------------------------------------------
 
-def tiny_file(tmp_path, bpe, name="t.gguf", arch="llama", qtype=Q.F32, tensors=None, **kw):
+def tiny_file(tmp_path, vocab, name="t.gguf", arch="llama", qtype=Q.F32, tensors=None, **kw):
     """A 1-layer model with zero weights: enough for metadata and error tests."""
-    tensors = _zero_tensors(len(bpe[0])) if tensors is None else tensors
+    tensors = _zero_tensors(len(vocab[0])) if tensors is None else tensors
     d = 32
-    return write_gguf(str(tmp_path / name), tensors, qtype, arch=arch, bpe=bpe, block_count=1,
+    return write_gguf(str(tmp_path / name), tensors, qtype, arch=arch, vocab=vocab, block_count=1,
                       hidden=d, ffn=64, heads=4, kv_heads=2, **kw)
 
 
@@ -271,6 +324,49 @@ def test_tokenizer_matches_transformers(tmp_path, bpe, pre):
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
     assert ours.encode("<|im_start|>") == [bpe[0].index("<|im_start|>")]
     assert ours.chat_template == CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize("extra", [{}, {"tokenizer.ggml.add_bos_token": False,
+                                          "tokenizer.ggml.add_eos_token": True}],
+                         ids=["defaults", "eos-not-bos"])
+def test_sentencepiece_tokenizer_matches_transformers(tmp_path, spm, extra):
+    from transformers import AutoTokenizer
+    path = tiny_file(tmp_path, spm, extra=extra)
+    _, ours = source.model_config_and_tokenizer(path)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path))
+    for text in SPM_TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    # Merges make whole words; bytes stand in for what no piece spells.
+    pieces = {text: [spm.tokens[i] for i in ours.encode(text) if i not in (1, 2)]
+              for text in ("quick brown", "日")}
+    assert pieces == {"quick brown": ["▁quick", "▁brown"], "日": ["▁", "<0xE6>", "<0x97>", "<0xA5>"]}
+    assert ours.add_bos == (not extra) and ours.chat_template == CHAT_TEMPLATE
+
+
+def test_sentencepiece_without_space_prefix(tmp_path, spm):
+    """`tokenizer.ggml.add_space_prefix` false: no "▁" before the text, none stripped from
+    the decoded text (transformers ignores this key; llama.cpp honours it)."""
+    no_bos = {"tokenizer.ggml.add_bos_token": False}
+    _, plain = source.model_config_and_tokenizer(tiny_file(tmp_path, spm, extra=no_bos))
+    _, bare = source.model_config_and_tokenizer(tiny_file(
+        tmp_path, spm, name="bare.gguf", extra=dict(no_bos, **{"tokenizer.ggml.add_space_prefix": False})))
+    assert bare.encode(" Hello world") == plain.encode("Hello world")
+    assert bare.encode("Hello")[0] != plain.encode("Hello")[0]
+    for text in SPM_TEXTS:
+        if not any(special in text for special in ["</s>"] + SPM_CONTROL):
+            assert bare.decode(bare.encode(text)) == text
+
+
+def test_llama_gguf_with_a_sentencepiece_vocabulary_loads(tmp_path, spm):
+    loaded = checkpoint.load(tiny_file(tmp_path, spm))
+    assert loaded.cfg.vocab_size == len(spm.tokens) == loaded.params["embed_tokens"].shape[0]
+    assert (loaded.cfg.bos_token_id, loaded.cfg.eos_token_ids) == (1, (2,))
+    ids = loaded.tokenizer.encode("Hello world, 日本語")
+    assert ids[0] == 1 and max(ids) < len(spm.tokens)
+    assert loaded.tokenizer.decode(ids) == "Hello world, 日本語"
+    assert loaded.tokenizer.id_to_token(2) == "</s>"
 
 
 def test_smollm_pre_tokenizer_splits_every_digit(tmp_path, bpe):

@@ -122,12 +122,17 @@ def test_vllm_extra_fields_are_applied(client, llm):
     (dict(extra_body={"top_k": "many"}), "top_k"),
     (dict(extra_body={"stop_token_ids": [10**9]}), "stop_token_ids"),
     (dict(extra_body={"bogus": 1}), "bogus"),
-    (dict(n=2), "n"),
-    (dict(stop=["x"]), "stop"),
-    (dict(logprobs=2), "logprobs"),
-    (dict(presence_penalty=0.5), "presence_penalty"),
-    (dict(extra_body={"min_p": 0.1}), "min_p"),
-    (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty"),
+    (dict(n=0), "n"),
+    (dict(n=17), "n"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop=["x"] * 17), "stop"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(extra_body={"min_p": 1.5}), "min_p"),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias"),
+    (dict(echo=True), "echo"),
 ])
 def test_bad_or_unsupported_fields_are_400_naming_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -138,8 +143,9 @@ def test_bad_or_unsupported_fields_are_400_naming_the_field(client, kwargs, para
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(logprobs=True), "logprobs"),
-    (dict(n=2), "n"),
+    (dict(top_logprobs=3), "top_logprobs"),
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(n=0), "n"),
     (dict(messages=[{"role": "wizard", "content": "x"}]), "messages"),
     (dict(messages=[{"role": "user", "content": 5}]), "messages"),
     (dict(max_completion_tokens=1000), "max_completion_tokens"),

@@ -93,7 +93,10 @@ class FakeWorker:
 
         def loop():
             while self._beating.is_set():
-                self.register(router_address)
+                try:
+                    self.register(router_address)
+                except grpc.RpcError:        # the router is gone: so is this fake
+                    return
                 time.sleep(every_s)
         threading.Thread(target=loop, daemon=True).start()
 
@@ -259,6 +262,47 @@ def test_stalled_last_decode_worker_aborts_with_a_reason(router, fakes):
     assert out.finish_reason == "abort" and "no decode worker" in out.abort_reason
 
 
+class ScriptedWorker(FakeWorker):
+    """A decode worker whose stream sends `event` for each token to generate."""
+
+    def __init__(self, event: dict, **kwargs):
+        super().__init__(**kwargs)
+        self.event = event
+
+    def Decode(self, msg, context):
+        self.decode_calls += 1
+        yield {"registered": True}
+        r = msg["request"]
+        for _ in range(r["params"]["max_tokens"] - len(r["output_ids"])):
+            yield {"finish": None, "abort_reason": None, **self.event}
+
+
+@pytest.mark.parametrize("forged,params", [
+    ({"token_ids": [7], "logprobs": [[float("inf"), []]]}, dict(logprobs=1)),
+    ({"token_ids": [7], "logprobs": [[-0.5, [["7", -0.5]]]]}, dict(logprobs=1)),
+    ({"token_ids": [7]}, dict(logprobs=1)),
+    ({"token_ids": [10**9]}, {}), ({"token_ids": "7"}, {})])
+def test_malformed_decode_event_fails_the_request_over_to_another_worker(router, forged,
+                                                                          params):
+    router, address = router
+    bad = ScriptedWorker(forged, free_slots=8)               # the router's first choice
+    good = ScriptedWorker({"token_ids": [7], "logprobs": [[-0.5, [[7, -0.5]]]]}, free_slots=1)
+    try:
+        for w in (bad, good):
+            w.heartbeat(address)
+        _wait(lambda: len(router.live_workers()) == 2)
+        out = router.generate(prompt_token_ids=[[1, 2, 3]],
+                              sampling_params=SamplingParams(max_tokens=3, **GREEDY, **params))[0]
+    finally:
+        bad.close()
+        good.close()
+    assert out.token_ids == [7] * 3 and out.finish_reason == "length"
+    assert (bad.decode_calls, good.decode_calls) == (1, 1)
+    assert router.counters.snapshot()["decode_failovers"] == 1
+    if params:
+        assert out.logprobs == [(-0.5, ((7, -0.5),))] * 3
+
+
 def test_lease_expiry_cancels_streams_on_the_dropped_worker(fakes):
     """A worker frozen whole (no heartbeat, no stream): its lease runs out first and
     its request fails over, as for a SIGKILLed worker."""
@@ -385,6 +429,9 @@ FORGED = [
     (_wire(params={"max_tokens": -3, "stop_token_ids": []}), "max_tokens"),
     (_wire(params={"evil": 1, "stop_token_ids": []}), ""),
     (_wire(stop_ids=[[1]]), ""),
+    (_wire(params={**_wire()["params"], "logprobs": 21}), "logprobs"),
+    (_wire(params={**_wire()["params"], "stop": [""]}), "stop"),
+    (_wire(params={**_wire()["params"], "n": 2**40}), "n "),
     ({"request_id": "w-2"}, ""),
     ([1, 2, 3], ""),
     ("junk", ""),
@@ -425,6 +472,19 @@ def test_forged_prefill_requests_are_invalid_argument(tiny_hf_model):
         llm.shutdown()
 
 
+def test_decode_stream_carries_each_tokens_logprobs(decode_worker):
+    llm, server, client = decode_worker
+    wire = _wire(request_id="with-logprobs", max_tokens=4, logprobs=[],
+                 params={**_wire()["params"], "logprobs": 2})
+    events = [e for e in client.decode(wire, local=True) if e.get("token_ids")]
+    tokens = [t for e in events for t in e["token_ids"]]
+    logprobs = [lp for e in events for lp in e["logprobs"]]
+    assert len(tokens) == len(logprobs) == 4
+    for token, (sampled, top) in zip(tokens, logprobs):
+        assert len(top) == 2 and top[0] == [token, sampled]     # greedy: the best one
+        assert 0 >= top[0][1] >= top[1][1]
+
+
 def test_stranger_cannot_abort_info_or_decode(decode_worker):
     llm, server, client = decode_worker
     stranger = RoleClient(server.address, NO_AUTH)
@@ -453,7 +513,8 @@ def test_cluster_token_router_to_real_worker_in_process(decode_worker, tiny_hf_m
     from tests.hf_fixtures import hf_greedy
     llm, server, _ = decode_worker
     path, hf = tiny_hf_model
-    router = Router(path, RouterConfig(max_model_len=MAX_MODEL_LEN, heartbeat_s=0.2), auth=AUTH)
+    # A lease of 3 s: the worker's first compiles (on 2 busy cores) must not drop it.
+    router = Router(path, RouterConfig(max_model_len=MAX_MODEL_LEN, heartbeat_s=1.0), auth=AUTH)
     try:
         address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
         server.register_with(address, heartbeat_s=0.2)

@@ -168,15 +168,15 @@ def test_runner_layerwise_pages_equal_fused_prefill(tiny):
     path = tiny[0]
     with LLM(path, mesh="prefill=4,decode=4", max_model_len=160, layerwise_min_tokens=0) as llm:
         runner = llm.engine.prefill_runner
-        from jaxpd.engine.runner import SamplingArrays
+        from jaxpd.engine.sampler import SamplingArrays
         rng = np.random.default_rng(0)
         tokens = rng.integers(3, 256, (2, 64)).astype(np.int32)
         lengths = np.array([64, 37], np.int32)
         sampling = SamplingArrays.empty(2)
-        first, k, v = runner.run(tokens, lengths, sampling)
+        first, _, k, v = runner.run(tokens, lengths, sampling)
         rows = [(0, 4), (1, 3)]
         groups = layer_groups(llm.model_config.num_layers, 3)
-        first_lw, parts = runner.run_layerwise(tokens, lengths, sampling, groups, rows)
+        first_lw, _, parts = runner.run_layerwise(tokens, lengths, sampling, groups, rows)
         np.testing.assert_array_equal(np.asarray(first_lw), first)
         for j, (row, n) in enumerate(rows):
             k_ref, v_ref = runner.take_pages(k, v, row, n)

@@ -22,7 +22,7 @@ import pytest
 
 from jaxpd.engine.prefill_loop import PrefillLoop
 from jaxpd.engine.scheduler import PrefillScheduler
-from jaxpd.request import Request, State
+from jaxpd.request import Request, State, logprobs_from_wire
 from jaxpd.sampling_params import SamplingParams
 from jaxpd.transfer import grpc_stream, jax_compat
 from jaxpd.transfer.checksum import ChecksumMismatchError, page_checksums
@@ -204,6 +204,40 @@ def test_forged_layerwise_part_fails_its_transfer_and_frees_the_slot(pool):
     assert_no_page_held(env)
 
 
+def mirror_asking_logprobs(env, rid: str) -> Request:
+    r = Request.from_wire(Request(rid, [1, 2, 3, 4, 5], SamplingParams(max_tokens=3, logprobs=2)
+                                  ).to_wire())
+    env.requests.register(r)
+    return r
+
+
+def test_first_token_logprobs_come_in_the_handoffs_wire_form(pool):
+    env = make(pool, remote=True)
+    r = mirror_asking_logprobs(env, "asks")
+    sent = Request.from_wire(r.to_wire(), State.PREFILLING)   # the prefill worker's copy
+    first = (-0.5, ((61, -0.5), (3, -2.0)))
+    sent.append_token(61, time.perf_counter(), first)
+    env.receiver.push(dataclasses.replace(remote(r), payload=sent.to_wire(r.num_tokens)))
+    run(env, lambda: r.is_final)
+    assert r.output_ids == [61, 62, 63] and r.logprobs[0] == first
+    assert len(r.logprobs) == 3            # (the fake runner computes none: placeholders)
+    assert_no_page_held(env)
+
+
+@pytest.mark.parametrize("forged", [None, "junk", [float("inf"), []], [-0.5, [["61", -0.5]]],
+                                    [-0.5, [[61, -0.5], [1, -1.0], [2, -2.0]]], [0, []]])
+def test_forged_first_token_logprobs_fail_the_transfer_and_it_is_prefilled_again(pool, forged):
+    env = make(pool, remote=True)
+    r = mirror_asking_logprobs(env, "forged-logprobs")
+    env.receiver.push(dataclasses.replace(remote(r), payload={**r.to_wire(),
+                                                              "next_logprobs": forged}))
+    run(env, lambda: r.state is State.WAITING)
+    assert env.requests.prefill_inbox.get_nowait() is r and r.output_ids == []
+    assert counts(env)["handoffs_rejected"] == 1 and counts(env)["transfer_failures"] == 1
+    assert_a_good_request_still_finishes(env)
+    assert_no_page_held(env)
+
+
 # ---- forged requests: limits are checked where they come in ----------------------
 
 def test_forged_request_beyond_limits_is_refused_at_register_and_submit(pool):
@@ -233,6 +267,17 @@ def test_forged_wire_form_names_the_field(field, value):
     wire = Request("w", [1, 2], SamplingParams(max_tokens=2)).to_wire()
     with pytest.raises(ValueError, match=field.split("_")[0]):
         Request.from_wire({**wire, field: value})
+
+
+@pytest.mark.parametrize("logprobs,word", [
+    (None, "a list of 1"), ([], "a list of 1"),
+    ([[float("inf"), []]], "finite"), ([["x", []]], "finite"), ([[0, []]], "finite"),
+    ([[-0.5, [[True, -0.5]]]], "token id"), ([[-0.5, [[-1, -0.5]]]], "token id"),
+    ([[-0.5, [[2**40, -0.5]]]], "token id"), ([[-0.5, [[5, -0.5, 0]]]], "token id"),
+    ([[-0.5, [[5, -0.5]] * 3]], "more than the 2"), ([[-0.5]], r"\[0\] must be")])
+def test_forged_logprobs_from_a_peer_name_the_field(logprobs, word):
+    with pytest.raises(ValueError, match=r"logprobs.*" + word):
+        logprobs_from_wire(logprobs, 1, 2)
 
 
 def test_forged_request_past_the_checks_aborts_alone_and_the_prefill_loop_lives(pool):

@@ -544,7 +544,8 @@ def test_launch_serves_until_sigterm_and_exits_zero(model_dir, tmp_path):
     cmd = [sys.executable, "-m", "jaxpd.launch", f"--model={model_dir}",
            "--mesh=prefill=1,decode=1", "--port=0", "--max_model_len=32",
            "--max_prefill_batch=1", "--slots_per_shard=2", "--shutdown_grace_s=1",
-           f"--metrics_port={metrics_port}", "--http_port=0"]
+           f"--metrics_port={metrics_port}", "--http_port=0",
+           f"--compilation_cache_dir={tmp_path / 'xla'}"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     try:
@@ -558,6 +559,8 @@ def test_launch_serves_until_sigterm_and_exits_zero(model_dir, tmp_path):
             time.sleep(0.1)
         text = log_path.read_text()
         assert "compiling prefill" in text and "compiling decode" in text
+        # every compiled program was written to the persistent cache (a restart loads them)
+        assert len(os.listdir(tmp_path / "xla")) >= 3
         assert f"jaxpd serving {model_dir} on 127.0.0.1:{port} (mesh prefill=1,decode=1)" in text
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)

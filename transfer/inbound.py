@@ -179,7 +179,9 @@ class Inbound:
             return
         self._received.append(h)
         if h.part is None or h.part.is_last:
-            self.first_token = h.first_token
+            # The part sent after the first token was sampled: its wire form is the one
+            # that also holds the token's log-probabilities.
+            self.first_token, self.payload = h.first_token, h.payload
         if self._start is not None:
             self._place(h)
 

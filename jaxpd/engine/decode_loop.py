@@ -27,9 +27,10 @@ import jax
 import numpy as np
 
 from jaxpd.engine.requests import Requests
-from jaxpd.engine.runner import DecodeRunner, SamplingArrays
+from jaxpd.engine.runner import DecodeRunner
+from jaxpd.engine.sampler import Logprobs, SamplingArrays
 from jaxpd.engine.scheduler import DecodeScheduler, StepPlan, context_width
-from jaxpd.request import Request, State
+from jaxpd.request import Request, State, TokenLogprobs, token_logprobs_from_wire
 from jaxpd.stats import StatsCounter
 from jaxpd.transfer.connector import TransferError
 from jaxpd.transfer.inbound import (PENDING, HandoffNeverFits, HandoffRejected, Inbound,
@@ -69,7 +70,9 @@ class DecodeLoop:
         num_slots = len(scheduler.slots)
         self._stepped: list[Request | None] = [None] * num_slots  # who each slot fed last step
         self._first_token = np.zeros(num_slots, np.int32)
-        self._in_flight: tuple[StepPlan, object] | None = None
+        # The step dispatched last: its plan, tokens and `Logprobs` (None when no row
+        # asked), all still on device.
+        self._in_flight: tuple[StepPlan, jax.Array, Logprobs | None] | None = None
         self._awaiting_parts = False
 
     @property
@@ -92,7 +95,7 @@ class DecodeLoop:
             r.timings.num_preemptions += 1
         dispatched = None
         if plan.entries:
-            dispatched = (plan, self._dispatch(plan))
+            dispatched = (plan, *self._dispatch(plan))
             self.scheduler.advance(plan)
         if self._in_flight is not None:
             self._emit(*self._in_flight)
@@ -156,13 +159,30 @@ class DecodeLoop:
 
     def _mirror_first_tokens(self) -> None:
         """A request prefilled in another process learns its first token from the
-        handoff (the last part of a layer-wise one), as soon as it arrives."""
+        handoff (the last part of a layer-wise one), as soon as it arrives, and its
+        log-probabilities from the handoff's wire form. Malformed ones fail the
+        transfer: the request is prefilled again here."""
         waiting = list(self.pending) + [(a.inbound, a.request) for a in self._admitted]
         for inbound, r in waiting:
             if (inbound.first_token is not None and r.state is State.TRANSFERRING
                     and r.num_tokens == inbound.num_tokens):
-                if r.append_token(inbound.first_token, time.perf_counter()):
+                try:
+                    logprobs = self._first_logprobs(inbound, r)
+                except ValueError as e:
+                    self._fail_transfer(r, HandoffRejected(f"{r.request_id!r}: {e}"))
+                    continue
+                if r.append_token(inbound.first_token, time.perf_counter(), logprobs):
                     self.stats.add(finished=int(r.state is State.FINISHED))
+
+    @staticmethod
+    def _first_logprobs(inbound: Inbound, r: Request) -> TokenLogprobs | None:
+        """The first token's log-probabilities, from the prefill side's wire form of
+        `r` (a peer's word: checked)."""
+        if r.params.logprobs is None:
+            return None
+        payload = inbound.payload if isinstance(inbound.payload, dict) else {}
+        return token_logprobs_from_wire(payload.get("next_logprobs"), r.params.logprobs,
+                                        "next_logprobs")
 
     def _release_final(self) -> None:
         for i, s in enumerate(self.scheduler.slots):
@@ -255,16 +275,19 @@ class DecodeLoop:
                            transfer_bytes=placed.num_bytes, transfer_s=placed.seconds)
             r.timings.transfer_s += placed.seconds
             r.timings.transfer_bytes += placed.num_bytes
+        if r.params.has_penalties:
+            self.runner.set_penalties(slot, r.prompt_ids, r.output_ids)
         r.timings.kv_ready = time.perf_counter()
         self._first_token[slot] = inbound.first_token
         self._stepped[slot] = None
         self.scheduler.mark_ready(slot)
         r.transition(State.DECODING)
 
-    def _dispatch(self, plan: StepPlan):
+    def _dispatch(self, plan: StepPlan) -> tuple[jax.Array, Logprobs | None]:
         """One decode step for the plan's slots. A slot fed last step takes its input
         token from that step's output, still on device; a newly inserted one takes its
-        first token from the host (`fed_from_host`)."""
+        first token from the host (`fed_from_host`). Returns its tokens and, when some
+        row asks for them, their `Logprobs` (both on device)."""
         n = len(self.scheduler.slots)
         width = context_width(plan.max_pages, self.context_step, self.max_pages_per_slot)
         host_tokens = np.zeros(n, np.int32)
@@ -285,18 +308,23 @@ class DecodeLoop:
             stepped[e.slot] = e.request
         self._stepped = stepped
         self.stats.add(decode_steps=1)
-        return self.runner.step(host_tokens, fed_from_host, positions, block_tables, sampling)
+        tokens, logprobs = self.runner.step(host_tokens, fed_from_host, positions, block_tables,
+                                            sampling)
+        return tokens, logprobs if sampling.wants_logprobs else None
 
-    def _emit(self, plan: StepPlan, tokens_device) -> None:
-        """Read a step's tokens back (the only sync point per step) and hand each to
-        its request; free the slots of requests that end with it."""
+    def _emit(self, plan: StepPlan, tokens_device, logprobs_device: Logprobs | None) -> None:
+        """Read a step's tokens back (the only sync point per step; log-probabilities
+        too, on the steps where some row asked) and hand each to its request; free the
+        slots of requests that end with it."""
         tokens = np.asarray(tokens_device)
+        logprobs = None if logprobs_device is None else jax.device_get(logprobs_device)
         now = time.perf_counter()
         for e in plan.entries:
             r = e.request
             if r.is_final:
                 continue
-            if r.append_token(int(tokens[e.slot]), now):
+            lp = None if logprobs is None else logprobs.of_row(e.slot, r)
+            if r.append_token(int(tokens[e.slot]), now, lp):
                 self.stats.add(finished=int(r.state is State.FINISHED))
                 slot = self.scheduler.slot_of(r)
                 if slot is not None:

@@ -192,12 +192,14 @@ class Engine:
             raise RuntimeError(f"engine failed: {self._error!r}") from self._error
         if self._stop.is_set():
             raise RuntimeError("engine is shut down")
+        request.watch_stop_strings(self.model.tokenizer)
         self.requests.submit(request)
         return request
 
     def register(self, request: Request) -> None:
         """Decode-only process: announce a request (state TRANSFERRING) whose KV will
         arrive through the connector; its handoff then resolves to this object."""
+        request.watch_stop_strings(self.model.tokenizer)
         self.requests.register(request)
 
     def abort(self, request_id: str, reason: str = "cancelled") -> bool:

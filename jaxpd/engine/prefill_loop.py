@@ -16,7 +16,8 @@ import numpy as np
 
 from jaxpd.engine.page_allocator import pages_for
 from jaxpd.engine.requests import Requests
-from jaxpd.engine.runner import PrefillRunner, SamplingArrays
+from jaxpd.engine.runner import PrefillRunner
+from jaxpd.engine.sampler import Logprobs, SamplingArrays
 from jaxpd.engine.scheduler import PrefillBatch, PrefillScheduler
 from jaxpd.request import Request, State
 from jaxpd.stats import StatsCounter
@@ -108,11 +109,11 @@ class PrefillLoop:
         return tokens, lengths, sampling
 
     def _run_whole(self, live: list[Request], tokens, lengths, sampling) -> None:
-        first, k, v = self.runner.run(tokens, lengths, sampling)
+        first, logprobs, k, v = self.runner.run(tokens, lengths, sampling)
         now = time.perf_counter()
         for i, r in enumerate(live):
             n = int(lengths[i])
-            if self._first_token(r, int(first[i]), now):
+            if self._first_token(r, i, int(first[i]), logprobs, now):
                 continue                       # finished by its first token, or aborted
             k_pages, v_pages = self.runner.take_pages(k, v, i, pages_for(n, self.page_size))
             if not r.transition(State.TRANSFERRING):
@@ -127,7 +128,8 @@ class PrefillLoop:
         decode side frees its reserved slot when it sees the request final (in one
         process) or is told by the router (across processes)."""
         rows = [(i, pages_for(int(lengths[i]), self.page_size)) for i in range(len(live))]
-        first_dev, parts = self.runner.run_layerwise(tokens, lengths, sampling, self.layerwise, rows)
+        first_dev, logprobs_dev, parts = self.runner.run_layerwise(tokens, lengths, sampling,
+                                                                   self.layerwise, rows)
         streams = [secrets.randbits(63) for _ in live]
         sending = [r.transition(State.TRANSFERRING) for r in live]
         count = len(parts)
@@ -140,20 +142,23 @@ class PrefillLoop:
                     sending[i] = self._send(r, int(lengths[i]), -1, k_pages, v_pages,
                                             KVPart(streams[i], g, count, start))
         first = np.asarray(first_dev)
+        logprobs = jax.device_get(logprobs_dev) if sampling.wants_logprobs else None
         now = time.perf_counter()
         for i, r in enumerate(live):
-            if self._first_token(r, int(first[i]), now) or not sending[i]:
+            if self._first_token(r, i, int(first[i]), logprobs, now) or not sending[i]:
                 continue
             k_pages, v_pages = parts[-1][i]
             if self._send(r, int(lengths[i]), int(first[i]), k_pages, v_pages,
                           KVPart(streams[i], count - 1, count, self.layerwise[-1][0])):
                 self.requests.handed_off(r)
 
-    def _first_token(self, r: Request, token: int, now: float) -> bool:
-        """Record the prefill's sampled token; True if the request is final after it."""
+    def _first_token(self, r: Request, row: int, token: int, logprobs: Logprobs | None,
+                     now: float) -> bool:
+        """Record the prefill's sampled token of batch row `row` (with its
+        log-probabilities, when read back); True if the request is final after it."""
         if r.timings.prefill_end is None:
             r.timings.prefill_end = now
-        if r.append_token(token, now):
+        if r.append_token(token, now, None if logprobs is None else logprobs.of_row(row, r)):
             self.stats.add(finished=int(r.state is State.FINISHED))
             return True
         return False

@@ -1,19 +1,21 @@
 """The jitted device programs and the state they own.
 
 `PrefillRunner`  prefill mesh (tp): one program per (batch, length) bucket; returns the
-                 first sampled token of each row and the prompt KV; cuts a request's
-                 used pages out of the bucket for the connector. `run_layerwise` runs
-                 the same prefill as embed, layer groups and head, so each group's
-                 pages can be sent while the next group computes.
-`DecodeRunner`   decode mesh (dp x tp): owns the paged KV pool, a pytree donated into
-                 every call so updates happen in place. `insert` writes arrived pages,
-                 `step` feeds one token per slot and samples the next. Both run under
+                 first sampled token of each row (penalised by its prompt, with its
+                 log-probabilities) and the prompt KV; cuts a request's used pages out
+                 of the bucket for the connector. `run_layerwise` runs the same prefill
+                 as embed, layer groups and head, so each group's pages can be sent
+                 while the next group computes.
+`DecodeRunner`   decode mesh (dp x tp): owns the paged KV pool and the slots' penalty
+                 context (`penalties.SlotPenalties`), donated into every call so updates
+                 happen in place. `insert` writes arrived pages, `set_penalties` a slot's
+                 penalty context, `step` feeds one token per slot and samples the next
+                 (penalties and log-probabilities per row, `sampler`). Both run under
                  `shard_map` over dp: each dp shard touches only its own slots and pages,
                  block tables hold shard-local page ids, tp inside a shard is GSPMD's.
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 import flax.linen as nn
@@ -22,32 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpd.engine.sampler import sample
+from jaxpd.engine.penalties import SlotPenalties, count_sampled, prefill_context
+from jaxpd.engine.sampler import Logprobs, SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.llama import Llama, prefill_blocks
 from jaxpd.sharding.compat import shard_map
-
-
-@dataclasses.dataclass
-class SamplingArrays:
-    """Per-row sampling inputs, host side (numpy)."""
-    temperature: np.ndarray   # f32 [B]
-    top_k: np.ndarray         # i32 [B]
-    top_p: np.ndarray         # f32 [B]
-    seeds: np.ndarray         # u32 [B]
-
-    @classmethod
-    def empty(cls, n: int) -> "SamplingArrays":
-        return cls(np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32),
-                   np.zeros(n, np.uint32))
-
-    def set_row(self, i: int, request) -> None:
-        p = request.params
-        self.temperature[i], self.top_k[i], self.top_p[i] = p.temperature, p.top_k, p.top_p
-        self.seeds[i] = (request.seed ^ (request.seed >> 32)) & 0xFFFFFFFF
-
-    def tuple(self):
-        return self.temperature, self.top_k, self.top_p, self.seeds
 
 
 class CompileCounter:
@@ -78,12 +59,17 @@ class PrefillRunner:
         model = Llama(cfg, dtype)
         replicated = NamedSharding(mesh, P())
 
-        def prefill(params, tokens, lengths, temperature, top_k, top_p, seeds):
+        def first_token(logits, tokens, lengths, sampling):
+            context = lambda: prefill_context(tokens, lengths, sampling.prompt_len,
+                                              logits.shape[-1])
+            return sample(logits, sampling, lengths, context)
+
+        def prefill(params, tokens, lengths, sampling):
             with nn.logical_axis_rules(rules):
                 logits, k, v = model.apply({"params": params}, tokens, lengths,
                                            method=Llama.prefill)
-            first = sample(logits, temperature, top_k, top_p, seeds, lengths)
-            return first, k, v
+            first, logprobs = first_token(logits, tokens, lengths, sampling)
+            return first, logprobs, k, v
 
         def embed(params, tokens):
             with nn.logical_axis_rules(rules):
@@ -93,28 +79,31 @@ class PrefillRunner:
             with nn.logical_axis_rules(rules):
                 return prefill_blocks(cfg, dtype, layer_params, x)
 
-        def head(params, x, lengths, temperature, top_k, top_p, seeds):
+        def head(params, x, tokens, lengths, sampling):
             with nn.logical_axis_rules(rules):
                 logits = model.apply({"params": params}, x, lengths, method=Llama.head)
-            return sample(logits, temperature, top_k, top_p, seeds, lengths)
+            return first_token(logits, tokens, lengths, sampling)
 
         # Explicit output shardings (what GSPMD picks anyway: hidden states replicated,
         # K/V split over kv heads when they divide tp): jax 0.9.1/0.9.2 instead raise
         # IndivisibleError when it has to infer them for 2 KV heads on tp=4.
         kv = NamedSharding(mesh, P(None, None, None, dict(rules).get("kv_heads"), None))
         self._replicated = replicated
-        self._prefill = jax.jit(prefill, out_shardings=(replicated, kv, kv))
+        self._prefill = jax.jit(prefill, out_shardings=(replicated, replicated, kv, kv))
         self._embed = jax.jit(embed, out_shardings=replicated)
         self._blocks = jax.jit(blocks, out_shardings=(replicated, kv, kv))
         self._head = jax.jit(head, out_shardings=replicated)
         self._take = jax.jit(self._take_pages, static_argnums=(3,), out_shardings=(kv, kv))
 
     def run(self, tokens: np.ndarray, lengths: np.ndarray, sampling: SamplingArrays):
-        """tokens [B, T] -> (first tokens as numpy [B], k, v [L, B, T, K, H] on the mesh)."""
+        """tokens [B, T] -> (first tokens as numpy [B], their `Logprobs` as numpy when
+        some row asks for them (else None: not read back), k, v [L, B, T, K, H] on the
+        mesh)."""
         self.counter.note(self.name, tokens.shape)
-        inputs = jax.device_put((tokens, lengths) + sampling.tuple(), self._replicated)
-        first, k, v = self._prefill(self.params, *inputs)
-        return np.asarray(first), k, v
+        inputs = jax.device_put((tokens, lengths, sampling), self._replicated)
+        first, logprobs, k, v = self._prefill(self.params, *inputs)
+        return (np.asarray(first), jax.device_get(logprobs) if sampling.wants_logprobs else None,
+                k, v)
 
     def run_layerwise(self, tokens: np.ndarray, lengths: np.ndarray, sampling: SamplingArrays,
                       groups: list[tuple[int, int]], rows: list[tuple[int, int]]):
@@ -122,24 +111,25 @@ class PrefillRunner:
 
         groups: [start, stop) layer ranges covering every layer, in order;
         rows: (row, num_pages) of the requests whose pages to cut.
-        Returns (first tokens on device [B], parts): parts[g] is a list, per entry of
-        `rows`, of that row's (k, v) pages of group g, [stop - start, P, S, K, H].
+        Returns (first tokens on device [B], their `Logprobs` on device, parts):
+        parts[g] is a list, per entry of `rows`, of that row's (k, v) pages of group g,
+        [stop - start, P, S, K, H].
         Dispatch order is embed, group 0, its pages, group 1, its pages, ..., last
         group, head, its pages: a device runs programs in order, so group g's pages are
         ready while group g+1 still computes, and the caller can send them meanwhile.
         """
         self.counter.note(f"{self.name}_embed", tokens.shape)
         self.counter.note(f"{self.name}_head", tokens.shape)
-        inputs = jax.device_put((tokens, lengths) + sampling.tuple(), self._replicated)
+        inputs = jax.device_put((tokens, lengths, sampling), self._replicated)
         x = self._embed(self.params, inputs[0])
-        parts, first = [], None
+        parts, first, logprobs = [], None, None
         for g, (start, stop) in enumerate(groups):
             self.counter.note(f"{self.name}_blocks", (tokens.shape, stop - start))
             x, k, v = self._blocks([self.params[f"layers_{i}"] for i in range(start, stop)], x)
             if g == len(groups) - 1:
-                first = self._head(self.params, x, *inputs[1:])
+                first, logprobs = self._head(self.params, x, *inputs)
             parts.append([self.take_pages(k, v, row, n) for row, n in rows])
-        return first, parts
+        return first, logprobs, parts
 
     def take_pages(self, k, v, row: int, num_pages: int):
         """The `num_pages` pages of row `row`: ([L, P, S, K, H], same) -- no padding."""
@@ -171,25 +161,26 @@ class DecodeRunner:
         self.k_pool, self.v_pool = zeros(), zeros()
         self.slot_sharding = NamedSharding(mesh, P("dp"))
         self.prev_tokens = jax.device_put(np.zeros(num_slots, np.int32), self.slot_sharding)
+        self.penalties = SlotPenalties(mesh, num_slots, cfg.vocab_size)
         self._submeshes = [Mesh(mesh.devices[d:d + 1], ("dp", "tp")) for d in range(self.num_shards)]
         self._zeros_cache: dict = {}
         model = Llama(cfg, dtype)
 
-        def step(params, k_pool, v_pool, prev, host_tokens, fed_from_host, positions, block_tables,
-                 temperature, top_k, top_p, seeds):
+        def step(params, k_pool, v_pool, counts, prompt, prev, host_tokens, fed_from_host,
+                 positions, block_tables, sampling):
             tokens = jnp.where(fed_from_host, host_tokens, prev)
             with nn.logical_axis_rules(rules):
                 logits, k_pool, v_pool = model.apply({"params": params}, tokens, positions, k_pool,
                                                      v_pool, block_tables, method=Llama.decode)
-            nxt = sample(logits, temperature, top_k, top_p, seeds, positions + 1)
-            return nxt, k_pool, v_pool
+            nxt, logprobs = sample(logits, sampling, positions + 1, lambda: (counts, prompt))
+            return nxt, logprobs, k_pool, v_pool, count_sampled(counts, nxt, sampling)
 
         slot = P("dp")
         pool = P(None, "dp")
         self._step = jax.jit(shard_map(
             step, mesh=mesh, axis_names={"dp"},
-            in_specs=(P(), pool, pool) + (slot,) * 9, out_specs=(slot, pool, pool)),
-            donate_argnums=(1, 2))
+            in_specs=(P(), pool, pool) + (slot,) * 8, out_specs=(slot, slot, pool, pool, slot)),
+            donate_argnums=(1, 2, 3))
 
         def insert(k_pool, v_pool, k_new, v_new, page_ids):
             return k_pool.at[:, page_ids].set(k_new), v_pool.at[:, page_ids].set(v_new)
@@ -218,14 +209,22 @@ class DecodeRunner:
         v_new = self._assemble(shard, v_pages)
         self.k_pool, self.v_pool = self._insert(self.k_pool, self.v_pool, k_new, v_new, ids)
 
-    def step(self, host_tokens, fed_from_host, positions, block_tables, sampling: SamplingArrays):
-        """Dispatch one decode step (asynchronously); returns next tokens [B] on device."""
+    def set_penalties(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
+        """The penalty context of the request just inserted at `slot` (one with penalties)."""
+        self.counter.note("set_penalties", ())
+        self.penalties.set_slot(slot, prompt_ids, output_ids)
+
+    def step(self, host_tokens, fed_from_host, positions, block_tables, sampling: SamplingArrays
+             ) -> tuple[jax.Array, Logprobs]:
+        """Dispatch one decode step (asynchronously); returns the next tokens [B] and
+        their `Logprobs`, on device (read them back only when some row asked)."""
         self.counter.note("decode", block_tables.shape)
-        nxt, self.k_pool, self.v_pool = self._step(
-            self.params, self.k_pool, self.v_pool, self.prev_tokens, host_tokens, fed_from_host,
-            positions, block_tables, *sampling.tuple())
+        p = self.penalties
+        nxt, logprobs, self.k_pool, self.v_pool, p.counts = self._step(
+            self.params, self.k_pool, self.v_pool, p.counts, p.prompt, self.prev_tokens,
+            host_tokens, fed_from_host, positions, block_tables, sampling)
         self.prev_tokens = nxt
-        return nxt
+        return nxt, logprobs
 
     @staticmethod
     def _pad_pages(x, m):

@@ -8,15 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpd.engine.runner import SamplingArrays
+from jaxpd.engine.sampler import SamplingArrays
 from jaxpd.engine.scheduler import context_widths
 from jaxpd.models.hf_io import DTYPES
 
 
 def warm_up(engine, progress: Callable[[str], None]) -> None:
-    """Every prefill (batch, length) bucket, every decode context width and every
-    insert size. Runs before the engine's threads start; the decode calls only touch
-    the null page."""
+    """Every prefill (batch, length) bucket, every decode context width, every
+    insert size and the penalty context update. Runs before the engine's threads
+    start; the decode calls only touch the null page."""
     for loop in (engine.prefill_loop, engine.local_loop):
         if loop is not None:
             _warm_prefill(loop, progress)
@@ -46,6 +46,8 @@ def _warm_decode(engine, progress: Callable[[str], None]) -> None:
         runner.step(np.zeros(num_slots, np.int32), np.ones(num_slots, bool),
                     np.zeros(num_slots, np.int32), np.zeros((num_slots, w), np.int32),
                     SamplingArrays.empty(num_slots))
+    progress("compiling the penalty context update")
+    runner.set_penalties(0, [], [])       # zeros: read only after an insert rewrites them
     model = engine.model.cfg
     # Inserts pad their page count to a power of two (`DecodeRunner.insert`).
     for m in sorted({1 << (n - 1).bit_length() for n in range(1, cfg.pages_per_slot + 1)}):

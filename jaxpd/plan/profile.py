@@ -119,7 +119,7 @@ class MeshProfiler:
                 use_override = np.ones(num_slots, bool)
                 sampling = SamplingArrays.empty(num_slots)
                 seconds = _best(lambda: np.asarray(runner.step(
-                    override, use_override, positions, tables, sampling)), self.repeats)
+                    override, use_override, positions, tables, sampling)[0]), self.repeats)
                 samples.append(([context] * batch, seconds))
         return samples
 

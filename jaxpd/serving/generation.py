@@ -40,10 +40,9 @@ from jaxpd.serving.pool import ShrinkingThreadPool, on_pool
 from jaxpd.serving.prometheus import ServingMetrics
 from jaxpd.serving.proto import jaxpd_pb2
 from jaxpd.request import Request, State
-from jaxpd.sampling_params import SamplingParams
+from jaxpd.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from jaxpd.validation import (MAX_STOP_TOKEN_IDS, check_request_id, check_text_size,
                               default_max_prompt_bytes)
-from jaxpd.models.tokenizer import IncrementalDecoder
 
 if TYPE_CHECKING:
     from jaxpd.llm import LLM
@@ -71,10 +70,22 @@ def sampling_params(msg: jaxpd_pb2.GenerateRequest) -> SamplingParams:
     if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ValueError(f"stop_token_ids has {len(msg.stop_token_ids)} ids, more than "
                          f"{MAX_STOP_TOKEN_IDS}")
+    if len(msg.stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop has {len(msg.stop)} strings, more than {MAX_STOP_STRINGS}")
     opt = lambda name: getattr(msg, name) if msg.HasField(name) else getattr(_DEFAULTS, name)
     return SamplingParams(max_tokens=opt("max_tokens"), temperature=opt("temperature"),
                           top_k=msg.top_k, top_p=opt("top_p"), seed=opt("seed"),
-                          stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos)
+                          stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+                          stop=tuple(msg.stop), repetition_penalty=opt("repetition_penalty"),
+                          presence_penalty=msg.presence_penalty,
+                          frequency_penalty=msg.frequency_penalty, min_p=msg.min_p,
+                          logprobs=opt("logprobs"), n=opt("n"))
+
+
+def logprobs_message(logprobs: list | None) -> list[jaxpd_pb2.TokenLogprobs]:
+    return [jaxpd_pb2.TokenLogprobs(logprob=lp, top=[jaxpd_pb2.Logprob(token_id=t, logprob=v)
+                                                     for t, v in top])
+            for lp, top in logprobs or ()]
 
 
 def metrics_message(r: Request) -> jaxpd_pb2.RequestMetrics:
@@ -168,40 +179,47 @@ class GenerationServicer:
     def Generate(self, request, context):
         with self._generation_slot(context):
             try:
-                r, label = self._start(request, context)
+                requests, label = self._start(request, context)
             except _Reject as e:
                 context.abort(e.code, e.message)
-            decoder = IncrementalDecoder(self.llm.tokenizer) if self.llm.tokenizer else None
             try:
-                for ids, finish in self.llm.events(r):
-                    text = decoder.push(ids) if decoder else ""
-                    if finish is None:
-                        yield jaxpd_pb2.GenerateResponse(request_id=label, token_ids=ids,
-                                                         text=text)
-                    else:
-                        text += decoder.flush() if decoder else ""
-                        yield jaxpd_pb2.GenerateResponse(request_id=label, token_ids=ids,
-                                                         text=text, finish_reason=finish,
-                                                         metrics=metrics_message(r))
+                for i, d in self.llm.merged_deltas(requests):
+                    reply = jaxpd_pb2.GenerateResponse(
+                        request_id=label or requests[i].request_id, token_ids=d.token_ids,
+                        text=d.text, index=i, logprobs=logprobs_message(d.logprobs))
+                    if d.finish_reason is not None:
+                        reply.finish_reason = d.finish_reason
+                        reply.metrics.CopyFrom(metrics_message(requests[i]))
+                    yield reply
             finally:
-                self._finish(r)
+                for r in requests:
+                    self._finish(r)
 
     def Complete(self, request, context):
         with self._generation_slot(context):
             try:
-                r, label = self._start(request, context)
+                requests, label = self._start(request, context)
             except _Reject as e:
                 context.abort(e.code, e.message)
             try:
-                for _ in self.llm.events(r):
-                    pass
-                out = self.llm.completion(r)
+                samples = []
+                for i, r in enumerate(requests):
+                    for _ in self.llm.events(r):
+                        pass
+                    out = self.llm.completion(r, i)
+                    samples.append(jaxpd_pb2.Sample(
+                        index=i, request_id=label or r.request_id, token_ids=out.token_ids,
+                        text=out.text or "", finish_reason=out.finish_reason,
+                        metrics=metrics_message(r), logprobs=logprobs_message(out.logprobs)))
+                first = samples[0]
                 return jaxpd_pb2.CompleteResponse(
-                    request_id=label, prompt_token_ids=out.prompt_token_ids,
-                    token_ids=out.token_ids, text=out.text or "",
-                    finish_reason=out.finish_reason, metrics=metrics_message(r))
+                    request_id=first.request_id, prompt_token_ids=requests[0].prompt_ids,
+                    token_ids=first.token_ids, text=first.text,
+                    finish_reason=first.finish_reason, metrics=first.metrics,
+                    logprobs=first.logprobs, samples=samples)
             finally:
-                self._finish(r)
+                for r in requests:
+                    self._finish(r)
 
     def Tokenize(self, request, context):
         llm = self._llm(context)
@@ -269,9 +287,9 @@ class GenerationServicer:
                 self._num_generating -= 1
                 self._generation_done.notify_all()
 
-    def _make_request(self, msg: jaxpd_pb2.GenerateRequest) -> tuple[Request, str | None]:
-        """Validate and build under an id the front end assigns; also returns the
-        client's own id (validated) to echo. ValueError names the field."""
+    def _make_requests(self, msg: jaxpd_pb2.GenerateRequest) -> tuple[list[Request], str | None]:
+        """Validate and build (one request per sample) under ids the front end assigns;
+        also returns the client's own id (validated) to echo. ValueError names the field."""
         llm = self.llm
         params = sampling_params(msg)
         which = msg.WhichOneof("input")
@@ -298,18 +316,46 @@ class GenerationServicer:
             ids = llm.tokenizer.encode(msg.prompt)
             if not ids:
                 raise ValueError("prompt encodes to no tokens")
-        return llm.make_request(prompt_token_ids=ids, sampling_params=params), client_id
+        return llm.make_requests(prompt_token_ids=ids, sampling_params=params), client_id
 
-    def _start(self, msg: jaxpd_pb2.GenerateRequest, context) -> tuple[Request, str]:
-        """Validate, admit, submit, and arrange for cancellation to abort it. Returns the
-        request and the id its responses carry."""
+    def _start(self, msg: jaxpd_pb2.GenerateRequest, context) -> tuple[list[Request], str | None]:
+        """Validate, admit, submit (every sample, or none), and arrange for cancellation
+        to abort them. Returns the requests and the client's id to echo, if it gave one."""
         llm = self._llm(context)
         if self._draining:
             raise _Reject(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         try:
-            r, client_id = self._make_request(msg)
+            requests, client_id = self._make_requests(msg)
         except ValueError as e:
             raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        submitted = []
+        try:
+            for r in requests:
+                self._submit_one(llm, r)
+                submitted.append(r)
+        except _Reject:
+            for r in submitted:
+                self._finish(r, "a sibling sample was refused")
+            raise
+
+        def on_rpc_done():
+            # Runs when the RPC ends for any reason: at once on a cancel or a passed
+            # deadline (the handler may still be blocked waiting for the next token),
+            # and as a no-op after a normal end.
+            if self._draining:
+                reason = "shutdown"
+            elif context.time_remaining() is not None and context.time_remaining() <= 0:
+                reason = "deadline exceeded"
+            else:
+                reason = "cancelled"
+            for r in requests:
+                self._finish(r, reason)
+
+        if not context.add_callback(on_rpc_done):
+            on_rpc_done()   # the RPC already ended before we could register
+        return requests, client_id
+
+    def _submit_one(self, llm: LLM, r: Request) -> None:
         with self._lock:
             ahead = sum(q.num_tokens for q, _ in self._in_flight.values()
                         if q.state in (State.WAITING, State.PREFILLING))
@@ -328,24 +374,11 @@ class GenerationServicer:
         except RuntimeError as e:   # engine failed or shut down
             self._forget(r)
             raise _Reject(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        except ValueError as e:     # e.g. stop strings on a model without a tokenizer
+            self._forget(r)
+            raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if self._draining:   # `stop` began while it was submitted: abort_all may have missed it
             llm.abort(r.request_id, "shutdown")
-
-        def on_rpc_done():
-            # Runs when the RPC ends for any reason: at once on a cancel or a passed
-            # deadline (the handler may still be blocked waiting for the next token),
-            # and as a no-op after a normal end.
-            if self._draining:
-                reason = "shutdown"
-            elif context.time_remaining() is not None and context.time_remaining() <= 0:
-                reason = "deadline exceeded"
-            else:
-                reason = "cancelled"
-            self._finish(r, reason)
-
-        if not context.add_callback(on_rpc_done):
-            on_rpc_done()   # the RPC already ended before we could register
-        return r, client_id or r.request_id
 
     def _finish(self, r: Request, reason: str = "cancelled") -> None:
         """The RPC is done with `r`: abort it if it still runs, and the first time,

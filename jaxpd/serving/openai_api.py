@@ -4,6 +4,7 @@ No jax and no server: `jaxpd.serving.http` serves it."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from typing import Union
@@ -65,22 +66,11 @@ class ChatBody(Body):
 
 
 def unsupported(body: Body) -> str | None:
-    """The first field asking for an option jaxpd does not have yet, or None."""
-    asks = [
-        ("n", body.n not in (None, 1)),
-        ("stop", bool(body.stop)),
-        ("presence_penalty", body.presence_penalty not in (None, 0)),
-        ("frequency_penalty", body.frequency_penalty not in (None, 0)),
-        ("repetition_penalty", body.repetition_penalty not in (None, 1)),
-        ("min_p", body.min_p not in (None, 0)),
-        ("logit_bias", bool(body.logit_bias)),
-    ]
+    """The first field asking for an option jaxpd does not have, or None."""
+    asks = [("logit_bias", bool(body.logit_bias))]
     if isinstance(body, CompletionBody):
-        asks += [("logprobs", body.logprobs is not None), ("echo", body.echo),
-                 ("best_of", body.best_of not in (None, 1)), ("suffix", bool(body.suffix))]
-    else:
-        asks += [("logprobs", bool(body.logprobs)),
-                 ("top_logprobs", body.top_logprobs not in (None, 0))]
+        asks += [("echo", body.echo), ("best_of", body.best_of not in (None, 1, body.n)),
+                 ("suffix", bool(body.suffix))]
     return next((field for field, asked in asks if asked), None)
 
 
@@ -145,11 +135,6 @@ def flatten_content(message: dict) -> dict:
     return message
 
 
-def usage(r: Request) -> dict:
-    return {"prompt_tokens": len(r.prompt_ids), "completion_tokens": len(r.output_ids),
-            "total_tokens": len(r.prompt_ids) + len(r.output_ids)}
-
-
 def sse(payload) -> bytes:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
@@ -158,30 +143,111 @@ def sampling_params(body: CompletionBody | ChatBody, num_prompt_tokens: int,
                     max_model_len: int) -> SamplingParams:
     """The body's options as `SamplingParams` (ValueError names the field)."""
     max_tokens = body.max_tokens
-    if isinstance(body, ChatBody) and body.max_completion_tokens is not None:
+    chat = isinstance(body, ChatBody)
+    if chat and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
     if max_tokens is None:   # OpenAI's defaults: 16 (completions), the rest of the context (chat)
         room = max_model_len - num_prompt_tokens
-        max_tokens = max(1, room) if isinstance(body, ChatBody) else min(16, max(1, room))
+        max_tokens = max(1, room) if chat else min(16, max(1, room))
     top_k = body.top_k if body.top_k not in (None, -1) else 0   # vLLM: -1 is off
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_k=top_k, top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
-        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
-
-
-def whole_response(r: Request, text: str, body: Body, model_id: str) -> dict:
-    """The non-streamed answer to a finished request."""
-    chat = isinstance(body, ChatBody)
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": r.finish_reason}
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": r.finish_reason}
+        logprobs = body.logprobs
+    optional = {name: getattr(body, name) for name in (
+        "temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+        "min_p", "n") if getattr(body, name) is not None}
+    return SamplingParams(
+        max_tokens=max_tokens, top_k=top_k, seed=body.seed,
+        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+        stop=body.stop or (), logprobs=logprobs, **optional)
+
+
+def _finite(x: float) -> float:
+    """JSON has no NaN or infinities: OpenAI writes -9999.0 for an impossible token."""
+    return x if math.isfinite(x) else -9999.0
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id]) or tokenizer.id_to_token(token_id) or ""
+
+
+def completion_logprobs(tokenizer, ids: list[int], entries: list, offset: int) -> dict:
+    """The legacy completions shape of `entries` (one `TokenLogprobs` per id);
+    `offset`: where the first token's text begins in the choice's text."""
+    tokens = [token_text(tokenizer, t) for t in ids]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [_finite(lp) for lp, _ in entries],
+            "top_logprobs": [{token_text(tokenizer, t): _finite(v) for t, v in top}
+                             for _, top in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, ids: list[int], entries: list) -> dict:
+    """The chat completions shape of `entries` (one `TokenLogprobs` per id)."""
+    def one(t: int, v: float) -> dict:
+        text = token_text(tokenizer, t)
+        return {"token": text, "logprob": _finite(v), "bytes": list(text.encode())}
+    return {"content": [{**one(t, lp), "top_logprobs": [one(u, v) for u, v in top]}
+                        for t, (lp, top) in zip(ids, entries)]}
+
+
+def choice(index: int, text: str, finish: str | None, ids: list[int], logprobs,
+           body: Body, tokenizer, offset: int = 0, stream: bool = False,
+           role: bool = False) -> dict:
+    """One entry of `choices` (a whole answer's, or a stream chunk's)."""
+    out: dict = {"index": index}
+    if isinstance(body, ChatBody):
+        if stream:
+            out["delta"] = {} if text is None else {"content": text}
+            if role:
+                out["delta"]["role"] = "assistant"
+        else:
+            out["message"] = {"role": "assistant", "content": text}
+        out["logprobs"] = None if logprobs is None else chat_logprobs(tokenizer, ids, logprobs)
+    else:
+        out["text"] = text or ""
+        out["logprobs"] = (None if logprobs is None
+                           else completion_logprobs(tokenizer, ids, logprobs, offset))
+    out["finish_reason"] = finish
     if body.return_token_ids:
-        choice.update(prompt_token_ids=list(r.prompt_ids), token_ids=list(r.output_ids))
-    return {"id": ("chatcmpl-" if chat else "cmpl-") + r.request_id,
+        out["token_ids"] = ids
+    return out
+
+
+def whole_response(outputs: list, body: Body, model_id: str, tokenizer) -> dict:
+    """The non-streamed answer: `outputs` are the `CompletionOutput`s, in choice order."""
+    chat = isinstance(body, ChatBody)
+    choices = []
+    for i, out in enumerate(outputs):
+        c = choice(i, out.text or "", out.finish_reason, out.token_ids, out.logprobs, body,
+                   tokenizer)
+        if body.return_token_ids:
+            c["prompt_token_ids"] = out.prompt_token_ids
+        choices.append(c)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in _first_samples(outputs, body))
+    completion_tokens = sum(len(o.token_ids) for o in outputs)
+    return {"id": ("chatcmpl-" if chat else "cmpl-") + outputs[0].request_id,
             "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model_id, "choices": [choice],
-            "usage": usage(r)}
+            "created": int(time.time()), "model": model_id, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def usage(requests: list[Request], body: Body) -> dict:
+    """Usage of a request's samples (each prompt counted once, as OpenAI does)."""
+    prompt = sum(len(r.prompt_ids) for r in _first_samples(requests, body))
+    completion = sum(len(r.output_ids) for r in requests)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _first_samples(items: list, body: Body) -> list:
+    return items[::body.n or 1]

@@ -7,7 +7,8 @@ Python (msgpack, grpc, no jax): the router process imports this.
   Info      unary     -> the worker's identity (`WorkerInfo` fields) and its load
   Prefill   unary     request (wire form) + destination -> "handed_off" | "finished"
   Decode    stream    request (wire form) [+ local] -> {"registered"}, then token
-                      events, and {"alive"} after each second without one
+                      events (with each token's log-probabilities when the request
+                      asks for them), and {"alive"} after each second without one
   Reprefill unary     request_id -> the decode worker prefills it itself
   Abort     unary     request_id, reason
   Register  unary     (served by the router's internal port) `WorkerInfo` fields +
@@ -28,6 +29,7 @@ from typing import Any, Iterator
 import grpc
 
 from jaxpd.auth import NO_AUTH, InternalAuth
+from jaxpd.request import TokenLogprobs, logprobs_from_wire
 from jaxpd.transfer.wire import (WIRE_VERSION, MalformedMessage, WireVersionError, pack,
                                  unpack, unpack_checked)
 
@@ -153,6 +155,22 @@ def check_load(d: Any) -> dict[str, int]:
             raise ValueError(f"load.{name} must be a non-negative integer, got {value!r}")
         load[name] = value
     return load
+
+
+def check_tokens(answer: Any, vocab_size: int, logprobs: int | None
+                 ) -> list[tuple[int, TokenLogprobs | None]]:
+    """A Decode event's or a finished Prefill's "token_ids", paired with their
+    "logprobs" (when the request asks for `logprobs` per token; None otherwise). The
+    router checks them as a peer's word: ValueError naming the field."""
+    if not isinstance(answer, dict):
+        raise ValueError(f"an answer must be a map, got {type(answer).__name__}")
+    ids = answer.get("token_ids", [])
+    if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int)
+                                        or not 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"token_ids must be ids in the vocabulary [0, {vocab_size})")
+    if logprobs is None or not ids:         # ({"alive"} and the finish carry none)
+        return [(t, None) for t in ids]
+    return list(zip(ids, logprobs_from_wire(answer.get("logprobs"), len(ids), logprobs)))
 
 
 # ---- clients ------------------------------------------------------------------------

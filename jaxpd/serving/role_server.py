@@ -4,7 +4,8 @@ Prefill worker: `Prefill` submits the request to its prefill-only engine with th
 chosen decode worker as the KV destination and answers once the KV is handed off (or
 the first token already finished the request). Decode worker: `Decode` registers a
 mirror of the request (its KV arrives through the connector; or, with `local`, it is
-prefilled right here) and streams its tokens, with an {"alive"} event after each
+prefilled right here) and streams its tokens (with their log-probabilities when the
+request asks for them), with an {"alive"} event after each
 second without one so the router can tell a slow request from a frozen worker. A
 cancelled RPC aborts the request, so its slot and pages are freed by the engine's
 next iteration.
@@ -92,6 +93,7 @@ class RoleService:
                           f"destination must be a host:port of at most {MAX_ADDRESS_LEN} "
                           f"characters")
         r.destination = destination
+        held = len(r.output_ids)
         self._submit(r, context)
         context.add_callback(lambda: self.engine.abort(r.request_id, "router cancelled"))
         tokens = []
@@ -103,12 +105,14 @@ class RoleService:
             if finish == "abort":
                 context.abort(grpc.StatusCode.UNAVAILABLE, r.abort_reason or "aborted")
             if finish is not None:
-                return {"status": "finished", "token_ids": tokens, "finish_reason": finish}
+                return {"status": "finished", "token_ids": tokens, "finish_reason": finish,
+                        **_logprobs_of(r, held, len(tokens))}
 
     def Decode(self, msg, context):
         self._require("decode", context)
         local = bool(msg.get("local"))
         r = self._request(msg, context, State.WAITING if local else State.TRANSFERRING)
+        sent = len(r.output_ids)            # tokens the router holds already (a failover)
         if local:
             self._submit(r, context)
         else:
@@ -126,7 +130,9 @@ class RoleService:
             except queue.Empty:
                 yield {"alive": True}       # lets the router tell slow from frozen
                 continue
-            yield {"token_ids": ids, "finish": finish, "abort_reason": r.abort_reason}
+            yield {"token_ids": ids, "finish": finish, "abort_reason": r.abort_reason,
+                   **_logprobs_of(r, sent, len(ids))}
+            sent += len(ids)
             if finish is not None:
                 return
 
@@ -194,6 +200,14 @@ def _request_id(msg: dict, context) -> str:
         return check_request_id(msg.get("request_id"))
     except ValueError as e:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+
+def _logprobs_of(r: Request, start: int, count: int) -> dict:
+    """The "logprobs" of an answer carrying `r`'s output tokens [start, start + count)
+    (recorded before the tokens are announced), when it asks for them."""
+    if r.logprobs is None:
+        return {}
+    return {"logprobs": r.logprobs[start:start + count]}
 
 
 def _describe(e: Exception) -> str:

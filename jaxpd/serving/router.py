@@ -58,7 +58,7 @@ from jaxpd.frontend import Frontend
 from jaxpd.request import Request, State
 from jaxpd.stats import StatsCounter
 from jaxpd.serving.role_rpc import (ROLES, ROUTER_SERVICE, RoleClient, WorkerInfo, check_load,
-                                    model_identity, unary_handler)
+                                    check_tokens, model_identity, unary_handler)
 from jaxpd.models.source import model_config_and_tokenizer
 
 _log = logging.getLogger(__name__)
@@ -428,6 +428,9 @@ class Router(Frontend):
                     if self._relay(r, event):
                         return
                 why = "its stream ended early"
+            except ValueError as e:                            # from `_relay`
+                self._cancel(call, f"it sent a malformed event: {e}")
+                why = call.why
             except grpc.RpcError as e:
                 if r.is_final:
                     return                                     # we cancelled it
@@ -448,19 +451,26 @@ class Router(Frontend):
                                watched=False, destination=decoder)
             try:
                 out = call.handle.result()
-            except (grpc.RpcError, grpc.FutureCancelledError) as e:
+                finished = out.get("status") == "finished"     # its first token ended it
+                if finished:
+                    tokens = check_tokens(out, self.model_config.vocab_size, r.params.logprobs)
+            except (grpc.RpcError, grpc.FutureCancelledError, ValueError) as e:
                 if r.is_final or not decoder.live:
                     return          # (the decode stream, cancelled too, fails it over)
-                why = call.why or (e.code() if isinstance(e, grpc.RpcError) else "cancelled")
+                why = call.why or (e.code() if isinstance(e, grpc.RpcError) else
+                                   f"malformed answer: {e}" if isinstance(e, ValueError)
+                                   else "cancelled")
                 _log.warning("prefill worker %s failed %s (%s)", p.address, r.request_id, why)
                 self.counters.add(prefill_failovers=1)
                 continue
             finally:
                 self._untrack(call)
-            if out.get("status") == "finished":                # its first token ended it
+            if finished:
                 now = time.perf_counter()
-                for t in out.get("token_ids", ()):
-                    r.append_token(t, now)
+                for t, logprobs in tokens:
+                    r.append_token(t, now, logprobs)
+                if out.get("finish_reason") in ("stop", "length"):
+                    r.finish(out["finish_reason"])
                 decoder.client.abort(r.request_id, "finished at prefill",
                                      timeout=self.config.rpc_timeout_s)
             return
@@ -469,12 +479,17 @@ class Router(Frontend):
         decoder.client.reprefill(r.request_id, timeout=self.config.rpc_timeout_s)
 
     def _relay(self, r: Request, event: dict) -> bool:
-        """Apply one decode event ({"alive"} carries nothing); True once the request is final."""
+        """Apply one decode event ({"alive"} carries nothing); True once the request is
+        final. A malformed event raises ValueError before anything is applied."""
+        tokens = check_tokens(event, self.model_config.vocab_size, r.params.logprobs)
         now = time.perf_counter()
-        for t in event.get("token_ids", ()):
-            if r.append_token(t, now):
+        for t, logprobs in tokens:
+            if r.append_token(t, now, logprobs):
                 return True
         finish = event.get("finish")
+        if finish in ("stop", "length"):        # e.g. a stop string the worker matched
+            r.finish(finish)
+            return True
         if finish == "abort":
             if r.abort(event.get("abort_reason") or "aborted by the decode worker"):
                 self.counters.add(aborted=1)

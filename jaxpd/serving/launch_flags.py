@@ -1,0 +1,236 @@
+"""The flags of `python -m jaxpd.launch` and what is derived from them before jax loads:
+the virtual CPU device count, CPU pinning, the internal plane's credentials, the
+engine options. Plain Python (absl flags): importing this loads no jax."""
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+from absl import flags
+
+
+def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
+    """Define the launcher's flags on `fv` (the global FLAGS when run as a program)."""
+    _define_serving_flags(fv)
+    _define_engine_flags(fv)
+    _define_role_flags(fv)
+    _define_auth_flags(fv)
+
+
+def _define_serving_flags(fv: flags.FlagValues) -> None:
+    """What to serve, where, and how the process starts and stops."""
+    flags.DEFINE_string("model", None, "Hugging Face checkpoint directory of a Llama-family "
+                        "model (default: the built-in model, jaxpd.default_model_dir()).",
+                        flag_values=fv)
+    flags.DEFINE_string("mesh", "prefill=4,decode=4", "Mesh spec: prefill=P,decode=D[xT] "
+                        "or colocated=N.", flag_values=fv)
+    flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
+                      "Dtype of the weights and the KV cache; auto: float32 on CPU, bfloat16 "
+                      "on TPU/GPU.", flag_values=fv)
+    flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (gRPC and /metrics).",
+                        flag_values=fv)
+    flags.DEFINE_integer("port", 50051, "gRPC port; 0 picks a free one and prints it.",
+                         lower_bound=0, flag_values=fv)
+    flags.DEFINE_integer("metrics_port", 0, "Port of the Prometheus /metrics endpoint; 0 = off.",
+                         lower_bound=0, flag_values=fv)
+    flags.DEFINE_integer("http_port", 8000, "Port of the OpenAI-compatible HTTP API (with "
+                         "/health and /metrics) on --host, for the single-process server and "
+                         "the router; 0 picks a free one and prints it, -1 = off. Prefill and "
+                         "decode roles serve /health and /metrics there only when it is given "
+                         "(several roles share a host).",
+                         lower_bound=-1, flag_values=fv)
+    flags.DEFINE_boolean("warmup", True, "Compile every bucket before serving.", flag_values=fv)
+    flags.DEFINE_float("shutdown_grace_s", 5.0, "On SIGTERM/SIGINT, how long in-flight "
+                       "requests may still run before they are aborted.", lower_bound=0,
+                       flag_values=fv)
+    flags.DEFINE_string("cpus", None, "Run on these CPUs only, e.g. '0' or '1-3' (process "
+                        "affinity, set before jax starts, so XLA:CPU's threads use them alone): "
+                        "pin a prefill and a decode role to disjoint core sets. Default: all.",
+                        flag_values=fv)
+    flags.DEFINE_string("public_tls_cert", None, "PEM certificate chain: serve the public gRPC "
+                        "and HTTP ports over TLS (with --public_tls_key).", flag_values=fv)
+    flags.DEFINE_string("public_tls_key", None, "PEM private key of --public_tls_cert.",
+                        flag_values=fv)
+    flags.DEFINE_string("public_tls_client_ca", None, "PEM CA: public clients must present a "
+                        "certificate it signed (mutual TLS on the public ports).",
+                        flag_values=fv)
+    flags.DEFINE_integer("max_concurrent_rpcs", 128, "Concurrent Generate/Complete calls "
+                         "(one thread each) before more get RESOURCE_EXHAUSTED; health, "
+                         "ModelInfo and Stats have threads of their own.", lower_bound=1,
+                         flag_values=fv)
+    flags.DEFINE_integer("max_prompt_bytes", 0, "Longest prompt or Tokenize text in UTF-8 "
+                         "bytes, refused before tokenizing; 0 = 32 bytes per token of "
+                         "max_prompt_len, at least 64 KiB.", lower_bound=0, flag_values=fv)
+    flags.DEFINE_string("once", None, "Instead of serving, generate greedily for this prompt, "
+                        "print the completion and exit (default: unset, serve).", flag_values=fv)
+    flags.DEFINE_integer("once_max_tokens", 32, "Tokens to generate with --once.",
+                         lower_bound=1, flag_values=fv)
+
+
+def _define_engine_flags(fv: flags.FlagValues) -> None:
+    """`EngineConfig` knobs and admission control."""
+    flags.DEFINE_integer("max_model_len", None, "Prompt + generated tokens per request "
+                         "(default: the model's max_position_embeddings, at most 1024).",
+                         lower_bound=2, flag_values=fv)
+    flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page (a power of two).",
+                         lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("slots_per_shard", 8, "Decode slots per decode dp shard.",
+                         lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("decode_context_step", 8, "A decode step computes its context in "
+                         "multiples of this many pages (one compiled program per width).",
+                         lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("max_prefill_batch", 8, "Most requests in one prefill batch.",
+                         lower_bound=1, flag_values=fv)
+    flags.DEFINE_float("bucket_timeout_ms", 5.0, "Longest wait for a prefill batch to fill.",
+                       lower_bound=0, flag_values=fv)
+    flags.DEFINE_integer("max_queued", 1024, "Requests waiting for prefill before new ones "
+                         "get RESOURCE_EXHAUSTED.", lower_bound=1, flag_values=fv)
+    flags.DEFINE_float("slo_ttft_ms", 0.0, "Reject (RESOURCE_EXHAUSTED) a request whose "
+                       "predicted TTFT exceeds this; 0 = off.", lower_bound=0, flag_values=fv)
+    flags.DEFINE_integer("layerwise_min_tokens", 0, "Prefill buckets of at least this many "
+                         "tokens send their KV layer group by layer group, each as soon as it "
+                         "is computed, overlapping the transfer with the rest of the prefill; "
+                         "0 = always whole.", lower_bound=0, flag_values=fv)
+    flags.DEFINE_integer("layerwise_parts", 4, "Layer groups of a layer-wise transfer.",
+                         lower_bound=2, flag_values=fv)
+    flags.DEFINE_enum("kv_transfer_dtype", None, ["int8", "fp8"], "Compress KV in transit "
+                      "(per-page scales; lossy). Unset: send it as stored.", flag_values=fv)
+    flags.DEFINE_string("compilation_cache_dir", None, "Keep compiled programs here and "
+                        "load them on the next start ('none': off). Default: "
+                        "$JAX_COMPILATION_CACHE_DIR, else $JAXPD_CACHE/xla (~/.cache/jaxpd/xla).",
+                        flag_values=fv)
+    flags.DEFINE_integer("local_prefill_below", 0, "Prompts shorter than this are prefilled "
+                         "on the decode mesh itself (no transfer); 0 = never.", lower_bound=0,
+                         flag_values=fv)
+
+
+def _define_role_flags(fv: flags.FlagValues) -> None:
+    """Multi-process deployments: roles, the router, the KV transport, liveness."""
+    flags.DEFINE_enum("role", "", ["", "prefill", "decode", "router"],
+                      "Multi-process deployments: run one role (its --mesh is then prefill=P or "
+                      "decode=D[xT]; the router needs none). Empty: both phases in this "
+                      "process.", flag_values=fv)
+    flags.DEFINE_string("router", None, "prefill/decode roles: host:port of the router's "
+                        "internal port (its --internal_port, not its public --port) to "
+                        "register with (retried with backoff until it answers).", flag_values=fv)
+    flags.DEFINE_integer("internal_port", 0, "router role: port of the internal plane "
+                         "(workers register and heartbeat there; authenticated); 0 picks a "
+                         "free one and prints it.", lower_bound=0, flag_values=fv)
+    flags.DEFINE_list("prefill_workers", [], "router role: host:port of prefill workers "
+                      "(workers may also register themselves).", flag_values=fv)
+    flags.DEFINE_list("decode_workers", [], "router role: host:port of decode workers.",
+                      flag_values=fv)
+    flags.DEFINE_enum("kv_transport", "transfer_server", ["transfer_server", "grpc"],
+                      "prefill/decode roles: how KV pages cross processes (the JAX transfer "
+                      "server, or a gRPC byte stream where it is unavailable).", flag_values=fv)
+    flags.DEFINE_float("heartbeat_s", 1.0, "Workers heartbeat the router this often (the "
+                       "router probes --prefill_workers/--decode_workers as often).",
+                       lower_bound=0.01, flag_values=fv)
+    flags.DEFINE_float("lease_s", None, "router role: drop a worker whose last heartbeat is "
+                       "older than this, failing its requests over (default: 3 x "
+                       "--heartbeat_s).", lower_bound=0.01, flag_values=fv)
+    flags.DEFINE_float("stall_timeout_s", 5.0, "router role: a decode stream that sends "
+                       "nothing (workers send a keepalive each second) for this long is a "
+                       "lost worker: its request fails over.", lower_bound=0.01, flag_values=fv)
+
+
+def _define_auth_flags(fv: flags.FlagValues) -> None:
+    """Authentication of the internal plane (roles, the router's internal port, KV)."""
+    flags.DEFINE_string("cluster_token", None, "Shared secret every internal call carries "
+                        "(shows in `ps`: prefer --cluster_token_file or the "
+                        "JAXPD_CLUSTER_TOKEN environment variable).", flag_values=fv)
+    flags.DEFINE_string("cluster_token_file", None, "File holding the cluster token.",
+                        flag_values=fv)
+    flags.DEFINE_string("tls_cert", None, "mTLS: this process's certificate chain (PEM).",
+                        flag_values=fv)
+    flags.DEFINE_string("tls_key", None, "mTLS: this process's private key (PEM).",
+                        flag_values=fv)
+    flags.DEFINE_string("tls_ca", None, "mTLS: the CA that signs every peer's certificate "
+                        "(PEM).", flag_values=fv)
+    flags.DEFINE_string("tls_server_name", None, "mTLS: the name peers' certificates are "
+                        "checked against when it is not the host dialled.", flag_values=fv)
+    flags.DEFINE_boolean("insecure_internal", False, "Allow an internal plane without "
+                         "authentication on a non-loopback --host (anyone who reaches it can "
+                         "drive the process; not recommended).", flag_values=fv)
+
+
+def internal_auth(fv: flags.FlagValues):
+    """One `InternalAuth` from the auth flags (and JAXPD_CLUSTER_TOKEN). Raises
+    ValueError (AuthConfigError) or OSError (an unreadable file)."""
+    from jaxpd.auth import InternalAuth   # plain Python (grpc): the router may import it
+
+    return InternalAuth.from_options(
+        cluster_token=fv.cluster_token, cluster_token_file=fv.cluster_token_file,
+        tls_cert=fv.tls_cert, tls_key=fv.tls_key, tls_ca=fv.tls_ca,
+        tls_server_name=fv.tls_server_name, insecure=fv.insecure_internal)
+
+
+def _role_auth(fv: flags.FlagValues, what: str):
+    """The internal auth of a role, checked against its --host; None (after printing
+    why) when the flags are wrong or the plane would be open."""
+    try:
+        auth = internal_auth(fv)
+        auth.check_bind(fv.host, what)
+    except (ValueError, OSError) as e:
+        print(f"cannot start {what}: {e}", file=sys.stderr)
+        return None
+    return auth
+
+
+def set_cpu_device_count(mesh: str, environ=os.environ) -> int | None:
+    """On CPU (JAX_PLATFORMS unset or naming cpu), make XLA create as many virtual
+    devices as `mesh` needs, replacing any count already in XLA_FLAGS. Returns the
+    count, or None when the platform is not CPU. Must run before jax initialises."""
+    from jaxpd.sharding.spec import parse_mesh_spec   # plain Python: loads no jax
+
+    platforms = environ.get("JAX_PLATFORMS", "")
+    if platforms and "cpu" not in platforms.split(","):
+        return None
+    num = parse_mesh_spec(mesh).num_devices
+    rest = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                  environ.get("XLA_FLAGS", "")).split()
+    environ["XLA_FLAGS"] = " ".join(rest + [f"--xla_force_host_platform_device_count={num}"])
+    return num
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """"0", "1-3", "0,2-3" -> the CPU ids. ValueError naming --cpus for anything else,
+    or for CPUs this process may not run on."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise ValueError(f"--cpus must be CPU ids and ranges like '0' or '1-3,5', got {spec!r}")
+        cpus.update(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise ValueError(f"--cpus {spec!r} names CPUs {sorted(cpus - allowed)} this process may "
+                         f"not use (allowed: {sorted(allowed)})")
+    return cpus
+
+
+def pin_cpus(spec: str | None) -> set[int] | None:
+    """Run this process on `spec`'s CPUs only. Before jax starts: XLA:CPU sizes its
+    thread pool from the CPUs the process may use, so a role pinned to a core set
+    computes on those cores alone (one process per role is what isolates prefill from
+    decode on a CPU: one process's devices share one pool)."""
+    if spec is None:
+        return None
+    cpus = parse_cpus(spec)
+    os.sched_setaffinity(0, cpus)
+    return cpus
+
+
+def engine_options(fv: flags.FlagValues) -> dict:
+    """`LLM` keyword arguments from the flags (unset ones keep the LLM's defaults)."""
+    options = dict(mesh=fv.mesh, dtype=fv.dtype, page_size=fv.page_size,
+                   slots_per_shard=fv.slots_per_shard, max_prefill_batch=fv.max_prefill_batch,
+                   bucket_timeout_ms=fv.bucket_timeout_ms, max_queued=fv.max_queued,
+                   layerwise_min_tokens=fv.layerwise_min_tokens,
+                   layerwise_parts=fv.layerwise_parts, kv_transfer_dtype=fv.kv_transfer_dtype,
+                   local_prefill_below=fv.local_prefill_below,
+                   decode_context_step=fv.decode_context_step)
+    if fv.max_model_len is not None:
+        options["max_model_len"] = fv.max_model_len
+    return options

@@ -1,0 +1,269 @@
+"""The state behind the OpenAI-compatible routes (`jaxpd.serving.http`): the front end,
+admission, latency histograms, the requests in flight, draining, and /health's numbers.
+
+Every HTTP request becomes one engine request per sample (`n`) per prompt, admitted
+together or not at all; `deltas` follows them for the event loop, one thread each.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from typing import TYPE_CHECKING, AsyncIterator, Callable
+
+from fastapi import Request as HttpRequest
+
+from jaxpd.errors import QueueFull
+from jaxpd.outputs import RequestMetrics, StreamDelta
+from jaxpd.request import Request, State
+from jaxpd.sampling_params import SamplingParams
+from jaxpd.serving import openai_api as api
+from jaxpd.serving.admission import AdmissionController
+from jaxpd.serving.prometheus import ServingMetrics
+from jaxpd.validation import default_max_prompt_bytes
+
+if TYPE_CHECKING:
+    from jaxpd.frontend import Frontend
+
+_DISCONNECT_POLL_S = 0.5   # while waiting for a token, check the client is still there
+
+
+class OpenAIService:
+    """The state behind the routes: the front end (None until `attach`), admission,
+    latency histograms, the requests in flight and the draining flag.
+
+    `admission` and `metrics` may be shared with the gRPC server of the same process
+    (one TTFT estimate, one set of histograms); `base_stats` then is that server's
+    `stats`, to which the counts of HTTP requests are added for /metrics."""
+
+    def __init__(self, role: str = "single", model_names: tuple[str, ...] = (),
+                 admission: AdmissionController | None = None,
+                 metrics: ServingMetrics | None = None,
+                 base_stats: Callable[[], dict] | None = None,
+                 max_concurrent: int = 128, max_body_bytes: int | None = None):
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
+        if max_body_bytes is not None and max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        self.role = role
+        self.admission = admission or AdmissionController()
+        self.metrics = metrics or ServingMetrics()
+        self.max_concurrent = max_concurrent
+        self._model_names = tuple(n for n in model_names if n)
+        self._base_stats = base_stats
+        self._max_body_bytes = max_body_bytes
+        self.frontend: Frontend | None = None
+        self.serving = False
+        self.draining = False
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._in_flight: dict[str, tuple[Request, int]] = {}
+        self.num_queue_full = 0
+        self.num_rpc_limit = 0
+
+    # ---- lifecycle ----
+
+    def attach(self, frontend: Frontend) -> None:
+        self.frontend, self.serving = frontend, True
+
+    def abort_all(self, reason: str) -> None:
+        with self._lock:
+            live = [r for r, _ in self._in_flight.values()]
+        for r in live:
+            self.frontend.abort(r.request_id, reason)
+
+    def wait_done(self, timeout_s: float) -> bool:
+        with self._done:
+            return self._done.wait_for(lambda: not self._in_flight, timeout=timeout_s)
+
+    # ---- names, limits, stats ----
+
+    @property
+    def model_id(self) -> str:
+        if self._model_names:
+            return self._model_names[0]
+        path = self.frontend.model_path
+        return os.path.basename(path.rstrip("/\\")) or path
+
+    def check_model(self, name: str) -> None:
+        accepted = {self.model_id, self.frontend.model_path, *self._model_names}
+        if name not in accepted:
+            raise api.ApiError(404, f"model {name!r} is not served here; this server serves "
+                                    f"{self.model_id!r}", param="model", code="model_not_found")
+
+    @property
+    def max_body_bytes(self) -> int:
+        if self._max_body_bytes is not None:
+            return self._max_body_bytes
+        # room for the prompt's JSON escaping and the other fields
+        max_prompt_len = self.frontend.config.max_prompt_len if self.frontend else 1 << 16
+        return 2 * default_max_prompt_bytes(max_prompt_len) + 64 * 1024
+
+    def stats(self) -> dict:
+        """The stats /metrics renders: the base stats plus HTTP's own counts."""
+        if self._base_stats is not None:
+            stats = dict(self._base_stats())
+        else:
+            stats = dict(self.frontend.stats()) if self.frontend is not None else {}
+            stats["rejections_slo"] = self.admission.num_rejected
+            stats["prefill_s_per_token"] = self.admission.s_per_token
+        with self._lock:
+            stats["requests_in_flight"] = stats.get("requests_in_flight", 0) + len(self._in_flight)
+            stats["rejections_queue_full"] = (stats.get("rejections_queue_full", 0)
+                                              + self.num_queue_full)
+            stats["rejections_rpc_limit"] = (stats.get("rejections_rpc_limit", 0)
+                                             + self.num_rpc_limit)
+        stats["rejections"] = (stats["rejections_queue_full"] + stats["rejections_rpc_limit"]
+                               + stats.get("rejections_slo", 0))
+        return stats
+
+    def health(self) -> tuple[int, dict]:
+        """(status code, body) of GET /health."""
+        fe = self.frontend
+        if self.draining:
+            status = "draining"
+        elif fe is None or not self.serving:
+            status = "starting"
+        elif fe.failure() is not None:
+            status = "failed"
+        else:
+            status = "ok"
+        body = {"status": status, "role": self.role, "mesh": None, "queue_waiting": 0,
+                "slots_active": 0, "slots_total": 0, "pages_used": 0, "pages_total": 0}
+        if fe is not None:
+            body.update(_occupancy(dict(fe.stats())))
+            if body["mesh"] is None:
+                body["mesh"] = str(fe.config.mesh)
+        return (200 if status == "ok" else 503), body
+
+    # ---- a request's life ----
+
+    def require_frontend(self) -> Frontend:
+        if self.frontend is None or not self.serving:
+            raise api.unavailable("the model is still loading" if self.frontend is None
+                                  else "no back end can serve now")
+        if self.draining:
+            raise api.unavailable("the server is shutting down")
+        error = self.frontend.failure()
+        if error is not None:
+            raise api.unavailable(f"the engine failed: {error!r}")
+        return self.frontend
+
+    def start(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
+        """Build, admit and submit every sample of every prompt, or none (blocking: run
+        it off the event loop). Requests in choice order: prompt-major, `n` per prompt."""
+        fe = self.require_frontend()
+        requests = [r for ids in prompts
+                    for r in fe.make_requests(prompt_token_ids=ids, sampling_params=params)]
+        submitted = []
+        try:
+            for r in requests:
+                self._start_one(fe, r)
+                submitted.append(r)
+        except BaseException:
+            for r in submitted:
+                self.finish(r, "a sibling sample was refused")
+            raise
+        return requests
+
+    def _start_one(self, fe: Frontend, r: Request) -> None:
+        with self._lock:
+            if len(self._in_flight) >= self.max_concurrent:
+                self.num_rpc_limit += 1
+                raise api.busy(f"{self.max_concurrent} requests are in flight")
+            ahead = sum(q.num_tokens for q, _ in self._in_flight.values()
+                        if q.state in (State.WAITING, State.PREFILLING))
+        refusal = self.admission.check(ahead, len(r.prompt_ids))
+        if refusal is not None:
+            raise api.busy(refusal)
+        with self._lock:
+            self._in_flight[r.request_id] = (r, ahead)
+        try:
+            fe.submit(r)
+        except QueueFull as e:
+            self._forget(r)
+            with self._lock:
+                self.num_queue_full += 1
+            raise api.busy(str(e)) from None
+        except RuntimeError as e:   # the engine failed or shut down
+            self._forget(r)
+            raise api.unavailable(str(e)) from None
+        except ValueError:
+            self._forget(r)
+            raise
+        if self.draining:   # stop began while it was submitted: abort_all may have missed it
+            fe.abort(r.request_id, "shutdown")
+
+    def finish(self, r: Request, reason: str = "cancelled") -> None:
+        """The client is done with `r`: abort it if it still runs; the first time, forget
+        it and learn from it if it finished."""
+        if not r.is_final:
+            self.frontend.abort(r.request_id, "shutdown" if self.draining else reason)
+        with self._done:
+            entry = self._in_flight.pop(r.request_id, None)
+            self._done.notify_all()
+        if entry is not None and r.finish_reason in ("stop", "length"):
+            m = RequestMetrics.of(r)
+            self.metrics.observe(m)
+            self.admission.observe(entry[1], len(r.prompt_ids), m)
+
+    def _forget(self, r: Request) -> None:
+        with self._done:
+            self._in_flight.pop(r.request_id, None)
+            self._done.notify_all()
+
+    async def deltas(self, requests: list[Request], http: HttpRequest
+                     ) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """(index, delta) of `requests` as they come, without blocking the loop: one
+        thread per request follows `Frontend.deltas` (detokenising off the loop). Ends
+        when every request has ended, or early (without their final deltas) when the
+        client has gone away."""
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
+        fe = self.frontend
+
+        def put(item) -> None:
+            with contextlib.suppress(RuntimeError):   # the loop is closed: nobody listens
+                loop.call_soon_threadsafe(inbox.put_nowait, item)
+
+        def follow(i: int, r: Request) -> None:
+            try:
+                for d in fe.deltas(r):
+                    put((i, d))
+            except Exception as e:   # noqa: BLE001 -- handed to the loop, raised there
+                put((i, e))
+
+        for i, r in enumerate(requests):
+            threading.Thread(target=follow, args=(i, r), name="jaxpd-http-events",
+                             daemon=True).start()
+        live = len(requests)
+        while live:
+            try:
+                i, d = await asyncio.wait_for(inbox.get(), _DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    return
+                continue
+            if isinstance(d, Exception):
+                raise d
+            yield i, d
+            live -= d.finish_reason is not None
+
+
+def _occupancy(stats: dict) -> dict:
+    """/health's numbers from a front end's stats: an engine's own, or the sum over a
+    router's live workers (slots and pages on decode workers, the queue on all)."""
+    out = {"mesh": stats.get("mesh") or None}
+    if "workers" in stats:
+        workers = [w for ws in stats["workers"].values() for w in ws]
+        decode = stats["workers"].get("decode", [])
+        out["queue_waiting"] = sum(w.get("queue", 0) for w in workers)
+        out["slots_total"] = sum(w.get("slots_total", 0) for w in decode)
+        out["slots_active"] = out["slots_total"] - sum(w.get("free_slots", 0) for w in decode)
+        out["pages_total"] = sum(w.get("pages_total", 0) for w in decode)
+        out["pages_used"] = out["pages_total"] - sum(w.get("free_pages", 0) for w in decode)
+        return out
+    for key in ("queue_waiting", "slots_active", "slots_total", "pages_used", "pages_total"):
+        out[key] = int(stats.get(key, 0))
+    return out

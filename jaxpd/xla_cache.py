@@ -1,0 +1,40 @@
+"""The persistent XLA compilation cache: compiled programs kept on disk, so a restart
+(or another process of the same deployment: the router's workers, a second replica)
+loads them instead of compiling again.
+
+Measured on the 2-core CI machine, built-in model, `prefill=1,decode=1`, first
+generate of 3 requests x 20 tokens: 12.5 s compiling cold, 2.7 s from the cache.
+jax's own thresholds skip programs that compile in under a second, which is every
+program of a small model; unless the environment sets them, both are 0 here.
+"""
+from __future__ import annotations
+
+import os
+
+from jaxpd.model_registry import cache_dir
+
+OFF = "none"
+
+
+def default_dir() -> str:
+    """`$JAX_COMPILATION_CACHE_DIR` if set, else `$JAXPD_CACHE/xla` (~/.cache/jaxpd/xla)."""
+    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache_dir(), "xla")
+
+
+def enable(path: str | None) -> str | None:
+    """Keep compiled programs under `path` from now on (call before the first compile);
+    None or "none": leave jax as configured. Returns the directory in use, if any."""
+    if path is None or path == OFF:
+        return None
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"compilation_cache_dir must be a directory or {OFF!r}, got {path!r}")
+    import jax
+
+    path = os.path.expanduser(path)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    for option in ("jax_persistent_cache_min_compile_time_secs",
+                   "jax_persistent_cache_min_entry_size_bytes"):
+        if option.upper() not in os.environ:
+            jax.config.update(option, 0)
+    return path
