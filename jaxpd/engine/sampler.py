@@ -157,6 +157,11 @@ def _draw(logits, greedy, s: SamplingArrays, positions_B):
 
 def _logprobs(raw, tokens, k: int) -> Logprobs:
     log_p = jax.nn.log_softmax(raw, axis=-1)
-    top_values, top_ids = jax.lax.top_k(log_p, k)
+    # A stable sort, not `lax.top_k`: the XLA of jax 0.6.0 (the oldest we support; 0.10.2
+    # is fine) aborts partitioning a top-k over a tp-sharded vocabulary inside the decode
+    # step's partly manual shard_map. Only steps where some row asks pay for the sort.
+    iota = jax.lax.broadcasted_iota(jnp.int32, log_p.shape, 1)
+    neg, ids = jax.lax.sort((-log_p, iota), dimension=1, is_stable=True, num_keys=1)
+    top_values, top_ids = -neg[:, :k], ids[:, :k]
     sampled = jnp.take_along_axis(log_p, tokens[:, None], axis=-1)[:, 0]
     return Logprobs(sampled, top_ids.astype(jnp.int32), top_values)
