@@ -167,6 +167,23 @@ def _asking(n: int) -> Request:
 
 # ---- log-probabilities on the wire --------------------------------------------------------
 
+@pytest.mark.parametrize("top_k", [True, False])
+def test_both_top_n_paths_agree_with_numpy(monkeypatch, top_k):
+    """`lax.top_k` (new jax) and the stable sort (jax 0.6, see `_TOP_K_IN_SHARD_MAP`)."""
+    from jaxpd.engine import sampler
+    monkeypatch.setattr(sampler, "_TOP_K_IN_SHARD_MAP", top_k)
+    raw = np.random.default_rng(3).normal(size=(5, 300)).astype(np.float32)
+    raw[0, 7] = raw[0, 9] = raw[0].max() + 1       # a tie: the lower id first
+    tokens = np.array([7, 0, 299, 5, 17], np.int32)
+    got = jax.jit(sampler._logprobs, static_argnums=2)(raw, tokens, 20)
+    log_p = raw - np.log(np.exp(raw - raw.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - raw.max(-1, keepdims=True)
+    order = np.argsort(-log_p, axis=-1, kind="stable")[:, :20]
+    assert np.array_equal(np.asarray(got.top_ids), order)
+    np.testing.assert_allclose(got.top_values, np.take_along_axis(log_p, order, -1), atol=1e-5)
+    np.testing.assert_allclose(got.sampled, log_p[np.arange(5), tokens], atol=1e-5)
+
+
 def test_logprobs_ride_the_wire_form_and_the_first_tokens_apart():
     params = SamplingParams(max_tokens=4, logprobs=2)
     r = Request("w", [1, 2, 3], params, state=State.PREFILLING)
