@@ -14,7 +14,8 @@ requests fail over exactly as for a SIGKILLed worker. Workers given statically
 (`prefill=`, `decode=`) are probed with `Info` instead, checked the same way before
 their first use, and count as live while they answer.
 
-Each request runs on one thread of a bounded pool (`jaxpd-router-*`):
+Each request runs on one thread of a bounded pool (`jaxpd-router-*`; the steps are
+`jaxpd.serving.router_flow`):
   1. pick a live decode worker (fewest of our streams, then most free slots in its last
      heartbeat: no RPC per request); open its `Decode` stream, which registers the
      request there;
@@ -55,10 +56,11 @@ import grpc
 from jaxpd.auth import NO_AUTH, InternalAuth
 from jaxpd.errors import QueueFull
 from jaxpd.frontend import Frontend
-from jaxpd.request import Request, State
+from jaxpd.request import Request
 from jaxpd.stats import StatsCounter
+from jaxpd.serving.router_flow import RequestFlow
 from jaxpd.serving.role_rpc import (ROLES, ROUTER_SERVICE, RoleClient, WorkerInfo, check_load,
-                                    check_tokens, model_identity, unary_handler)
+                                    model_identity, unary_handler)
 from jaxpd.models.source import model_config_and_tokenizer
 
 _log = logging.getLogger(__name__)
@@ -125,7 +127,7 @@ class _Call:
     destination: _Worker | None = None  # a Prefill's decode worker (where its KV goes)
 
 
-class Router(Frontend):
+class Router(RequestFlow, Frontend):
     def __init__(self, model_dir: str, config: RouterConfig = RouterConfig(),
                  prefill: tuple[str, ...] = (), decode: tuple[str, ...] = (),
                  auth: InternalAuth = NO_AUTH):
@@ -391,107 +393,3 @@ class Router(Frontend):
                 client.close()
 
     # ---- one request --------------------------------------------------------------
-
-    def _run(self, r: Request) -> None:
-        try:
-            self._run_until_final(r)
-        except Exception as e:   # never leave a request hanging
-            _log.exception("router failed on %s", r.request_id)
-            if r.abort(f"failed: {e!r}"):
-                self.counters.add(aborted=1)
-        # Counted once, here: `append_token` also answers True for a request that an
-        # abort (counted where it happened) ended first.
-        if r.state is State.FINISHED:
-            self.counters.add(finished=1)
-
-    def _run_until_final(self, r: Request) -> None:
-        tried: set[str] = set()
-        while not r.is_final:
-            decoders = self._live_workers("decode", exclude=tried)
-            if not decoders:
-                if r.abort("failed: no decode worker reachable"):
-                    self.counters.add(aborted=1)
-                return
-            decoder = min(decoders, key=lambda w: (w.num_calls, -w.load["free_slots"]))
-            call = self._track(r, decoder, decoder.client.decode(r.to_wire()), watched=True)
-            try:
-                if r.is_final:                                 # aborted meanwhile
-                    call.handle.cancel()
-                    return
-                next(call.handle)                              # registered there
-                if not r.is_final:
-                    call.last_seen = None                      # not read while prefilling
-                    self._prefill(r, decoder)
-                    call.last_seen = time.monotonic()
-                for event in call.handle:
-                    call.last_seen = time.monotonic()
-                    if self._relay(r, event):
-                        return
-                why = "its stream ended early"
-            except ValueError as e:                            # from `_relay`
-                self._cancel(call, f"it sent a malformed event: {e}")
-                why = call.why
-            except grpc.RpcError as e:
-                if r.is_final:
-                    return                                     # we cancelled it
-                why = call.why or str(e.code())
-            finally:
-                self._untrack(call)
-            _log.warning("decode worker %s lost %s (%s); re-running elsewhere",
-                         decoder.address, r.request_id, why)
-            tried.add(decoder.address)
-            self.counters.add(decode_failovers=1)
-
-    def _prefill(self, r: Request, decoder: _Worker) -> None:
-        prefillers = sorted(self._live_workers("prefill"),
-                            key=lambda w: w.load["queue"] + w.num_calls)
-        for p in prefillers:
-            call = self._track(r, p, p.client.prefill(r.to_wire(), decoder.info.kv_address,
-                                                      timeout=self.config.prefill_timeout_s),
-                               watched=False, destination=decoder)
-            try:
-                out = call.handle.result()
-                finished = out.get("status") == "finished"     # its first token ended it
-                if finished:
-                    tokens = check_tokens(out, self.model_config.vocab_size, r.params.logprobs)
-            except (grpc.RpcError, grpc.FutureCancelledError, ValueError) as e:
-                if r.is_final or not decoder.live:
-                    return          # (the decode stream, cancelled too, fails it over)
-                why = call.why or (e.code() if isinstance(e, grpc.RpcError) else
-                                   f"malformed answer: {e}" if isinstance(e, ValueError)
-                                   else "cancelled")
-                _log.warning("prefill worker %s failed %s (%s)", p.address, r.request_id, why)
-                self.counters.add(prefill_failovers=1)
-                continue
-            finally:
-                self._untrack(call)
-            if finished:
-                now = time.perf_counter()
-                for t, logprobs in tokens:
-                    r.append_token(t, now, logprobs)
-                if out.get("finish_reason") in ("stop", "length"):
-                    r.finish(out["finish_reason"])
-                decoder.client.abort(r.request_id, "finished at prefill",
-                                     timeout=self.config.rpc_timeout_s)
-            return
-        # No prefill worker could: the decode worker prefills it on its own mesh.
-        self.counters.add(decode_prefills=1)
-        decoder.client.reprefill(r.request_id, timeout=self.config.rpc_timeout_s)
-
-    def _relay(self, r: Request, event: dict) -> bool:
-        """Apply one decode event ({"alive"} carries nothing); True once the request is
-        final. A malformed event raises ValueError before anything is applied."""
-        tokens = check_tokens(event, self.model_config.vocab_size, r.params.logprobs)
-        now = time.perf_counter()
-        for t, logprobs in tokens:
-            if r.append_token(t, now, logprobs):
-                return True
-        finish = event.get("finish")
-        if finish in ("stop", "length"):        # e.g. a stop string the worker matched
-            r.finish(finish)
-            return True
-        if finish == "abort":
-            if r.abort(event.get("abort_reason") or "aborted by the decode worker"):
-                self.counters.add(aborted=1)
-            return True
-        return r.is_final

@@ -1,0 +1,127 @@
+"""How the router runs one request (a `Router` method set, split from the worker pool
+in `jaxpd.serving.router`): pick a decode worker and open its stream, have a prefill
+worker send the KV there (or the decode worker prefill itself), relay the tokens, and
+fail over to another decode worker when the stream breaks."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from jaxpd.request import Request, State
+from jaxpd.serving.role_rpc import check_tokens
+
+if TYPE_CHECKING:
+    from jaxpd.serving.router import _Worker
+
+_log = logging.getLogger("jaxpd.serving.router")
+
+
+class RequestFlow:
+    """Mixed into `Router`; uses its worker pool (`_live_workers`, `_track`, ...)."""
+
+    def _run(self, r: Request) -> None:
+        try:
+            self._run_until_final(r)
+        except Exception as e:   # never leave a request hanging
+            _log.exception("router failed on %s", r.request_id)
+            if r.abort(f"failed: {e!r}"):
+                self.counters.add(aborted=1)
+        # Counted once, here: `append_token` also answers True for a request that an
+        # abort (counted where it happened) ended first.
+        if r.state is State.FINISHED:
+            self.counters.add(finished=1)
+
+    def _run_until_final(self, r: Request) -> None:
+        tried: set[str] = set()
+        while not r.is_final:
+            decoders = self._live_workers("decode", exclude=tried)
+            if not decoders:
+                if r.abort("failed: no decode worker reachable"):
+                    self.counters.add(aborted=1)
+                return
+            decoder = min(decoders, key=lambda w: (w.num_calls, -w.load["free_slots"]))
+            call = self._track(r, decoder, decoder.client.decode(r.to_wire()), watched=True)
+            try:
+                if r.is_final:                                 # aborted meanwhile
+                    call.handle.cancel()
+                    return
+                next(call.handle)                              # registered there
+                if not r.is_final:
+                    call.last_seen = None                      # not read while prefilling
+                    self._prefill(r, decoder)
+                    call.last_seen = time.monotonic()
+                for event in call.handle:
+                    call.last_seen = time.monotonic()
+                    if self._relay(r, event):
+                        return
+                why = "its stream ended early"
+            except ValueError as e:                            # from `_relay`
+                self._cancel(call, f"it sent a malformed event: {e}")
+                why = call.why
+            except grpc.RpcError as e:
+                if r.is_final:
+                    return                                     # we cancelled it
+                why = call.why or str(e.code())
+            finally:
+                self._untrack(call)
+            _log.warning("decode worker %s lost %s (%s); re-running elsewhere",
+                         decoder.address, r.request_id, why)
+            tried.add(decoder.address)
+            self.counters.add(decode_failovers=1)
+
+    def _prefill(self, r: Request, decoder: _Worker) -> None:
+        prefillers = sorted(self._live_workers("prefill"),
+                            key=lambda w: w.load["queue"] + w.num_calls)
+        for p in prefillers:
+            call = self._track(r, p, p.client.prefill(r.to_wire(), decoder.info.kv_address,
+                                                      timeout=self.config.prefill_timeout_s),
+                               watched=False, destination=decoder)
+            try:
+                out = call.handle.result()
+                finished = out.get("status") == "finished"     # its first token ended it
+                if finished:
+                    tokens = check_tokens(out, self.model_config.vocab_size, r.params.logprobs)
+            except (grpc.RpcError, grpc.FutureCancelledError, ValueError) as e:
+                if r.is_final or not decoder.live:
+                    return          # (the decode stream, cancelled too, fails it over)
+                why = call.why or (e.code() if isinstance(e, grpc.RpcError) else
+                                   f"malformed answer: {e}" if isinstance(e, ValueError)
+                                   else "cancelled")
+                _log.warning("prefill worker %s failed %s (%s)", p.address, r.request_id, why)
+                self.counters.add(prefill_failovers=1)
+                continue
+            finally:
+                self._untrack(call)
+            if finished:
+                now = time.perf_counter()
+                for t, logprobs in tokens:
+                    r.append_token(t, now, logprobs)
+                if out.get("finish_reason") in ("stop", "length"):
+                    r.finish(out["finish_reason"])
+                decoder.client.abort(r.request_id, "finished at prefill",
+                                     timeout=self.config.rpc_timeout_s)
+            return
+        # No prefill worker could: the decode worker prefills it on its own mesh.
+        self.counters.add(decode_prefills=1)
+        decoder.client.reprefill(r.request_id, timeout=self.config.rpc_timeout_s)
+
+    def _relay(self, r: Request, event: dict) -> bool:
+        """Apply one decode event ({"alive"} carries nothing); True once the request is
+        final. A malformed event raises ValueError before anything is applied."""
+        tokens = check_tokens(event, self.model_config.vocab_size, r.params.logprobs)
+        now = time.perf_counter()
+        for t, logprobs in tokens:
+            if r.append_token(t, now, logprobs):
+                return True
+        finish = event.get("finish")
+        if finish in ("stop", "length"):        # e.g. a stop string the worker matched
+            r.finish(finish)
+            return True
+        if finish == "abort":
+            if r.abort(event.get("abort_reason") or "aborted by the decode worker"):
+                self.counters.add(aborted=1)
+            return True
+        return r.is_final
