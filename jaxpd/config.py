@@ -17,6 +17,35 @@ def resolve_dtype(dtype: str, backend: str) -> str:
     return "float32" if backend == "cpu" else "bfloat16"
 
 
+ATTENTION_IMPLS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
+_AUTO: dict[str, str] = {}       # platform -> its checked kernel (none yet: see below)
+
+
+def resolve_attention_impl(impl: str, platform: str, interpret: bool = False) -> str:
+    """The decode attention core for `impl` on devices of `platform` ("cpu", "gpu",
+    "cuda", "rocm", "tpu"). "auto" is the `jnp` reference on every platform for now:
+    the Pallas kernels are checked against it only in interpret mode on CPU, never yet
+    compiled on a GPU or TPU, and a default must not fail to start there; `_AUTO` is
+    where a platform's kernel becomes its default once a device run has checked it.
+    A kernel for another platform runs only in Pallas interpret mode (`interpret`,
+    for tests)."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    kind = "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+    if impl == "auto":
+        impl = _AUTO.get(kind, "reference")
+    if impl == "reference":
+        if interpret:
+            raise ValueError("attention_interpret=True needs a Pallas attention_impl ('pallas_gpu' "
+                             f"or 'pallas_tpu'); it resolved to 'reference' on {platform}")
+        return impl
+    if impl != f"pallas_{kind}" and not interpret:
+        raise ValueError(f"attention_impl={impl!r} cannot run on {platform} devices; use "
+                         f"'auto' or 'reference', or attention_interpret=True (Pallas "
+                         f"interpret mode, slow: tests only)")
+    return impl
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     mesh: str | MeshSpec = "prefill=4,decode=4"
@@ -39,6 +68,16 @@ class EngineConfig:
     layerwise_min_tokens: int = 0
     layerwise_parts: int = 4
     kv_part_timeout_s: float = 30.0    # decode side: a layer-wise part overdue -> re-prefill
+    # Prefix caching (the decode pool's full pages, content-addressed, shared by
+    # reference; `engine.page_allocator`): the decode mesh prefills with context what
+    # it finds cached. With a prefill mesh, a request whose cached prefix leaves fewer
+    # than `prefix_extend_below` tokens to compute is prefilled on the decode mesh.
+    enable_prefix_caching: bool = False
+    prefix_extend_below: int = 256
+    # Decode attention core: "auto" (the backend's), "reference" (jnp), "pallas_gpu",
+    # "pallas_tpu"; `resolve_attention_impl` checks it against the decode devices.
+    attention_impl: str = "auto"
+    attention_interpret: bool = False  # run the Pallas kernel interpreted (CPU tests)
 
     def __post_init__(self):
         object.__setattr__(self, "mesh", parse_mesh_spec(self.mesh))
@@ -67,6 +106,11 @@ class EngineConfig:
             raise ValueError(f"layerwise_parts must be >= 2, got {self.layerwise_parts}")
         if self.kv_part_timeout_s <= 0:
             raise ValueError(f"kv_part_timeout_s must be positive, got {self.kv_part_timeout_s}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, "
+                             f"got {self.attention_impl!r}")
+        if self.prefix_extend_below < 0:
+            raise ValueError(f"prefix_extend_below must be >= 0, got {self.prefix_extend_below}")
         if self.local_prefill_below < 0:
             raise ValueError(f"local_prefill_below must be >= 0, got {self.local_prefill_below}")
         min_pages = self.pages_per_slot + 1

@@ -84,7 +84,9 @@ _ALLOWED = {
     # WAITING -> FINISHED: the router's own request waits while the roles work on it;
     # the tokens it relays end it.
     State.WAITING: {State.PREFILLING, State.FINISHED, State.ABORTED},
-    State.PREFILLING: {State.TRANSFERRING, State.FINISHED, State.WAITING, State.ABORTED},
+    # PREFILLING -> DECODING: prefilled into its decode slot (`ExtendLoop`), nothing moves.
+    State.PREFILLING: {State.TRANSFERRING, State.DECODING, State.FINISHED, State.WAITING,
+                       State.ABORTED},
     State.TRANSFERRING: {State.DECODING, State.FINISHED, State.WAITING, State.ABORTED},
     State.DECODING: {State.FINISHED, State.WAITING, State.ABORTED},
 }

@@ -48,6 +48,10 @@ class EngineStats(collections.abc.Mapping):
                                       "request here, or contradicting this side's pages, "
                                       "limits or vocabulary.")
     offers_reclaimed: int = _counter("KV offers ended by the sender because nobody pulled them.")
+    prefix_query_tokens: int = _counter("Tokens looked up in the prefix cache (decode side).")
+    prefix_hit_tokens: int = _counter("Tokens whose KV came from the prefix cache (not computed "
+                                      "or not inserted).")
+    prefix_evictions: int = _counter("Cached pages evicted to make room.")
     decode_steps: int = _counter("Decode steps run.")
     preemptions: int = _counter("Requests preempted for lack of pages.")
     finished: int = _counter("Requests finished (stop or length).",
@@ -58,6 +62,8 @@ class EngineStats(collections.abc.Mapping):
     slots_active: int = _gauge("Decode slots in use.")
     pages_total: int = _gauge("KV-cache pages in all dp shards.")
     pages_used: int = _gauge("KV-cache pages in use.")
+    pages_cached: int = _gauge("KV-cache pages nobody uses that keep a cached prefix "
+                               "(evicted when room is needed).")
     queue_waiting: int = _gauge("Requests waiting for prefill.")
 
     def __getitem__(self, key: str):

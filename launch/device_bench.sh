@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check, for a lent GPU (or TPU) machine: one command, under 8 minutes.
+# The device check, for a lent GPU (or TPU) machine: one command, under 9 minutes.
 #
 #   bash launch/device_bench.sh [OUT_DIR]          (default: $OUT, else ./device_bench_out)
 #
@@ -8,12 +8,15 @@
 # missing (grpcio-health-checking, grpcio-reflection, ...) may travel in .whl/ and are
 # installed to /tmp/site first. It writes, per step, the bench's JSON and its printed
 # table into OUT_DIR, and a summary.txt of all tables:
-#   1. devices and versions;
+#   1. devices and versions; the decode attention cores (launch/attention_bench.py):
+#      the backend's compiled Pallas kernel against the jnp reference, error and time;
 #   2. the roofline (bandwidth, matmul rate, prefill per bucket, decode per batch and
 #      context) on the built-in model and on a random 1B-class Llama (bfloat16);
 #   3. the serving bench on the same requests: jaxpd colocated=1 vs transformers (one
 #      device cannot hold two disjoint meshes), 32 x (64 -> 64) greedy, both models.
-# Attention runs the jnp reference path; there is no Pallas kernel yet (issue 12).
+# The serving steps run attention_impl=auto (the jnp reference until a device run has
+# checked the kernels: step 1 is that check); the roofline's decode runs the reference
+# too (it builds `Llama` itself).
 # Each step has its own time limit, so one slow step cannot eat the others' budget.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +46,7 @@ step devices 30 python3 -c "import jax, jaxlib, flax, torch, transformers; \
 print('jax', jax.__version__, 'flax', flax.__version__, 'torch', torch.__version__, \
 'transformers', transformers.__version__); print(jax.devices()); \
 print('torch cuda:', torch.cuda.is_available())"
+step attention 60 python3 launch/attention_bench.py --json "$out/attention.json"
 # BIG_SIZE=tiny NUM_REQUESTS=4 checks the script itself on a CPU in a minute or two.
 step make_big 90 python3 launch/make_random_llama.py /tmp/jaxpd_big --size "${BIG_SIZE:-1b}" --dtype bfloat16
 step roofline_default 50 python3 -m jaxpd.bench --roofline --mesh colocated=1 \

@@ -65,6 +65,39 @@ def paged_attention(q_BNH: jnp.ndarray, k_pool_PSKH: jnp.ndarray, v_pool_PSKH: j
     return out.reshape(b, n, h)
 
 
+def write_prompt_pages(pool_LPSKH: jnp.ndarray, layer: int, new_BTKH: jnp.ndarray,
+                       block_tables: jnp.ndarray, positions_BT: jnp.ndarray,
+                       valid_BT: jnp.ndarray) -> jnp.ndarray:
+    """Write T tokens per row into the pool at their positions' pages and offsets;
+    padding tokens (`valid` False) go to the null page."""
+    page_size = pool_LPSKH.shape[2]
+    rows = jnp.arange(block_tables.shape[0])[:, None]
+    index = jnp.minimum(positions_BT // page_size, block_tables.shape[1] - 1)
+    pages = jnp.where(valid_BT, block_tables[rows, index], 0)
+    return pool_LPSKH.at[layer, pages, positions_BT % page_size].set(
+        new_BTKH.astype(pool_LPSKH.dtype))
+
+
+def paged_prefix_attention(q_BTNH: jnp.ndarray, k_pool_PSKH: jnp.ndarray,
+                           v_pool_PSKH: jnp.ndarray, block_tables: jnp.ndarray,
+                           positions_BT: jnp.ndarray) -> jnp.ndarray:
+    """T query tokens per row against that row's pages: token t of row b sees every
+    key at a position <= positions[b, t] (a cached prefix, then its own prompt
+    causally; the new tokens' K/V must be written first). Returns [B, T, N, H]."""
+    b, t, n, h = q_BTNH.shape
+    _, s, kh, _ = k_pool_PSKH.shape
+    k = k_pool_PSKH[block_tables].reshape(b, -1, kh, h)   # [B, W*page_size, K, H]
+    v = v_pool_PSKH[block_tables].reshape(b, -1, kh, h)
+    q = q_BTNH.reshape(b, t, kh, n // kh, h)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (h ** -0.5)
+    visible = jnp.arange(k.shape[1])[None, None, :] <= positions_BT[:, :, None]   # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, _MASKED)
+    probs = jax_softmax(scores).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(b, t, n, h)
+
+
 def jax_softmax(x: jnp.ndarray) -> jnp.ndarray:
     x = x - jnp.max(x, axis=-1, keepdims=True)
     e = jnp.exp(x)

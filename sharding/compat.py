@@ -14,8 +14,9 @@ JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit(
 _MESH_IN_BODY = JAX_VERSION < (0, 8)
 
 
-def shard_map(f, *, mesh, in_specs, out_specs, axis_names=frozenset()):
-    """`jax.shard_map`, manual over `axis_names` (the other mesh axes stay GSPMD's)."""
+def shard_map(f, *, mesh, in_specs, out_specs, axis_names=frozenset(), check_vma=True):
+    """`jax.shard_map`, manual over `axis_names` (the other mesh axes stay GSPMD's).
+    `check_vma=False` for a body jax cannot type (a Pallas kernel's outputs)."""
     def with_mesh(*args):
         with mesh:
             return f(*args)
@@ -29,4 +30,4 @@ def shard_map(f, *, mesh, in_specs, out_specs, axis_names=frozenset()):
                                       out_specs=out_specs, check_rep=False,
                                       auto=frozenset(mesh.axis_names) - set(axis_names))
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         axis_names=set(axis_names))
+                         axis_names=set(axis_names), check_vma=check_vma)

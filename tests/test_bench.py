@@ -158,3 +158,31 @@ def test_layerwise_bench_compares_both_modes_on_the_same_prompts(tiny_dir, tmp_p
 def test_layerwise_bench_rejects_bad_flags(flags, named, capsys):
     from jaxpd.bench import layerwise as bench_layerwise
     assert_flag_rejected(bench_layerwise.build_parser().parse_args, flags, named, capsys)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", ["multiturn", "prefix_repetition"])
+def test_prefix_workloads_run_each_mesh_with_the_cache_off_and_on(tiny_dir, tmp_path, capsys,
+                                                                  workload):
+    out = tmp_path / "prefix.json"
+    results = bench.main(["--model", tiny_dir, "--workload", workload, "--mesh", "colocated=1",
+                          "--compare", "none", "--conversations", "3", "--turns", "3",
+                          "--system_len", "40", "--user_len", "5", "--think_s", "0",
+                          "--num_requests", "6", "--num_prefixes", "2", "--prefix_len", "40",
+                          "--output_lens", "4", "--rate", "50", "--slots_per_shard", "2",
+                          "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    off, on = results["runs"]
+    assert (off["prefix_caching"], on["prefix_caching"]) == (False, True)
+    assert on["outputs_identical"] is True
+    # The same requests: the same prompt tokens; the cache computes fewer of them.
+    assert off["prompt_tokens"] == on["prompt_tokens"] == off["prefill_tokens"]
+    assert on["prefill_tokens"] < off["prefill_tokens"] and on["hit_rate"] > 0
+    assert off["hit_rate"] == 0
+    assert "greedy outputs identical with the cache on and off: True" in capsys.readouterr().out
+
+
+def test_prefix_workload_flags_are_checked(capsys):
+    assert_flag_rejected(bench.parse_args, ["--workload", "chat"], "--workload", capsys)
+    assert_flag_rejected(bench.parse_args, ["--think_s", "-1"], "--think_s", capsys)
+    assert_flag_rejected(bench.parse_args, ["--turns", "0"], "--turns", capsys)

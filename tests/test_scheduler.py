@@ -92,9 +92,9 @@ def _decoding(n, arrival):
 
 def test_decode_admission_picks_shard_with_most_free_pages():
     d = DecodeScheduler(num_shards=2, slots_per_shard=2, pages_per_shard=9, page_size=4)
-    a = d.find_slot(10)
+    a, _ = d.find_slot(10)
     d.admit(a, _decoding(10, 0), 10)              # 3 pages (10 tokens + 1 lookahead)
-    b = d.find_slot(10)
+    b, _ = d.find_slot(10)
     assert d.shard_of(b) != d.shard_of(a)
     assert free_pages(d) == 16 - 3
 

@@ -25,7 +25,7 @@ import sys
 from typing import Sequence
 
 from jaxpd.bench.args import (HF, compare_flag, describe_devices, length_mix, mesh_flag,
-                              nonnegative_int, positive_float, positive_floats, positive_int,
+                              nonnegative_float, nonnegative_int, positive_float, positive_floats, positive_int,
                               resolve_model, whole_numbers)
 from jaxpd.bench.driver import (Backend, BenchRequest, EngineBackend, Progress, RunResult,
                                 ensure_cpu_devices, make_bench_requests)
@@ -59,6 +59,21 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     w.add_argument("--output_lens", type=length_mix, default="128",
                    help="output length mix 'len:weight,...' (EOS ignored: exactly this many)")
     w.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and prompt ids")
+    w.add_argument("--workload", choices=["poisson", "multiturn", "prefix_repetition"],
+                   default="poisson", help="poisson: the length mixes above; multiturn and "
+                   "prefix_repetition: each mesh with the prefix cache off and on (bench/prefix.py)")
+    w.add_argument("--conversations", type=positive_int, default=8, help="multiturn: chats")
+    w.add_argument("--turns", type=positive_int, default=4, help="multiturn: turns per chat")
+    w.add_argument("--system_len", type=positive_int, default=256,
+                   help="multiturn: system prompt tokens, shared by every chat")
+    w.add_argument("--user_len", type=positive_int, default=32,
+                   help="multiturn / prefix_repetition: new tokens a turn or request adds")
+    w.add_argument("--think_s", type=nonnegative_float, default=0.5,
+                   help="multiturn: seconds between an answer and the next turn")
+    w.add_argument("--num_prefixes", type=positive_int, default=4,
+                   help="prefix_repetition: distinct prefixes")
+    w.add_argument("--prefix_len", type=positive_int, default=512,
+                   help="prefix_repetition: tokens of each prefix")
 
 
 def _add_backend_flags(p: argparse.ArgumentParser) -> None:
@@ -302,6 +317,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return run_roofline(model_dir, args)
     ensure_cpu_devices(num_devices_needed(args))
     model_dir = resolve_model(args.model)
+    if args.workload != "poisson":
+        from jaxpd.bench.prefix import run_prefix_bench
+        results = run_prefix_bench(args, model_dir, meshes_of(args), dict(
+            slots_per_shard=args.slots_per_shard, max_prefill_batch=args.max_prefill_batch))
+        _write_outputs(argparse.Namespace(**{**vars(args), "plot": None}), results, {})
+        return results
     bench = Benchmark(args, model_dir)
     for name in meshes_of(args) + ([HF] if HF in args.compare else []):
         bench.run_backend(name)

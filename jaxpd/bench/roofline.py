@@ -118,11 +118,12 @@ def time_prefill(cfg, params, length: int, repeats: int) -> float:
 
 
 def time_decode(cfg, params, batch: int, context: int, page_size: int, repeats: int) -> float:
-    """Best step time with `batch` slots whose next token sits at position `context`."""
+    """Best step time with `batch` slots whose next token sits at position `context`;
+    `params`: `fuse_params`'s tree, as decode meshes run them."""
     import jax
     import jax.numpy as jnp
     from jaxpd.models.llama import Llama
-    model = Llama(cfg)
+    model = Llama(cfg, fused=True)
     pages_per_slot = -(-(context + 1) // page_size)
     shape = (cfg.num_layers, batch * pages_per_slot + 1, page_size, cfg.num_kv_heads,
              cfg.head_dim)
@@ -166,11 +167,13 @@ def run_roofline(model_dir: str, args: argparse.Namespace) -> dict:
     import jax
     from jaxpd.engine.scheduler import length_buckets
     from jaxpd.models import checkpoint
+    from jaxpd.models.llama import fuse_params
 
     loaded = checkpoint.load(model_dir, dtype="float32")
-    cfg, params = loaded.cfg, loaded.params
+    cfg = loaded.cfg
     device = jax.devices()[0]
-    params = jax.device_put(params, device)
+    params = jax.device_put(loaded.params, device)
+    fused = jax.device_put(fuse_params(cfg, loaded.params), device)   # as decode meshes run
     bandwidth = measure_bandwidth(args.roofline_repeats)
     matmul = measure_matmul(min(args.roofline_repeats, 3))
     machine = {**bandwidth, "flops_per_s": matmul["flops_per_s"], "matmul_n": matmul["n"]}
@@ -186,7 +189,7 @@ def run_roofline(model_dir: str, args: argparse.Namespace) -> dict:
         for context in args.roofline_contexts:
             if context + 1 > cfg.max_position_embeddings:
                 continue
-            seconds = time_decode(cfg, params, batch, context, 16, args.roofline_repeats)
+            seconds = time_decode(cfg, fused, batch, context, 16, args.roofline_repeats)
             rows.append(_row("decode", {"batch": batch, "context": context},
                              *decode_cost(cfg, batch, context), seconds, machine))
     result = {"machine": machine, "rows": rows, "model": model_dir,

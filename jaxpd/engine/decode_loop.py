@@ -26,6 +26,7 @@ import time
 import jax
 import numpy as np
 
+from jaxpd.engine.extend_loop import ExtendLoop
 from jaxpd.engine.requests import Requests
 from jaxpd.engine.runner import DecodeRunner
 from jaxpd.engine.sampler import Logprobs, SamplingArrays
@@ -64,6 +65,8 @@ class DecodeLoop:
         self.runner, self.scheduler, self.inbound = runner, scheduler, inbound
         self.requests, self.stats = requests, stats
         self.max_pages_per_slot, self.context_step = max_pages_per_slot, context_step
+        # Prefill with context into slots (prefix caching): set by the engine.
+        self.extend: ExtendLoop | None = None
         # Received, waiting for a slot (FIFO), with the request each belongs to.
         self.pending: collections.deque[tuple[Inbound, Request]] = collections.deque()
         self._admitted: list[_Admitted] = []
@@ -78,7 +81,8 @@ class DecodeLoop:
     @property
     def idle(self) -> bool:
         return (not self.pending and not self._admitted and self._in_flight is None
-                and self.scheduler.num_active() == 0)
+                and self.scheduler.num_active() == 0
+                and (self.extend is None or self.extend.idle))
 
     def iterate(self, receive_timeout: float | None) -> None:
         """Receive, admit, insert, dispatch a step, then read back the previous one."""
@@ -88,6 +92,8 @@ class DecodeLoop:
         self._mirror_first_tokens()
         self._release_final()
         self._admit()
+        if self.extend is not None:
+            self.extend.run_once()
         self._insert_arrived()
         plan = self.scheduler.plan_step()
         self.stats.add(preemptions=len(plan.preempted))
@@ -206,11 +212,16 @@ class DecodeLoop:
                 self.pending.popleft()
                 self._fail_transfer(r, inbound.error, inbound)
                 continue
-            slot = self.scheduler.find_slot(inbound.num_tokens)
-            if slot is None:
+            # Full pages of its prefix cached on a shard are shared, not inserted.
+            found = self.scheduler.find_slot(inbound.num_tokens, r.prefill_ids)
+            if found is None:
                 return                         # FIFO: wait for a slot or pages to free
             self.pending.popleft()
-            pages = self.scheduler.admit(slot, r, inbound.num_tokens, ready=False)
+            slot, shared = found
+            pages = self.scheduler.admit(slot, r, inbound.num_tokens, ready=False, shared=shared)
+            if self.scheduler.caching:
+                self.stats.add(prefix_query_tokens=inbound.num_tokens,
+                               prefix_hit_tokens=len(shared) * self.scheduler.page_size)
             pool = self.runner.k_pool
             expect = jax.ShapeDtypeStruct((pool.shape[0], inbound.num_pages) + pool.shape[2:],
                                           pool.dtype)
@@ -268,17 +279,24 @@ class DecodeLoop:
 
     def _insert(self, a: _Admitted, placed: Placed) -> None:
         r, slot, inbound = a.request, a.slot, a.inbound
-        self.runner.insert(self.scheduler.shard_of(slot), a.pages[:inbound.num_pages],
-                           placed.k, placed.v)
+        # A shared page is never written: its rows of the handoff go to the null page.
+        shared = self.scheduler.slots[slot].num_shared
+        self.runner.insert(self.scheduler.shard_of(slot),
+                           [0] * shared + a.pages[shared:inbound.num_pages], placed.k, placed.v)
         if inbound.counted:                    # a transfer between meshes, not on-mesh
             self.stats.add(transfers=1, layerwise_transfers=int(inbound.layerwise),
                            transfer_bytes=placed.num_bytes, transfer_s=placed.seconds)
             r.timings.transfer_s += placed.seconds
             r.timings.transfer_bytes += placed.num_bytes
+        self.take_ready(slot, r, inbound.first_token)
+
+    def take_ready(self, slot: int, r: Request, first_token: int) -> None:
+        """`slot`'s KV is in place (inserted, or computed there): decode it from the next
+        step on, fed `first_token`."""
         if r.params.has_penalties:
             self.runner.set_penalties(slot, r.prompt_ids, r.output_ids)
         r.timings.kv_ready = time.perf_counter()
-        self._first_token[slot] = inbound.first_token
+        self._first_token[slot] = first_token
         self._stepped[slot] = None
         self.scheduler.mark_ready(slot)
         r.transition(State.DECODING)

@@ -15,17 +15,18 @@ connector's bounded handoff queue (prefill -> decode: backpressure on prefill).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
 from concurrent import futures
 from typing import Callable
 
-import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpd.config import EngineConfig
+from jaxpd.config import EngineConfig, resolve_attention_impl
 from jaxpd.engine.decode_loop import DecodeLoop
+from jaxpd.engine.extend_loop import ExtendLoop
 from jaxpd.engine.prefill_loop import PrefillLoop
 from jaxpd.engine.requests import Limits, Requests
 from jaxpd.engine.runner import CompileCounter, DecodeRunner, PrefillRunner
@@ -33,9 +34,10 @@ from jaxpd.engine.scheduler import DecodeScheduler, PrefillScheduler
 from jaxpd.engine.warmup import warm_up
 from jaxpd.models.checkpoint import LoadedModel
 from jaxpd.models.hf_io import DTYPES
-from jaxpd.models.llama import abstract_params, layer_groups
+from jaxpd.engine.placement import place_params
+from jaxpd.models.llama import layer_groups
 from jaxpd.request import Request, State
-from jaxpd.sharding import build_meshes, logical_rules, named_shardings
+from jaxpd.sharding import build_meshes
 from jaxpd.stats import EngineStats, StatsCounter
 from jaxpd.transfer.compression import CompressingReceiver, CompressingSender
 from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
@@ -53,9 +55,11 @@ class Engine:
                  warmup: bool = False, progress: Callable[[str], None] | None = None):
         self.model, self.config = model, config
         spec = config.mesh
+        # The prefix cache lives in the decode pool; the decode mesh prefills with
+        # context what it finds there (`ExtendLoop`).
+        self.caching = config.enable_prefix_caching and spec.has_decode
         self.meshes = build_meshes(spec)
         self.dtype = DTYPES[config.dtype]
-        _, self._logical = abstract_params(model.cfg, self.dtype)
         self.counter = CompileCounter()
         self.counters = StatsCounter()
         self.connector = connector or DevicePutConnector()
@@ -65,11 +69,14 @@ class Engine:
             has_prefill=spec.has_prefill,
             has_decode=spec.has_decode, local_prefill_below=config.local_prefill_below,
             has_local_prefill=spec.has_decode and not spec.colocated and (
-                config.local_prefill_below > 0 or not spec.has_prefill))
+                config.local_prefill_below > 0 or not spec.has_prefill),
+            cached_tokens=self._cached_tokens if self.caching else None,
+            extend_all=spec.colocated or not spec.has_prefill,
+            extend_below=config.prefix_extend_below)
         self._transfers = futures.ThreadPoolExecutor(4, thread_name_prefix="jaxpd-transfer")
         self.prefill_loop = self.local_loop = self.decode_loop = None
         self.decode_scheduler = None
-        if spec.has_prefill:
+        if spec.has_prefill and not (self.caching and spec.colocated):
             self._build_prefill()
         if spec.has_decode:
             self._build_decode()
@@ -88,10 +95,10 @@ class Engine:
         for t in self._threads:
             t.start()
 
-    def _params_on(self, mesh):
-        rules = logical_rules(mesh, **self.model.cfg.logical_dims())
-        params = jax.tree.map(lambda a: a.astype(self.dtype), self.model.params)
-        return jax.device_put(params, named_shardings(self._logical, mesh, rules)), rules
+    def _params_on(self, mesh, fuse: bool):
+        """(params placed on `mesh`, its logical rules, whether the params are fused):
+        fused for the decode mesh only (`engine.placement`)."""
+        return place_params(self.model.cfg, self.model.params, mesh, self.dtype, fuse=fuse)
 
     def _prefill_scheduler(self, buckets: list[int]) -> PrefillScheduler:
         c = self.config
@@ -123,9 +130,9 @@ class Engine:
 
     def _build_prefill(self) -> None:
         c, mesh = self.config, self.meshes.prefill
-        params, rules = self._params_on(mesh)
+        params, rules, fused = self._params_on(mesh, fuse=False)
         self.prefill_runner = PrefillRunner(self.model.cfg, params, mesh, rules, c.page_size,
-                                            self.counter, self.dtype)
+                                            self.counter, self.dtype, fused=fused)
         self.prefill_scheduler = self._prefill_scheduler(c.buckets)
         sender = self.connector
         if c.kv_transfer_dtype is not None:
@@ -141,13 +148,17 @@ class Engine:
 
     def _build_decode(self) -> None:
         c, mesh, spec = self.config, self.meshes.decode, self.config.mesh
-        params, rules = self._params_on(mesh)
+        params, rules, fused = self._params_on(mesh, fuse=True)
         num_shards = spec.decode_dp
+        attention = resolve_attention_impl(c.attention_impl, mesh.devices.flat[0].platform,
+                                           c.attention_interpret)
         self.decode_runner = DecodeRunner(self.model.cfg, params, mesh, rules,
                                           num_shards * c.slots_per_shard, c.pages_per_shard,
-                                          c.page_size, self.counter, self.dtype)
+                                          c.page_size, self.counter, self.dtype, fused=fused,
+                                          attention_impl=attention,
+                                          attention_interpret=c.attention_interpret)
         self.decode_scheduler = DecodeScheduler(num_shards, c.slots_per_shard, c.pages_per_shard,
-                                                c.page_size)
+                                                c.page_size, self._prefix_root())
         receiver = self.connector
         handoffs = self._handoff_spec(compressed=False)
         if c.kv_transfer_dtype is not None:
@@ -156,7 +167,7 @@ class Engine:
         queues = [InboundQueue(receiver, self._transfers, c.kv_part_timeout_s,
                                self._handoff_spec(c.kv_transfer_dtype is not None),
                                remote=not spec.has_prefill)]
-        if self.requests.has_local_prefill:
+        if self.requests.has_local_prefill and not self.caching:
             # Prefill on the decode mesh itself, between decode steps, with the decode
             # params (replicated over dp): for short prompts (opt-in: the transfer's fixed
             # cost dominates for them) and, in a decode-only process, to re-prefill a
@@ -165,7 +176,7 @@ class Engine:
             queues.append(InboundQueue(pipe, self._transfers, c.kv_part_timeout_s, handoffs,
                                        counted=False))
             runner = PrefillRunner(self.model.cfg, params, mesh, rules, c.page_size,
-                                   self.counter, self.dtype, name="local_prefill")
+                                   self.counter, self.dtype, name="local_prefill", fused=fused)
             buckets = ([b for b in c.buckets if b < c.local_prefill_below] or c.buckets[:1]
                        if spec.has_prefill else c.buckets)
             self.local_scheduler = self._prefill_scheduler(buckets)
@@ -175,6 +186,28 @@ class Engine:
         self.decode_loop = DecodeLoop(self.decode_runner, self.decode_scheduler, queues,
                                       self.requests, self.counters, c.pages_per_slot,
                                       c.decode_context_step)
+        if self.caching:
+            self.decode_loop.extend = ExtendLoop(
+                self.decode_runner, self.decode_scheduler, self.requests.extend_inbox,
+                self.counters, c.buckets, c.max_prefill_batch, c.max_prefill_tokens,
+                c.pages_per_slot, c.decode_context_step, self.decode_loop.take_ready)
+
+    def _prefix_root(self) -> bytes | None:
+        """Roots the prefix cache's page hashes: the model's shapes, the serving dtype
+        and the page size (one engine serves one set of weights)."""
+        if not self.caching:
+            return None
+        key = f"{self.model.cfg}|{self.config.dtype}|{self.config.page_size}".encode()
+        return hashlib.blake2b(key, digest_size=16).digest()
+
+    def _cached_tokens(self, request: Request) -> int:
+        """Tokens of `request` cached on its best decode shard (a hint: read from the
+        submitting thread while the decode thread may change the cache)."""
+        sched = self.decode_scheduler
+        if sched is None:
+            return 0
+        hashes = sched.hashes(request.prefill_ids[:request.num_tokens - 1])
+        return max(len(a.cached_prefix(hashes)) for a in sched.allocators) * sched.page_size
 
     # ---- public -------------------------------------------------------------------
 
@@ -210,7 +243,7 @@ class Engine:
         """Decode side: a registered request whose KV will not come (its prefill worker
         failed) is prefilled here instead. False if it is not waiting for KV."""
         r = self.requests.get(request_id)
-        if r is None or self.local_loop is None or r.state is not State.TRANSFERRING:
+        if r is None or not self.requests.has_local_prefill or r.state is not State.TRANSFERRING:
             return False
         if not self.requests.resubmit(r):
             return False
@@ -226,12 +259,14 @@ class Engine:
         counts = self.counters.snapshot()
         for name, n in self.connector.counts().items():
             counts[name] += n
+        counts["prefix_evictions"] = sum(a.num_evictions for a in allocators)
         return EngineStats(
             mesh=str(self.config.mesh), compiled_programs=self.counter.counts(),
             num_compiled_programs=self.counter.total, **counts,
             slots_total=len(slots), slots_active=sum(s is not None for s in slots),
             pages_total=sum(a.capacity for a in allocators),
             pages_used=sum(a.num_used for a in allocators),
+            pages_cached=sum(a.num_cached_free for a in allocators),
             queue_waiting=self.requests.num_waiting())
 
     def shutdown(self, reason: str = "shutdown") -> None:
@@ -276,7 +311,8 @@ class Engine:
         wake = self.requests.wake
         while not self._stop.is_set():
             wake.clear()
-            ran, wait = self.prefill_loop.run_once(time.perf_counter())
+            ran, wait = (self.prefill_loop.run_once(time.perf_counter())
+                         if self.prefill_loop is not None else (False, None))
             if self.decode_loop.idle and not ran:
                 # Nothing to decode: sleep until a request arrives or a bucket is due.
                 wake.wait(timeout=0.05 if wait is None else max(wait, 1e-4))

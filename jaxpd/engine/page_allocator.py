@@ -1,13 +1,43 @@
-"""Page allocator for one dp shard's KV pool (plain Python).
+"""Page allocator for one dp shard's KV pool, with a prefix cache (plain Python).
 
 Page 0 is the null page (see models/attention.py): never handed out, so the number of
 usable pages is `num_pages - 1`.
+
+**Prefix cache.** A full page whose contents are known is *published* under the hash
+of its tokens chained to every page before it (`page_hashes`), so equal prefixes map to
+equal hashes. Pages are ref-counted: a request that finds its prefix cached *shares*
+those pages instead of computing them. A page nobody references keeps its contents in
+an LRU, still findable, and is evicted only when `allocate` has no never-cached page
+left -- so eviction comes before any preemption (`can_allocate` counts these pages as
+free). A page is published only once its tokens' KV is written, and a shared page is
+never written again (requests write at positions past their shared prefix), so a hash
+always names what the page holds.
+
+Every page is in exactly one of: free (no contents), cached (contents, unreferenced,
+in the LRU), used (referenced): `num_used + num_cached_free + num_never_used ==
+capacity` (`check`).
 """
 from __future__ import annotations
+
+import collections
+import hashlib
+import struct
 
 
 class OutOfPages(Exception):
     pass
+
+
+def page_hashes(token_ids: list[int], page_size: int, root: bytes) -> list[bytes]:
+    """The chained hash of each *full* page of `token_ids`: page i's hash covers
+    (page i-1's hash, page i's tokens), page 0's parent is `root` (the model, dtype and
+    page size: pools of different models never agree by accident)."""
+    hashes, parent = [], root
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        chunk = struct.pack(f"<{page_size}q", *token_ids[start:start + page_size])
+        parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
+        hashes.append(parent)
+    return hashes
 
 
 class PageAllocator:
@@ -17,38 +47,119 @@ class PageAllocator:
         self.num_pages = num_pages
         # LIFO free list: recently freed pages are reused first (warm in cache).
         self._free = list(range(num_pages - 1, 0, -1))
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}                    # used page -> references
+        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._hash_of: dict[int, bytes] = {}               # published page -> its hash
+        self._page_of: dict[bytes, int] = {}
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages `allocate` can hand out: never-used ones and cached unreferenced ones."""
+        return len(self._free) + len(self._lru)
 
     @property
     def num_used(self) -> int:
-        return len(self._used)
+        return len(self._refs)
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_cached(self) -> int:
+        """Pages whose contents are published (used or not)."""
+        return len(self._hash_of)
 
     @property
     def capacity(self) -> int:
         return self.num_pages - 1
 
+    def refs(self, page: int) -> int:
+        """References held to `page` (0: free or cached)."""
+        return self._refs.get(page, 0)
+
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
+        """`n` pages for new contents, each with one reference; evicts the least
+        recently used cached pages when no never-used page is left."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        if n > len(self._free):
-            raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
-        self._used.update(pages)
+        if n > self.num_free:
+            raise OutOfPages(f"asked for {n} pages, {self.num_free} free")
+        pages = []
+        for _ in range(n):
+            if not self._free:
+                self._evict_one()
+            p = self._free.pop()
+            self._refs[p] = 1
+            pages.append(p)
         return pages
 
     def free(self, pages: list[int]) -> None:
+        """Drop one reference of each page; an unreferenced published page stays cached."""
         for p in pages:
-            if p not in self._used:
+            if p not in self._refs:
                 raise ValueError(f"page {p} freed but not allocated (double free?)")
-            self._used.remove(p)
-            self._free.append(p)
+            self._refs[p] -= 1
+            if self._refs[p]:
+                continue
+            del self._refs[p]
+            if p in self._hash_of:
+                self._lru[p] = None
+            else:
+                self._free.append(p)
+
+    def cached_prefix(self, hashes: list[bytes]) -> list[int]:
+        """The pages holding the longest cached prefix of `hashes` (no reference taken)."""
+        pages = []
+        for h in hashes:
+            p = self._page_of.get(h)
+            if p is None:
+                break
+            pages.append(p)
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """Take a reference to each of these published pages (found by `cached_prefix`)."""
+        for p in pages:
+            if p not in self._hash_of:
+                raise ValueError(f"page {p} is not cached: it cannot be shared")
+            if p in self._lru:
+                del self._lru[p]
+                self._refs[p] = 1
+            else:
+                self._refs[p] += 1
+
+    def publish(self, page: int, h: bytes) -> bool:
+        """Make the used `page`, whose KV now holds the tokens `h` names, findable.
+        False if another page already holds them (this one stays private)."""
+        if page not in self._refs:
+            raise ValueError(f"page {page} is not in use: only written pages are published")
+        if page in self._hash_of:
+            return self._hash_of[page] == h
+        if h in self._page_of:
+            return False
+        self._hash_of[page] = h
+        self._page_of[h] = page
+        return True
+
+    def _evict_one(self) -> None:
+        p, _ = self._lru.popitem(last=False)
+        del self._page_of[self._hash_of.pop(p)]
+        self._free.append(p)
+        self.num_evictions += 1
+
+    def check(self) -> None:
+        """Assert the accounting (tests): every page in exactly one state."""
+        free, cached, used = set(self._free), set(self._lru), set(self._refs)
+        assert not (free & cached or free & used or cached & used), "a page in two states"
+        assert len(free) + len(cached) + len(used) == self.capacity, (
+            f"{len(free)} free + {len(cached)} cached + {len(used)} used != {self.capacity}")
+        assert cached <= set(self._hash_of), "an unpublished page in the LRU"
+        assert all(self._page_of[h] == p for p, h in self._hash_of.items())
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:

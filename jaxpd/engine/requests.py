@@ -21,7 +21,7 @@ import dataclasses
 import queue
 import secrets
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from jaxpd.errors import QueueFull
 from jaxpd.request import Request, State
@@ -40,19 +40,33 @@ class Limits:
 class Requests:
     """`has_decode` False: the decode side is another process (handoffs carry the wire
     form; a handed-off request is forgotten here). `local_prefill_below`: prompts
-    shorter than this prefill on the decode mesh, when it has a prefill loop there."""
+    shorter than this prefill on the decode mesh, when it has a prefill loop there.
+
+    `cached_tokens` (prefix caching on): how many of a request's tokens the decode mesh
+    holds cached (a hint read from another thread; the decode loop decides for real).
+    Then every request the decode mesh prefills goes to `extend_inbox` (prefilled into
+    its slot with context, `ExtendLoop`): all of them when `extend_all` (colocated, or
+    no prefill mesh here); else the short ones, and one whose prefix is cached there
+    and whose uncached rest is below `extend_below` tokens: a follow-up turn costs its
+    new tokens, not a trip through the prefill mesh.
+    """
 
     def __init__(self, stats: StatsCounter, max_queued: int, limits: Limits, *,
                  has_prefill: bool, has_decode: bool, has_local_prefill: bool,
-                 local_prefill_below: int = 0):
+                 local_prefill_below: int = 0,
+                 cached_tokens: Callable[[Request], int] | None = None, extend_all: bool = False,
+                 extend_below: int = 0):
         self.stats = stats
         self.max_queued = max_queued
         self.limits = limits
         self.remote_decode = not has_decode
         self.has_prefill, self.has_local_prefill = has_prefill, has_local_prefill
         self._local_below = local_prefill_below
+        self._cached_tokens, self._extend_below = cached_tokens, extend_below
+        self._extend_all = extend_all
         self.prefill_inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.local_inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self.extend_inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.wake = threading.Event()        # set when an inbox gets work or a request ends
         self._live: dict[str, Request] = {}
         self._lock = threading.Lock()
@@ -177,8 +191,17 @@ class Requests:
         a decode-only process)."""
         local = self.has_local_prefill and (not self.has_prefill
                                      or request.num_tokens < self._local_below)
-        (self.local_inbox if local else self.prefill_inbox).put(request)
+        if self._cached_tokens is not None and (self._extend_all or local
+                                                or self._extends(request)):
+            self.extend_inbox.put(request)
+        else:
+            (self.local_inbox if local else self.prefill_inbox).put(request)
         self.wake.set()
+
+    def _extends(self, request: Request) -> bool:
+        """A prefix of `request` is cached on the decode mesh, and the rest is short."""
+        cached = self._cached_tokens(request)
+        return cached > 0 and request.num_tokens - cached < self._extend_below
 
     def _prune(self) -> None:
         """Forget final requests (callers hold their own reference)."""

@@ -28,6 +28,7 @@ from jaxpd.engine.penalties import SlotPenalties, count_sampled, prefill_context
 from jaxpd.engine.sampler import Logprobs, SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.llama import Llama, prefill_blocks
+from jaxpd.models.pallas_attention import decode_attention
 from jaxpd.sharding.compat import shard_map
 
 
@@ -52,11 +53,14 @@ class CompileCounter:
 
 
 class PrefillRunner:
+    """`fused`: `params` are `fuse_params`'s tree (`place_params` says which)."""
+
     def __init__(self, cfg: ModelConfig, params, mesh: Mesh, rules, page_size: int,
-                 counter: CompileCounter, dtype=jnp.float32, name: str = "prefill"):
+                 counter: CompileCounter, dtype=jnp.float32, name: str = "prefill",
+                 fused: bool = False):
         self.cfg, self.params, self.mesh, self.page_size = cfg, params, mesh, page_size
         self.counter, self.name = counter, name
-        model = Llama(cfg, dtype)
+        model = Llama(cfg, dtype, fused)
         replicated = NamedSharding(mesh, P())
 
         def first_token(logits, tokens, lengths, sampling):
@@ -77,7 +81,7 @@ class PrefillRunner:
 
         def blocks(layer_params, x):
             with nn.logical_axis_rules(rules):
-                return prefill_blocks(cfg, dtype, layer_params, x)
+                return prefill_blocks(cfg, dtype, layer_params, x, fused)
 
         def head(params, x, tokens, lengths, sampling):
             with nn.logical_axis_rules(rules):
@@ -144,10 +148,30 @@ class PrefillRunner:
         return cut(k), cut(v)
 
 
+def _kernel_per_tp_shard(attention, kv_axis: str | None):
+    """`attention` (a Pallas kernel) run on each tp shard's own kv heads. A kernel is
+    opaque to GSPMD, which would gather a kv-head-sharded pool onto every device for
+    it, and to jax's varying-axes check (`check_vma`), which cannot type its output
+    (so the step that calls it runs without the check too). Each shard already holds
+    the query heads of its kv heads (N and K split alike); with kv heads replicated
+    (`kv_axis` None), every shard computes them all. Called inside the step's dp
+    shard_map, so the mesh is that body's (dp already manual)."""
+    heads, pool, whole = P(None, kv_axis, None), P(None, None, kv_axis, None), P()
+
+    def per_shard(*args):
+        return shard_map(attention, mesh=jax.sharding.get_abstract_mesh(), axis_names={"tp"},
+                         check_vma=False, in_specs=(heads, pool, pool, whole, whole),
+                         out_specs=heads)(*args)
+    return per_shard
+
+
 class DecodeRunner:
+    """`fused`: `params` are `fuse_params`'s tree (`place_params` says which)."""
+
     def __init__(self, cfg: ModelConfig, params, mesh: Mesh, rules, num_slots: int,
                  pages_per_shard: int, page_size: int, counter: CompileCounter,
-                 dtype=jnp.float32):
+                 dtype=jnp.float32, fused: bool = False, attention_impl: str = "reference",
+                 attention_interpret: bool = False):
         self.cfg, self.params, self.mesh = cfg, params, mesh
         self.page_size, self.counter = page_size, counter
         self.num_shards = mesh.shape["dp"]
@@ -164,7 +188,10 @@ class DecodeRunner:
         self.penalties = SlotPenalties(mesh, num_slots, cfg.vocab_size)
         self._submeshes = [Mesh(mesh.devices[d:d + 1], ("dp", "tp")) for d in range(self.num_shards)]
         self._zeros_cache: dict = {}
-        model = Llama(cfg, dtype)
+        attention = decode_attention(attention_impl, attention_interpret)
+        if attention_impl != "reference":
+            attention = _kernel_per_tp_shard(attention, kv_axis)
+        model = Llama(cfg, dtype, fused, attention)
 
         def step(params, k_pool, v_pool, counts, prompt, prev, host_tokens, fed_from_host,
                  positions, block_tables, sampling):
@@ -178,9 +205,25 @@ class DecodeRunner:
         slot = P("dp")
         pool = P(None, "dp")
         self._step = jax.jit(shard_map(
-            step, mesh=mesh, axis_names={"dp"},
+            step, mesh=mesh, axis_names={"dp"}, check_vma=attention_impl == "reference",
             in_specs=(P(), pool, pool) + (slot,) * 8, out_specs=(slot, slot, pool, pool, slot)),
             donate_argnums=(1, 2, 3))
+
+        def extend(params, k_pool, v_pool, counts, prompt, tokens, starts, lengths,
+                   block_tables, row_slots, sampling):
+            with nn.logical_axis_rules(rules):
+                logits, k_pool, v_pool = model.apply(
+                    {"params": params}, tokens, starts, lengths, k_pool, v_pool, block_tables,
+                    method=Llama.extend)
+            # Penalties read the slot's context, set (`set_penalties`) before the call.
+            nxt, logprobs = sample(logits, sampling, starts + lengths,
+                                   lambda: (counts[row_slots], prompt[row_slots]))
+            return nxt, logprobs, k_pool, v_pool
+
+        self._extend = jax.jit(shard_map(
+            extend, mesh=mesh, axis_names={"dp"},
+            in_specs=(P(), pool, pool, slot, slot) + (slot,) * 6,
+            out_specs=(slot, slot, pool, pool)), donate_argnums=(1, 2))
 
         def insert(k_pool, v_pool, k_new, v_new, page_ids):
             return k_pool.at[:, page_ids].set(k_new), v_pool.at[:, page_ids].set(v_new)
@@ -224,6 +267,21 @@ class DecodeRunner:
             self.params, self.k_pool, self.v_pool, p.counts, p.prompt, self.prev_tokens,
             host_tokens, fed_from_host, positions, block_tables, sampling)
         self.prev_tokens = nxt
+        return nxt, logprobs
+
+    def extend(self, tokens, starts, lengths, block_tables, row_slots,
+               sampling: SamplingArrays) -> tuple[jax.Array, Logprobs]:
+        """Prefill with context straight into the pool (prefix caching): rows [D * R]
+        (R per dp shard, in shard order) of `lengths` new tokens at positions from
+        `starts`, written into the pages of `block_tables` (shard-local ids) after the
+        cached prefix they attend to; `row_slots`: each row's shard-local slot (whose
+        penalty context its sampling reads). Returns each row's next token and its
+        `Logprobs`, on device."""
+        self.counter.note("extend", (tokens.shape, block_tables.shape))
+        p = self.penalties
+        nxt, logprobs, self.k_pool, self.v_pool = self._extend(
+            self.params, self.k_pool, self.v_pool, p.counts, p.prompt, tokens, starts,
+            lengths, block_tables, row_slots, sampling)
         return nxt, logprobs
 
     @staticmethod

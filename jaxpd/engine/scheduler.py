@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from jaxpd.engine.page_allocator import PageAllocator, pages_for
+from jaxpd.engine.page_allocator import PageAllocator, page_hashes, pages_for
 from jaxpd.request import Request
 
 
@@ -138,6 +138,7 @@ class Slot:
     pages: list[int]
     position: int          # where the next fed token goes (== tokens with KV so far)
     ready: bool = True     # False while its KV is still being transferred in
+    num_shared: int = 0    # leading pages shared from the prefix cache (never written)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,15 +158,25 @@ class StepPlan:
 class DecodeScheduler:
     """Slots and pages of every dp shard. A slot's pages grow one page at a time as its
     position crosses a page boundary; when a shard runs out, its youngest request is
-    preempted (pages freed, request handed back for recompute)."""
+    preempted (pages freed, request handed back for recompute).
+
+    `prefix_root` (None: no prefix cache) roots the page hashes (`page_hashes`): a
+    slot's full pages are published when its KV is in place and when it is released,
+    and `find_slot` prefers the shard holding the longest cached prefix of a request,
+    whose pages `admit` then shares instead of allocating."""
 
     def __init__(self, num_shards: int, slots_per_shard: int, pages_per_shard: int,
-                 page_size: int):
+                 page_size: int, prefix_root: bytes | None = None):
         self.num_shards = num_shards
         self.slots_per_shard = slots_per_shard
         self.page_size = page_size
+        self.prefix_root = prefix_root
         self.allocators = [PageAllocator(pages_per_shard) for _ in range(num_shards)]
         self.slots: list[Slot | None] = [None] * (num_shards * slots_per_shard)
+
+    @property
+    def caching(self) -> bool:
+        return self.prefix_root is not None
 
     def shard_of(self, slot: int) -> int:
         return slot // self.slots_per_shard
@@ -177,34 +188,66 @@ class DecodeScheduler:
         # The prompt's pages plus room for the first fed token at position num_tokens.
         return pages_for(num_tokens + 1, self.page_size)
 
-    def find_slot(self, num_tokens: int) -> int | None:
-        """A free slot on the shard with the most free pages that can hold the request."""
-        need = self.pages_needed(num_tokens)
-        best = None
+    def hashes(self, token_ids: list[int]) -> list[bytes]:
+        return page_hashes(token_ids, self.page_size, self.prefix_root) if self.caching else []
+
+    def find_slot(self, num_tokens: int, token_ids: list[int] | None = None,
+                  max_shared: int | None = None) -> tuple[int, list[int]] | None:
+        """A free slot for a request whose first `num_tokens` tokens (`token_ids`) need
+        KV, and the cached pages it can share there (at most `max_shared`, default every
+        full page): the shard with the longest cached prefix, then the most free pages,
+        that can hold the rest. None if no shard can now."""
+        hashes = self.hashes(token_ids[:num_tokens]) if token_ids is not None else []
+        if max_shared is not None:
+            hashes = hashes[:max_shared]
+        best, best_key = None, None
         for shard, alloc in enumerate(self.allocators):
-            if not alloc.can_allocate(need):
-                continue
             base = shard * self.slots_per_shard
             free = [i for i in range(base, base + self.slots_per_shard) if self.slots[i] is None]
-            if free and (best is None or alloc.num_free > self.allocators[self.shard_of(best)].num_free):
-                best = free[0]
+            if not free:
+                continue
+            shared = alloc.cached_prefix(hashes)
+            # Shared pages sitting unreferenced in the LRU stop being allocatable.
+            in_lru = sum(alloc.refs(p) == 0 for p in shared)
+            if alloc.num_free - in_lru < self.pages_needed(num_tokens) - len(shared):
+                continue
+            key = (len(shared), alloc.num_free)
+            if best_key is None or key > best_key:
+                best, best_key = (free[0], shared), key
         return best
 
-    def admit(self, slot: int, request: Request, num_tokens: int, ready: bool = True) -> list[int]:
-        """Occupy `slot` for a request whose first `num_tokens` have KV; returns its pages.
-        A slot admitted not `ready` (KV still in transfer) is neither stepped nor
-        preempted until `mark_ready`."""
+    def admit(self, slot: int, request: Request, num_tokens: int, ready: bool = True,
+              shared: list[int] = ()) -> list[int]:
+        """Occupy `slot` for a request whose first `num_tokens` have KV; returns its pages
+        (the `shared` cached ones first, then its own). A slot admitted not `ready` (KV
+        still in transfer or being computed) is neither stepped nor preempted until
+        `mark_ready`."""
         assert self.slots[slot] is None, f"slot {slot} is taken"
-        pages = self.allocators[self.shard_of(slot)].allocate(self.pages_needed(num_tokens))
-        self.slots[slot] = Slot(request, pages, num_tokens, ready)
+        alloc = self.allocators[self.shard_of(slot)]
+        alloc.share(list(shared))
+        pages = list(shared) + alloc.allocate(self.pages_needed(num_tokens) - len(shared))
+        self.slots[slot] = Slot(request, pages, num_tokens, ready, len(shared))
+        self.publish(slot)
         return pages
 
     def mark_ready(self, slot: int) -> None:
         self.slots[slot].ready = True
+        self.publish(slot)
+
+    def publish(self, slot: int) -> int:
+        """Publish the slot's full pages whose KV is written (a ready slot's tokens below
+        its position); returns how many are now findable."""
+        s = self.slots[slot]
+        if not self.caching or s is None or not s.ready:
+            return 0
+        ids = s.request.prefill_ids[:s.position]
+        alloc = self.allocators[self.shard_of(slot)]
+        return sum(alloc.publish(p, h) for p, h in zip(s.pages, self.hashes(ids)))
 
     def release(self, slot: int) -> None:
         state = self.slots[slot]
         if state is not None:
+            self.publish(slot)
             self.allocators[self.shard_of(slot)].free(state.pages)
             self.slots[slot] = None
 

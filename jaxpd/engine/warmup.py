@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpd.engine.sampler import SamplingArrays
-from jaxpd.engine.scheduler import context_widths
+from jaxpd.engine.page_allocator import pages_for
+from jaxpd.engine.scheduler import context_width, context_widths
 from jaxpd.models.hf_io import DTYPES
 
 
@@ -22,6 +23,8 @@ def warm_up(engine, progress: Callable[[str], None]) -> None:
             _warm_prefill(loop, progress)
     if engine.decode_loop is not None:
         _warm_decode(engine, progress)
+        if engine.decode_loop.extend is not None:
+            _warm_extend(engine, progress)
 
 
 def _warm_prefill(loop, progress: Callable[[str], None]) -> None:
@@ -56,3 +59,24 @@ def _warm_decode(engine, progress: Callable[[str], None]) -> None:
         pages = jax.device_put(jnp.zeros(shape, DTYPES[cfg.dtype]), runner.shard_sharding(0))
         runner.insert(0, [0] * m, pages, pages)
     jax.block_until_ready(runner.k_pool)
+
+
+def _warm_extend(engine, progress: Callable[[str], None]) -> None:
+    """Prefill-with-context programs for prompts with nothing cached: each length
+    bucket, each batch size that fits the token budget, the context widths a prompt of
+    that bucket can need. A prefix hit may need a wider context: compiled when first
+    met (and kept by the persistent compilation cache)."""
+    cfg, loop = engine.config, engine.decode_loop.extend
+    shards = engine.decode_scheduler.num_shards
+    shapes = set()
+    for t in loop.buckets:
+        widths = {context_width(pages_for(n + 1, cfg.page_size), cfg.decode_context_step,
+                                cfg.pages_per_slot) for n in (t // 2 + 1, t)}
+        rows = [b for b in loop.batch_sizes if shards * b * t <= loop.max_tokens] or [1]
+        shapes |= {(shards * b, t, w) for b in rows for w in widths}
+    for i, (rows, t, w) in enumerate(sorted(shapes)):
+        progress(f"compiling prefill with context {i + 1}/{len(shapes)}: {rows} x {t} tokens, "
+                 f"{w} pages")
+        engine.decode_runner.extend(np.zeros((rows, t), np.int32), np.zeros(rows, np.int32),
+                                    np.ones(rows, np.int32), np.zeros((rows, w), np.int32),
+                                    np.zeros(rows, np.int32), SamplingArrays.empty(rows))

@@ -41,22 +41,19 @@ class MeshProfiler:
     """Times the engine's prefill and decode programs on meshes of given shapes."""
 
     def __init__(self, model_dir: str, page_size: int = 16, repeats: int = 3):
-        import jax.numpy as jnp
         from jaxpd.engine.runner import CompileCounter
         from jaxpd.models import checkpoint
-        from jaxpd.models.llama import abstract_params
 
         loaded = checkpoint.load(model_dir, dtype="float32")
         self.cfg, self.params = loaded.cfg, loaded.params
-        _, self.logical = abstract_params(self.cfg, jnp.float32)
         self.page_size, self.repeats = page_size, repeats
         self.counter = CompileCounter()
 
-    def _place(self, mesh):
-        import jax
-        from jaxpd.sharding import logical_rules, named_shardings
-        rules = logical_rules(mesh, **self.cfg.logical_dims())
-        return jax.device_put(self.params, named_shardings(self.logical, mesh, rules)), rules
+    def _place(self, mesh, fuse: bool):
+        """(params, rules, fused) on `mesh`, laid out as the engine places them."""
+        import jax.numpy as jnp
+        from jaxpd.engine.placement import place_params
+        return place_params(self.cfg, self.params, mesh, jnp.float32, fuse=fuse)
 
     @staticmethod
     def _devices(n: int) -> list:
@@ -75,8 +72,9 @@ class MeshProfiler:
         from jaxpd.engine.runner import PrefillRunner, SamplingArrays
 
         mesh = Mesh(np.array(self._devices(tp)), ("tp",))
-        params, rules = self._place(mesh)
-        runner = PrefillRunner(self.cfg, params, mesh, rules, self.page_size, self.counter)
+        params, rules, fused = self._place(mesh, fuse=False)
+        runner = PrefillRunner(self.cfg, params, mesh, rules, self.page_size, self.counter,
+                               fused=fused)
         samples = []
         for length in lengths:
             for batch in batches:
@@ -97,11 +95,12 @@ class MeshProfiler:
         from jaxpd.engine.runner import DecodeRunner, SamplingArrays
 
         mesh = Mesh(np.array(self._devices(dp * tp)).reshape(dp, tp), ("dp", "tp"))
-        params, rules = self._place(mesh)
+        params, rules, fused = self._place(mesh, fuse=True)
         num_slots = dp * slots_per_shard
         pages_per_slot = -(-(max(contexts) + 1) // self.page_size)
         runner = DecodeRunner(self.cfg, params, mesh, rules, num_slots,
-                              slots_per_shard * pages_per_slot + 1, self.page_size, self.counter)
+                              slots_per_shard * pages_per_slot + 1, self.page_size, self.counter,
+                              fused=fused)
         samples = []
         for context in contexts:
             num_pages = -(-(context + 1) // self.page_size)

@@ -210,7 +210,9 @@ def _run_router(fv: flags.FlagValues) -> int:
         config = RouterConfig(max_model_len=max_model_len, max_queued=fv.max_queued,
                               dtype=fv.dtype, page_size=fv.page_size,
                               heartbeat_s=fv.heartbeat_s, lease_s=fv.lease_s,
-                              stall_timeout_s=fv.stall_timeout_s)
+                              stall_timeout_s=fv.stall_timeout_s,
+                              prefix_routing=fv.enable_prefix_caching,
+                              prefix_extend_below=fv.prefix_extend_below)
         router = Router(model, config, tuple(fv.prefill_workers), tuple(fv.decode_workers),
                         auth=auth)
     except (OSError, ValueError) as e:

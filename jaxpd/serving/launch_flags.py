@@ -100,9 +100,18 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                         "load them on the next start ('none': off). Default: "
                         "$JAX_COMPILATION_CACHE_DIR, else $JAXPD_CACHE/xla (~/.cache/jaxpd/xla).",
                         flag_values=fv)
+    flags.DEFINE_bool("enable_prefix_caching", False, "Cache full KV pages by content on "
+                      "the decode mesh: a request sharing a cached prefix computes only the "
+                      "rest, on the decode mesh when the rest is short.", flag_values=fv)
+    flags.DEFINE_integer("prefix_extend_below", 256, "With prefix caching: a request whose "
+                         "uncached rest is shorter than this is prefilled on the decode mesh.",
+                         lower_bound=0, flag_values=fv)
     flags.DEFINE_integer("local_prefill_below", 0, "Prompts shorter than this are prefilled "
                          "on the decode mesh itself (no transfer); 0 = never.", lower_bound=0,
                          flag_values=fv)
+    flags.DEFINE_enum("attention_impl", "auto", ["auto", "reference", "pallas_gpu", "pallas_tpu"],
+                      "Decode attention core: 'auto' is the jnp reference (the Pallas "
+                      "kernels are opt-in until checked on a device).", flag_values=fv)
 
 
 def _define_role_flags(fv: flags.FlagValues) -> None:
@@ -230,7 +239,10 @@ def engine_options(fv: flags.FlagValues) -> dict:
                    layerwise_min_tokens=fv.layerwise_min_tokens,
                    layerwise_parts=fv.layerwise_parts, kv_transfer_dtype=fv.kv_transfer_dtype,
                    local_prefill_below=fv.local_prefill_below,
-                   decode_context_step=fv.decode_context_step)
+                   enable_prefix_caching=fv.enable_prefix_caching,
+                   prefix_extend_below=fv.prefix_extend_below,
+                   decode_context_step=fv.decode_context_step,
+                   attention_impl=fv.attention_impl)
     if fv.max_model_len is not None:
         options["max_model_len"] = fv.max_model_len
     return options

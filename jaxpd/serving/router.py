@@ -17,11 +17,11 @@ their first use, and count as live while they answer.
 Each request runs on one thread of a bounded pool (`jaxpd-router-*`; the steps are
 `jaxpd.serving.router_flow`):
   1. pick a live decode worker (fewest of our streams, then most free slots in its last
-     heartbeat: no RPC per request); open its `Decode` stream, which registers the
-     request there;
+     heartbeat; with `prefix_routing`, one believed to hold the longest prefix of the
+     request, `prefix_index`); open its `Decode` stream (it registers the request);
   2. ask a prefill worker (shortest queue first) to prefill it with that decode worker
-     as the KV destination; if every prefill worker fails, the decode worker prefills it
-     itself (`Reprefill`);
+     as the KV destination -- or the decode worker itself (`Reprefill`), when its cached
+     prefix leaves fewer than `prefix_extend_below` tokens or every prefill worker fails;
   3. relay the decode stream's tokens into the request.
 If the decode stream breaks (the worker died, lost its lease, or sent nothing -- not
 even its once-a-second {"alive"} -- for `stall_timeout_s`), the request is re-run on
@@ -36,11 +36,9 @@ stalled streams; `stats()` asks every live worker for `Info` in parallel
 once, not once per worker.
 
 SERVING (`ready()`): the router is not shut down and holds at least one live decode
-worker, i.e. one that registered and whose lease has not run out, or a static one that
-answered its last probe, in both cases with the router's model and limits. Prefill
-workers are optional: without one, the decode worker prefills on its own mesh. The
-launcher flips the public health to NOT_SERVING as soon as this stops holding, and
-back when it holds again.
+worker (registered with the router's model and limits, its lease running; or static and
+answering its probes). Prefill workers are optional: without one, the decode worker
+prefills on its own mesh. Public health follows this at once, both ways.
 """
 from __future__ import annotations
 
@@ -58,6 +56,7 @@ from jaxpd.errors import QueueFull
 from jaxpd.frontend import Frontend
 from jaxpd.request import Request
 from jaxpd.stats import StatsCounter
+from jaxpd.serving.prefix_index import PrefixIndex
 from jaxpd.serving.router_flow import RequestFlow
 from jaxpd.serving.role_rpc import (ROLES, ROUTER_SERVICE, RoleClient, WorkerInfo, check_load,
                                     model_identity, unary_handler)
@@ -82,6 +81,8 @@ class RouterConfig:
     lease_s: float | None = None       # default: 3 * heartbeat_s
     stall_timeout_s: float = 5.0       # a decode stream silent this long is a lost worker
     info_timeout_s: float = 1.0        # Info fan-out of stats()
+    prefix_routing: bool = False       # see `RequestFlow._choose_decoder`
+    prefix_extend_below: int = 256
 
     def __post_init__(self):
         if self.max_prompt_len is None:
@@ -148,7 +149,9 @@ class Router(RequestFlow, Frontend):
         self._closed = threading.Event()
         self.counters = StatsCounter(("requests_submitted", "finished", "aborted",
                                       "decode_failovers",
-                                      "prefill_failovers", "decode_prefills", "workers_dropped"))
+                                      "prefill_failovers", "decode_prefills", "workers_dropped",
+                                      "prefix_routed"))
+        self.prefix = PrefixIndex(config.page_size) if config.prefix_routing else None
         for a in prefill:
             self.add_static_worker("prefill", a)
         for a in decode:
@@ -285,6 +288,8 @@ class Router(RequestFlow, Frontend):
         """Under the lock: `w` is gone; cancel our calls on it (they fail over)."""
         w.live = False
         self.counters.add(workers_dropped=1)
+        if self.prefix is not None:
+            self.prefix.forget(w.address)
         _log.warning("%s worker %s dropped: %s", w.role, w.address, why)
         # Its own calls, and Prefills whose KV was on its way to it (the prefill worker
         # would otherwise wait out its send timeout on a frozen destination).

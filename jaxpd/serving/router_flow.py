@@ -36,13 +36,14 @@ class RequestFlow:
 
     def _run_until_final(self, r: Request) -> None:
         tried: set[str] = set()
+        hashes = self.prefix.hashes(r.prefill_ids) if self.prefix is not None else []
         while not r.is_final:
             decoders = self._live_workers("decode", exclude=tried)
             if not decoders:
                 if r.abort("failed: no decode worker reachable"):
                     self.counters.add(aborted=1)
                 return
-            decoder = min(decoders, key=lambda w: (w.num_calls, -w.load["free_slots"]))
+            decoder, cached = self._choose_decoder(decoders, hashes)
             call = self._track(r, decoder, decoder.client.decode(r.to_wire()), watched=True)
             try:
                 if r.is_final:                                 # aborted meanwhile
@@ -51,11 +52,19 @@ class RequestFlow:
                 next(call.handle)                              # registered there
                 if not r.is_final:
                     call.last_seen = None                      # not read while prefilling
-                    self._prefill(r, decoder)
+                    if cached and r.num_tokens - cached < self.config.prefix_extend_below:
+                        # Its prefix is cached there and the rest is short: no trip
+                        # through a prefill worker (conditional disaggregation).
+                        self.counters.add(prefix_routed=1)
+                        decoder.client.reprefill(r.request_id, timeout=self.config.rpc_timeout_s)
+                    else:
+                        self._prefill(r, decoder)
                     call.last_seen = time.monotonic()
                 for event in call.handle:
                     call.last_seen = time.monotonic()
                     if self._relay(r, event):
+                        if self.prefix is not None and r.state is State.FINISHED:
+                            self.prefix.record(decoder.address, r.prefill_ids)
                         return
                 why = "its stream ended early"
             except ValueError as e:                            # from `_relay`
@@ -71,6 +80,20 @@ class RequestFlow:
                          decoder.address, r.request_id, why)
             tried.add(decoder.address)
             self.counters.add(decode_failovers=1)
+
+    def _choose_decoder(self, decoders: list[_Worker], hashes: list) -> tuple[_Worker, int]:
+        """The least loaded decode worker, unless one believed to hold a prefix of the
+        request (`hashes`) has a free slot: then the one holding the longest. Returns it
+        and the prefix tokens it is believed to hold."""
+        least = min(decoders, key=lambda w: (w.num_calls, -w.load["free_slots"]))
+        if not hashes:
+            return least, 0
+        cached = {w.address: self.prefix.cached_tokens(w.address, hashes) for w in decoders}
+        roomy = [w for w in decoders if cached[w.address] and w.load["free_slots"] > 0]
+        if not roomy:
+            return least, cached[least.address]
+        best = max(roomy, key=lambda w: (cached[w.address], -w.num_calls))
+        return best, cached[best.address]
 
     def _prefill(self, r: Request, decoder: _Worker) -> None:
         prefillers = sorted(self._live_workers("prefill"),

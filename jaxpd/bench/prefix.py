@@ -1,0 +1,152 @@
+"""Prefix-caching workloads (`python -m jaxpd.bench --workload multiturn|prefix_repetition`):
+every mesh served twice on the same requests, prefix cache off and on.
+
+- `multiturn`: `--conversations` chats, each of `--turns` turns. Every chat starts
+  with the same `--system_len`-token system prompt; a turn's prompt is the whole
+  conversation so far (its previous prompts and the model's real answers) plus a new
+  `--user_len`-token message. A chat sends its next turn `--think_s` after the
+  previous answer ends (closed loop); chats start at Poisson times at `--rate`.
+- `prefix_repetition` (as vLLM's bench): `--num_prefixes` distinct prefixes of
+  `--prefix_len` tokens, each reused by `--num_requests / --num_prefixes` requests
+  that add their own `--user_len` tokens; Poisson arrivals at `--rate`.
+
+Answers are `--output_lens`' first length, greedy, EOS ignored. Per run: TTFT and ITL
+percentiles, output tokens/s, prompt tokens computed, the cache's hit rate and KV bytes
+moved between meshes; the greedy outputs of the two runs of a mesh are compared.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import threading
+import time
+
+import numpy as np
+
+from jaxpd.bench.driver import _FIRST_ORDINARY_ID, _greedy, _stats_delta, timeline_of
+from jaxpd.bench.workload import parse_length_mix
+from jaxpd.metrics import summarize
+
+
+@dataclasses.dataclass(frozen=True)
+class Chat:
+    """One closed-loop client: its start time, then each turn's new tokens."""
+    start_s: float
+    turns: tuple[tuple[int, ...], ...]
+
+
+def make_chats(args: argparse.Namespace, vocab_size: int) -> list[Chat]:
+    """The workload's clients, fixed by `--seed` (the same for every run)."""
+    rng = np.random.default_rng(args.seed)
+    draw = lambda n: tuple(int(i) for i in rng.integers(_FIRST_ORDINARY_ID, vocab_size, n))
+    if args.workload == "multiturn":
+        system, count = draw(args.system_len), args.conversations
+        turns = [[system + draw(args.user_len)] + [draw(args.user_len)
+                                                   for _ in range(args.turns - 1)]
+                 for _ in range(count)]
+    else:
+        prefixes = [draw(args.prefix_len) for _ in range(args.num_prefixes)]
+        count = args.num_requests
+        turns = [[prefixes[i % args.num_prefixes] + draw(args.user_len)] for i in range(count)]
+        order = rng.permutation(count)
+        turns = [turns[i] for i in order]
+    gaps = rng.standard_exponential(count) / args.rate
+    starts = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+    return [Chat(float(s), tuple(t)) for s, t in zip(starts, turns)]
+
+
+def serve(llm, chats: list[Chat], output_len: int, think_s: float) -> dict:
+    """Run every chat (a thread each) against `llm`; the run's figures and outputs."""
+    before = llm.stats()
+    origin = time.perf_counter()
+    done: list[tuple[int, int, object, list[int]]] = []
+    lock = threading.Lock()
+
+    def client(index: int, chat: Chat) -> None:
+        time.sleep(max(0.0, origin + chat.start_s - time.perf_counter()))
+        history: list[int] = []
+        for turn, new in enumerate(chat.turns):
+            history = history + list(new)
+            r = llm.make_request(prompt_token_ids=history, sampling_params=_greedy(output_len))
+            r.timings.arrival = time.perf_counter()
+            llm.submit(r)
+            for _ in llm.events(r):
+                pass
+            with lock:
+                done.append((index, turn, r, list(r.output_ids)))
+            history = history + list(r.output_ids)
+            time.sleep(think_s)
+
+    threads = [threading.Thread(target=client, args=(i, c), daemon=True,
+                                name=f"jaxpd-bench-chat-{i}") for i, c in enumerate(chats)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = _stats_delta(before, llm.stats())
+    timelines = [timeline_of(r.timings, origin) for _, _, r, _ in done]
+    duration = max(t.finish_s for t in timelines) - min(t.arrival_s for t in timelines)
+    queried = stats.get("prefix_query_tokens", 0)
+    return {
+        "ttft_s": summarize(t.ttft for t in timelines if t.ttft is not None),
+        "itl_s": summarize(x for t in timelines for x in t.itls),
+        "output_tok_s": sum(t.num_tokens for t in timelines) / max(duration, 1e-9),
+        "prompt_tokens": sum(len(r.prompt_ids) for _, _, r, _ in done),
+        "prefill_tokens": stats["prefill_tokens"],
+        "hit_rate": stats.get("prefix_hit_tokens", 0) / queried if queried else 0.0,
+        "transfer_bytes": stats["transfer_bytes"],
+        "evictions": stats.get("prefix_evictions", 0),
+        "outputs": {f"{i}.{turn}": ids for i, turn, _, ids in sorted(done, key=lambda d: d[:2])},
+    }
+
+
+def run_prefix_bench(args: argparse.Namespace, model_dir: str, meshes: list[str],
+                     engine_options: dict) -> dict:
+    """Each mesh with the cache off, then on, on the same chats; prints the table."""
+    from jaxpd.llm import LLM
+    from jaxpd.models.source import model_config_and_tokenizer
+    cfg = model_config_and_tokenizer(model_dir)[0]
+    chats = make_chats(args, cfg.vocab_size)
+    output_len = parse_length_mix(args.output_lens)[0][0]
+    longest = (args.system_len + args.turns * (args.user_len + output_len)
+               if args.workload == "multiturn" else args.prefix_len + args.user_len + output_len)
+    engine_options = {**engine_options, "max_model_len": args.max_model_len or longest}
+    runs = []
+    for mesh in meshes:
+        outputs = {}
+        for cache in (False, True):
+            with LLM(model_dir, mesh=mesh, warmup=True, enable_prefix_caching=cache,
+                     **engine_options) as llm:
+                # Warm the first-call paths (and, cached, the wider context programs a
+                # hit needs) on other chats of the same shape before the clock starts.
+                serve(llm, make_chats(_warm_args(args), cfg.vocab_size), output_len, 0.0)
+                run = serve(llm, chats, output_len, args.think_s)
+            outputs[cache] = run.pop("outputs")
+            runs.append({"name": f"{mesh} cache={'on' if cache else 'off'}", "mesh": mesh,
+                         "prefix_caching": cache, **run})
+        runs[-1]["outputs_identical"] = outputs[True] == outputs[False]
+    print(format_prefix_table(runs))
+    return {"workload": args.workload, "runs": runs}
+
+
+def _warm_args(args: argparse.Namespace) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "seed": args.seed + 1000, "rate": 1e9,
+                                 "conversations": min(args.conversations, 2),
+                                 "num_requests": min(args.num_requests, 2 * args.num_prefixes)})
+
+
+def format_prefix_table(runs: list[dict]) -> str:
+    head = (f"{'run':<34}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p99':>10}{'tok/s':>8}"
+            f"{'computed':>10}{'of prompt':>11}{'hit rate':>10}{'KV MB':>8}")
+    rows = [head]
+    for r in runs:
+        ms = lambda s: f"{s * 1e3:.0f} ms" if s is not None else "-"
+        rows.append(f"{r['name']:<34}{ms(r['ttft_s']['p50']):>10}{ms(r['ttft_s']['p99']):>10}"
+                    f"{ms(r['itl_s']['p99']):>10}{r['output_tok_s']:>8.1f}"
+                    f"{r['prefill_tokens']:>10}{r['prompt_tokens']:>11}"
+                    f"{r['hit_rate']:>10.0%}{r['transfer_bytes'] / 2**20:>8.2f}")
+    for r in runs:
+        if "outputs_identical" in r:
+            rows.append(f"{r['mesh']}: greedy outputs identical with the cache on and off: "
+                        f"{r['outputs_identical']}")
+    return "\n".join(rows)

@@ -1,0 +1,158 @@
+"""`ExtendLoop`: prefill with context on the decode mesh (prefix caching).
+
+With a prefix cache, a request that the decode mesh prefills itself (colocated
+serving, a decode-only process, or a prompt whose uncached part is short) is admitted
+into a slot *first*: the cached pages of its longest prefix on the best shard are
+shared into its block table (`DecodeScheduler.find_slot`/`admit`), and one jitted
+program (`DecodeRunner.extend`) computes only the rest of its tokens, writing their
+K/V straight into the slot's own pages while attending to the shared ones. Nothing is
+transferred or inserted, the compute saved is the prefix, and the slot is ready for
+the next decode step with the first token sampled.
+
+It owns no thread: the decode loop calls `run_once` between steps, on the thread that
+alone touches the pool. Batches are FIFO: the oldest request that finds no slot yet
+holds the others back, as handoffs do in `DecodeLoop._admit`.
+"""
+from __future__ import annotations
+
+import collections
+import queue
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jaxpd.engine.runner import DecodeRunner
+from jaxpd.engine.sampler import SamplingArrays
+from jaxpd.engine.scheduler import DecodeScheduler, batch_buckets, context_width
+from jaxpd.request import Request, State
+from jaxpd.stats import StatsCounter
+
+
+class ExtendLoop:
+    """`buckets`: padded new-token lengths (the engine's prefill buckets);
+    `max_batch` requests per dp shard and `max_tokens` padded tokens per call;
+    `on_ready(slot, request, first_token)`: the decode loop takes a computed slot."""
+
+    def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler,
+                 inbox: queue.SimpleQueue, stats: StatsCounter, buckets: list[int],
+                 max_batch: int, max_tokens: int, max_pages_per_slot: int, context_step: int,
+                 on_ready: Callable[[int, Request, int], None]):
+        self.runner, self.scheduler, self.inbox, self.stats = runner, scheduler, inbox, stats
+        self.buckets, self.batch_sizes = buckets, batch_buckets(max_batch)
+        self.max_batch, self.max_tokens = max_batch, max_tokens
+        self.max_pages_per_slot, self.context_step = max_pages_per_slot, context_step
+        self.on_ready = on_ready
+        self.waiting: collections.deque[Request] = collections.deque()
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and self.inbox.empty()
+
+    def bucket_for(self, num_tokens: int) -> int:
+        return next(b for b in self.buckets if num_tokens <= b)
+
+    def run_once(self) -> bool:
+        """Admit and compute one batch of the waiting requests that fit now."""
+        while True:
+            try:
+                self.waiting.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        batch = self._admit()
+        if batch:
+            self._run(batch)
+        return bool(batch)
+
+    def _admit(self) -> list[tuple[int, Request, int]]:
+        """(slot, request, cached tokens) of the oldest waiting requests that fit a slot
+        and the call's limits, now PREFILLING with their pages reserved."""
+        batch: list[tuple[int, Request, int]] = []
+        per_shard = collections.Counter()
+        page_size = self.scheduler.page_size
+        while self.waiting:
+            r = self.waiting[0]
+            if r.is_final:
+                self.waiting.popleft()
+                continue
+            n, ids = r.num_tokens, r.prefill_ids
+            # At least the last token is computed: its logits give the next token.
+            found = self.scheduler.find_slot(n, ids, max_shared=(n - 1) // page_size)
+            if found is None:
+                break
+            slot, shared = found
+            shard = self.scheduler.shard_of(slot)
+            counts = per_shard.copy()
+            counts[shard] += 1
+            uncached = [n - len(shared) * page_size] + [r.num_tokens - c for _, r, c in batch]
+            rows = self.scheduler.num_shards * self._padded(max(counts.values()))
+            if batch and (counts[shard] > self.max_batch or
+                          rows * self.bucket_for(max(uncached)) > self.max_tokens):
+                break
+            self.waiting.popleft()
+            if not r.transition(State.PREFILLING):
+                continue                       # aborted since it was queued
+            self.scheduler.admit(slot, r, n, ready=False, shared=shared)
+            per_shard[shard] += 1
+            batch.append((slot, r, len(shared) * page_size))
+            self.stats.add(prefix_query_tokens=n, prefix_hit_tokens=len(shared) * page_size)
+        return batch
+
+    def _padded(self, n: int) -> int:
+        return next(s for s in self.batch_sizes if s >= n)
+
+    def _run(self, batch: list[tuple[int, Request, int]]) -> None:
+        sched = self.scheduler
+        per_shard = collections.Counter(sched.shard_of(slot) for slot, _, _ in batch)
+        r_pad = self._padded(max(per_shard.values()))
+        length = self.bucket_for(max(r.num_tokens - cached for _, r, cached in batch))
+        most_pages = max(len(sched.slots[slot].pages) for slot, _, _ in batch)
+        width = context_width(most_pages, self.context_step, self.max_pages_per_slot)
+        rows = sched.num_shards * r_pad
+        tokens = np.zeros((rows, length), np.int32)
+        starts = np.zeros(rows, np.int32)
+        lengths = np.ones(rows, np.int32)      # padding rows: one token, to the null page
+        tables = np.zeros((rows, width), np.int32)
+        row_slots = np.zeros(rows, np.int32)
+        sampling = SamplingArrays.empty(rows)
+        placed = collections.Counter()
+        row_of = []
+        for slot, r, cached in batch:
+            shard = sched.shard_of(slot)
+            row = shard * r_pad + placed[shard]
+            placed[shard] += 1
+            new = r.prefill_ids[cached:]
+            tokens[row, :len(new)] = new
+            starts[row], lengths[row] = cached, len(new)
+            pages = sched.slots[slot].pages
+            tables[row, :len(pages)] = pages
+            row_slots[row] = slot % sched.slots_per_shard
+            sampling.set_row(row, r)
+            if r.params.has_penalties:
+                self.runner.set_penalties(slot, r.prompt_ids, r.output_ids)
+            if r.timings.prefill_start is None:
+                r.timings.prefill_start = time.perf_counter()
+            r.timings.local_prefill = True
+            row_of.append(row)
+        computed = sum(r.num_tokens - cached for _, r, cached in batch)
+        self.stats.add(prefill_batches=1, prefill_tokens=computed,
+                       prefill_padded_tokens=tokens.size, local_prefills=len(batch))
+        first, logprobs = self.runner.extend(tokens, starts, lengths, tables, row_slots, sampling)
+        first = np.asarray(first)
+        logprobs = jax.device_get(logprobs) if sampling.wants_logprobs else None
+        now = time.perf_counter()
+        for (slot, r, _), row in zip(batch, row_of):
+            if r.timings.prefill_end is None:
+                r.timings.prefill_end = now
+            token = int(first[row])
+            lp = None if logprobs is None else logprobs.of_row(row, r)
+            s = sched.slots[slot]
+            if s is None or s.request is not r:
+                continue                       # released meanwhile (cannot happen today)
+            if r.append_token(token, now, lp):
+                self.stats.add(finished=int(r.state is State.FINISHED))
+                s.ready = True                 # its KV is written: keep it cached
+                sched.release(slot)
+                continue
+            self.on_ready(slot, r, token)

@@ -1,0 +1,339 @@
+"""Prefix caching (issue 15): content-addressed pages, sharing, eviction, and the
+decode mesh's prefill with context -- against transformers, with the page accounting
+checked after every engine test."""
+import time
+
+import numpy as np
+import pytest
+
+from jaxpd import LLM, SamplingParams
+from jaxpd.engine.page_allocator import PageAllocator, page_hashes
+from jaxpd.engine.scheduler import DecodeScheduler
+from jaxpd.request import Request, State
+from tests.engine_fixtures import assert_all_pages_free, wait_idle
+from tests.hf_fixtures import hf_greedy
+
+ROOT = b"test-root"
+
+
+# ---- hashes and the allocator (plain Python) ---------------------------------------
+
+def test_page_hashes_chain_over_full_pages_only():
+    ids = list(range(3, 40))
+    h = page_hashes(ids, 8, ROOT)
+    assert len(h) == 4                                   # 37 tokens: 4 full pages of 8
+    assert page_hashes(ids[:32] + [99, 98], 8, ROOT) == h   # the partial page is not hashed
+    assert page_hashes(ids[:16], 8, ROOT) == h[:2]       # a prefix has the prefix's hashes
+    other = page_hashes([4] + ids[1:], 8, ROOT)          # an earlier token changes them all
+    assert all(a != b for a, b in zip(h, other))
+    assert page_hashes(ids, 8, b"another model") != h
+    # Page 2 alone equal, after different pages: a different hash (chained).
+    shifted = page_hashes([0] * 16 + ids[16:24], 8, ROOT)
+    assert shifted[2] != h[2]
+
+
+def test_allocator_shares_caches_and_evicts_least_recently_used():
+    a = PageAllocator(6)                                 # 5 usable
+    p = a.allocate(3)
+    h = page_hashes(list(range(24)), 8, ROOT)
+    assert [a.publish(page, hh) for page, hh in zip(p, h)] == [True] * 3
+    a.share(p[:2])                                       # a second request maps two of them
+    assert a.refs(p[0]) == 2 and a.num_used == 3
+    a.free(p)                                            # the first request ends
+    assert a.num_used == 2 and a.num_cached_free == 1 and a.num_free == 3
+    a.check()
+    assert a.cached_prefix(h) == p                       # still findable, all three
+    a.free(p[:2])
+    assert a.num_used == 0 and a.num_cached_free == 3 and a.num_free == 5
+    a.check()
+    a.share([p[0]])                                      # reused: leaves the LRU
+    assert a.num_cached_free == 2
+    a.free([p[0]])                                       # now the most recently used
+    # Two never-used pages go first; then the LRU's oldest (p[1], p[2]), p[0] last.
+    got = a.allocate(4)
+    assert p[0] not in got and a.num_evictions == 2
+    assert a.cached_prefix(h) == [p[0]]                  # p[1] evicted: the chain stops
+    a.check()
+    assert a.allocate(1) == [p[0]] and a.num_evictions == 3 and a.cached_prefix(h) == []
+    a.check()
+
+
+def test_allocator_refuses_misuse():
+    a = PageAllocator(4)
+    p = a.allocate(2)
+    h = page_hashes(list(range(16)), 8, ROOT)
+    assert a.publish(p[0], h[0])
+    assert not a.publish(p[1], h[0])                     # same contents elsewhere: private
+    assert a.publish(p[0], h[0])                         # idempotent
+    with pytest.raises(ValueError, match="not cached"):
+        a.share([p[1]])
+    a.free(p)
+    with pytest.raises(ValueError, match="double free"):
+        a.free([p[1]])
+    with pytest.raises(ValueError, match="not in use"):
+        a.publish(p[1], h[1])
+    a.check()
+
+
+def _request(ids, state=State.DECODING):
+    r = Request(request_id=f"r{id(ids)}", prompt_ids=list(ids),
+                params=SamplingParams(max_tokens=100))
+    r.state = state
+    return r
+
+
+def test_scheduler_prefers_the_shard_holding_the_prefix_and_never_shares_a_written_page():
+    d = DecodeScheduler(num_shards=2, slots_per_shard=2, pages_per_shard=12, page_size=4,
+                        prefix_root=ROOT)
+    ids = list(range(10, 30))                            # 20 tokens: 5 full pages
+    slot, shared = d.find_slot(20, ids)
+    assert shared == []
+    first = _request(ids)
+    d.admit(slot, first, 20)                             # ready: its full pages publish
+    assert d.allocators[d.shard_of(slot)].num_cached == 5
+    # A follow-up (the same 20 tokens and 3 more) lands on the same shard, sharing all 5.
+    follow = ids + [7, 8, 9]
+    slot2, shared2 = d.find_slot(23, follow)
+    assert d.shard_of(slot2) == d.shard_of(slot) and shared2 == d.slots[slot].pages[:5]
+    # Capped: a prefill with context computes at least the last token.
+    assert len(d.find_slot(20, ids, max_shared=(20 - 1) // 4)[1]) == 4
+    second = _request(follow)
+    pages = d.admit(slot2, second, 23, shared=shared2)
+    assert pages[:5] == shared2 and d.slots[slot2].num_shared == 5
+    plan = d.plan_step()
+    # Every write lands at a position past the shared pages.
+    for e in plan.entries:
+        s = d.slots[e.slot]
+        assert e.position // 4 >= s.num_shared
+    d.release(slot)
+    d.release(slot2)
+    for a in d.allocators:
+        a.check()
+        assert a.num_used == 0 and a.num_free == a.capacity
+
+
+def test_scheduler_counts_cached_pages_as_room_but_not_the_ones_it_shares():
+    d = DecodeScheduler(num_shards=1, slots_per_shard=3, pages_per_shard=6, page_size=4,
+                        prefix_root=ROOT)                # 5 usable pages
+    ids = list(range(50, 66))                            # 16 tokens: 4 full pages + 1
+    d.admit(0, _request(ids), 16)                        # 5 pages, 4 published
+    d.release(0)
+    alloc = d.allocators[0]
+    assert alloc.num_cached_free == 4 and alloc.num_free == 5
+    # 16 shared tokens + 4 new: 4 shared pages, 2 own; only 1 page is really free.
+    assert d.find_slot(20, ids + [1, 2, 3, 4]) is None
+    # Without sharing, the LRU is room: evicted to admit a stranger of 16 tokens.
+    slot, shared = d.find_slot(16, list(range(100, 116)))
+    assert shared == []
+    d.admit(slot, _request(list(range(100, 116))), 16)
+    assert alloc.num_evictions == 4
+    alloc.check()
+
+
+# ---- the engine, against transformers ----------------------------------------------
+
+def _greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def _conversation(rng, turns, system_len=37):
+    """A shared system prompt, then user turns of growing length (page boundaries
+    crossed at every turn with page_size 16)."""
+    system = rng.integers(3, 256, system_len).tolist()
+    return system, [rng.integers(3, 256, 5 + 9 * t).tolist() for t in range(turns)]
+
+
+def _chat(llm, hf_model, system, users, max_tokens=6, **kw):
+    """Run the conversation turn by turn; each turn's prompt is everything so far. Every
+    answer equals transformers' greedy continuation of the same ids."""
+    conv = list(system)
+    for user in users:
+        conv += user
+        out = llm.generate(prompt_token_ids=[conv], sampling_params=_greedy(max_tokens, **kw))[0]
+        assert out.token_ids == hf_greedy(hf_model, conv, max_tokens)
+        conv += out.token_ids
+    return conv
+
+
+def _check_pool(llm):
+    wait_idle(llm)
+    for a in llm.engine.decode_scheduler.allocators:
+        a.check()
+    assert_all_pages_free(llm)
+
+
+@pytest.mark.parametrize("mesh", ["colocated=1",
+                                  pytest.param("prefill=1,decode=2", marks=pytest.mark.slow),
+                                  pytest.param("prefill=2,decode=1x2", marks=pytest.mark.slow)])
+def test_multiturn_greedy_matches_hf_and_computes_only_the_new_tokens(tiny_hf_model, mesh):
+    path, hf_model = tiny_hf_model
+    system, users = _conversation(np.random.default_rng(0), turns=4)
+    with LLM(path, mesh=mesh, max_model_len=192, slots_per_shard=2,
+             enable_prefix_caching=True) as llm:
+        conv = list(system)
+        for t, user in enumerate(users):
+            before = llm.stats()
+            conv += user
+            out = llm.generate(prompt_token_ids=[conv], sampling_params=_greedy(6))[0]
+            assert out.token_ids == hf_greedy(hf_model, conv, 6)
+            after = llm.stats()
+            computed = after["prefill_tokens"] - before["prefill_tokens"]
+            hit = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
+            # The previous turn's full pages (prompt and answer) were cached: KV exists
+            # for all of it but its last token, or all of it when its finished slot
+            # rode along one more step. Only the rest is computed (at least one token).
+            previous = len(conv) - len(user)
+            low, high = (previous - 1) // 16 * 16, min(previous, len(conv) - 1) // 16 * 16
+            assert (hit == 0) if t == 0 else (low <= hit <= high), (hit, low, high)
+            assert computed == len(conv) - hit
+            if t > 0:
+                assert after["local_prefills"] > before["local_prefills"]   # no trip
+            conv += out.token_ids
+        assert llm.stats()["prefix_evictions"] == 0
+        _check_pool(llm)
+        assert llm.stats()["pages_cached"] > 0
+
+
+@pytest.mark.slow
+def test_cache_off_and_on_agree_with_concurrent_sharers_and_a_tiny_pool(tiny_hf_model):
+    """Many requests sharing a system prompt at once on a pool that must evict: every
+    output equals transformers', cached pages are evicted (never one in use), and the
+    accounting is exact afterwards."""
+    path, hf_model = tiny_hf_model
+    rng = np.random.default_rng(1)
+    system = rng.integers(3, 256, 40).tolist()
+    prompts = [system + rng.integers(3, 256, int(n)).tolist() for n in rng.integers(1, 40, 12)]
+    prompts += [rng.integers(3, 256, 50).tolist() for _ in range(4)]     # strangers
+    expected = [hf_greedy(hf_model, p, 8) for p in prompts]
+    # 2 slots x 6 pages + null: a full shard holds two requests, nothing else.
+    with LLM(path, mesh="colocated=1", max_model_len=96, slots_per_shard=2,
+             pages_per_shard=13, enable_prefix_caching=True) as llm:
+        for round_ in range(2):
+            outs = llm.generate(prompt_token_ids=prompts,
+                                sampling_params=[_greedy(8)] * len(prompts))
+            assert [o.token_ids for o in outs] == expected
+        stats = llm.stats()
+        assert stats["prefix_hit_tokens"] > 0 and stats["prefix_evictions"] > 0
+        assert stats["finished"] == 2 * len(prompts) and stats["aborted"] == 0
+        _check_pool(llm)
+
+
+@pytest.mark.slow
+def test_abort_and_preemption_of_requests_sharing_pages_release_exactly_their_refs(
+        tiny_hf_model):
+    path, hf_model = tiny_hf_model
+    rng = np.random.default_rng(2)
+    system = rng.integers(3, 256, 48).tolist()            # 3 full pages, shared
+    prompts = [system + rng.integers(3, 256, 3).tolist() for _ in range(4)]
+    with LLM(path, mesh="colocated=1", max_model_len=128, slots_per_shard=4,
+             pages_per_shard=13, enable_prefix_caching=True) as llm:
+        llm.generate(prompt_token_ids=[system + [5]], sampling_params=[_greedy(1)])
+        reqs = [llm.submit(llm.make_request(prompt_token_ids=p, sampling_params=_greedy(60)))
+                for p in prompts]
+        llm.abort(reqs[0].request_id)
+        outs = [llm._wait(r) for r in reqs]
+        assert outs[0].finish_reason == "abort"
+        # 4 requests of 51 + 60 tokens cannot all fit 12 pages: preemption recomputes
+        # them from the shared pages, and the outputs stay exact.
+        for p, o in zip(prompts[1:], outs[1:]):
+            assert o.token_ids == hf_greedy(hf_model, p, 60)
+        assert llm.stats()["preemptions"] > 0
+        _check_pool(llm)
+
+
+def test_decode_side_hit_on_a_handoff_shares_pages_instead_of_inserting(tiny_hf_model):
+    """With the extend threshold at 0, every prompt goes through the prefill mesh; the
+    decode side still maps the cached prefix and writes only the rest."""
+    path, hf_model = tiny_hf_model
+    system, users = _conversation(np.random.default_rng(3), turns=3)
+    with LLM(path, mesh="prefill=1,decode=1", max_model_len=192, slots_per_shard=2,
+             enable_prefix_caching=True, prefix_extend_below=0) as llm:
+        _chat(llm, hf_model, system, users)
+        stats = llm.stats()
+        assert stats["transfers"] == 3 and stats["local_prefills"] == 0
+        assert stats["prefix_hit_tokens"] > 0
+        _check_pool(llm)
+
+
+@pytest.mark.slow
+def test_penalties_and_logprobs_through_the_cache_equal_the_uncached_path(tiny_hf_model):
+    path, _ = tiny_hf_model
+    system, users = _conversation(np.random.default_rng(4), turns=3)
+    params = dict(repetition_penalty=1.3, presence_penalty=0.4, logprobs=3)
+
+    def run(cache):
+        with LLM(path, mesh="prefill=1,decode=1", max_model_len=192, slots_per_shard=2,
+                 enable_prefix_caching=cache) as llm:
+            conv, answers = list(system), []
+            for user in users:
+                conv += user
+                out = llm.generate(prompt_token_ids=[conv],
+                                   sampling_params=_greedy(8, **params))[0]
+                answers.append((out.token_ids, [lp[0] for lp in out.logprobs]))
+                conv += out.token_ids
+            if cache:
+                assert llm.stats()["prefix_hit_tokens"] > 0
+                _check_pool(llm)
+            return answers
+
+    cached, plain = run(True), run(False)
+    for (ids_c, lp_c), (ids_p, lp_p) in zip(cached, plain):
+        assert ids_c == ids_p
+        np.testing.assert_allclose(lp_c, lp_p, atol=1e-4)
+
+
+# ---- across processes' interfaces: the router's prefix-aware routing -----------------
+
+def test_prefix_index_records_per_worker_and_forgets_a_dropped_one():
+    from jaxpd.serving.prefix_index import PrefixIndex
+    index = PrefixIndex(page_size=4, max_pages=3)
+    ids = list(range(3, 23))                              # 5 full pages
+    index.record("a", ids[:12])
+    hashes = index.hashes(ids)
+    assert index.cached_tokens("a", hashes) == 12 and index.cached_tokens("b", hashes) == 0
+    index.record("a", ids)                                # bounded: the oldest pages go
+    assert index.cached_tokens("a", hashes) == 0          # page 0 forgotten: no prefix
+    index.record("b", ids[:8])
+    index.forget("b")
+    assert index.cached_tokens("b", hashes) == 0
+
+
+@pytest.mark.slow
+def test_router_sends_each_turn_to_the_decode_worker_holding_the_conversation(tiny_hf_model):
+    """Two decode workers with prefix caching behind a router with prefix routing: turn
+    N+1 goes to the worker that served turn N, which prefills only the new tokens there
+    (no prefill worker involved); outputs equal transformers'."""
+    from jaxpd.auth import InternalAuth
+    from jaxpd.serving.role_server import RoleServer, RoleService
+    from jaxpd.serving.router import Router, RouterConfig
+    path, hf_model = tiny_hf_model
+    auth = InternalAuth(token="t" * 32)
+    workers = []
+    router = Router(path, RouterConfig(max_model_len=192, heartbeat_s=1.0, prefix_routing=True),
+                    auth=auth)
+    try:
+        address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
+        for _ in range(2):
+            llm = LLM(path, mesh="decode=1", max_model_len=192, slots_per_shard=2,
+                      enable_prefix_caching=True)
+            server = RoleServer(RoleService(llm.engine, "", "grpc"), "127.0.0.1", 0, auth)
+            server.start()
+            server.register_with(address, heartbeat_s=0.2)
+            workers.append((llm, server))
+        deadline = time.monotonic() + 30
+        while len(router._live_workers("decode")) < 2:
+            assert time.monotonic() < deadline, "decode workers did not register"
+            time.sleep(0.05)
+        system, users = _conversation(np.random.default_rng(5), turns=3)
+        _chat(router, hf_model, system, users)
+        counts = router.counters.snapshot()
+        assert counts["prefix_routed"] == 2 and counts["decode_prefills"] == 1
+        hits = sorted(llm.stats()["prefix_hit_tokens"] for llm, _ in workers)
+        assert hits[0] == 0 and hits[1] > 0               # one worker held the whole chat
+        for llm, _ in workers:
+            _check_pool(llm)
+    finally:
+        router.shutdown()
+        for llm, server in workers:
+            server.stop(0)
+            llm.shutdown()
