@@ -161,16 +161,16 @@ def test_layerwise_bench_rejects_bad_flags(flags, named, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workload", ["multiturn", "prefix_repetition"])
-def test_prefix_workloads_run_each_mesh_with_the_cache_off_and_on(tiny_dir, tmp_path, capsys,
-                                                                  workload):
+def test_prefix_workloads_run_each_mesh_with_the_cache_off_and_on(tiny_dir, tmp_path, capsys):
+    """multiturn (prefix_repetition differs only in how `make_chats` draws prompts)."""
+    workload = "multiturn"
     out = tmp_path / "prefix.json"
     results = bench.main(["--model", tiny_dir, "--workload", workload, "--mesh", "colocated=1",
                           "--compare", "none", "--conversations", "3", "--turns", "3",
                           "--system_len", "40", "--user_len", "5", "--think_s", "0",
                           "--num_requests", "6", "--num_prefixes", "2", "--prefix_len", "40",
                           "--output_lens", "4", "--rate", "50", "--slots_per_shard", "2",
-                          "--json", str(out)])
+                          "--max_prefill_batch", "1", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     off, on = results["runs"]
     assert (off["prefix_caching"], on["prefix_caching"]) == (False, True)
@@ -186,3 +186,14 @@ def test_prefix_workload_flags_are_checked(capsys):
     assert_flag_rejected(bench.parse_args, ["--workload", "chat"], "--workload", capsys)
     assert_flag_rejected(bench.parse_args, ["--think_s", "-1"], "--think_s", capsys)
     assert_flag_rejected(bench.parse_args, ["--turns", "0"], "--turns", capsys)
+
+
+def test_prefix_repetition_chats_reuse_each_prefix():
+    from jaxpd.bench.prefix import make_chats
+    args = bench.parse_args(["--workload", "prefix_repetition", "--num_requests", "6",
+                             "--num_prefixes", "2", "--prefix_len", "20", "--user_len", "3"])
+    chats = make_chats(args, vocab_size=256)
+    assert len(chats) == 6 and all(len(c.turns) == 1 for c in chats)
+    prefixes = {c.turns[0][:20] for c in chats}
+    assert len(prefixes) == 2 and all(len(c.turns[0]) == 23 for c in chats)
+    assert chats == make_chats(args, vocab_size=256)          # fixed by the seed

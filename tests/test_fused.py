@@ -51,6 +51,7 @@ def _close(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_fuse_params_matches_the_fused_model_tree():
     cfg = dataclasses.replace(CFG, attention_bias=True)
     fused = fuse_params(cfg, init_params(cfg))
@@ -62,6 +63,7 @@ def test_fuse_params_matches_the_fused_model_tree():
     assert tuple(layer["gate_up_proj"]) == ("embed", None, "mlp")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_equals_unfused(bias):
     cfg = dataclasses.replace(CFG, attention_bias=bias)
@@ -72,6 +74,7 @@ def test_fused_equals_unfused(bias):
            _run(cfg, params, False, tokens, lengths))
 
 
+@pytest.mark.slow
 def test_fused_prefill_blocks():
     cfg = dataclasses.replace(CFG, attention_bias=True)
     params = _params(cfg)
@@ -82,11 +85,15 @@ def test_fused_prefill_blocks():
            prefill_blocks(cfg, jnp.float32, layers(params), x))
 
 
+# Eager flax applies on 8 virtual devices compile op by op: seconds each, so CI only.
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,num_heads,num_kv_heads,bias,fused", [
     (2, 8, 4, True, True),     # kv heads divide tp: each shard holds its q, k and v heads
     (4, 8, 4, False, True),
-    (4, 8, 2, True, False),    # only query heads divide tp: the checkpoint layout instead
-    (4, 6, 3, False, True),    # neither divides: all replicated, fusing is still valid
+    # Only query heads divide tp: the checkpoint layout instead.
+    (4, 8, 2, True, False),
+    # Neither divides: all replicated, fusing is still valid.
+    (4, 6, 3, False, True),
 ])
 def test_fused_on_a_tp_mesh(tp, num_heads, num_kv_heads, bias, fused):
     cfg = dataclasses.replace(CFG, num_heads=num_heads, num_kv_heads=num_kv_heads,

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxpd.engine.runner import DecodeRunner
 from jaxpd.engine.sampler import SamplingArrays
-from jaxpd.engine.scheduler import DecodeScheduler, batch_buckets, context_width
+from jaxpd.engine.scheduler import DecodeScheduler, batch_buckets
 from jaxpd.request import Request, State
 from jaxpd.stats import StatsCounter
 
@@ -49,6 +49,19 @@ class ExtendLoop:
     @property
     def idle(self) -> bool:
         return not self.waiting and self.inbox.empty()
+
+    def width(self, num_pages: int) -> int:
+        """Pages of context a call computes for a slot of `num_pages`: powers of two
+        times the decode step (coarser than decode's widths: a call's programs are
+        also keyed on rows and length, and warm-up compiles every combination)."""
+        width = self.context_step
+        while width < num_pages:
+            width *= 2
+        return min(width, self.max_pages_per_slot)
+
+    def widths(self, min_pages: int = 1) -> list[int]:
+        """Every width `width` can return for slots of at least `min_pages` pages."""
+        return sorted({self.width(n) for n in range(min_pages, self.max_pages_per_slot + 1)})
 
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.buckets if num_tokens <= b)
@@ -108,7 +121,7 @@ class ExtendLoop:
         r_pad = self._padded(max(per_shard.values()))
         length = self.bucket_for(max(r.num_tokens - cached for _, r, cached in batch))
         most_pages = max(len(sched.slots[slot].pages) for slot, _, _ in batch)
-        width = context_width(most_pages, self.context_step, self.max_pages_per_slot)
+        width = self.width(most_pages)
         rows = sched.num_shards * r_pad
         tokens = np.zeros((rows, length), np.int32)
         starts = np.zeros(rows, np.int32)

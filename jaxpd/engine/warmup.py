@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxpd.engine.sampler import SamplingArrays
 from jaxpd.engine.page_allocator import pages_for
-from jaxpd.engine.scheduler import context_width, context_widths
+from jaxpd.engine.scheduler import context_widths
 from jaxpd.models.hf_io import DTYPES
 
 
@@ -62,17 +62,15 @@ def _warm_decode(engine, progress: Callable[[str], None]) -> None:
 
 
 def _warm_extend(engine, progress: Callable[[str], None]) -> None:
-    """Prefill-with-context programs for prompts with nothing cached: each length
-    bucket, each batch size that fits the token budget, the context widths a prompt of
-    that bucket can need. A prefix hit may need a wider context: compiled when first
-    met (and kept by the persistent compilation cache)."""
+    """Prefill-with-context programs: each length bucket, each batch size that fits the
+    token budget, and each context width a slot can then have (a cached prefix makes
+    it wider than the new tokens alone)."""
     cfg, loop = engine.config, engine.decode_loop.extend
     shards = engine.decode_scheduler.num_shards
     shapes = set()
     for t in loop.buckets:
-        widths = {context_width(pages_for(n + 1, cfg.page_size), cfg.decode_context_step,
-                                cfg.pages_per_slot) for n in (t // 2 + 1, t)}
         rows = [b for b in loop.batch_sizes if shards * b * t <= loop.max_tokens] or [1]
+        widths = loop.widths(min(pages_for(t // 2 + 2, cfg.page_size), cfg.pages_per_slot))
         shapes |= {(shards * b, t, w) for b in rows for w in widths}
     for i, (rows, t, w) in enumerate(sorted(shapes)):
         progress(f"compiling prefill with context {i + 1}/{len(shapes)}: {rows} x {t} tokens, "
