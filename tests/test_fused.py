@@ -2,6 +2,7 @@
 computes: prefill and decode logits and K/V, with and without attention bias, on one
 device and on tp meshes whose kv heads do and do not divide tp."""
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -29,6 +30,7 @@ def _params(cfg, seed=0):
     return params
 
 
+@functools.partial(jax.jit, static_argnums=(0, 2))      # one compile, not op by op
 def _run(cfg, params, fused, tokens, lengths):
     """Prefill of `tokens` [B, T], then one decode step of token 5 per row after its
     prompt, into a paged pool: (prefill logits, k, v, decode logits, k_pool)."""

@@ -40,8 +40,9 @@ def _bf16_kv(q, k, v, tables, lengths):
 _slow = pytest.mark.slow
 
 
-@pytest.mark.parametrize("g,page_size", [(2, 4)] + [pytest.param(g, p, marks=_slow) for g in (1, 2, 4)
-                                                    for p in (1, 4, 16) if (g, p) != (2, 4)])
+@pytest.mark.parametrize("g,page_size", [(2, 4), pytest.param(1, 1, marks=_slow),
+                                         pytest.param(4, 16, marks=_slow),
+                                         pytest.param(1, 16, marks=_slow)])
 def test_gpu_kernel_matches_reference(g, page_size):
     args = _case(g * 100 + page_size, g=g, page_size=page_size,
                  max_pages=max(3, 24 // page_size))
@@ -50,7 +51,7 @@ def test_gpu_kernel_matches_reference(g, page_size):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pages_per_block", [1, 2, 4, 8])
+@pytest.mark.parametrize("pages_per_block", [1, 8])
 def test_gpu_kernel_any_pages_per_block(pages_per_block):
     # 5 pages per slot: blocks of 2, 4 and 8 run past the table (padded with page 0).
     args = _case(7, kh=1, g=4, page_size=4, max_pages=5)
@@ -68,7 +69,7 @@ def test_gpu_kernel_bfloat16_and_jit():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("g,page_size", [(1, 4), (2, 16), (4, 8)])
+@pytest.mark.parametrize("g,page_size", [(1, 4), (4, 8)])
 def test_tpu_kernel_matches_reference(g, page_size):
     args = _case(g * 10 + page_size, g=g, page_size=page_size, max_pages=max(3, 24 // page_size))
     out = paged_attention_tpu(*args, pages_per_block=2, interpret=True)
@@ -119,7 +120,6 @@ def _prompts(lengths):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh,impl", [("colocated=1", "pallas_gpu"),
-                                       ("prefill=1,decode=1x2", "pallas_gpu"),
                                        ("prefill=1,decode=1x2", "pallas_tpu")])
 def test_engine_with_kernel_matches_hf(hf_models, mesh, impl):
     # decode=1x2 splits the 2 kv heads over tp: the kernel runs per tp shard.

@@ -344,13 +344,13 @@ def test_router_sends_each_turn_to_the_decode_worker_holding_the_conversation(ti
 @pytest.mark.slow
 def test_warmup_covers_every_prefill_with_context_a_chat_needs(tiny_hf_model):
     """No compile in steady state with the cache on: concurrent chats (hits of every
-    width, batches of every size) run only programs warm-up compiled."""
+    width) run only programs warm-up compiled."""
     path, hf_model = tiny_hf_model
     rng = np.random.default_rng(6)
     chats = [_conversation(rng, turns=2) for _ in range(3)]
     # page_size 8: 12 pages a slot, so hits of two context widths (8 and 12 pages).
     with LLM(path, mesh="colocated=1", max_model_len=96, page_size=8, slots_per_shard=3,
-             max_prefill_batch=2, enable_prefix_caching=True, warmup=True) as llm:
+             max_prefill_batch=1, enable_prefix_caching=True, warmup=True) as llm:
         compiled = llm.engine.counter.counts()
         threads = [threading.Thread(target=_chat, args=(llm, hf_model, s, u)) for s, u in chats]
         for t in threads:

@@ -98,10 +98,11 @@ class ExtendLoop:
             shard = self.scheduler.shard_of(slot)
             counts = per_shard.copy()
             counts[shard] += 1
+            if counts[shard] > self.max_batch:
+                break
             uncached = [n - len(shared) * page_size] + [r.num_tokens - c for _, r, c in batch]
             rows = self.scheduler.num_shards * self._padded(max(counts.values()))
-            if batch and (counts[shard] > self.max_batch or
-                          rows * self.bucket_for(max(uncached)) > self.max_tokens):
+            if batch and rows * self.bucket_for(max(uncached)) > self.max_tokens:
                 break
             self.waiting.popleft()
             if not r.transition(State.PREFILLING):
