@@ -170,7 +170,8 @@ def test_prefix_workloads_run_each_mesh_with_the_cache_off_and_on(tiny_dir, tmp_
                           "--system_len", "40", "--user_len", "5", "--think_s", "0",
                           "--num_requests", "6", "--num_prefixes", "2", "--prefix_len", "40",
                           "--output_lens", "4", "--rate", "50", "--slots_per_shard", "2",
-                          "--max_prefill_batch", "1", "--json", str(out)])
+                          "--max_prefill_batch", "1", "--warmup_requests", "0",
+                          "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     off, on = results["runs"]
     assert (off["prefix_caching"], on["prefix_caching"]) == (False, True)

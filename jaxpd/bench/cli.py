@@ -98,7 +98,8 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--hf_batch", type=positive_int, default=8,
                    help="largest static batch of the hf baseline")
     s.add_argument("--warmup_requests", type=nonnegative_int, default=2,
-                   help="requests served by each backend before its clock starts")
+                   help="requests served by each backend before its clock starts (prefix "
+                        "workloads: two warm-up chats; 0 also skips compiling ahead)")
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:

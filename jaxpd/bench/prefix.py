@@ -115,11 +115,12 @@ def run_prefix_bench(args: argparse.Namespace, model_dir: str, meshes: list[str]
     for mesh in meshes:
         outputs = {}
         for cache in (False, True):
-            with LLM(model_dir, mesh=mesh, warmup=True, enable_prefix_caching=cache,
+            # --warmup_requests 0: no warm-up at all (programs compile on first use).
+            warm = args.warmup_requests > 0
+            with LLM(model_dir, mesh=mesh, warmup=warm, enable_prefix_caching=cache,
                      **engine_options) as llm:
-                # Warm the first-call paths (and, cached, the wider context programs a
-                # hit needs) on other chats of the same shape before the clock starts.
-                serve(llm, make_chats(_warm_args(args), cfg.vocab_size), output_len, 0.0)
+                if warm:   # first-call paths, on other chats of the same shape
+                    serve(llm, make_chats(_warm_args(args), cfg.vocab_size), output_len, 0.0)
                 run = serve(llm, chats, output_len, args.think_s)
             outputs[cache] = run.pop("outputs")
             runs.append({"name": f"{mesh} cache={'on' if cache else 'off'}", "mesh": mesh,

@@ -32,8 +32,7 @@ cancelled on abort.
 
 The `jaxpd-router-watch` thread expires leases, probes static workers and cancels
 stalled streams; `stats()` asks every live worker for `Info` in parallel
-(`jaxpd-router-info`) with a `info_timeout_s` deadline, so a frozen worker costs that
-once, not once per worker.
+(`jaxpd-router-info`) within `info_timeout_s`: a frozen worker costs that once.
 
 SERVING (`ready()`): the router is not shut down and holds at least one live decode
 worker (registered with the router's model and limits, its lease running; or static and
@@ -180,8 +179,8 @@ class Router(RequestFlow, Frontend):
         """Serve `Register` on the internal port (authenticated by `auth`); returns the
         port. OSError when it cannot bind; AuthConfigError for an open port without auth."""
         self.auth.check_bind(host, "the router's internal port")
-        server = grpc.server(futures.ThreadPoolExecutor(16, thread_name_prefix="jaxpd-router-rpc"),
-                             interceptors=self.auth.server_interceptors())
+        self._rpc_pool = futures.ThreadPoolExecutor(16, thread_name_prefix="jaxpd-router-rpc")
+        server = grpc.server(self._rpc_pool, interceptors=self.auth.server_interceptors())
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
             ROUTER_SERVICE, {"Register": unary_handler(self._register)}),))
         port = self.auth.add_port(server, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
@@ -392,6 +391,7 @@ class Router(RequestFlow, Frontend):
         self._watcher.join(timeout=5)
         if self._internal is not None:
             self._internal.stop(1).wait()
+            self._rpc_pool.shutdown(wait=False)     # grpc leaves its threads running
         self._info_pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             for client in self._clients.values():
