@@ -131,6 +131,11 @@ class Request:
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # (new_ids, finished) for streams
         self._lock = threading.Lock()
         self.destination: str | None = None   # decode peer for its KV (multi-process)
+        # Prefix caching: leading full pages its decode side is believed to hold, which
+        # its prefill need not send (a hint; the decode side checks it). After one
+        # handoff found the hint stale, none again (`kv_skip_missed`).
+        self.kv_skip_pages = 0
+        self.kv_skip_missed = False
         # Per output token, when params.logprobs is set: (its log-probability, the
         # params.logprobs most likely (token id, log-probability) pairs, best first).
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
@@ -164,6 +169,8 @@ class Request:
         }
         if self.logprobs is not None and len(self.logprobs) > len(output):
             wire["next_logprobs"] = self.logprobs[len(output)]
+        if self.kv_skip_pages:
+            wire["kv_skip_pages"] = self.kv_skip_pages
         return wire
 
     @classmethod
@@ -195,6 +202,11 @@ class Request:
         r.seed = seed
         r.stop_ids = frozenset(_ints(d.get("stop_ids"), "stop_ids"))
         r.output_ids = _ints(d.get("output_ids"), "output_ids")
+        skip = d.get("kv_skip_pages", 0)
+        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0 or (
+                skip and skip >= len(r.prefill_ids)):
+            raise ValueError(f"kv_skip_pages must be an integer in [0, tokens), got {skip!r}")
+        r.kv_skip_pages = skip
         if params.logprobs is not None:
             # The output's log-probabilities stay with whoever already streamed it (a
             # failover or recompute would otherwise resend them all): placeholders here.

@@ -52,6 +52,10 @@ class EngineStats(collections.abc.Mapping):
     prefix_hit_tokens: int = _counter("Tokens whose KV came from the prefix cache (not computed "
                                       "or not inserted).")
     prefix_evictions: int = _counter("Cached pages evicted to make room.")
+    prefix_saved_bytes: int = _counter("Bytes of KV cache a handoff did not carry: the leading "
+                                       "pages the decode side held cached.")
+    prefix_skip_misses: int = _counter("Handoffs that left out pages the decode side no longer "
+                                       "held (evicted meanwhile): prefilled again in full.")
     decode_steps: int = _counter("Decode steps run.")
     preemptions: int = _counter("Requests preempted for lack of pages.")
     finished: int = _counter("Requests finished (stop or length).",

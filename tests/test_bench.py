@@ -32,16 +32,26 @@ def _flags(model_dir, *extra):
 
 
 @pytest.mark.slow
-def test_bench_runs_meshes_and_hf_on_the_same_requests(tiny_dir, tmp_path, capsys):
+def test_bench_runs_meshes_processes_and_hf_on_the_same_requests(tiny_dir, tmp_path, capsys):
+    """Every backend kind in one run: an in-process disaggregated mesh, colocated, the
+    pinned multi-process deployment (router + prefill + decode workers it starts and
+    stops), transformers."""
     out = tmp_path / "bench.json"
     results = bench.main(_flags(tiny_dir, "--mesh", "prefill=1,decode=1",
-                                "--compare", "colocated=2,hf", "--json", str(out)))
+                                "--compare", "colocated=2,hf", "--deployment", "processes",
+                                "--prefill_cpus", "0", "--decode_cpus", "1",
+                                "--warmup_requests", "0",      # no compile-ahead: a smoke run
+                                "--json", str(out)))
     printed = capsys.readouterr().out
-    assert "prefill=1,decode=1" in printed and "colocated=2" in printed and "hf" in printed
+    processes = "processes(prefill=1@cpu0,decode=1@cpu1)"
+    for name in ("prefill=1,decode=1", "colocated=2", processes, "hf"):
+        assert name in printed
 
     doc = json.loads(out.read_text())
     assert set(doc) >= {"runs", "workload", "devices"}
-    assert [r["name"] for r in doc["runs"]] == ["prefill=1,decode=1", "colocated=2", "hf"]
+    assert [r["name"] for r in doc["runs"]] == ["prefill=1,decode=1", "colocated=2", processes,
+                                                "hf"]
+    assert doc["workload"]["deployment"]["decode_cpus"] == "1"
     for run in doc["runs"]:
         assert set(run) >= RUN_KEYS
         for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
@@ -57,6 +67,9 @@ def test_bench_runs_meshes_and_hf_on_the_same_requests(tiny_dir, tmp_path, capsy
         stats = run["engine_stats"]
         assert stats["finished"] == NUM_REQUESTS and stats["aborted"] == 0
     assert engine_runs[0]["engine_stats"]["transfers"] == NUM_REQUESTS
+    router = doc["runs"][2]["engine_stats"]
+    assert router["finished"] == NUM_REQUESTS and router["aborted"] == 0
+    assert [len(router["workers"][role]) for role in ("prefill", "decode")] == [1, 1]
     assert doc["workload"]["num_requests"] == NUM_REQUESTS
     assert doc["devices"]["num_devices"] >= 2
     # The returned document is the one written.
@@ -105,6 +118,14 @@ def test_prompts_are_fixed_by_the_seed_not_the_rate():
     (["--slo_tpot", "-1"], "--slo_tpot"),
     (["--goodput_min_rate", "4", "--goodput_max_rate", "1"], "--goodput_max_rate"),
     (["--unknown_flag", "1"], "--unknown_flag"),
+    (["--deployment", "pods"], "--deployment"),
+    (["--deployment", "processes", "--process_mesh", "colocated=2"], "--process_mesh"),
+    (["--deployment", "processes", "--prefill_cpus", "0"], "--decode_cpus"),
+    (["--deployment", "processes", "--prefill_cpus", "0", "--decode_cpus", "0"], "--decode_cpus"),
+    (["--deployment", "processes", "--prefill_cpus", "0", "--decode_cpus", "4096"],
+     "--decode_cpus"),
+    (["--prefill_cpus", "0", "--decode_cpus", "1"], "--prefill_cpus"),
+    (["--deployment", "processes", "--workload", "multiturn"], "--deployment"),
 ])
 def test_bad_flags_are_rejected_naming_the_flag(flags, named, capsys):
     assert_flag_rejected(bench.parse_args, flags, named, capsys)
@@ -125,6 +146,23 @@ def test_flags_parse_and_compare_keeps_mesh_pairs_whole():
     for action in bench.build_parser()._actions:
         if action.dest != "help":
             assert action.help, action.dest
+
+
+def test_process_deployment_splits_the_cpus_and_names_them():
+    from jaxpd.bench.processes import cpu_ranges, make_deployment, worker_flags
+    assert cpu_ranges([5, 0, 1, 2, 7, 6]) == "0-2,5-7"
+    d = make_deployment("prefill=2,decode=1", None, None, allowed=[0, 1, 2, 3, 4])
+    assert (d.prefill_mesh, d.decode_mesh, d.prefill_cpus, d.decode_cpus) == (
+        "prefill=2", "decode=1", "0-2", "3-4")
+    assert d.name == "processes(prefill=2@cpu0-2,decode=1@cpu3-4)"
+    with pytest.raises(ValueError, match="--prefill_cpus and --decode_cpus"):
+        make_deployment("prefill=1,decode=1", None, None, allowed=[0])
+    prefill, decode = worker_flags(d, "/m", dict(max_model_len=64, slots_per_shard=4,
+                                                 enable_prefix_caching=True))
+    assert prefill[prefill.index("--cpus") + 1] == "0-2"
+    assert decode[decode.index("--mesh") + 1] == "decode=1"
+    assert decode[decode.index("--slots_per_shard") + 1] == "4"
+    assert "--enable_prefix_caching" in decode and "--max_prefill_batch" not in decode
 
 
 def test_missing_model_is_a_clear_error(tmp_path):

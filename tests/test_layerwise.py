@@ -174,12 +174,16 @@ def test_runner_layerwise_pages_equal_fused_prefill(tiny):
         lengths = np.array([64, 37], np.int32)
         sampling = SamplingArrays.empty(2)
         first, _, k, v = runner.run(tokens, lengths, sampling)
-        rows = [(0, 4), (1, 3)]
+        rows = [(0, 0, 4), (1, 1, 2)]         # (row, first page, pages): the second
+        # leaves its first page out, as a handoff to a decode side holding it does
         groups = layer_groups(llm.model_config.num_layers, 3)
         first_lw, _, parts = runner.run_layerwise(tokens, lengths, sampling, groups, rows)
         np.testing.assert_array_equal(np.asarray(first_lw), first)
-        for j, (row, n) in enumerate(rows):
-            k_ref, v_ref = runner.take_pages(k, v, row, n)
+        for j, (row, first_page, n) in enumerate(rows):
+            k_ref, v_ref = runner.take_pages(k, v, row, n, first_page)
+            if first_page:
+                whole = runner.take_pages(k, v, row, first_page + n)[0]
+                np.testing.assert_array_equal(np.asarray(k_ref), np.asarray(whole)[:, first_page:])
             k_lw = np.concatenate([np.asarray(part[j][0]) for part in parts])
             v_lw = np.concatenate([np.asarray(part[j][1]) for part in parts])
             np.testing.assert_array_equal(k_lw, np.asarray(k_ref))

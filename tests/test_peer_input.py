@@ -96,6 +96,40 @@ def test_forged_handoff_more_pages_than_tokens_is_refused_and_engine_lives(pool,
     assert_no_page_held(env)
 
 
+@pytest.mark.parametrize("first_page,num_pages", [(-1, 2), (True, 1), ("1", 1), (2, 0),
+                                                  (1, 3), (3, 1)])
+def test_forged_first_page_is_refused_and_engine_lives(pool, first_page, num_pages):
+    """A handoff's `first_page` (leading pages it leaves out, prefix caching) must be
+    an int naming a full page below the last, and its pages the rest exactly."""
+    import dataclasses
+    env = make(pool, remote=True)
+    r = mirror(env, "skipper", prompt_len=2 * PAGE_SIZE + 1)       # 3 pages, 2 full
+    h = dataclasses.replace(remote(r, num_pages=num_pages), first_page=first_page)
+    env.receiver.push(h)
+    run(env, lambda: r.state is State.WAITING)
+    assert_refused_before_placing(env, h)
+    assert counts(env)["handoffs_rejected"] == 1 and counts(env)["prefix_skip_misses"] == 0
+    assert_a_good_request_still_finishes(env)
+    assert_no_page_held(env)
+
+
+def test_handoff_leaving_out_pages_this_side_does_not_hold_is_prefilled_again(pool):
+    """A well-formed handoff that leaves out 2 pages (the sender believed them cached
+    here) to a pool that holds none: refused before any slot, page or device op, its
+    request prefilled again, and never decoded from pages that are not there."""
+    import dataclasses
+    env = make(pool, remote=True)
+    r = mirror(env, "stale", prompt_len=2 * PAGE_SIZE + 1)
+    h = dataclasses.replace(remote(r, num_pages=1), first_page=2)
+    env.receiver.push(h)
+    run(env, lambda: r.state is State.WAITING)
+    assert env.requests.prefill_inbox.get_nowait() is r and r.kv_skip_missed
+    assert not any(x is h for x in env.receiver.placed) and env.runner.inserts == []
+    assert counts(env)["prefix_skip_misses"] == 1 and counts(env)["handoffs_rejected"] == 0
+    assert_a_good_request_still_finishes(env)
+    assert_no_page_held(env)
+
+
 def test_forged_handoff_that_never_fits_is_aborted_and_queue_moves_on(pool):
     # Finding 3: num_tokens=100000 sat at the head of the admission queue for good and
     # every request behind it hung.
@@ -262,7 +296,9 @@ def test_forged_request_beyond_limits_is_refused_at_register_and_submit(pool):
 
 @pytest.mark.parametrize("field,value", [("seed", "x"), ("prompt_ids", [1, "2"]),
                                          ("params", {"max_tokens": 0}), ("stop_ids", None),
-                                         ("request_id", 7)])
+                                         ("request_id", 7), ("kv_skip_pages", -1),
+                                         ("kv_skip_pages", "1"), ("kv_skip_pages", True),
+                                         ("kv_skip_pages", 2)])
 def test_forged_wire_form_names_the_field(field, value):
     wire = Request("w", [1, 2], SamplingParams(max_tokens=2)).to_wire()
     with pytest.raises(ValueError, match=field.split("_")[0]):

@@ -242,18 +242,72 @@ def test_abort_and_preemption_of_requests_sharing_pages_release_exactly_their_re
         _check_pool(llm)
 
 
+def _page_bytes(llm) -> int:
+    """Bytes one page of k and v takes in transit (float32, uncompressed)."""
+    cfg = llm.engine.model.cfg
+    return 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4
+
+
 @pytest.mark.slow
-def test_decode_side_hit_on_a_handoff_shares_pages_instead_of_inserting(tiny_hf_model):
-    """With the extend threshold at 0, every prompt goes through the prefill mesh; the
-    decode side still maps the cached prefix and writes only the rest."""
+def test_a_handoff_carries_only_the_pages_the_decode_side_does_not_hold(tiny_hf_model):
+    """With the extend threshold at 0, every prompt goes through the prefill mesh; its
+    handoff leaves out the cached prefix the decode side holds (bytes moved are exactly
+    the rest), which the decode side maps instead of inserting."""
     path, hf_model = tiny_hf_model
     system, users = _conversation(np.random.default_rng(3), turns=3)
     with LLM(path, mesh="prefill=1,decode=1", max_model_len=192, slots_per_shard=2,
              enable_prefix_caching=True, prefix_extend_below=0) as llm:
-        _chat(llm, hf_model, system, users)
+        page = _page_bytes(llm)
+        conv, moved, saved = list(system), [], []
+        for user in users:
+            before = llm.stats()
+            conv = _chat(llm, hf_model, conv, [user])
+            after = llm.stats()
+            moved.append(after["transfer_bytes"] - before["transfer_bytes"])
+            saved.append(after["prefix_saved_bytes"] - before["prefix_saved_bytes"])
+            prompt = len(conv) - 6
+            # Every page of the prompt is either moved or known to be held.
+            assert moved[-1] + saved[-1] == -(-prompt // 16) * page
+        assert saved[0] == 0 and all(s >= 2 * page for s in saved[1:])
         stats = llm.stats()
         assert stats["transfers"] == 3 and stats["local_prefills"] == 0
-        assert stats["prefix_hit_tokens"] > 0
+        assert stats["prefix_hit_tokens"] > 0 and stats["prefix_skip_misses"] == 0
+        _check_pool(llm)
+
+
+@pytest.mark.slow
+def test_a_handoff_whose_cached_pages_were_evicted_meanwhile_is_prefilled_again(
+        tiny_hf_model):
+    """The race the issue names: the decode side held a prefix when the request was
+    routed, then evicted it before the handoff (which left those pages out) arrived.
+    Forced here by dropping the decode cache right before that handoff is admitted:
+    it is refused, the request is prefilled again with every page, and its tokens are
+    still transformers'."""
+    path, hf_model = tiny_hf_model
+    system, users = _conversation(np.random.default_rng(4), turns=2)
+    with LLM(path, mesh="prefill=1,decode=1", max_model_len=192, slots_per_shard=2,
+             enable_prefix_caching=True, prefix_extend_below=0) as llm:
+        loop = llm.engine.decode_loop
+        admit, dropped = loop._admit, []
+
+        def admit_after_evicting():
+            if not dropped and any(i.first_page > 0 for i, _ in loop.pending):
+                dropped.append(sum(a.drop_cached() for a in loop.scheduler.allocators))
+            admit()
+
+        loop._admit = admit_after_evicting
+        conv = _chat(llm, hf_model, system, users[:1])
+        before = llm.stats()
+        conv = _chat(llm, hf_model, conv, users[1:])
+        after = llm.stats()
+        assert dropped and dropped[0] >= 2            # the prefix was cached, then was not
+        assert after["prefix_skip_misses"] - before["prefix_skip_misses"] == 1
+        assert after["prefix_saved_bytes"] == before["prefix_saved_bytes"]
+        # The second prefill sent every page of the prompt.
+        prompt = len(conv) - 6
+        assert after["transfer_bytes"] - before["transfer_bytes"] == (
+            -(-prompt // 16) * _page_bytes(llm))
+        assert after["finished"] - before["finished"] == 1 and after["aborted"] == 0
         _check_pool(llm)
 
 
@@ -302,37 +356,46 @@ def test_prefix_index_records_per_worker_and_forgets_a_dropped_one():
 
 @pytest.mark.slow
 def test_router_sends_each_turn_to_the_decode_worker_holding_the_conversation(tiny_hf_model):
-    """Two decode workers with prefix caching behind a router with prefix routing: turn
-    N+1 goes to the worker that served turn N, which prefills only the new tokens there
-    (no prefill worker involved); outputs equal transformers'."""
+    """A prefill worker and two decode workers with prefix caching behind a router with
+    prefix routing: turn N+1 goes to the worker that served turn N. Turn 2's uncached
+    rest (30 tokens) is above the threshold: the prefill worker computes it and its
+    handoff leaves out the 2 pages that worker holds; turn 3's (27) is below: that
+    worker prefills it itself. Outputs equal transformers'."""
     from jaxpd.auth import InternalAuth
-    from jaxpd.serving.role_server import RoleServer, RoleService
+    from jaxpd.serving.role_server import RoleServer, RoleService, make_connector
     from jaxpd.serving.router import Router, RouterConfig
     path, hf_model = tiny_hf_model
     auth = InternalAuth(token="t" * 32)
     workers = []
-    router = Router(path, RouterConfig(max_model_len=192, heartbeat_s=1.0, prefix_routing=True),
-                    auth=auth)
+    router = Router(path, RouterConfig(max_model_len=192, heartbeat_s=1.0, prefix_routing=True,
+                                       prefix_extend_below=28), auth=auth)
     try:
         address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
-        for _ in range(2):
-            llm = LLM(path, mesh="decode=1", max_model_len=192, slots_per_shard=2,
-                      enable_prefix_caching=True)
-            server = RoleServer(RoleService(llm.engine, "", "grpc"), "127.0.0.1", 0, auth)
+        for role, mesh in (("prefill", "prefill=1"), ("decode", "decode=1"),
+                           ("decode", "decode=1")):
+            connector, kv_address = make_connector(role, "grpc", "127.0.0.1", auth)
+            llm = LLM(path, mesh=mesh, max_model_len=192, slots_per_shard=2,
+                      connector=connector, enable_prefix_caching=True)
+            server = RoleServer(RoleService(llm.engine, kv_address, "grpc"), "127.0.0.1", 0,
+                                auth)
             server.start()
             server.register_with(address, heartbeat_s=0.2)
             workers.append((llm, server))
         deadline = time.monotonic() + 30
-        while len(router._live_workers("decode")) < 2:
-            assert time.monotonic() < deadline, "decode workers did not register"
+        while len(router.live_workers()) < 3:
+            assert time.monotonic() < deadline, "workers did not register"
             time.sleep(0.05)
         system, users = _conversation(np.random.default_rng(5), turns=3)
         _chat(router, hf_model, system, users)
         counts = router.counters.snapshot()
-        assert counts["prefix_routed"] == 2 and counts["decode_prefills"] == 1
-        hits = sorted(llm.stats()["prefix_hit_tokens"] for llm, _ in workers)
-        assert hits[0] == 0 and hits[1] > 0               # one worker held the whole chat
-        for llm, _ in workers:
+        assert counts["prefix_routed"] == 1 and counts["decode_prefills"] == 0
+        decoders = sorted((llm.stats() for llm, _ in workers[1:]),
+                          key=lambda s: s["prefix_hit_tokens"])
+        assert decoders[0]["prefix_hit_tokens"] == 0        # one worker held the whole chat
+        held = decoders[1]
+        assert held["transfers"] == 2 and held["prefix_skip_misses"] == 0
+        assert held["prefix_saved_bytes"] == 2 * _page_bytes(workers[0][0])
+        for llm, _ in workers[1:]:
             _check_pool(llm)
     finally:
         router.shutdown()

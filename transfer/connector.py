@@ -67,8 +67,11 @@ class KVPart:
 class KVHandoff:
     """A finished prefill on its way to decode.
 
-    k, v: [L, P, S, K, H] -- only the pages that hold real prompt tokens
-    (P = ceil(num_tokens / S)), never the bucket padding. A layer-wise part (`part`
+    k, v: [L, P, S, K, H] -- only the pages that hold real prompt tokens, never the
+    bucket padding: pages `first_page` .. ceil(num_tokens / S) - 1 of the request. A
+    `first_page` above 0 (prefix caching) says the decode side is expected to hold the
+    request's leading full pages already, cached by content; it checks that it does
+    before it takes the handoff, and prefills the request again when it does not. A layer-wise part (`part`
     set) holds only its layer group, and `first_token` is -1 except on the last part.
     `payload` carries the request: the `Request` object itself in one process, its
     msgpack-able wire form (`jaxpd.request.Request.to_wire`) across processes.
@@ -83,6 +86,7 @@ class KVHandoff:
     # None: the connector's default. In one process there is only one.
     destination: str | None = None
     part: KVPart | None = None   # None: the whole KV in one handoff (request-level)
+    first_page: int = 0          # the request's page that k[:, 0] / v[:, 0] hold
 
     @property
     def num_pages(self) -> int:

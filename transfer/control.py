@@ -70,6 +70,7 @@ class Offer:
     part: KVPart | None = None
     k_checksums: tuple[int, ...] | None = None
     v_checksums: tuple[int, ...] | None = None
+    first_page: int = 0
     wire_version: int = WIRE_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,6 +81,7 @@ class Offer:
             "transfer_address": self.transfer_address, "ack_address": self.ack_address,
             "payload": self.payload,
             "k_checksums": _plain(self.k_checksums), "v_checksums": _plain(self.v_checksums),
+            "first_page": self.first_page,
         }
 
     @classmethod
@@ -92,7 +94,8 @@ class Offer:
                     ack_address=str(d["ack_address"]), payload=d.get("payload"),
                     part=KVPart.from_dict(d.get("part")),
                     k_checksums=_checksums(d.get("k_checksums"), "k_checksums"),
-                    v_checksums=_checksums(d.get("v_checksums"), "v_checksums"))
+                    v_checksums=_checksums(d.get("v_checksums"), "v_checksums"),
+                    first_page=int(d.get("first_page", 0)))
         for name, sums, layout in (("k", offer.k_checksums, offer.k),
                                    ("v", offer.v_checksums, offer.v)):
             if sums is not None and (len(layout.shape) < 2 or len(sums) != layout.shape[1]):

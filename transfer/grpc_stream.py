@@ -135,6 +135,7 @@ def encode_handoff(handoff: KVHandoff) -> EncodedHandoff:
         "wire_version": WIRE_VERSION, "request_id": handoff.request_id,
         "num_tokens": handoff.num_tokens, "first_token": handoff.first_token,
         "payload": handoff.payload, "part": handoff.part and handoff.part.to_dict(),
+        "first_page": handoff.first_page,
         "arrays": [{"name": name, "shape": list(a.shape), "dtype": a.dtype.name,
                     "num_bytes": a.nbytes} for name, a in arrays.items()],
         "num_bytes": sum(len(b) for b in body), "crc32": crc,
@@ -166,6 +167,7 @@ class _Header:
     first_token: int
     payload: Any
     part: KVPart | None
+    first_page: int
     arrays: tuple[_ArraySpec, ...]
     num_bytes: int
     crc32: int
@@ -181,6 +183,7 @@ def _parse_header(message: bytes, max_bytes: int) -> _Header:
             request_id=str(d["request_id"]), num_tokens=int(d["num_tokens"]),
             first_token=int(d["first_token"]), payload=d.get("payload"),
             part=KVPart.from_dict(d.get("part")),
+            first_page=int(d.get("first_page", 0)),
             arrays=tuple(_ArraySpec(str(a["name"]), tuple(int(n) for n in a["shape"]),
                                     jnp.dtype(a["dtype"]), int(a["num_bytes"]))
                          for a in d["arrays"]),
@@ -235,7 +238,8 @@ def decode_handoff(messages: Iterable[bytes],
     return StreamedKVHandoff(
         request_id=header.request_id, num_tokens=header.num_tokens,
         first_token=header.first_token, k=arrays["k"], v=arrays["v"],
-        payload=header.payload, part=header.part, stream_seconds=time.perf_counter() - start)
+        payload=header.payload, part=header.part, first_page=header.first_page,
+        stream_seconds=time.perf_counter() - start)
 
 
 _STATUS_OF = {

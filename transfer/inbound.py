@@ -16,7 +16,8 @@ transfer with a `TransferError`: the caller prefills the request again.
 
 A handoff is a peer's word. Before it becomes an `Inbound` (before any slot, page or
 device op), `HandoffSpec.check` holds what it announces against what this side
-computes itself: its pages against `num_tokens` and this pool's page size, layers,
+computes itself: its pages against `num_tokens`, its `first_page` and this pool's
+page size, layers,
 page shape and dtype; `num_tokens` against what a slot can ever hold; its first
 token against the vocabulary. One that fails is discarded and handed back to the
 caller as a `Rejected` (with the request it names, so the caller can fail it).
@@ -93,9 +94,16 @@ class HandoffSpec:
                 f"{who}: pages announced as {dtype}{list(shape)}, this pool takes "
                 f"{self.dtype}[L, P, {', '.join(map(str, self.page_shape))}]: do prefill and "
                 f"decode serve the same model, dtype and kv_transfer_dtype?")
-        if shape[1] != self.pages_for(n):
-            raise HandoffRejected(f"{who}: {shape[1]} pages announced for {n} tokens, which "
-                                  f"fill {self.pages_for(n)} pages of {self.page_size}")
+        first = h.first_page
+        if isinstance(first, bool) or not isinstance(first, int) \
+                or not 0 <= first <= (n - 1) // self.page_size:
+            # Only full pages are ever cached, and at least one page travels.
+            raise HandoffRejected(f"{who}: first_page {first!r} is not a full page of its "
+                                  f"{n} tokens below the last (pages of {self.page_size})")
+        if shape[1] != self.pages_for(n) - first:
+            raise HandoffRejected(f"{who}: {shape[1]} pages announced for {n} tokens from "
+                                  f"page {first}, which fill {self.pages_for(n) - first} "
+                                  f"pages of {self.page_size}")
         part = h.part
         first = 0 if part is None else part.layer_start
         layers = self.num_layers if part is None else part.count
@@ -135,7 +143,8 @@ class Inbound:
                  part_timeout_s: float, counted: bool, remote: bool):
         self.request_id = first.request_id
         self.num_tokens = first.num_tokens
-        self.num_pages = first.num_pages
+        self.num_pages = first.num_pages       # pages that travel
+        self.first_page = first.first_page     # the request's page they start at
         self.payload = first.payload
         self.stream = None if first.part is None else first.part.stream
         self.count = 1 if first.part is None else first.part.count
@@ -172,10 +181,11 @@ class Inbound:
             self.fail(h, TransferError(f"part {index}/{count} of {h.request_id!r} arrived "
                                        f"after {len(self._received)}/{self.count} parts"))
             return
-        if h.num_tokens != self.num_tokens:
+        if h.num_tokens != self.num_tokens or h.first_page != self.first_page:
             self.fail(h, HandoffRejected(f"part {index}/{count} of {h.request_id!r} covers "
-                                         f"{h.num_tokens} tokens, the first said "
-                                         f"{self.num_tokens}"))
+                                         f"{h.num_tokens} tokens from page {h.first_page}, "
+                                         f"the first said {self.num_tokens} from page "
+                                         f"{self.first_page}"))
             return
         self._received.append(h)
         if h.part is None or h.part.is_last:

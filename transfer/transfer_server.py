@@ -259,7 +259,8 @@ class TransferServerSender(_Endpoint):
                       k=describe(handoff.k), v=describe(handoff.v),
                       transfer_address=self.transfer_address,
                       ack_address=self.control_address, payload=handoff.payload,
-                      part=handoff.part, k_checksums=sums[0], v_checksums=sums[1])
+                      part=handoff.part, k_checksums=sums[0], v_checksums=sums[1],
+                      first_page=handoff.first_page)
         try:
             pack(offer.to_dict())
         except (TypeError, ValueError) as e:
@@ -385,7 +386,7 @@ class TransferServerReceiver(_Endpoint):
         handoff = RemoteKVHandoff(
             request_id=offer.request_id, num_tokens=offer.num_tokens,
             first_token=offer.first_token, k=_struct(offer.k), v=_struct(offer.v),
-            payload=offer.payload, part=offer.part, offer=offer)
+            payload=offer.payload, part=offer.part, first_page=offer.first_page, offer=offer)
         try:
             self._queue.put(handoff, timeout=max(0.0, (seconds_left or 1.0) - 0.1))
         except queue.Full:

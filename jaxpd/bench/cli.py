@@ -20,6 +20,7 @@ Flags are parsed before jax is touched: on CPU the number of virtual devices
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Sequence
@@ -85,6 +86,16 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--compare", type=compare_flag, default=["colocated=8"],
                    help="comma-separated baselines run on the same requests: meshes "
                         "(colocated=N, prefill=P,decode=D) and/or 'hf'; 'none' for none")
+    s.add_argument("--deployment", choices=["none", "processes"], default="none",
+                   help="processes: also run a router in front of a prefill and a decode "
+                        "worker process pinned to separate CPUs (bench/processes.py)")
+    s.add_argument("--process_mesh", default="prefill=1,decode=1",
+                   help="--deployment processes: the workers' meshes")
+    s.add_argument("--prefill_cpus", default=None,
+                   help="--deployment processes: the prefill worker's CPUs, e.g. '0' or '0-3' "
+                        "(default: the first half of this process's CPUs)")
+    s.add_argument("--decode_cpus", default=None,
+                   help="--deployment processes: the decode worker's CPUs (default: the rest)")
     s.add_argument("--max_model_len", type=positive_int, default=None,
                    help="engine max_model_len (default: longest prompt + longest output)")
     s.add_argument("--slots_per_shard", type=positive_int, default=8,
@@ -99,7 +110,8 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
                    help="largest static batch of the hf baseline")
     s.add_argument("--warmup_requests", type=nonnegative_int, default=2,
                    help="requests served by each backend before its clock starts (prefix "
-                        "workloads: two warm-up chats; 0 also skips compiling ahead)")
+                        "workloads: two warm-up chats); 0 also skips compiling ahead, so "
+                        "the measured run pays for every compile (for smoke tests)")
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:
@@ -140,11 +152,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.rates = args.rates or [args.rate]
+    args.processes = None
+    if args.deployment == "processes":
+        from jaxpd.bench.processes import make_deployment
+        if args.workload != "poisson":
+            parser.error("--deployment processes: only --workload poisson for now")
+        try:
+            args.processes = make_deployment(args.process_mesh, args.prefill_cpus,
+                                             args.decode_cpus)
+        except ValueError as e:
+            parser.error(str(e))
+    elif args.prefill_cpus is not None or args.decode_cpus is not None:
+        parser.error("--prefill_cpus/--decode_cpus need --deployment processes")
     if args.mesh in args.compare:
         parser.error(f"--compare: {args.mesh} is already the --mesh under test")
     if args.decode_slots is not None:
         from jaxpd.sharding.spec import parse_mesh_spec
-        for mesh in meshes_of(args):
+        for mesh in meshes_of(args) + ([args.process_mesh] if args.processes else []):
             dp = parse_mesh_spec(mesh).decode_dp
             if args.decode_slots % dp:
                 parser.error(f"--decode_slots={args.decode_slots} does not split evenly over "
@@ -160,6 +184,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def meshes_of(args: argparse.Namespace) -> list[str]:
     """The engine meshes to run, the one under test first."""
     return [args.mesh] + [c for c in args.compare if c != HF]
+
+
+def backends_of(args: argparse.Namespace) -> list[str]:
+    """Every backend to run, in order: the meshes, the process deployment, transformers."""
+    return (meshes_of(args) + ([args.processes.name] if args.processes else [])
+            + ([HF] if HF in args.compare else []))
 
 
 def num_devices_needed(args: argparse.Namespace) -> int:
@@ -219,8 +249,14 @@ class Benchmark:
             from jaxpd.bench.hf import HFBackend
             return HFBackend(self.model_dir, self.args.hf_batch, self.warmup)
         prompt_lens = [n for n, _ in parse_length_mix(self.args.prompt_lens)]
+        deployment = self.args.processes
+        if deployment is not None and name == deployment.name:
+            from jaxpd.bench.processes import ProcessesBackend
+            return ProcessesBackend(self.model_dir, deployment,
+                                    self.options_for(self.args.process_mesh), self.warmup,
+                                    prompt_lens, compile_ahead=bool(self.warmup))
         return EngineBackend(self.model_dir, name, self.options_for(name), self.warmup,
-                             prompt_lens)
+                             prompt_lens, compile_ahead=bool(self.warmup))
 
     def options_for(self, mesh: str) -> dict:
         """Engine options of one mesh: `--decode_slots` becomes slots per dp shard."""
@@ -280,7 +316,9 @@ class Benchmark:
         report.update(backend=name, rate=rate, num_aborted=result.num_aborted,
                       itl_max_s=max(gaps) if gaps else None, engine_stats=result.stats)
         if name != HF:
-            report["engine_options"] = self.options_for(name)
+            deployment = a.processes
+            report["engine_options"] = self.options_for(
+                a.process_mesh if deployment and name == deployment.name else name)
         if a.goodput:
             report["goodput_probes"] = {
                 f"{r:.6g}": slo_attainment(m.timelines, a.slo_ttft, a.slo_tpot)
@@ -297,7 +335,8 @@ class Benchmark:
                          "prompt_lens": a.prompt_lens, "output_lens": a.output_lens,
                          "seed": a.seed, "slo_ttft_s": a.slo_ttft, "slo_tpot_s": a.slo_tpot,
                          "model": self.model_dir, "max_model_len": self.max_model_len,
-                         "engine_options": self.engine_options},
+                         "engine_options": self.engine_options,
+                         "deployment": dataclasses.asdict(a.processes) if a.processes else None},
             "devices": describe_devices(),
         }
 
@@ -325,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         _write_outputs(argparse.Namespace(**{**vars(args), "plot": None}), results, {})
         return results
     bench = Benchmark(args, model_dir)
-    for name in meshes_of(args) + ([HF] if HF in args.compare else []):
+    for name in backends_of(args):
         bench.run_backend(name)
     results = bench.results()
     _print_runs(results["runs"])

@@ -138,44 +138,51 @@ def run_duration(timelines: Sequence[RequestTimeline]) -> float:
     return max(max(t.finish_s for t in timelines) - start, 1e-9)
 
 
-class EngineBackend:
-    """One `LLM` on one mesh, built and warmed up before any clock starts."""
+class FrontendBackend:
+    """Drives any `Frontend` (an in-process `LLM`, or a `Router` in front of worker
+    processes) with a timed request list. Subclasses build `self.front` and say when
+    it is idle and what its counters are."""
+    name: str
+    front = None
 
-    def __init__(self, model_dir: str, mesh: str, engine_options: dict,
-                 warmup_requests: Sequence[BenchRequest] = (),
-                 warm_prompt_lens: Sequence[int] = ()):
-        from jaxpd.llm import LLM
-        self.name = mesh
-        self.llm = LLM(model_dir, mesh=mesh, warmup=True, **engine_options)
-        # Compiling every bucket (warmup=True) still leaves first-call costs (thread
-        # start, allocator paths, and the small programs keyed on a prompt's exact page
-        # count and its batch's padded shape: cutting its pages out of the batch,
-        # padding them for insert). Real requests pay them here, outside the measurement.
+    def warm(self, warmup_requests: Sequence[BenchRequest],
+             warm_prompt_lens: Sequence[int] = ()) -> None:
+        """Compiling every bucket (warmup=True) still leaves first-call costs (thread
+        start, allocator paths, and the small programs keyed on a prompt's exact page
+        count and its batch's padded shape: cutting its pages out of the batch, padding
+        them for insert). Real requests pay them here, outside the measurement."""
         if warmup_requests:
-            self.llm.generate(prompt_token_ids=[list(r.prompt_ids) for r in warmup_requests],
-                              sampling_params=[_greedy(r.output_len) for r in warmup_requests])
-        self._warm_prefill_shapes(warm_prompt_lens)
+            self.front.generate(prompt_token_ids=[list(r.prompt_ids) for r in warmup_requests],
+                                sampling_params=[_greedy(r.output_len) for r in warmup_requests])
+        for n, size in self.prefill_shapes(warm_prompt_lens):
+            # Submitted together, they wait (bucket_timeout_ms) and run as one batch.
+            self.front.generate(prompt_token_ids=[[_FIRST_ORDINARY_ID] * n] * size,
+                                sampling_params=_greedy(2))
         self._wait_idle()
 
-    def _warm_prefill_shapes(self, prompt_lens: Sequence[int]) -> None:
-        """Serve each prompt length in every padded batch size the scheduler can form."""
-        scheduler = self.llm.engine.prefill_scheduler
-        for n in sorted(set(prompt_lens)):
-            bucket = scheduler.bucket_for(n)
-            for size in sorted({scheduler.padded_batch(b, bucket) for b in scheduler.batch_sizes}):
-                # Submitted together, they wait (bucket_timeout_ms) and run as one batch.
-                self.llm.generate(prompt_token_ids=[[_FIRST_ORDINARY_ID] * n] * size,
-                                  sampling_params=_greedy(2))
+    def prefill_shapes(self, prompt_lens: Sequence[int]) -> list[tuple[int, int]]:
+        """(prompt length, batch size) pairs that cover every padded prefill batch the
+        scheduler can form for these lengths; none where it is not known here."""
+        return []
+
+    def is_idle(self) -> bool:
+        return True
+
+    def counters(self) -> dict:
+        return {}
+
+    def counters_delta(self, before: dict, after: dict) -> dict:
+        return after
 
     def run(self, requests: Sequence[BenchRequest],
             on_done: Callable[[], None] | None = None) -> RunResult:
-        llm = self.llm
+        front = self.front
         # Validate everything before the clock starts: a bad request is a usage error.
-        made = [(r, llm.make_request(prompt_token_ids=list(r.prompt_ids),
-                                     sampling_params=_greedy(r.output_len)))
+        made = [(r, front.make_request(prompt_token_ids=list(r.prompt_ids),
+                                       sampling_params=_greedy(r.output_len)))
                 for r in requests]
         submitted: queue.Queue = queue.Queue()
-        before = llm.stats()
+        before = self.counters()
         origin = time.perf_counter()
 
         def submit_all() -> None:
@@ -183,7 +190,7 @@ class EngineBackend:
                 sleep_until(origin + bench_request.arrival_s)
                 request.timings.arrival = time.perf_counter()   # arrival = submit time
                 try:
-                    llm.submit(request)
+                    front.submit(request)
                 except Exception as e:   # rejected (queue full) or engine dead: counted
                     request.abort(f"rejected: {e}")
                 submitted.put(request)
@@ -193,7 +200,7 @@ class EngineBackend:
         requests_done = []
         for _ in made:
             request = submitted.get()
-            for _ in llm.events(request):
+            for _ in front.events(request):
                 pass
             requests_done.append(request)
             if on_done is not None:
@@ -203,15 +210,51 @@ class EngineBackend:
         timelines = [timeline_of(r.timings, origin) for r in requests_done]
         num_aborted = sum(r.finish_reason == "abort" for r in requests_done)
         return RunResult(timelines, run_duration(timelines), num_aborted,
-                         _stats_delta(before, llm.stats()))
+                         self.counters_delta(before, self.counters()))
 
     def _wait_idle(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
-        while not self.llm.engine.is_idle() and time.monotonic() < deadline:
+        while not self.is_idle() and time.monotonic() < deadline:
             time.sleep(0.01)
 
     def close(self) -> None:
-        self.llm.shutdown()
+        self.front.shutdown()
+
+
+class EngineBackend(FrontendBackend):
+    """One `LLM` on one mesh, built and warmed up before any clock starts."""
+
+    def __init__(self, model_dir: str, mesh: str, engine_options: dict,
+                 warmup_requests: Sequence[BenchRequest] = (),
+                 warm_prompt_lens: Sequence[int] = (), compile_ahead: bool = True):
+        from jaxpd.llm import LLM
+        self.name = mesh
+        self.front = self.llm = LLM(model_dir, mesh=mesh, warmup=compile_ahead,
+                                    **engine_options)
+        if compile_ahead:
+            self.warm(warmup_requests, warm_prompt_lens)
+
+    def prefill_shapes(self, prompt_lens: Sequence[int]) -> list[tuple[int, int]]:
+        return padded_prefill_shapes(self.llm.engine.prefill_scheduler, prompt_lens)
+
+    def is_idle(self) -> bool:
+        return self.llm.engine.is_idle()
+
+    def counters(self) -> dict:
+        return self.llm.stats()
+
+    def counters_delta(self, before: dict, after: dict) -> dict:
+        return _stats_delta(before, after)
+
+
+def padded_prefill_shapes(scheduler, prompt_lens: Sequence[int]) -> list[tuple[int, int]]:
+    """Each prompt length in every padded batch size `scheduler` can form for it."""
+    out = []
+    for n in sorted(set(prompt_lens)):
+        bucket = scheduler.bucket_for(n)
+        out += [(n, size) for size in
+                sorted({scheduler.padded_batch(b, bucket) for b in scheduler.batch_sizes})]
+    return out
 
 
 # Engine counters that accumulate over the engine's life; a run reports its own share.

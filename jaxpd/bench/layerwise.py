@@ -26,19 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 
 from jaxpd.bench.args import positive_int
+from jaxpd.bench.workers import start_all
 
 TRANSPORTS = ("device_put", "transfer_server", "grpc")
-CHILD_TIMEOUT_S = 600
 
 
 def _ints(text: str) -> list[int]:
@@ -124,58 +120,24 @@ def random_model_dir(fields: dict, path: str) -> str:
 
 # ---- one deployment, two modes --------------------------------------------------------
 
-class _Child:
-    """A `python -m jaxpd.launch` worker; its output drained on a thread."""
-
-    def __init__(self, args: list[str]):
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "jaxpd.launch"] + args, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
-
-    def address(self, timeout: float = CHILD_TIMEOUT_S) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                m = re.search(r"worker on (\S+)", line)
-                if m:
-                    return m.group(1)
-            if self.proc.poll() is not None:
-                raise RuntimeError("worker exited:\n" + "".join(self.lines[-30:]))
-            time.sleep(0.1)
-        raise TimeoutError("worker did not start:\n" + "".join(self.lines[-30:]))
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
 def _frontends(transport: str, model: str, max_len: int, threshold: int, parts: int):
     """({"request": frontend, "layerwise": frontend}, close)."""
     common = dict(max_model_len=max_len, slots_per_shard=2, layerwise_parts=parts)
     if transport == "device_put":
         from jaxpd.llm import LLM
-        fronts = {mode: LLM(model, mesh="prefill=4,decode=4", warmup=True,
+        # No compile-ahead: every timed request repeats the warm one's shapes.
+        fronts = {mode: LLM(model, mesh="prefill=4,decode=4",
                             layerwise_min_tokens=t, **common)
                   for mode, t in (("request", 0), ("layerwise", threshold))}
         return fronts, lambda: [f.shutdown() for f in fronts.values()]
     from jaxpd.serving.router import Router, RouterConfig
     flags = ["--model", model, "--host", "127.0.0.1", "--port", "0", "--kv_transport", transport,
+             "--nowarmup",
              "--max_model_len", str(max_len), "--layerwise_parts", str(parts)]
-    children = [_Child(flags + ["--role", "decode", "--mesh", "decode=4", "--slots_per_shard", "2"])]
-    children += [_Child(flags + ["--role", "prefill", "--mesh", "prefill=4",
-                                 "--layerwise_min_tokens", str(t)]) for t in (0, threshold)]
-    try:
-        decode, request_level, layerwise = (c.address() for c in children)
-    except BaseException:
-        for c in children:
-            c.close()
-        raise
+    children, (decode, request_level, layerwise) = start_all(
+        [flags + ["--role", "decode", "--mesh", "decode=4", "--slots_per_shard", "2"]] +
+        [flags + ["--role", "prefill", "--mesh", "prefill=4", "--layerwise_min_tokens", str(t)]
+         for t in (0, threshold)])
     config = RouterConfig(max_model_len=max_len)
     fronts = {"request": Router(model, config, prefill=(request_level,), decode=(decode,)),
               "layerwise": Router(model, config, prefill=(layerwise,), decode=(decode,))}

@@ -212,8 +212,19 @@ class DecodeLoop:
                 self.pending.popleft()
                 self._fail_transfer(r, inbound.error, inbound)
                 continue
-            # Full pages of its prefix cached on a shard are shared, not inserted.
-            found = self.scheduler.find_slot(inbound.num_tokens, r.prefill_ids)
+            # Full pages of its prefix cached on a shard are shared, not inserted; the
+            # leading `first_page` pages the handoff left out must be.
+            first = inbound.first_page
+            found = self.scheduler.find_slot(inbound.num_tokens, r.prefill_ids, min_shared=first)
+            if found is None and first and not self.scheduler.holds_prefix(
+                    r.prefill_ids[:inbound.num_tokens], first):
+                self.pending.popleft()         # evicted since the hint: never decode
+                r.kv_skip_missed = True        # from pages we do not have
+                self.stats.add(prefix_skip_misses=1)
+                self._fail_transfer(r, TransferError(
+                    f"the first {first} pages its handoff left out are no longer cached "
+                    f"here"), inbound)
+                continue
             if found is None:
                 return                         # FIFO: wait for a slot or pages to free
             self.pending.popleft()
@@ -280,12 +291,17 @@ class DecodeLoop:
     def _insert(self, a: _Admitted, placed: Placed) -> None:
         r, slot, inbound = a.request, a.slot, a.inbound
         # A shared page is never written: its rows of the handoff go to the null page.
-        shared = self.scheduler.slots[slot].num_shared
+        # The handoff holds the request's pages from `first` on (those before it are
+        # shared: `_admit` made sure).
+        shared, first = self.scheduler.slots[slot].num_shared, inbound.first_page
+        end = first + inbound.num_pages
         self.runner.insert(self.scheduler.shard_of(slot),
-                           [0] * shared + a.pages[shared:inbound.num_pages], placed.k, placed.v)
+                           [0 if p < shared else a.pages[p] for p in range(first, end)],
+                           placed.k, placed.v)
         if inbound.counted:                    # a transfer between meshes, not on-mesh
             self.stats.add(transfers=1, layerwise_transfers=int(inbound.layerwise),
-                           transfer_bytes=placed.num_bytes, transfer_s=placed.seconds)
+                           transfer_bytes=placed.num_bytes, transfer_s=placed.seconds,
+                           prefix_saved_bytes=placed.num_bytes * first // inbound.num_pages)
             r.timings.transfer_s += placed.seconds
             r.timings.transfer_bytes += placed.num_bytes
         self.take_ready(slot, r, inbound.first_token)

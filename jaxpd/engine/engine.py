@@ -71,7 +71,7 @@ class Engine:
             has_local_prefill=spec.has_decode and not spec.colocated and (
                 config.local_prefill_below > 0 or not spec.has_prefill),
             cached_tokens=self._cached_tokens if self.caching else None,
-            extend_all=spec.colocated or not spec.has_prefill,
+            extend_all=spec.colocated or not spec.has_prefill, page_size=config.page_size,
             extend_below=config.prefix_extend_below)
         self._transfers = futures.ThreadPoolExecutor(4, thread_name_prefix="jaxpd-transfer")
         self.prefill_loop = self.local_loop = self.decode_loop = None

@@ -146,6 +146,13 @@ class PageAllocator:
         self._page_of[h] = page
         return True
 
+    def drop_cached(self) -> int:
+        """Evict every cached page nobody uses (a cache reset); how many there were."""
+        n = len(self._lru)
+        while self._lru:
+            self._evict_one()
+        return n
+
     def _evict_one(self) -> None:
         p, _ = self._lru.popitem(last=False)
         del self._page_of[self._hash_of.pop(p)]

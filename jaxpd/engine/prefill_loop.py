@@ -115,10 +115,12 @@ class PrefillLoop:
             n = int(lengths[i])
             if self._first_token(r, i, int(first[i]), logprobs, now):
                 continue                       # finished by its first token, or aborted
-            k_pages, v_pages = self.runner.take_pages(k, v, i, pages_for(n, self.page_size))
+            skip = self._skip_pages(r, n)
+            k_pages, v_pages = self.runner.take_pages(k, v, i, pages_for(n, self.page_size) - skip,
+                                                      skip)
             if not r.transition(State.TRANSFERRING):
                 continue
-            if self._send(r, n, int(first[i]), k_pages, v_pages):
+            if self._send(r, n, int(first[i]), k_pages, v_pages, first_page=skip):
                 self.requests.handed_off(r)
 
     def _run_layerwise(self, live: list[Request], tokens, lengths, sampling) -> None:
@@ -127,7 +129,9 @@ class PrefillLoop:
         ends with its first token, or is aborted meanwhile, gets no further parts: the
         decode side frees its reserved slot when it sees the request final (in one
         process) or is told by the router (across processes)."""
-        rows = [(i, pages_for(int(lengths[i]), self.page_size)) for i in range(len(live))]
+        skips = [self._skip_pages(r, int(lengths[i])) for i, r in enumerate(live)]
+        rows = [(i, skips[i], pages_for(int(lengths[i]), self.page_size) - skips[i])
+                for i in range(len(live))]
         first_dev, logprobs_dev, parts = self.runner.run_layerwise(tokens, lengths, sampling,
                                                                    self.layerwise, rows)
         streams = [secrets.randbits(63) for _ in live]
@@ -140,7 +144,7 @@ class PrefillLoop:
                 if sending[i] and not r.is_final:
                     k_pages, v_pages = group[i]
                     sending[i] = self._send(r, int(lengths[i]), -1, k_pages, v_pages,
-                                            KVPart(streams[i], g, count, start))
+                                            KVPart(streams[i], g, count, start), skips[i])
         first = np.asarray(first_dev)
         logprobs = jax.device_get(logprobs_dev) if sampling.wants_logprobs else None
         now = time.perf_counter()
@@ -149,7 +153,8 @@ class PrefillLoop:
                 continue
             k_pages, v_pages = parts[-1][i]
             if self._send(r, int(lengths[i]), int(first[i]), k_pages, v_pages,
-                          KVPart(streams[i], count - 1, count, self.layerwise[-1][0])):
+                          KVPart(streams[i], count - 1, count, self.layerwise[-1][0]),
+                          skips[i]):
                 self.requests.handed_off(r)
 
     def _first_token(self, r: Request, row: int, token: int, logprobs: Logprobs | None,
@@ -163,13 +168,21 @@ class PrefillLoop:
             return True
         return False
 
+    def _skip_pages(self, r: Request, n: int) -> int:
+        """Leading pages of `r`'s `n` tokens its handoff leaves out: the full pages its
+        decode side is believed to hold cached (`Request.kv_skip_pages`), never the last
+        page (at least one travels), none once a handoff found that belief stale."""
+        if r.kv_skip_missed:
+            return 0
+        return max(0, min(r.kv_skip_pages, (n - 1) // self.page_size))
+
     def _send(self, r: Request, n: int, first: int, k_pages, v_pages,
-              part: KVPart | None = None) -> bool:
+              part: KVPart | None = None, first_page: int = 0) -> bool:
         """Hand (part of) `r`'s KV on; False if it failed (and `r` with it)."""
         payload = self.requests.payload_of(r, n)
         try:
             self.sender.send(KVHandoff(r.request_id, n, first, k_pages, v_pages, payload,
-                                       r.destination, part))
+                                       r.destination, part, first_page))
             return True
         except TransferError as e:
             # The decode side is unreachable or full: fail this request so the

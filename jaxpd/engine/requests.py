@@ -48,14 +48,16 @@ class Requests:
     its slot with context, `ExtendLoop`): all of them when `extend_all` (colocated, or
     no prefill mesh here); else the short ones, and one whose prefix is cached there
     and whose uncached rest is below `extend_below` tokens: a follow-up turn costs its
-    new tokens, not a trip through the prefill mesh.
+    new tokens, not a trip through the prefill mesh. One that goes through the prefill
+    mesh anyway carries the hint as `kv_skip_pages` (of `page_size` tokens): its
+    handoff leaves those pages out (the decode loop checks it still holds them).
     """
 
     def __init__(self, stats: StatsCounter, max_queued: int, limits: Limits, *,
                  has_prefill: bool, has_decode: bool, has_local_prefill: bool,
                  local_prefill_below: int = 0,
                  cached_tokens: Callable[[Request], int] | None = None, extend_all: bool = False,
-                 extend_below: int = 0):
+                 extend_below: int = 0, page_size: int = 16):
         self.stats = stats
         self.max_queued = max_queued
         self.limits = limits
@@ -64,6 +66,7 @@ class Requests:
         self._local_below = local_prefill_below
         self._cached_tokens, self._extend_below = cached_tokens, extend_below
         self._extend_all = extend_all
+        self._page_size = page_size
         self.prefill_inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.local_inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.extend_inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
@@ -191,17 +194,21 @@ class Requests:
         a decode-only process)."""
         local = self.has_local_prefill and (not self.has_prefill
                                      or request.num_tokens < self._local_below)
-        if self._cached_tokens is not None and (self._extend_all or local
-                                                or self._extends(request)):
+        if self._cached_tokens is None or self.remote_decode:
+            # (A prefill-only process: the router's hint came with the request.)
+            (self.local_inbox if local else self.prefill_inbox).put(request)
+        elif self._extend_all or local:
             self.extend_inbox.put(request)
         else:
-            (self.local_inbox if local else self.prefill_inbox).put(request)
+            # A prefix cached on the decode mesh: the rest prefilled there when short,
+            # else on the prefill mesh, whose handoff then leaves the cached pages out.
+            cached = self._cached_tokens(request)
+            if cached > 0 and request.num_tokens - cached < self._extend_below:
+                self.extend_inbox.put(request)
+            else:
+                request.kv_skip_pages = 0 if request.kv_skip_missed else cached // self._page_size
+                self.prefill_inbox.put(request)
         self.wake.set()
-
-    def _extends(self, request: Request) -> bool:
-        """A prefix of `request` is cached on the decode mesh, and the rest is short."""
-        cached = self._cached_tokens(request)
-        return cached > 0 and request.num_tokens - cached < self._extend_below
 
     def _prune(self) -> None:
         """Forget final requests (callers hold their own reference)."""

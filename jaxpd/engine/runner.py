@@ -114,7 +114,7 @@ class PrefillRunner:
         """`run`, one layer group at a time, every program dispatched before returning.
 
         groups: [start, stop) layer ranges covering every layer, in order;
-        rows: (row, num_pages) of the requests whose pages to cut.
+        rows: (row, first_page, num_pages) of the requests whose pages to cut.
         Returns (first tokens on device [B], their `Logprobs` on device, parts):
         parts[g] is a list, per entry of `rows`, of that row's (k, v) pages of group g,
         [stop - start, P, S, K, H].
@@ -132,18 +132,20 @@ class PrefillRunner:
             x, k, v = self._blocks([self.params[f"layers_{i}"] for i in range(start, stop)], x)
             if g == len(groups) - 1:
                 first, logprobs = self._head(self.params, x, *inputs)
-            parts.append([self.take_pages(k, v, row, n) for row, n in rows])
+            parts.append([self.take_pages(k, v, row, n, first) for row, first, n in rows])
         return first, logprobs, parts
 
-    def take_pages(self, k, v, row: int, num_pages: int):
-        """The `num_pages` pages of row `row`: ([L, P, S, K, H], same) -- no padding."""
+    def take_pages(self, k, v, row: int, num_pages: int, first_page: int = 0):
+        """Pages `first_page` .. `first_page + num_pages - 1` of row `row`: ([L, P, S, K, H],
+        same) -- no padding. One program per page count; where they start is an input."""
         self.counter.note(f"{self.name}_take_pages", (k.shape, num_pages))
-        return self._take(k, v, row, num_pages)
+        return self._take(k, v, row, num_pages, first_page * self.page_size)
 
-    def _take_pages(self, k, v, row, num_pages):
+    def _take_pages(self, k, v, row, num_pages, start):
         n = num_pages * self.page_size
         def cut(x):
-            x = jax.lax.dynamic_index_in_dim(x, row, axis=1, keepdims=False)[:, :n]
+            x = jax.lax.dynamic_index_in_dim(x, row, axis=1, keepdims=False)
+            x = jax.lax.dynamic_slice_in_dim(x, start, n, axis=1)
             return x.reshape(x.shape[0], num_pages, self.page_size, *x.shape[2:])
         return cut(k), cut(v)
 

@@ -192,11 +192,12 @@ class DecodeScheduler:
         return page_hashes(token_ids, self.page_size, self.prefix_root) if self.caching else []
 
     def find_slot(self, num_tokens: int, token_ids: list[int] | None = None,
-                  max_shared: int | None = None) -> tuple[int, list[int]] | None:
+                  max_shared: int | None = None, min_shared: int = 0
+                  ) -> tuple[int, list[int]] | None:
         """A free slot for a request whose first `num_tokens` tokens (`token_ids`) need
         KV, and the cached pages it can share there (at most `max_shared`, default every
-        full page): the shard with the longest cached prefix, then the most free pages,
-        that can hold the rest. None if no shard can now."""
+        full page; at least `min_shared`): the shard with the longest cached prefix, then
+        the most free pages, that can hold the rest. None if no shard can now."""
         hashes = self.hashes(token_ids[:num_tokens]) if token_ids is not None else []
         if max_shared is not None:
             hashes = hashes[:max_shared]
@@ -207,6 +208,8 @@ class DecodeScheduler:
             if not free:
                 continue
             shared = alloc.cached_prefix(hashes)
+            if len(shared) < min_shared:
+                continue
             # Shared pages sitting unreferenced in the LRU stop being allocatable.
             in_lru = sum(alloc.refs(p) == 0 for p in shared)
             if alloc.num_free - in_lru < self.pages_needed(num_tokens) - len(shared):
@@ -215,6 +218,13 @@ class DecodeScheduler:
             if best_key is None or key > best_key:
                 best, best_key = (free[0], shared), key
         return best
+
+    def holds_prefix(self, token_ids: list[int], num_pages: int) -> bool:
+        """Whether some shard holds the first `num_pages` full pages of `token_ids`
+        cached (in use or not)."""
+        hashes = self.hashes(token_ids)[:num_pages]
+        return len(hashes) == num_pages and any(
+            len(a.cached_prefix(hashes)) == num_pages for a in self.allocators)
 
     def admit(self, slot: int, request: Request, num_tokens: int, ready: bool = True,
               shared: list[int] = ()) -> list[int]:

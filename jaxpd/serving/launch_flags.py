@@ -203,16 +203,16 @@ def set_cpu_device_count(mesh: str, environ=os.environ) -> int | None:
     return num
 
 
-def parse_cpus(spec: str) -> set[int]:
+def parse_cpus(spec: str, allowed: set[int] | None = None) -> set[int]:
     """"0", "1-3", "0,2-3" -> the CPU ids. ValueError naming --cpus for anything else,
-    or for CPUs this process may not run on."""
+    or for CPUs outside `allowed` (default: those this process may run on)."""
     cpus: set[int] = set()
     for part in spec.split(","):
         m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
         if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
             raise ValueError(f"--cpus must be CPU ids and ranges like '0' or '1-3,5', got {spec!r}")
         cpus.update(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
-    allowed = os.sched_getaffinity(0)
+    allowed = os.sched_getaffinity(0) if allowed is None else set(allowed)
     if not cpus <= allowed:
         raise ValueError(f"--cpus {spec!r} names CPUs {sorted(cpus - allowed)} this process may "
                          f"not use (allowed: {sorted(allowed)})")

@@ -3,7 +3,8 @@
 Prefix-aware routing (issue 15) sends turn N+1 of a conversation to the decode worker
 whose prefix cache holds turn N, and lets that worker prefill the short rest itself.
 The router learns what each worker holds from what it relayed there: when a request
-ends on a worker, the full pages of its prompt and output are recorded under that
+ends on a worker, the full pages of its prompt and output (but the last token, whose
+KV is never written) are recorded under that
 worker (the same chained page hashes as the workers' caches, `page_hashes`, rooted
 here: only this index compares them). No message is added to the internal plane; the
 price is that the index is an estimate -- a worker may have evicted a page since.

@@ -58,13 +58,17 @@ class RequestFlow:
                         self.counters.add(prefix_routed=1)
                         decoder.client.reprefill(r.request_id, timeout=self.config.rpc_timeout_s)
                     else:
+                        # Its handoff leaves out the pages the decoder is believed to
+                        # hold (it checks, and prefills the request itself if not).
+                        r.kv_skip_pages = cached // self.config.page_size
                         self._prefill(r, decoder)
                     call.last_seen = time.monotonic()
                 for event in call.handle:
                     call.last_seen = time.monotonic()
                     if self._relay(r, event):
                         if self.prefix is not None and r.state is State.FINISHED:
-                            self.prefix.record(decoder.address, r.prefill_ids)
+                            # KV is written for all of it but the last token.
+                            self.prefix.record(decoder.address, r.prefill_ids[:-1])
                         return
                 why = "its stream ended early"
             except ValueError as e:                            # from `_relay`
