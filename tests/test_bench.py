@@ -126,6 +126,8 @@ def test_prompts_are_fixed_by_the_seed_not_the_rate():
      "--decode_cpus"),
     (["--prefill_cpus", "0", "--decode_cpus", "1"], "--prefill_cpus"),
     (["--deployment", "processes", "--workload", "multiturn"], "--deployment"),
+    (["--deployment", "processes", "--process_kv_transport", "pigeon"],
+     "--process_kv_transport"),
 ])
 def test_bad_flags_are_rejected_naming_the_flag(flags, named, capsys):
     assert_flag_rejected(bench.parse_args, flags, named, capsys)
@@ -163,6 +165,9 @@ def test_process_deployment_splits_the_cpus_and_names_them():
     assert decode[decode.index("--mesh") + 1] == "decode=1"
     assert decode[decode.index("--slots_per_shard") + 1] == "4"
     assert "--enable_prefix_caching" in decode and "--max_prefill_batch" not in decode
+    assert decode[decode.index("--kv_transport") + 1] == "transfer_server"
+    grpc = make_deployment("prefill=1,decode=1", "0", "1", allowed=[0, 1], kv_transport="grpc")
+    assert grpc.name == "processes(prefill=1@cpu0,decode=1@cpu1,grpc)"
 
 
 def test_missing_model_is_a_clear_error(tmp_path):

@@ -75,6 +75,11 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
                    help="prefix_repetition: distinct prefixes")
     w.add_argument("--prefix_len", type=positive_int, default=512,
                    help="prefix_repetition: tokens of each prefix")
+    w.add_argument("--prefix_extend_below", type=nonnegative_int, default=256,
+                   help="multiturn / prefix_repetition, cache on: a request whose uncached "
+                        "rest is shorter is prefilled on the decode mesh (0: every request "
+                        "goes through the prefill mesh, its handoff carrying only the "
+                        "pages the decode side lacks)")
 
 
 def _add_backend_flags(p: argparse.ArgumentParser) -> None:
@@ -96,6 +101,9 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
                         "(default: the first half of this process's CPUs)")
     s.add_argument("--decode_cpus", default=None,
                    help="--deployment processes: the decode worker's CPUs (default: the rest)")
+    s.add_argument("--process_kv_transport", choices=["transfer_server", "grpc"],
+                   default="transfer_server",
+                   help="--deployment processes: how KV pages move between the workers")
     s.add_argument("--max_model_len", type=positive_int, default=None,
                    help="engine max_model_len (default: longest prompt + longest output)")
     s.add_argument("--slots_per_shard", type=positive_int, default=8,
@@ -159,7 +167,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error("--deployment processes: only --workload poisson for now")
         try:
             args.processes = make_deployment(args.process_mesh, args.prefill_cpus,
-                                             args.decode_cpus)
+                                             args.decode_cpus,
+                                             kv_transport=args.process_kv_transport)
         except ValueError as e:
             parser.error(str(e))
     elif args.prefill_cpus is not None or args.decode_cpus is not None:
@@ -360,7 +369,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.workload != "poisson":
         from jaxpd.bench.prefix import run_prefix_bench
         results = run_prefix_bench(args, model_dir, meshes_of(args), dict(
-            slots_per_shard=args.slots_per_shard, max_prefill_batch=args.max_prefill_batch))
+            slots_per_shard=args.slots_per_shard, max_prefill_batch=args.max_prefill_batch,
+            prefix_extend_below=args.prefix_extend_below))
         _write_outputs(argparse.Namespace(**{**vars(args), "plot": None}), results, {})
         return results
     bench = Benchmark(args, model_dir)

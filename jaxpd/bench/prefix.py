@@ -11,8 +11,9 @@ every mesh served twice on the same requests, prefix cache off and on.
   that add their own `--user_len` tokens; Poisson arrivals at `--rate`.
 
 Answers are `--output_lens`' first length, greedy, EOS ignored. Per run: TTFT and ITL
-percentiles, output tokens/s, prompt tokens computed, the cache's hit rate and KV bytes
-moved between meshes; the greedy outputs of the two runs of a mesh are compared.
+percentiles, output tokens/s, prompt tokens computed, the cache's hit rate, KV bytes
+moved between meshes and KV bytes a handoff did not carry because the decode side held
+them ("not sent"); the greedy outputs of the two runs of a mesh are compared.
 """
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ def serve(llm, chats: list[Chat], output_len: int, think_s: float) -> dict:
         "prefill_tokens": stats["prefill_tokens"],
         "hit_rate": stats.get("prefix_hit_tokens", 0) / queried if queried else 0.0,
         "transfer_bytes": stats["transfer_bytes"],
+        "saved_bytes": stats.get("prefix_saved_bytes", 0),
         "evictions": stats.get("prefix_evictions", 0),
         "outputs": {f"{i}.{turn}": ids for i, turn, _, ids in sorted(done, key=lambda d: d[:2])},
     }
@@ -117,8 +119,11 @@ def run_prefix_bench(args: argparse.Namespace, model_dir: str, meshes: list[str]
         for cache in (False, True):
             # --warmup_requests 0: no warm-up at all (programs compile on first use).
             warm = args.warmup_requests > 0
+            options = dict(engine_options)
+            if not cache:
+                options.pop("prefix_extend_below", None)
             with LLM(model_dir, mesh=mesh, warmup=warm, enable_prefix_caching=cache,
-                     **engine_options) as llm:
+                     **options) as llm:
                 if warm:   # first-call paths, on other chats of the same shape
                     serve(llm, make_chats(_warm_args(args), cfg.vocab_size), output_len, 0.0)
                 run = serve(llm, chats, output_len, args.think_s)
@@ -138,14 +143,15 @@ def _warm_args(args: argparse.Namespace) -> argparse.Namespace:
 
 def format_prefix_table(runs: list[dict]) -> str:
     head = (f"{'run':<34}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p99':>10}{'tok/s':>8}"
-            f"{'computed':>10}{'of prompt':>11}{'hit rate':>10}{'KV MB':>8}")
+            f"{'computed':>10}{'of prompt':>11}{'hit rate':>10}{'KV MB':>8}{'not sent':>10}")
     rows = [head]
     for r in runs:
         ms = lambda s: f"{s * 1e3:.0f} ms" if s is not None else "-"
         rows.append(f"{r['name']:<34}{ms(r['ttft_s']['p50']):>10}{ms(r['ttft_s']['p99']):>10}"
                     f"{ms(r['itl_s']['p99']):>10}{r['output_tok_s']:>8.1f}"
                     f"{r['prefill_tokens']:>10}{r['prompt_tokens']:>11}"
-                    f"{r['hit_rate']:>10.0%}{r['transfer_bytes'] / 2**20:>8.2f}")
+                    f"{r['hit_rate']:>10.0%}{r['transfer_bytes'] / 2**20:>8.2f}"
+                    f"{r['saved_bytes'] / 2**20:>10.2f}")
     for r in runs:
         if "outputs_identical" in r:
             rows.append(f"{r['mesh']}: greedy outputs identical with the cache on and off: "

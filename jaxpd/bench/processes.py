@@ -32,11 +32,13 @@ class Deployment:
     decode_mesh: str = "decode=1"
     prefill_cpus: str = "0"
     decode_cpus: str = "1"
+    kv_transport: str = "transfer_server"
 
     @property
     def name(self) -> str:
+        via = "" if self.kv_transport == "transfer_server" else f",{self.kv_transport}"
         return (f"processes({self.prefill_mesh}@cpu{self.prefill_cpus},"
-                f"{self.decode_mesh}@cpu{self.decode_cpus})")
+                f"{self.decode_mesh}@cpu{self.decode_cpus}{via})")
 
 
 def cpu_ranges(cpus: Sequence[int]) -> str:
@@ -53,7 +55,8 @@ def cpu_ranges(cpus: Sequence[int]) -> str:
 
 
 def make_deployment(mesh: str, prefill_cpus: str | None, decode_cpus: str | None,
-                    allowed: Sequence[int] | None = None) -> Deployment:
+                    allowed: Sequence[int] | None = None,
+                    kv_transport: str = "transfer_server") -> Deployment:
     """The deployment for `mesh` ("prefill=P,decode=D[xT]") and CPU sets. Unset CPU
     sets split the CPUs this process may use: the first half (rounded up) for prefill,
     the rest for decode. ValueError naming the flag when a set is empty, names CPUs this
@@ -84,7 +87,7 @@ def make_deployment(mesh: str, prefill_cpus: str | None, decode_cpus: str | None
         raise ValueError(f"--prefill_cpus {prefill_cpus!r} and --decode_cpus {decode_cpus!r} "
                          f"overlap on CPUs {sorted(sets['prefill_cpus'] & sets['decode_cpus'])}")
     return Deployment(prefill_mesh, decode_mesh, cpu_ranges(sets["prefill_cpus"]),
-                      cpu_ranges(sets["decode_cpus"]))
+                      cpu_ranges(sets["decode_cpus"]), kv_transport)
 
 
 def worker_flags(deployment: Deployment, model_dir: str, options: dict,
@@ -92,7 +95,8 @@ def worker_flags(deployment: Deployment, model_dir: str, options: dict,
     """Launcher arguments of the prefill and decode workers for engine `options`
     (max_model_len, slots_per_shard, max_prefill_batch, prefix caching)."""
     common = ["--model", model_dir, "--host", "127.0.0.1", "--port", "0",
-              "--max_model_len", str(options["max_model_len"])]
+              "--max_model_len", str(options["max_model_len"]),
+              "--kv_transport", deployment.kv_transport]
     if not compile_ahead:
         common.append("--nowarmup")
     for key in ("slots_per_shard", "max_prefill_batch", "prefix_extend_below"):
