@@ -9,7 +9,7 @@ from tests.engine_fixtures import (assert_all_pages_free, build_hf_model, mixed_
                                    reference)
 
 NUM_REQUESTS = 28
-MESHES = ["prefill=1,decode=1", "prefill=4,decode=4", "prefill=2,decode=2x2", "colocated=8"]
+MESHES = ["prefill=1,decode=1", "prefill=4,decode=4", "prefill=2,decode=2x2", "colocated=4"]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from tests.model_helpers import paged_greedy
 
 pytestmark = pytest.mark.slow
 
-PROMPT_LENGTHS = (1, 16, 17, 100)   # a page is 16 here: both sides of its edge
+EDGE_LENGTHS = (1, 16, 17)   # a page is 16 here: one token, and both sides of its edge
 NUM_NEW = 24
 
 
@@ -32,9 +32,19 @@ def test_prefill_logits_match(hf_pair):
     np.testing.assert_allclose(np.asarray(ours), hf_logits(hf_model, tokens), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("length", PROMPT_LENGTHS)
-def test_paged_greedy_matches_hf_generate(hf_pair, length):
+def test_paged_greedy_matches_hf_generate(hf_pair):
+    """Every family, a prompt of several pages."""
     hf_model, loaded = hf_pair
+    prompt = _prompt(100, loaded.cfg.vocab_size)
+    ours, _ = paged_greedy(loaded.cfg, loaded.params, prompt, NUM_NEW)
+    assert ours == hf_greedy(hf_model, prompt, NUM_NEW)
+
+
+@pytest.mark.parametrize("length", EDGE_LENGTHS)
+def test_paged_greedy_at_page_edges_matches_hf_generate(hf_models, length):
+    """Prompt lengths at the page edges (the paging is the same for every family)."""
+    path, hf_model = hf_models("llama_gqa")
+    loaded = checkpoint.load(path)
     prompt = _prompt(length, loaded.cfg.vocab_size)
     ours, _ = paged_greedy(loaded.cfg, loaded.params, prompt, NUM_NEW)
     assert ours == hf_greedy(hf_model, prompt, NUM_NEW)

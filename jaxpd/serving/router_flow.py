@@ -60,7 +60,7 @@ class RequestFlow:
                     else:
                         # Its handoff leaves out the pages the decoder is believed to
                         # hold (it checks, and prefills the request itself if not).
-                        r.kv_skip_pages = cached // self.config.page_size
+                        r.kv_skip_pages = min(cached, r.num_tokens - 1) // self.config.page_size
                         self._prefill(r, decoder)
                     call.last_seen = time.monotonic()
                 for event in call.handle:
