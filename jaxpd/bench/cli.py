@@ -30,6 +30,7 @@ from jaxpd.bench.args import (HF, compare_flag, describe_devices, length_mix, me
                               resolve_model, whole_numbers)
 from jaxpd.bench.driver import (Backend, BenchRequest, EngineBackend, Progress, RunResult,
                                 ensure_cpu_devices, make_bench_requests)
+from jaxpd.bench.roofline import add_roofline_flags
 from jaxpd.bench.workload import make_workload, parse_length_mix
 from jaxpd.metrics import find_goodput, format_table, run_report, slo_attainment
 
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workload_flags(p)
     _add_backend_flags(p)
     _add_output_flags(p)
-    _add_roofline_flags(p)
+    add_roofline_flags(p)
     return p
 
 
@@ -138,21 +139,6 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
     m.add_argument("--plot", default=None, metavar="PATH.png",
                    help="write TTFT/ITL CDFs (and attainment vs rate) here; needs matplotlib")
     m.add_argument("--no_progress", action="store_true", help="no progress bar on stderr")
-
-
-def _add_roofline_flags(p: argparse.ArgumentParser) -> None:
-    r = p.add_argument_group("roofline")
-    r.add_argument("--roofline", action="store_true",
-                   help="instead of serving: measure bandwidth and matmul rate, then time "
-                        "prefill per bucket and decode steps against those bounds")
-    r.add_argument("--roofline_batches", type=positive_floats, default=[1, 4, 16],
-                   help="decode batch sizes timed by --roofline")
-    r.add_argument("--roofline_contexts", type=positive_floats, default=[128, 512],
-                   help="decode context lengths timed by --roofline")
-    r.add_argument("--roofline_max_len", type=positive_int, default=1024,
-                   help="longest prefill bucket timed by --roofline (capped by the model)")
-    r.add_argument("--roofline_repeats", type=positive_int, default=5,
-                   help="timed calls per shape (the best one counts)")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

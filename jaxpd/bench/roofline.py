@@ -26,7 +26,24 @@ from typing import Callable
 
 import numpy as np
 
-from jaxpd.bench.args import describe_devices
+from jaxpd.bench.args import describe_devices, positive_floats, positive_int
+
+
+def add_roofline_flags(p: argparse.ArgumentParser) -> None:
+    """The `--roofline` group of `python -m jaxpd.bench`'s flags."""
+    r = p.add_argument_group("roofline")
+    r.add_argument("--roofline", action="store_true",
+                   help="instead of serving: measure bandwidth and matmul rate, then time "
+                        "prefill per bucket and decode steps against those bounds")
+    r.add_argument("--roofline_batches", type=positive_floats, default=[1, 4, 16],
+                   help="decode batch sizes timed by --roofline")
+    r.add_argument("--roofline_contexts", type=positive_floats, default=[128, 512],
+                   help="decode context lengths timed by --roofline")
+    r.add_argument("--roofline_max_len", type=positive_int, default=1024,
+                   help="longest prefill bucket timed by --roofline (capped by the model)")
+    r.add_argument("--roofline_repeats", type=positive_int, default=5,
+                   help="timed calls per shape (the best one counts)")
+
 
 _BANDWIDTH_ELEMENTS = 64 << 20          # 256 MiB of float32
 _MATMUL_N = 2048
