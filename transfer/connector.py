@@ -71,8 +71,8 @@ class KVHandoff:
     bucket padding: pages `first_page` .. ceil(num_tokens / S) - 1 of the request. A
     `first_page` above 0 (prefix caching) says the decode side is expected to hold the
     request's leading full pages already, cached by content; it checks that it does
-    before it takes the handoff, and prefills the request again when it does not. A layer-wise part (`part`
-    set) holds only its layer group, and `first_token` is -1 except on the last part.
+    before it takes the handoff, and prefills the request again when it does not.
+    A layer-wise part (`part` set) holds only its layer group, and `first_token` is -1 except on the last part.
     `payload` carries the request: the `Request` object itself in one process, its
     msgpack-able wire form (`jaxpd.request.Request.to_wire`) across processes.
     """

@@ -17,9 +17,8 @@ transfer with a `TransferError`: the caller prefills the request again.
 A handoff is a peer's word. Before it becomes an `Inbound` (before any slot, page or
 device op), `HandoffSpec.check` holds what it announces against what this side
 computes itself: its pages against `num_tokens`, its `first_page` and this pool's
-page size, layers,
-page shape and dtype; `num_tokens` against what a slot can ever hold; its first
-token against the vocabulary. One that fails is discarded and handed back to the
+page size; layers, page shape and dtype; `num_tokens` against what a slot can ever
+hold; its first token against the vocabulary. One that fails is discarded and handed back to the
 caller as a `Rejected` (with the request it names, so the caller can fail it).
 """
 from __future__ import annotations
@@ -94,15 +93,15 @@ class HandoffSpec:
                 f"{who}: pages announced as {dtype}{list(shape)}, this pool takes "
                 f"{self.dtype}[L, P, {', '.join(map(str, self.page_shape))}]: do prefill and "
                 f"decode serve the same model, dtype and kv_transfer_dtype?")
-        first = h.first_page
-        if isinstance(first, bool) or not isinstance(first, int) \
-                or not 0 <= first <= (n - 1) // self.page_size:
+        skip = h.first_page
+        if isinstance(skip, bool) or not isinstance(skip, int) \
+                or not 0 <= skip <= (n - 1) // self.page_size:
             # Only full pages are ever cached, and at least one page travels.
-            raise HandoffRejected(f"{who}: first_page {first!r} is not a full page of its "
+            raise HandoffRejected(f"{who}: first_page {skip!r} is not a full page of its "
                                   f"{n} tokens below the last (pages of {self.page_size})")
-        if shape[1] != self.pages_for(n) - first:
+        if shape[1] != self.pages_for(n) - skip:
             raise HandoffRejected(f"{who}: {shape[1]} pages announced for {n} tokens from "
-                                  f"page {first}, which fill {self.pages_for(n) - first} "
+                                  f"page {skip}, which fill {self.pages_for(n) - skip} "
                                   f"pages of {self.page_size}")
         part = h.part
         first = 0 if part is None else part.layer_start
