@@ -145,6 +145,10 @@ def test_router_prefill_decode_processes_match_single_process(model, procs, tran
 
 # Prompts of 32+ tokens (most of them) go layer-wise in 2 parts; the rest whole.
 LAYERWISE = ["--layerwise_min_tokens", "32", "--layerwise_parts", "2"]
+# For tests where a prefill worker dies: the decode worker's liveness is not under test,
+# and it compiles on first use (--nowarmup) on cores another test process shares, so a
+# short stall clock could drop the only decode worker mid-compile (seen once in CI).
+PATIENT_ROUTER = ["--stall_timeout_s", "60", "--lease_s", "30"]
 
 
 @pytest.mark.parametrize("transport", ["transfer_server", "grpc"])
@@ -172,7 +176,7 @@ def test_prefill_worker_killed_between_layer_parts_requests_still_finish(model, 
     worker dies: the request is prefilled again and finishes with the same tokens."""
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
     addr, _, workers = _deployment(procs, path, prefill_fault=fault, extra=LAYERWISE,
-                                   transport=transport)
+                                   transport=transport, router_extra=PATIENT_ROUTER)
     outs = _generate_all(addr, prompts, max_tokens)
     assert workers[0].wait(timeout=60) == -signal.SIGKILL
     assert [list(o.token_ids) for o in outs] == expected
@@ -191,7 +195,8 @@ def test_prefill_worker_killed_between_layer_parts_requests_still_finish(model, 
                                              ("die_before_offer:3", "grpc")])
 def test_prefill_worker_killed_requests_still_finish(model, procs, fault, transport):
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
-    addr, _, workers = _deployment(procs, path, prefill_fault=fault, transport=transport)
+    addr, _, workers = _deployment(procs, path, prefill_fault=fault, transport=transport,
+                                   router_extra=PATIENT_ROUTER)
     outs = _generate_all(addr, prompts, max_tokens)
     assert workers[0].wait(timeout=60) == -signal.SIGKILL
     # The requests the dead worker held were prefilled again on the decode worker.
