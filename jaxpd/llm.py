@@ -29,15 +29,17 @@ class LLM(Frontend):
     in-process `DevicePutConnector`; a cross-process sender or receiver for single-role
     meshes "prefill=P" / "decode=D"). compilation_cache_dir: keep compiled programs
     there and load them next time (`jaxpd.xla_cache`; None leaves jax as configured,
-    e.g. by $JAX_COMPILATION_CACHE_DIR). Other keyword arguments go to `EngineConfig`
-    (page_size, max_model_len, slots_per_shard, ...).
+    e.g. by $JAX_COMPILATION_CACHE_DIR). plan: a prefill role's mesh spans processes
+    (`engine.multihost.PlanChannel`; `python -m jaxpd.launch --num_processes` sets it
+    up). Other keyword arguments go to `EngineConfig` (page_size, max_model_len,
+    slots_per_shard, ...).
     """
 
     def __init__(self, model: str | None = None, mesh: str = "prefill=4,decode=4",
                  dtype: str = "auto", warmup: bool = False,
                  progress: Callable[[str], None] | None = None,
                  connector: Connector | KVSender | KVReceiver | None = None,
-                 compilation_cache_dir: str | None = None, **engine_options):
+                 compilation_cache_dir: str | None = None, plan=None, **engine_options):
         xla_cache.enable(compilation_cache_dir)
         loaded = checkpoint.load(resolve_model(model), dtype="float32")
         engine_options.setdefault("max_model_len", min(loaded.cfg.max_position_embeddings, 1024))
@@ -49,7 +51,8 @@ class LLM(Frontend):
         self.model_config = loaded.cfg
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
-        self.engine = Engine(loaded, self.config, connector, warmup=warmup, progress=progress)
+        self.engine = Engine(loaded, self.config, connector, warmup=warmup, progress=progress,
+                             plan=plan)
 
     def new_request_id(self) -> str:
         return self.engine.new_request_id()

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpd.config import EngineConfig, resolve_attention_impl
 from jaxpd.engine.decode_loop import DecodeLoop
 from jaxpd.engine.extend_loop import ExtendLoop
+from jaxpd.engine.multihost import Follower, LeaderPrefillRunner, PlanChannel
 from jaxpd.engine.prefill_loop import PrefillLoop
 from jaxpd.engine.requests import Limits, Requests
 from jaxpd.engine.runner import CompileCounter, DecodeRunner, PrefillRunner
@@ -52,9 +53,18 @@ class Engine:
 
     def __init__(self, model: LoadedModel, config: EngineConfig,
                  connector: Connector | KVSender | KVReceiver | None = None,
-                 warmup: bool = False, progress: Callable[[str], None] | None = None):
+                 warmup: bool = False, progress: Callable[[str], None] | None = None,
+                 plan: PlanChannel | None = None):
+        """`plan`: this prefill-only mesh spans processes (`engine.multihost`). On its
+        leader the engine runs as usual and publishes every prefill program it
+        dispatches; on a follower it starts no thread: `follow` replays the plan."""
         self.model, self.config = model, config
         spec = config.mesh
+        if plan is not None and spec.has_decode:
+            raise ValueError("a mesh across processes is a prefill role for now "
+                             "(--role prefill); decode meshes are one process each")
+        self.plan, self._told_followers = plan, False
+        self.is_follower = plan is not None and not plan.group.is_leader
         # The prefix cache lives in the decode pool; the decode mesh prefills with
         # context what it finds there (`ExtendLoop`).
         self.caching = config.enable_prefix_caching and spec.has_decode
@@ -83,11 +93,12 @@ class Engine:
         if spec.has_prefill and spec.has_decode and not spec.colocated and \
                 isinstance(self.connector, DevicePutConnector):
             self.connector.stage_on(self._staging_sharding())
-        if warmup:
+        if warmup and not self.is_follower:     # a follower replays the leader's warm-up
             warm_up(self, progress or (lambda msg: None))
         self._stop = threading.Event()
         self._error: BaseException | None = None
-        loops = ([("jaxpd-engine", self._run_colocated)] if spec.colocated else
+        loops = ([] if self.is_follower else
+                 [("jaxpd-engine", self._run_colocated)] if spec.colocated else
                  [("jaxpd-prefill", self._run_prefill)] * spec.has_prefill +
                  [("jaxpd-decode", self._run_decode)] * spec.has_decode)
         self._threads = [threading.Thread(target=self._guard, args=(loop,), name=name, daemon=True)
@@ -132,7 +143,10 @@ class Engine:
         c, mesh = self.config, self.meshes.prefill
         params, rules, fused = self._params_on(mesh, fuse=False)
         self.prefill_runner = PrefillRunner(self.model.cfg, params, mesh, rules, c.page_size,
-                                            self.counter, self.dtype, fused=fused)
+                                            self.counter, self.dtype, fused=fused,
+                                            gather_pages=self.plan is not None)
+        if self.plan is not None and not self.is_follower:
+            self.prefill_runner = LeaderPrefillRunner(self.prefill_runner, self.plan)
         self.prefill_scheduler = self._prefill_scheduler(c.buckets)
         sender = self.connector
         if c.kv_transfer_dtype is not None:
@@ -269,12 +283,23 @@ class Engine:
             pages_cached=sum(a.num_cached_free for a in allocators),
             queue_waiting=self.requests.num_waiting())
 
+    def follow(self, follower: Follower, stop: threading.Event) -> str:
+        """A follower's life: replay the leader's prefill programs (`multihost.Follower`)."""
+        if not self.is_follower:
+            raise RuntimeError("follow() is for a follower process of a multi-process mesh")
+        return follower.run(self.prefill_runner, stop)
+
     def shutdown(self, reason: str = "shutdown") -> None:
-        """Stop the threads, abort what is still in flight, join. Idempotent."""
+        """Stop the threads, abort what is still in flight, join (a leader then tells
+        its followers to stop). Idempotent."""
         self._stop.set()
         self.requests.wake.set()
         for t in self._threads:
             t.join(timeout=60)
+        if self.plan is not None and not self.is_follower and not self._told_followers and \
+                not any(t.is_alive() for t in self._threads):
+            self._told_followers = True
+            self.plan.publish({"op": "stop"})
         self.requests.abort_all(reason)
         # Transfer threads still placing end within their connector's timeout.
         self._transfers.shutdown(wait=True, cancel_futures=True)

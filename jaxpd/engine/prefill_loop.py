@@ -111,15 +111,18 @@ class PrefillLoop:
     def _run_whole(self, live: list[Request], tokens, lengths, sampling) -> None:
         first, logprobs, k, v = self.runner.run(tokens, lengths, sampling)
         now = time.perf_counter()
+        going = []                             # (request, tokens, first page to send)
         for i, r in enumerate(live):
             n = int(lengths[i])
-            if self._first_token(r, i, int(first[i]), logprobs, now):
-                continue                       # finished by its first token, or aborted
-            skip = self._skip_pages(r, n)
-            k_pages, v_pages = self.runner.take_pages(k, v, i, pages_for(n, self.page_size) - skip,
-                                                      skip)
+            if not self._first_token(r, i, int(first[i]), logprobs, now):
+                going.append((i, r, n, self._skip_pages(r, n)))
+        # Every row's pages are cut (dispatched) before any is sent: one call, so a
+        # mesh spanning processes tells its followers once per batch.
+        pages = self.runner.take_rows(k, v, [(i, skip, pages_for(n, self.page_size) - skip)
+                                             for i, _, n, skip in going])
+        for (i, r, n, skip), (k_pages, v_pages) in zip(going, pages):
             if not r.transition(State.TRANSFERRING):
-                continue
+                continue                       # aborted meanwhile
             if self._send(r, n, int(first[i]), k_pages, v_pages, first_page=skip):
                 self.requests.handed_off(r)
 

@@ -53,11 +53,14 @@ class CompileCounter:
 
 
 class PrefillRunner:
-    """`fused`: `params` are `fuse_params`'s tree (`place_params` says which)."""
+    """`fused`: `params` are `fuse_params`'s tree (`place_params` says which).
+    `gather_pages`: cut pages come out replicated over the mesh rather than split over
+    its kv heads, so one process of a mesh spanning several holds them whole (the
+    leader of `engine.multihost`, which sends them on)."""
 
     def __init__(self, cfg: ModelConfig, params, mesh: Mesh, rules, page_size: int,
                  counter: CompileCounter, dtype=jnp.float32, name: str = "prefill",
-                 fused: bool = False):
+                 fused: bool = False, gather_pages: bool = False):
         self.cfg, self.params, self.mesh, self.page_size = cfg, params, mesh, page_size
         self.counter, self.name = counter, name
         model = Llama(cfg, dtype, fused)
@@ -97,7 +100,8 @@ class PrefillRunner:
         self._embed = jax.jit(embed, out_shardings=replicated)
         self._blocks = jax.jit(blocks, out_shardings=(replicated, kv, kv))
         self._head = jax.jit(head, out_shardings=replicated)
-        self._take = jax.jit(self._take_pages, static_argnums=(3,), out_shardings=(kv, kv))
+        pages = replicated if gather_pages else kv
+        self._take = jax.jit(self._take_pages, static_argnums=(3,), out_shardings=(pages, pages))
 
     def run(self, tokens: np.ndarray, lengths: np.ndarray, sampling: SamplingArrays):
         """tokens [B, T] -> (first tokens as numpy [B], their `Logprobs` as numpy when
@@ -132,8 +136,12 @@ class PrefillRunner:
             x, k, v = self._blocks([self.params[f"layers_{i}"] for i in range(start, stop)], x)
             if g == len(groups) - 1:
                 first, logprobs = self._head(self.params, x, *inputs)
-            parts.append([self.take_pages(k, v, row, n, first) for row, first, n in rows])
+            parts.append(self.take_rows(k, v, rows))
         return first, logprobs, parts
+
+    def take_rows(self, k, v, rows: list[tuple[int, int, int]]):
+        """`take_pages` for each (row, first_page, num_pages) of `rows`, in order."""
+        return [self.take_pages(k, v, row, n, first) for row, first, n in rows]
 
     def take_pages(self, k, v, row: int, num_pages: int, first_page: int = 0):
         """Pages `first_page` .. `first_page + num_pages - 1` of row `row`: ([L, P, S, K, H],

@@ -25,8 +25,8 @@ import time
 from absl import app, flags
 
 from jaxpd.serving.launch_flags import (_role_auth, define_flags, engine_options,  # noqa: F401
-                                        internal_auth, parse_cpus, pin_cpus,
-                                        set_cpu_device_count)
+                                        internal_auth, multihost_error, parse_cpus,
+                                        pin_cpus, set_cpu_device_count)
 
 
 def _say(message: str) -> None:
@@ -42,11 +42,18 @@ def run(fv: flags.FlagValues) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
+    error = multihost_error(fv)
+    if error is not None:
+        print(error, file=sys.stderr)
+        return 2
     try:
-        set_cpu_device_count(fv.mesh)
+        set_cpu_device_count(fv.mesh, processes=fv.num_processes)
     except ValueError as e:
         print(f"--mesh: {e}", file=sys.stderr)
         return 2
+    if fv.num_processes > 1:                 # before any jax backend comes up
+        from jaxpd.engine.multihost import ProcessGroup, initialize
+        initialize(ProcessGroup(fv.num_processes, fv.process_id, fv.coordinator))
     from jaxpd import xla_cache
     from jaxpd.llm import LLM   # after XLA_FLAGS: this is what brings the backend up
 
@@ -73,10 +80,15 @@ def _run_role(fv: flags.FlagValues, stop: threading.Event) -> int:
     from jaxpd.serving.role_server import serve_role
     from jaxpd.transfer.transfer_server import TransferServerUnavailable
     options = dict(engine_options(fv), warmup=fv.warmup)
+    group = None
+    if fv.num_processes > 1:
+        from jaxpd.engine.multihost import ProcessGroup
+        group = ProcessGroup(fv.num_processes, fv.process_id, fv.coordinator)
     try:
         return serve_role(fv.role, fv.model, fv.host, fv.port, fv.router, fv.kv_transport,
                           stop, _say, options, auth=auth, heartbeat_s=fv.heartbeat_s,
-                          http_port=fv.http_port if fv["http_port"].present else -1)
+                          http_port=fv.http_port if fv["http_port"].present else -1,
+                          group=group, follower_timeout_s=fv.follower_timeout_s)
     except (OSError, ValueError, TransferServerUnavailable) as e:
         print(f"cannot start the {fv.role} worker: {e}", file=sys.stderr)
         return 1

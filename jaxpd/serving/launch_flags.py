@@ -142,6 +142,17 @@ def _define_role_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_float("stall_timeout_s", 5.0, "router role: a decode stream that sends "
                        "nothing (workers send a keepalive each second) for this long is a "
                        "lost worker: its request fails over.", lower_bound=0.01, flag_values=fv)
+    flags.DEFINE_integer("num_processes", 1, "prefill role: processes (one per host) that "
+                         "form its --mesh together (jax.distributed); process 0 leads, the "
+                         "others replay its programs.", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("process_id", 0, "This process's place among --num_processes.",
+                         lower_bound=0, flag_values=fv)
+    flags.DEFINE_string("coordinator", None, "With --num_processes > 1: host:port of the "
+                        "jax.distributed coordinator, which process 0 runs and listens on.",
+                        flag_values=fv)
+    flags.DEFINE_float("follower_timeout_s", 5.0, "The leader of a multi-process role stops "
+                       "the role when a follower has not answered for this long.",
+                       lower_bound=0.5, flag_values=fv)
 
 
 def _define_auth_flags(fv: flags.FlagValues) -> None:
@@ -187,16 +198,51 @@ def _role_auth(fv: flags.FlagValues, what: str):
     return auth
 
 
-def set_cpu_device_count(mesh: str, environ=os.environ) -> int | None:
+def multihost_error(fv: flags.FlagValues) -> str | None:
+    """What is wrong with the --num_processes / --process_id / --coordinator flags, or
+    None. Beyond loopback the coordinator needs the cluster token: the leader signs
+    the plans it sends its followers with it."""
+    from jaxpd.auth import is_loopback
+    from jaxpd.sharding.spec import parse_mesh_spec
+
+    if fv.num_processes == 1:
+        return "--process_id needs --num_processes > 1" if fv.process_id else None
+    if fv.role != "prefill":
+        return "--num_processes > 1: only a prefill role spans processes so far (--role prefill)"
+    if fv.process_id >= fv.num_processes:
+        return f"--process_id must be below --num_processes ({fv.num_processes})"
+    host, _, port = (fv.coordinator or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"--coordinator must be host:port, got {fv.coordinator!r}"
+    try:
+        num = parse_mesh_spec(fv.mesh).num_devices
+    except ValueError as e:
+        return f"--mesh: {e}"
+    if num % fv.num_processes:
+        return (f"--mesh {fv.mesh} has {num} devices, which {fv.num_processes} processes "
+                f"cannot share equally")
+    try:
+        token = internal_auth(fv).token
+    except (ValueError, OSError) as e:
+        return str(e)
+    if not is_loopback(host.strip("[]")) and token is None:
+        return (f"--coordinator {fv.coordinator} is beyond loopback: give the cluster token "
+                f"(JAXPD_CLUSTER_TOKEN or --cluster_token_file), which signs the plans the "
+                f"leader sends its followers")
+    return None
+
+
+def set_cpu_device_count(mesh: str, environ=os.environ, processes: int = 1) -> int | None:
     """On CPU (JAX_PLATFORMS unset or naming cpu), make XLA create as many virtual
-    devices as `mesh` needs, replacing any count already in XLA_FLAGS. Returns the
-    count, or None when the platform is not CPU. Must run before jax initialises."""
+    devices as this process's share of `mesh` needs (`processes` share it equally),
+    replacing any count already in XLA_FLAGS. Returns the count, or None when the
+    platform is not CPU. Must run before jax initialises."""
     from jaxpd.sharding.spec import parse_mesh_spec   # plain Python: loads no jax
 
     platforms = environ.get("JAX_PLATFORMS", "")
     if platforms and "cpu" not in platforms.split(","):
         return None
-    num = parse_mesh_spec(mesh).num_devices
+    num = parse_mesh_spec(mesh).num_devices // processes
     rest = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                   environ.get("XLA_FLAGS", "")).split()
     environ["XLA_FLAGS"] = " ".join(rest + [f"--xla_force_host_platform_device_count={num}"])

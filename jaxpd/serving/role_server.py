@@ -82,7 +82,7 @@ class RoleService:
                 "model_path": self.engine.model.path, "transfers": s.transfers,
                 "slots_total": s.slots_total, "pages_total": s.pages_total,
                 "layerwise_transfers": s.layerwise_transfers,
-                "transfer_failures": s.transfer_failures}
+                "transfer_failures": s.transfer_failures, "transfer_bytes": s.transfer_bytes}
 
     def Prefill(self, msg, context) -> dict:
         self._require("prefill", context)
@@ -311,18 +311,47 @@ def make_connector(role: str, transport: str, host: str, auth: InternalAuth = NO
     raise ValueError(f"kv_transport must be 'transfer_server' or 'grpc', got {transport!r}")
 
 
+class _Interrupted(Exception):
+    """A stop signal arrived while the worker was still starting."""
+
+
 def serve_role(role: str, model: str | None, host: str, port: int, router: str | None,
                transport: str, stop: threading.Event, say, llm_options: dict,
                auth: InternalAuth = NO_AUTH, heartbeat_s: float = 1.0,
-               http_port: int = -1) -> int:
+               http_port: int = -1, group=None, follower_timeout_s: float = 5.0) -> int:
     """Run a prefill or decode worker process until `stop` is set; 1 if the router
     refused it, or its engine failed. `http_port` >= 0: GET /health and /metrics there
-    (0: a free port, printed), as on the router and a single process."""
+    (0: a free port, printed), as on the router and a single process. `group`: this
+    process's place in a prefill mesh spanning processes (`engine.multihost`): process 0
+    serves as the worker, the others follow it."""
     from jaxpd.llm import LLM
 
+    plan = None
+    if group is not None and group.multi:
+        from jaxpd.engine.multihost import PlanChannel
+        from jaxpd.serving.follower import follow_leader
+        plan = PlanChannel(group, auth.token.encode() if auth.token else None)
+        if not group.is_leader:
+            return follow_leader(model, plan, stop, say, llm_options)
     auth.check_bind(host, f"the {role} worker")
     connector, kv_address = make_connector(role, transport, host, auth)
-    llm = LLM(model, connector=connector, progress=say, **llm_options)
+    watch = None
+    if plan is not None:
+        from jaxpd.engine.multihost import FollowerWatch
+        from jaxpd.serving.follower import role_lost
+        watch = FollowerWatch(plan, role_lost(role), dead_s=follower_timeout_s)
+    def progress(message: str) -> None:
+        if stop.is_set():            # stopped while loading or compiling: stop between steps
+            raise _Interrupted
+        say(message)
+    try:
+        llm = LLM(model, connector=connector, progress=progress, plan=plan, **llm_options)
+    except _Interrupted:
+        say(f"jaxpd {role} worker stopped while starting")
+        if watch is not None:
+            watch.stop()
+            plan.publish({"op": "stop"})   # followers are between the same two steps
+        return 0
     server = RoleServer(RoleService(llm.engine, kv_address, transport), host, port, auth)
     http = None
     try:
@@ -334,16 +363,21 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
         server.start()
         if router:
             server.register_with(router, heartbeat_s, on_refused=lambda _: stop.set())
-        say(f"jaxpd {role} worker on {server.address} (mesh {llm.config.mesh}, "
+        processes = f", {group.num_processes} processes" if plan is not None else ""
+        say(f"jaxpd {role} worker on {server.address} (mesh {llm.config.mesh}{processes}, "
             f"kv {transport} {kv_address or 'sender'}, auth: {auth.describe()})")
         stop.wait()
     finally:
+        if watch is not None:
+            watch.stop()
         if http is not None:
             http.service.draining = True
         server.stop()
         if http is not None:
             http.stop(0)
         llm.shutdown()
+    if plan is not None:
+        say(f"jaxpd {role} leader {plan.summary()}")
     if server.refused is not None:
         say(f"jaxpd {role} worker stopped: {server.refused}")
         return 1

@@ -1,0 +1,355 @@
+"""One role's mesh across processes (and hosts): JAX multi-controller, a leader and followers.
+
+`jax.distributed` joins the processes of a role into one global mesh; every process
+must then dispatch the same programs, with the same inputs, in the same order. Process
+0, the **leader**, runs the engine as a single process would (scheduler, connector,
+router registration). Each **follower** builds the same runner on the same global mesh
+and replays the leader's runner calls, which the leader publishes as a numbered
+sequence of small messages (the *plan*: a prefill batch's tokens, lengths and sampling
+rows; which pages to cut) through the key-value store of the coordination service that
+`jax.distributed` already runs. No port or protocol of our own, and the store's blocking
+get is exactly a follower's wait for its next step.
+
+Trust: the coordination service and the collectives (gloo on CPU) carry no
+authentication of their own (launch/MULTI_HOST.md: keep them on a private network). With
+a cluster token every plan is signed (HMAC-SHA256 over its sequence number and body) and
+a follower refuses one that is not; without a token the coordinator must be on loopback
+(the launcher enforces it). A follower also checks every message's shape before it acts.
+
+Liveness: a follower writes `beat acked` (a counter and the last plan it finished) every
+`BEAT_S` (`Follower`); the leader's watch (`FollowerWatch`) calls `on_lost` with the reason when a follower's beat stops
+for `dead_s`, or when it is behind and has finished nothing for `stuck_s`. A follower
+stops when the leader says so, or when the coordination service (hosted by the leader)
+is gone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import threading
+import time
+from typing import Callable
+
+import msgpack
+import numpy as np
+
+from jaxpd.engine.sampler import SamplingArrays
+
+BEAT_S = 0.5
+_PLAN, _BEAT = "jaxpd/plan/", "jaxpd/beat/"
+_DTYPES = {"int32": np.int32, "float32": np.float32}
+_MAX_ELEMENTS = 1 << 24          # a plan array larger than this is not one we send
+
+
+class PlanError(ValueError):
+    """A plan message that is forged, corrupt, or not one a leader sends."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessGroup:
+    """Where this process sits in its role: `num_processes` 1 is a single process."""
+    num_processes: int = 1
+    process_id: int = 0
+    coordinator: str | None = None
+
+    def __post_init__(self):
+        if self.num_processes < 1:
+            raise ValueError(f"num_processes must be >= 1, got {self.num_processes}")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be in [0, {self.num_processes}), "
+                             f"got {self.process_id}")
+        if self.num_processes > 1 and not self.coordinator:
+            raise ValueError("coordinator (host:port) is needed with num_processes > 1")
+
+    @property
+    def multi(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def is_leader(self) -> bool:
+        return self.process_id == 0
+
+
+def initialize(group: ProcessGroup) -> None:
+    """Join the role's processes (`jax.distributed`); the coordinator, hosted by process
+    0, listens on exactly `group.coordinator` (jax's default is every interface). On CPU
+    the collectives between processes go through gloo. Before any jax backend is used."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(group.coordinator, group.num_processes, group.process_id,
+                               coordinator_bind_address=group.coordinator)
+
+
+def _client():
+    from jax._src import distributed     # the store jax.distributed runs; no public name
+    if distributed.global_state.client is None:
+        raise RuntimeError("jax.distributed is not initialised")
+    return distributed.global_state.client
+
+
+def _pack_array(a: np.ndarray) -> list:
+    return [a.dtype.name, list(a.shape), np.ascontiguousarray(a).tobytes()]
+
+
+def _unpack_array(value, name: str) -> np.ndarray:
+    if not (isinstance(value, list) and len(value) == 3):
+        raise PlanError(f"plan field {name}: not an array")
+    dtype, shape, data = value
+    if dtype not in _DTYPES or not isinstance(data, bytes) or not isinstance(shape, list) or \
+            not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d for d in shape):
+        raise PlanError(f"plan field {name}: bad dtype, shape or data")
+    size = int(np.prod(shape, dtype=np.int64))
+    if size > _MAX_ELEMENTS or size * np.dtype(_DTYPES[dtype]).itemsize != len(data):
+        raise PlanError(f"plan field {name}: {len(data)} bytes do not make {dtype}{shape}")
+    return np.frombuffer(data, _DTYPES[dtype]).reshape(shape).copy()
+
+
+class PlanChannel:
+    """The numbered plan messages of one role: the leader `publish`es, followers
+    `receive` in order. `key`: the cluster token's bytes (signs and checks), or None."""
+
+    WINDOW = 64          # plans kept in the store behind the slowest follower's ack
+
+    def __init__(self, group: ProcessGroup, key: bytes | None, client=None):
+        self.group, self._client = group, client or _client()
+        self._key = hashlib.sha256(b"jaxpd-plan|" + key).digest() if key else None
+        self.seq = 0                     # the next message's number
+        self._kept_from = 0              # plans below this are deleted from the store
+        self.sent_bytes = self.sent_messages = 0
+        self.publish_s: list[float] = []
+
+    def _mac(self, seq: int, body: bytes) -> bytes:
+        if self._key is None:
+            return b""
+        return hmac.new(self._key, seq.to_bytes(8, "little") + body, hashlib.sha256).digest()
+
+    def publish(self, message: dict) -> None:
+        start = time.perf_counter()
+        body = msgpack.packb(message, use_bin_type=True)
+        data = self._mac(self.seq, body) + body
+        self._client.key_value_set_bytes(f"{_PLAN}{self.seq}", data)
+        if self.seq and self.seq % self.WINDOW == 0:    # what every follower has done
+            upto = min(min(self.acked().values(), default=-1) + 1, self.seq - self.WINDOW)
+            for old in range(self._kept_from, upto):
+                self._client.key_value_delete(f"{_PLAN}{old}")
+            self._kept_from = max(self._kept_from, upto)
+        self.seq += 1
+        self.sent_bytes += len(data)
+        self.sent_messages += 1
+        self.publish_s.append(time.perf_counter() - start)
+
+    def receive(self, stop: threading.Event, poll_ms: int = 500) -> dict | None:
+        """The next message (checked), or None once `stop` is set. Raises PlanError for a
+        forged or malformed one, and jax's runtime error when the coordinator is gone."""
+        while not stop.is_set():
+            try:
+                data = self._client.blocking_key_value_get_bytes(f"{_PLAN}{self.seq}", poll_ms)
+            except Exception as e:            # jax's runtime error type moved across versions
+                if "DEADLINE_EXCEEDED" in str(e):
+                    continue
+                raise
+            size = 32 if self._key is not None else 0
+            mac, body = data[:size], data[size:]
+            if not hmac.compare_digest(mac, self._mac(self.seq, body)):
+                raise PlanError(f"plan {self.seq} is not signed with this role's cluster token")
+            try:
+                message = msgpack.unpackb(body, raw=False)
+            except (ValueError, msgpack.UnpackException) as e:
+                raise PlanError(f"plan {self.seq} does not decode: {e}") from None
+            if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+                raise PlanError(f"plan {self.seq} has no op")
+            self.seq += 1
+            return message
+        return None
+
+    # ---- liveness -------------------------------------------------------------------
+    def beat(self, count: int, acked: int) -> None:
+        self._client.key_value_set_bytes(f"{_BEAT}{self.group.process_id}",
+                                         f"{count} {acked}".encode(), allow_overwrite=True)
+
+    def beats(self) -> dict[int, tuple[int, int]]:
+        """Each follower's last (beat, acked plan); (-1, -1) before its first beat."""
+        out = {}
+        for pid in range(1, self.group.num_processes):
+            try:
+                count, acked = self._client.key_value_try_get_bytes(f"{_BEAT}{pid}").split()
+                out[pid] = (int(count), int(acked))
+            except Exception:                 # not written yet
+                out[pid] = (-1, -1)
+        return out
+
+    def acked(self) -> dict[int, int]:
+        return {pid: acked for pid, (_, acked) in self.beats().items()}
+
+    def summary(self) -> str:
+        if not self.sent_messages:
+            return "plan: no messages"
+        us = np.asarray(self.publish_s) * 1e6
+        return (f"plan: {self.sent_messages} messages, {self.sent_bytes} bytes "
+                f"({self.sent_bytes / self.sent_messages:.0f} per message), publish "
+                f"p50 {np.percentile(us, 50):.0f} us, p99 {np.percentile(us, 99):.0f} us")
+
+
+class FollowerWatch:
+    """The leader's view of its followers (`jaxpd-followers` thread): `on_lost(reason)`
+    once, when one has not beaten for `dead_s` (`start_s` before its first beat: it may
+    still be loading the model), or is behind the plan and has finished nothing for
+    `stuck_s` (a compile counts as finishing nothing: keep it generous)."""
+
+    def __init__(self, channel: PlanChannel, on_lost: Callable[[str], None],
+                 dead_s: float = 5.0, stuck_s: float = 120.0, start_s: float = 300.0):
+        self.channel, self.on_lost = channel, on_lost
+        self.dead_s, self.stuck_s, self.start_s = dead_s, stuck_s, start_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jaxpd-followers", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        now = time.monotonic()
+        seen = {pid: ((-1, -1), now, now) for pid in range(1, self.channel.group.num_processes)}
+        while not self._stop.wait(BEAT_S):
+            now = time.monotonic()
+            for pid, (count, acked) in self.channel.beats().items():
+                (last_count, last_acked), beat_at, progress_at = seen[pid]
+                beat_at = now if count != last_count else beat_at
+                behind = acked < self.channel.seq - 1
+                progress_at = now if acked != last_acked or not behind else progress_at
+                seen[pid] = ((count, acked), beat_at, progress_at)
+                reason = None
+                if now - beat_at > (self.dead_s if count >= 0 else self.start_s):
+                    reason = (f"follower process {pid} has not answered for {now - beat_at:.1f} s "
+                              f"(dead or cut off)")
+                elif now - progress_at > self.stuck_s:
+                    reason = (f"follower process {pid} is {self.channel.seq - 1 - acked} plans "
+                              f"behind and has finished none for {now - progress_at:.1f} s")
+                if reason is not None:
+                    self._stop.set()
+                    self.on_lost(reason)
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class LeaderPrefillRunner:
+    """A `PrefillRunner` (built with `gather_pages=True`) whose every program dispatch
+    is published first, so followers dispatch the same one. Pages come back as this
+    process's own copy (the gathered, replicated array's local shard): what the
+    connector sends. Anything else is the wrapped runner's."""
+
+    def __init__(self, runner, channel: PlanChannel):
+        self._runner, self.channel = runner, channel
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def run(self, tokens: np.ndarray, lengths: np.ndarray, sampling: SamplingArrays):
+        self.channel.publish({"op": "run", "tokens": _pack_array(tokens),
+                              "lengths": _pack_array(lengths),
+                              "floats": _pack_array(sampling.floats),
+                              "ints": _pack_array(sampling.ints)})
+        return self._runner.run(tokens, lengths, sampling)
+
+    def take_rows(self, k, v, rows: list[tuple[int, int, int]]):
+        if not rows:
+            return []
+        self.channel.publish({"op": "take", "rows": [list(r) for r in rows]})
+        return [(_local(k_pages), _local(v_pages))
+                for k_pages, v_pages in self._runner.take_rows(k, v, rows)]
+
+    def take_pages(self, k, v, row: int, num_pages: int, first_page: int = 0):
+        return self.take_rows(k, v, [(row, first_page, num_pages)])[0]
+
+    def run_layerwise(self, tokens, lengths, sampling, groups, rows):
+        self.channel.publish({"op": "layerwise", "tokens": _pack_array(tokens),
+                              "lengths": _pack_array(lengths),
+                              "floats": _pack_array(sampling.floats),
+                              "ints": _pack_array(sampling.ints),
+                              "groups": [list(g) for g in groups],
+                              "rows": [list(r) for r in rows]})
+        first, logprobs, parts = self._runner.run_layerwise(tokens, lengths, sampling, groups,
+                                                            rows)
+        return first, logprobs, [[(_local(k), _local(v)) for k, v in group] for group in parts]
+
+
+def _local(x):
+    """This process's copy of a replicated global array."""
+    return x.addressable_data(0)
+
+
+def _batch(msg: dict):
+    tokens, lengths = _unpack_array(msg.get("tokens"), "tokens"), _unpack_array(msg.get("lengths"), "lengths")
+    floats, ints = _unpack_array(msg.get("floats"), "floats"), _unpack_array(msg.get("ints"), "ints")
+    b = tokens.shape[0] if tokens.ndim == 2 else -1
+    if b < 1 or lengths.shape != (b,) or floats.shape != (b, 6) or ints.shape != (b, 4) or \
+            tokens.dtype != np.int32 or lengths.dtype != np.int32 or floats.dtype != np.float32:
+        raise PlanError("plan batch: tokens [B, T], lengths [B], floats [B, 6], ints [B, 4]")
+    return tokens, lengths, SamplingArrays(floats, ints.astype(np.int32))
+
+
+def _pairs(value, name: str, width: int) -> list[tuple[int, ...]]:
+    if not isinstance(value, list) or not all(
+            isinstance(p, list) and len(p) == width and
+            all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 31 for x in p)
+            for p in value):
+        raise PlanError(f"plan field {name}: expected lists of {width} non-negative ints")
+    return [tuple(p) for p in value]
+
+
+class Follower:
+    """A follower process: `start` beating as soon as it has joined (the leader's
+    watch counts from the first beat), then `run` the leader's plan."""
+
+    def __init__(self, channel: PlanChannel):
+        self.channel = channel
+        self.acked = -1
+        self._done = threading.Event()
+
+    def start(self) -> Follower:
+        threading.Thread(target=self._beat, name="jaxpd-beat", daemon=True).start()
+        return self
+
+    def _beat(self) -> None:
+        count = 0
+        while not self._done.wait(BEAT_S):
+            try:
+                self.channel.beat(count, self.acked)
+            except Exception:                 # coordinator gone: `run` will say so
+                return
+            count += 1
+
+    def close(self) -> None:
+        self._done.set()
+
+    def run(self, runner, stop: threading.Event) -> str:
+        """Replay the plan on `runner` (a `PrefillRunner` built as the leader's is) until
+        the leader says stop ("stopped") or `stop` is set ("interrupted"). Raises
+        PlanError for a bad plan, and jax's runtime error when the coordinator is gone."""
+        import jax
+
+        kv = None
+        while True:
+            msg = self.channel.receive(stop)
+            if msg is None:
+                return "interrupted"
+            op = msg["op"]
+            if op == "stop":
+                return "stopped"
+            if op == "run":
+                _, _, *kv = runner.run(*_batch(msg))
+            elif op == "take":
+                if kv is None:
+                    raise PlanError("plan take before any run")
+                rows = _pairs(msg.get("rows"), "rows", 3)
+                if any(n < 1 for _, _, n in rows):
+                    raise PlanError("plan field rows: a row takes at least one page")
+                jax.block_until_ready(runner.take_rows(*kv, rows))
+            elif op == "layerwise":
+                groups = _pairs(msg.get("groups"), "groups", 2)
+                rows = _pairs(msg.get("rows"), "rows", 3)
+                jax.block_until_ready(runner.run_layerwise(*_batch(msg), groups, rows))
+            else:
+                raise PlanError(f"plan op {op!r} is not one a leader sends")
+            self.acked = self.channel.seq - 1

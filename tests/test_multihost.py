@@ -1,0 +1,121 @@
+"""A prefill role whose mesh spans two processes (jax.distributed; gloo on CPU), behind
+the router: 2 processes x 2 virtual devices = one tp=4 mesh, led by process 0.
+
+Greedy tokens must equal transformers' (and so the single-process meshes', which the
+engine tests hold to the same), the KV moved must be exactly the requests' pages, and
+a killed follower must stop the role at once, with the router failing its requests
+over and no page leaking on the decode side.
+"""
+import re
+import signal
+import socket
+import time
+
+import pytest
+
+from jaxpd.engine.page_allocator import pages_for
+from jaxpd.models.source import model_config_and_tokenizer
+from jaxpd.serving.role_rpc import RoleClient
+from tests.engine_fixtures import mixed_prompts, reference
+from tests.test_router import COMMON, PATIENT_ROUTER, Procs, _free_port, _generate_all
+
+pytestmark = pytest.mark.slow
+NUM = 16
+
+
+@pytest.fixture
+def procs():
+    p = Procs()
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_hf_model):
+    path, hf = tiny_hf_model
+    prompts = mixed_prompts(NUM, 256, seed=11)
+    max_tokens = [3 + i % 6 for i in range(NUM)]
+    return path, prompts, max_tokens, reference(hf, prompts, max_tokens)
+
+
+def _coordinator() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _deployment(procs, path, transport):
+    router_port = _free_port()
+    router = procs.start(["--role", "router", "--model", path, "--port", str(router_port),
+                          "--internal_port", "0"] + COMMON + PATIENT_ROUTER)
+    internal = procs.wait_line(router, r"internal plane on (\S+)").group(1)
+    common = COMMON + ["--kv_transport", transport, "--router", internal]
+    group = ["--role", "prefill", "--mesh", "prefill=4", "--model", path, "--port", "0",
+             "--num_processes", "2", "--coordinator", _coordinator()] + common
+    leader = procs.start(group + ["--process_id", "0"])
+    follower = procs.start(group + ["--process_id", "1"])
+    decode = procs.start(["--role", "decode", "--mesh", "decode=2", "--model", path,
+                          "--port", "0", "--slots_per_shard", "4"] + common)
+    procs.wait_line(follower, r"prefill follower 1/2 of the mesh prefill=4")
+    for w in (leader, decode):
+        address = procs.wait_line(w, r"worker on (\S+)").group(1)
+        procs.wait_line(router, rf"worker {re.escape(address)} joined")
+    procs.wait_line(router, r"jaxpd serving")
+    return f"127.0.0.1:{router_port}", router, leader, follower, decode
+
+
+def _page_bytes(path, page_size=16):
+    cfg = model_config_and_tokenizer(path)[0]
+    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * 4
+
+
+@pytest.mark.parametrize("transport", ["transfer_server"])
+def test_prefill_mesh_of_two_processes_matches_transformers_then_survives_a_lost_follower(
+        model, procs, transport):
+    path, prompts, max_tokens, expected = model
+    addr, router, leader, follower, decode_proc = _deployment(procs, path, transport)
+    decode = RoleClient(procs.wait_line(decode_proc, r"decode worker on (\S+)").group(1))
+    before = decode.info(timeout=10)
+    outs = _generate_all(addr, prompts, max_tokens)
+    assert [list(o.token_ids) for o in outs] == expected
+    after = decode.info(timeout=10)
+    assert after["transfers"] - before["transfers"] == NUM
+    moved = after["transfer_bytes"] - before["transfer_bytes"]
+    assert moved == sum(pages_for(len(p), 16) for p in prompts) * _page_bytes(path)
+
+    # A follower dies: the leader stops the role within seconds, saying why; the
+    # router fails the requests over (here: prefilled on the decode worker).
+    follower.send_signal(signal.SIGKILL)
+    start = time.monotonic()
+    assert leader.wait(timeout=60) == 1
+    assert time.monotonic() - start < 30
+    assert any(re.search(r"prefill role stopped: follower process 1 has not answered", line)
+               for line in leader.lines), "".join(leader.lines)
+    outs = _generate_all(addr, prompts, max_tokens)
+    assert [list(o.token_ids) for o in outs] == expected
+    deadline = time.monotonic() + 30
+    while True:                       # every slot and page given back
+        info = decode.info(timeout=10)
+        if (info["free_slots"], info["free_pages"]) == (before["free_slots"], before["free_pages"]):
+            break
+        assert time.monotonic() < deadline, info
+        time.sleep(0.2)
+    router.send_signal(signal.SIGTERM)
+    assert router.wait(timeout=60) == 0
+
+
+def test_sigterm_to_the_whole_role_while_it_compiles_stops_every_process_cleanly(model, procs):
+    """The usual way a role is stopped: every process at once, here mid warm-up (the
+    leader stops between two compiled steps and tells its follower)."""
+    path = model[0]
+    group = ["--role", "prefill", "--mesh", "prefill=4", "--model", path, "--port", "0",
+             "--num_processes", "2", "--coordinator", _coordinator(), "--max_model_len",
+             "160", "--host", "127.0.0.1"]
+    leader = procs.start(group + ["--process_id", "0"])
+    follower = procs.start(group + ["--process_id", "1"])
+    procs.wait_line(leader, r"compiling prefill 2/")
+    for p in (leader, follower):
+        p.send_signal(signal.SIGTERM)
+    assert leader.wait(timeout=60) == 0, "".join(leader.lines)
+    assert follower.wait(timeout=60) == 0, "".join(follower.lines)
+    assert any("prefill follower 1 stopped" in line for line in follower.lines)
