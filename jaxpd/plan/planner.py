@@ -294,6 +294,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="highest rate the simulated goodput search probes (default: 100 x --rate; "
                         "the lowest is --rate / 100)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the ranking as JSON here")
+    live = p.add_argument_group("live recommendation (nothing is profiled; nothing is changed)")
+    live.add_argument("--live", default=None, metavar="URL",
+                      help="a running deployment's /metrics URL (router or single process "
+                           "HTTP port): print the split the elastic controller would move to")
+    live.add_argument("--live_split", default="prefill=4,decode=4",
+                      help="the deployment's split now, prefill=P,decode=D")
+    live.add_argument("--live_interval_s", type=positive_float, default=10.0,
+                      help="seconds between scrapes")
+    live.add_argument("--live_count", type=positive_int, default=None,
+                      help="scrapes before exiting (default: until interrupted)")
+    live.add_argument("--live_sustain_s", type=positive_float, default=30.0,
+                      help="a move must be wanted this long before it is recommended")
+    live.add_argument("--live_dwell_s", type=positive_float, default=120.0,
+                      help="no move within this long of the last one")
     return p
 
 
@@ -320,8 +334,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> list[Prediction]:
-    """Profile, simulate and print the ranking the flags describe."""
+    """Profile, simulate and print the ranking the flags describe (or, with --live,
+    watch a deployment and print the controller's recommendations)."""
     args = parse_args(argv)
+    if args.live:
+        from jaxpd.plan.controller import SplitController
+        from jaxpd.plan.live import parse_split, run_live
+        try:
+            split = parse_split(args.live_split)
+        except ValueError as e:
+            build_parser().error(str(e))
+        controller = SplitController(split, args.slo_ttft, args.slo_tpot,
+                                     sustain_s=args.live_sustain_s, dwell_s=args.live_dwell_s)
+        try:
+            run_live(args.live, controller, args.live_interval_s, args.live_count)
+        except KeyboardInterrupt:
+            pass
+        return []
     ensure_cpu_devices(args.num_devices if args.assume == "measured" else 2)
     model_dir = resolve_model(args.model)
     from jaxpd.plan.profile import MeshProfiler

@@ -1,0 +1,150 @@
+"""The elastic split's controller (issue 17): live signals in; out, now and then, a
+decision to move devices between prefill and decode, with its reason.
+
+Pure Python, no clock of its own (each `Signals` carries its time), so a recorded or
+synthetic trace replays exactly. What it must never do is flap: a role switch drains
+a worker and recompiles, so a wrong move costs far more than a late one. Hence:
+- each signal is smoothed (an exponential moving average per second of trace time);
+- a role is *overloaded* at `high` x its SLO (or slot/page occupancy), *has room* below
+  `low` x; between the two it is neither (the hysteresis band);
+- a move is wanted only when one role is overloaded and the other has room (both
+  overloaded is a capacity problem a re-split cannot solve), and made only once it has
+  been wanted continuously for `sustain_s`;
+- after a move nothing moves for `dwell_s`, and no role drops below `min_devices`.
+
+Pressure of each role (1.0 = at its SLO):
+  prefill  max(TTFT p90 / slo_ttft, predicted TTFT / slo_ttft)
+  decode   max(TPOT p90 / slo_tpot, slot occupancy / occupancy_high,
+               page occupancy / occupancy_high)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Signals:
+    """One observation of a serving system. Latencies in seconds (None: nothing
+    measured in the window); occupancies in [0, 1]."""
+    t: float
+    ttft_p90_s: float | None = None
+    predicted_ttft_s: float | None = None      # the admission model's, for the queue now
+    tpot_p90_s: float | None = None
+    slot_occupancy: float = 0.0
+    page_occupancy: float = 0.0
+    prefill_queue: int = 0
+
+    def __post_init__(self):
+        for name in ("ttft_p90_s", "predicted_ttft_s", "tpot_p90_s"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        for name in ("slot_occupancy", "page_occupancy"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0 <= value <= 1):
+                raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    prefill: int
+    decode: int
+
+    def __str__(self) -> str:
+        return f"prefill={self.prefill},decode={self.decode}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    t: float
+    old: Split
+    new: Split
+    reason: str
+
+    @property
+    def direction(self) -> str:
+        return "to_prefill" if self.new.prefill > self.old.prefill else "to_decode"
+
+
+class SplitController:
+    """Feed it `Signals` in time order (`observe`); it returns a `Decision` when the
+    split should change, else None. `split` is the split now; `step` devices move at a
+    time (a decode dp shard's size, say)."""
+
+    def __init__(self, split: Split, slo_ttft_s: float, slo_tpot_s: float, *, step: int = 1,
+                 min_devices: int = 1, high: float = 1.0, low: float = 0.6,
+                 occupancy_high: float = 0.9, sustain_s: float = 30.0, dwell_s: float = 120.0,
+                 smoothing_s: float = 10.0):
+        if not (slo_ttft_s > 0 and slo_tpot_s > 0):
+            raise ValueError("slo_ttft_s and slo_tpot_s must be > 0")
+        if not 0 < low < high:
+            raise ValueError(f"need 0 < low < high, got low={low}, high={high}")
+        if step < 1 or min_devices < 1 or min(split.prefill, split.decode) < min_devices:
+            raise ValueError(f"step and min_devices must be >= 1 and the split {split} must "
+                             f"give each role at least min_devices={min_devices}")
+        self.split, self.step, self.min_devices = split, step, min_devices
+        self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
+        self.high, self.low, self.occupancy_high = high, low, occupancy_high
+        self.sustain_s, self.dwell_s, self.smoothing_s = sustain_s, dwell_s, smoothing_s
+        self.prefill_pressure = self.decode_pressure = None
+        self._last_t: float | None = None
+        self._last_switch_t: float | None = None
+        self._wanted: tuple[str, float] | None = None    # (direction, since)
+        self.decisions: list[Decision] = []
+
+    def pressures(self, s: Signals) -> tuple[float, float]:
+        """This observation's raw (prefill, decode) pressure."""
+        prefill = max([x / self.slo_ttft_s for x in (s.ttft_p90_s, s.predicted_ttft_s)
+                       if x is not None], default=0.0)
+        decode = max([s.tpot_p90_s / self.slo_tpot_s] if s.tpot_p90_s is not None else [],
+                     default=0.0)
+        decode = max(decode, s.slot_occupancy / self.occupancy_high,
+                     s.page_occupancy / self.occupancy_high)
+        return prefill, decode
+
+    def observe(self, s: Signals) -> Decision | None:
+        if self._last_t is not None and s.t < self._last_t:
+            raise ValueError(f"signals out of order: t={s.t} after t={self._last_t}")
+        prefill, decode = self.pressures(s)
+        if self._last_t is None:
+            self.prefill_pressure, self.decode_pressure = prefill, decode
+            self._started_t = s.t
+        else:
+            keep = math.exp(-(s.t - self._last_t) / self.smoothing_s)
+            self.prefill_pressure = keep * self.prefill_pressure + (1 - keep) * prefill
+            self.decode_pressure = keep * self.decode_pressure + (1 - keep) * decode
+        self._last_t = s.t
+        want = self._wanted_direction()
+        if want is None:
+            self._wanted = None
+            return None
+        if self._wanted is None or self._wanted[0] != want:
+            self._wanted = (want, s.t)
+        since = self._wanted[1]
+        settled_t = self._started_t if self._last_switch_t is None else self._last_switch_t
+        if s.t - since < self.sustain_s or s.t - settled_t < self.dwell_s:
+            return None
+        return self._switch(s.t, want, since)
+
+    def _wanted_direction(self) -> str | None:
+        p, d = self.prefill_pressure, self.decode_pressure
+        if p > self.high and d < self.low and self.split.decode - self.step >= self.min_devices:
+            return "to_prefill"
+        if d > self.high and p < self.low and self.split.prefill - self.step >= self.min_devices:
+            return "to_decode"
+        return None
+
+    def _switch(self, t: float, direction: str, since: float) -> Decision:
+        old = self.split
+        sign = 1 if direction == "to_prefill" else -1
+        new = Split(old.prefill + sign * self.step, old.decode - sign * self.step)
+        busy, idle = ("prefill", "decode") if sign > 0 else ("decode", "prefill")
+        pressure = {"prefill": self.prefill_pressure, "decode": self.decode_pressure}
+        reason = (f"{busy} at {pressure[busy]:.2f}x its SLO and {idle} at "
+                  f"{pressure[idle]:.2f}x for {t - since:.0f} s: {self.step} device(s) "
+                  f"{idle} -> {busy}")
+        decision = Decision(t, old, new, reason)
+        self.split, self._last_switch_t, self._wanted = new, t, None
+        self.decisions.append(decision)
+        return decision
