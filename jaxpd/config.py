@@ -68,6 +68,9 @@ class EngineConfig:
     layerwise_min_tokens: int = 0
     layerwise_parts: int = 4
     kv_part_timeout_s: float = 30.0    # decode side: a layer-wise part overdue -> re-prefill
+    # Prefill side, a sender whose peer pulls (the transfer server): before the next
+    # batch, wait up to this long for the last handoffs to be pulled (0: do not wait).
+    handoff_wait_ms: float = 200.0
     # Prefix caching (the decode pool's full pages, content-addressed, shared by
     # reference; `engine.page_allocator`): the decode mesh prefills with context what
     # it finds cached. With a prefill mesh, a request whose cached prefix leaves fewer
@@ -104,6 +107,8 @@ class EngineConfig:
             raise ValueError(f"layerwise_min_tokens must be >= 0, got {self.layerwise_min_tokens}")
         if self.layerwise_parts < 2:
             raise ValueError(f"layerwise_parts must be >= 2, got {self.layerwise_parts}")
+        if self.handoff_wait_ms < 0:
+            raise ValueError(f"handoff_wait_ms must be >= 0, got {self.handoff_wait_ms}")
         if self.kv_part_timeout_s <= 0:
             raise ValueError(f"kv_part_timeout_s must be positive, got {self.kv_part_timeout_s}")
         if self.attention_impl not in ATTENTION_IMPLS:

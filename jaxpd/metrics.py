@@ -279,7 +279,9 @@ def run_report(name: str, timelines: Sequence[RequestTimeline], duration_s: floa
 
     `duration_s` is the wall time of the run (first arrival to last finish, as the
     caller measured it); throughputs are per second of it. ITL percentiles pool
-    every gap of every request. `slo_attainment` is None for a run with no requests.
+    every gap of every request; `handoff_gap_s` is each request's first -> second token
+    gap alone (in a disaggregated run it holds the KV handoff) and `later_itl_s` every
+    gap after it. `slo_attainment` is None for a run with no requests.
     """
     if not duration_s > 0:
         raise ValueError(f"run_report duration_s must be > 0, got {duration_s}")
@@ -292,6 +294,8 @@ def run_report(name: str, timelines: Sequence[RequestTimeline], duration_s: floa
         "ttft_s": summarize(ttfts),
         "tpot_s": summarize(tpots),
         "itl_s": summarize(itls),
+        "handoff_gap_s": summarize(t.itls[0] for t in timelines if t.itls),
+        "later_itl_s": summarize(gap for t in timelines for gap in t.itls[1:]),
         "e2e_s": summarize(t.e2e for t in timelines),
         "output_tok_s": num_output_tokens / duration_s,
         "req_s": len(timelines) / duration_s,
@@ -320,10 +324,14 @@ def format_table(reports: Sequence[dict]) -> str:
         ("goodput req/s", [_cell(r["goodput_req_s"]) for r in reports]),
     ]
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"),
-                       ("e2e_s", "E2E")):
-        for stat in ("mean", "p50", "p90", "p99"):
+                       ("e2e_s", "E2E"), ("handoff_gap_s", "1st->2nd token gap"),
+                       ("later_itl_s", "later ITL")):
+        stats = ("p50", "p99") if key in ("handoff_gap_s", "later_itl_s") else (
+            "mean", "p50", "p90", "p99")
+        for stat in stats:
             rows.append((f"{label} {stat} (ms)",
-                         [_cell(r[key][stat], scale=1e3, digits=1) for r in reports]))
+                         [_cell(r.get(key, {}).get(stat), scale=1e3, digits=1)
+                          for r in reports]))
     header = ("metric", [str(r["name"]) for r in reports])
     label_width = max(len(label) for label, _ in [header] + rows)
     column_widths = [max(len(cells[i]) for _, cells in [header] + rows)

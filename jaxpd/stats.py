@@ -56,6 +56,9 @@ class EngineStats(collections.abc.Mapping):
                                        "pages the decode side held cached.")
     prefix_skip_misses: int = _counter("Handoffs that left out pages the decode side no longer "
                                        "held (evicted meanwhile): prefilled again in full.")
+    handoff_waits_expired: int = _counter("Prefill batches that started before the decode side "
+                                          "had pulled the previous handoffs "
+                                          "(`handoff_wait_ms` ran out).")
     decode_steps: int = _counter("Decode steps run.")
     preemptions: int = _counter("Requests preempted for lack of pages.")
     finished: int = _counter("Requests finished (stop or length).",

@@ -104,3 +104,57 @@ def test_a_short_handoff_leaves_before_the_next_long_prefill(tiny_hf_model, monk
     placed = [e for e in copies if e[1].startswith("jaxpd-transfer")]
     assert len(placed) == 2
     assert all(e[2] <= decode_devices and e[3] <= decode_devices for e in placed)
+
+
+class PulledConnector(DevicePutConnector):
+    """A connector whose peer pulls (as the transfer server's does): `wait_pulled` is
+    recorded; it answers `still_waiting` (0: everything pulled)."""
+
+    def __init__(self, events: list, still_waiting: int):
+        super().__init__()
+        self.events, self.still_waiting = events, still_waiting
+
+    def send(self, handoff):
+        self.events.append(("send", handoff.num_tokens))
+        super().send(handoff)
+
+    def wait_pulled(self, timeout: float) -> int:
+        self.events.append(("wait", timeout))
+        return self.still_waiting
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wait_ms,still_waiting", [(150.0, 0), (150.0, 1), (0.0, 0)])
+def test_each_prefill_batch_first_waits_for_the_last_handoffs_pulls(tiny_hf_model, monkeypatch,
+                                                                    wait_ms, still_waiting):
+    """With a sender whose peer pulls from this process (the transfer server across
+    processes), the next batch is dispatched only after `wait_pulled` for the handoffs
+    before it; one that ran out of time is counted. 0 ms: no wait at all."""
+    path, hf_model = tiny_hf_model
+    short, long = [5, 9, 11, 3], list(range(3, 103))
+    expected = reference(hf_model, [short, long], [4, 4])
+    events: list = []
+    connector = PulledConnector(events, still_waiting)
+    with LLM(path, mesh="prefill=1,decode=1", max_model_len=160, slots_per_shard=4,
+             handoff_wait_ms=wait_ms, connector=connector) as llm:
+        run = llm.engine.prefill_runner.run
+
+        def spy_run(tokens, *args):
+            events.append(("prefill", tokens.shape[1]))
+            return run(tokens, *args)
+
+        monkeypatch.setattr(llm.engine.prefill_runner, "run", spy_run)
+        greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        first = llm.submit(llm.make_request(prompt_token_ids=short, sampling_params=greedy))
+        while first.state.name == "WAITING":
+            threading.Event().wait(0.001)
+        second = llm.submit(llm.make_request(prompt_token_ids=long, sampling_params=greedy))
+        assert [llm._wait(first).token_ids, llm._wait(second).token_ids] == expected
+        assert_all_pages_free(llm)
+        expired = llm.stats()["handoff_waits_expired"]
+    if wait_ms == 0:
+        assert ("prefill", 16) in events and not [e for e in events if e[0] == "wait"]
+        return
+    assert events == [("wait", 0.15), ("prefill", 16), ("send", 4),
+                      ("wait", 0.15), ("prefill", 128), ("send", 100)]
+    assert expired == 2 * still_waiting

@@ -170,12 +170,15 @@ def test_run_report_shape_and_values():
     report = run_report("prefill=1,decode=1", timelines, duration_s=2.0,
                         slo_ttft_s=0.2, slo_tpot_s=0.2, goodput_req_s=3.5)
     assert set(report) == {"name", "ttft_s", "tpot_s", "itl_s", "e2e_s", "output_tok_s",
-                           "req_s", "slo_attainment", "goodput_req_s", "num_requests"}
+                           "req_s", "slo_attainment", "goodput_req_s", "num_requests",
+                           "handoff_gap_s", "later_itl_s"}
     assert report["name"] == "prefill=1,decode=1"
     assert report["ttft_s"]["mean"] == pytest.approx(0.3)
     assert report["tpot_s"] == pytest.approx({"mean": 0.1, "p50": 0.1, "p90": 0.1,
                                               "p99": 0.1})
     assert report["itl_s"]["p50"] == pytest.approx(0.1)
+    assert report["handoff_gap_s"]["p50"] == pytest.approx(0.1)   # only the first has gaps
+    assert report["later_itl_s"]["mean"] == pytest.approx(0.1)
     assert report["e2e_s"]["p50"] == pytest.approx(0.45)
     assert report["output_tok_s"] == 2.0 and report["req_s"] == 1.0
     assert report["slo_attainment"] == 0.5
@@ -200,6 +203,8 @@ def test_format_table_puts_runs_side_by_side():
     assert rows["TTFT p50 (ms)"] == ["250.0", "500.0"]
     assert rows["TPOT mean (ms)"] == ["100.0", "20.0"]
     assert rows["goodput req/s"] == ["-", "4.00"]
+    assert rows["1st->2nd token gap p50 (ms)"] == ["100.0", "20.0"]
+    assert rows["later ITL p99 (ms)"] == ["-", "-"]
     assert rows["SLO attainment %"] == ["100.0", "100.0"]
     # Columns line up: every row is as wide as the header.
     assert len({len(line) for line in lines}) == 1

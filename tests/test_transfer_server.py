@@ -249,6 +249,20 @@ def assert_pull_fails(decode, handoff) -> None:
 
 
 @pytest.mark.slow
+def test_wait_pulled_returns_when_the_peer_has_pulled(decode):
+    """What the prefill loop waits on before its next batch: 1 while the offer is
+    unpulled (the wait runs out), 0 once the decode side has pulled and acked it."""
+    with one_offer(decode, "pulled", offer_ttl_s=60) as (prefill, handoff):
+        assert prefill.wait_pulled(0.05) == 1
+        placed = threading.Thread(target=decode.place, args=(
+            handoff, jax.sharding.SingleDeviceSharding(jax.devices()[0])))
+        placed.start()
+        assert prefill.wait_pulled(30) == 0
+        placed.join()
+        assert prefill.pending() == 0 and prefill.reclaimed == 0
+
+
+@pytest.mark.slow
 def test_offer_ttl_frees_unacked_arrays_and_late_pull_fails(decode):
     with one_offer(decode, "late", offer_ttl_s=0.5) as (prefill, handoff):
         time.sleep(0.8)

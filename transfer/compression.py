@@ -89,6 +89,10 @@ class CompressingSender:
     def counts(self) -> dict[str, int]:
         return self.inner.counts()
 
+    def wait_pulled(self, timeout: float) -> int:
+        wait = getattr(self.inner, "wait_pulled", None)
+        return 0 if wait is None else wait(timeout)
+
     def close(self) -> None:
         self.inner.close()
 

@@ -118,6 +118,11 @@ class KVSender(Protocol):
     def close(self) -> None:
         """Release queues, servers and threads."""
 
+    # Optional: `wait_pulled(timeout) -> int`, for a sender whose peer pulls the pages
+    # from this process later (the transfer server): wait for the pulls of what was
+    # sent so far, so the next prefill batch does not hold them up; returns how many
+    # still wait. The prefill loop calls it, when present, before each batch.
+
 
 class KVReceiver(Protocol):
     """The decode side of a transfer: the control plane (`receive`: metadata, pages

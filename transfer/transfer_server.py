@@ -290,6 +290,22 @@ class TransferServerSender(_Endpoint):
                                 f"and the connector has no default")
         return address
 
+    def wait_pulled(self, timeout: float) -> int:
+        """Wait up to `timeout` seconds for every offer made so far to be acked (pulled,
+        or refused); returns how many still wait. The prefill loop calls it before its
+        next batch: the pull is served by this process, and a long prefill dispatched
+        first would hold it up (issue 12's handoff stall, across processes)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            waiting = set(self._pending)
+            while True:
+                self._drop_expired()
+                waiting &= self._pending.keys()
+                left = deadline - time.monotonic()
+                if not waiting or left <= 0:
+                    return len(waiting)
+                self._lock.wait(timeout=min(left, 0.1))
+
     def pending(self) -> int:
         """Offers not yet acked and not yet expired."""
         with self._lock:

@@ -105,6 +105,9 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--process_kv_transport", choices=["transfer_server", "grpc"],
                    default="transfer_server",
                    help="--deployment processes: how KV pages move between the workers")
+    s.add_argument("--handoff_wait_ms", type=float, default=None,
+                   help="engine handoff_wait_ms (the prefill side's wait for the transfer "
+                        "server's pulls before its next batch; default: the engine's)")
     s.add_argument("--max_model_len", type=positive_int, default=None,
                    help="engine max_model_len (default: longest prompt + longest output)")
     s.add_argument("--slots_per_shard", type=positive_int, default=8,
@@ -217,6 +220,8 @@ class Benchmark:
         self.engine_options = dict(max_model_len=self.max_model_len,
                                    slots_per_shard=args.slots_per_shard,
                                    max_prefill_batch=args.max_prefill_batch)
+        if args.handoff_wait_ms is not None:
+            self.engine_options["handoff_wait_ms"] = args.handoff_wait_ms
         self.warmup = self._warmup_requests(min(prompts), max(prompts), min(max(outputs), 8))
         self.reports: list[dict] = []
         self.timelines: dict[str, list] = {}

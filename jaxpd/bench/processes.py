@@ -99,7 +99,8 @@ def worker_flags(deployment: Deployment, model_dir: str, options: dict,
               "--kv_transport", deployment.kv_transport]
     if not compile_ahead:
         common.append("--nowarmup")
-    for key in ("slots_per_shard", "max_prefill_batch", "prefix_extend_below"):
+    for key in ("slots_per_shard", "max_prefill_batch", "prefix_extend_below",
+                "handoff_wait_ms"):
         if key in options:
             common += [f"--{key}", str(options[key])]
     if options.get("enable_prefix_caching"):

@@ -158,7 +158,8 @@ class Engine:
         self.prefill_loop = PrefillLoop(self.prefill_runner, self.prefill_scheduler, sender,
                                         self.requests, self.requests.prefill_inbox, c.page_size,
                                         self.counters, layerwise=groups,
-                                        layerwise_min_tokens=c.layerwise_min_tokens)
+                                        layerwise_min_tokens=c.layerwise_min_tokens,
+                                        handoff_wait_s=c.handoff_wait_ms / 1000)
 
     def _build_decode(self) -> None:
         c, mesh, spec = self.config, self.meshes.decode, self.config.mesh

@@ -29,6 +29,9 @@ class PrefillLoop:
 
     `on_decode_mesh`: this is the decode mesh's own prefill (short prompts, re-prefills
     in a decode-only process), counted apart as local prefills.
+    `handoff_wait_s`: with a sender whose peer pulls the pages from this process
+    (`wait_pulled`: the transfer server), each batch first waits up to this long for
+    the previous handoffs' pulls, so the next prefill does not stall them.
     `layerwise`: the layer groups of a layer-wise transfer, used for batches whose
     bucket is at least `layerwise_min_tokens` long; each group's pages are sent as a
     `KVPart` as soon as they are computed, overlapping the transfer with the next
@@ -38,13 +41,16 @@ class PrefillLoop:
     def __init__(self, runner: PrefillRunner, scheduler: PrefillScheduler, sender: KVSender,
                  requests: Requests, inbox: queue.SimpleQueue, page_size: int,
                  stats: StatsCounter, *, on_decode_mesh: bool = False,
-                 layerwise: list[tuple[int, int]] | None = None, layerwise_min_tokens: int = 0):
+                 layerwise: list[tuple[int, int]] | None = None, layerwise_min_tokens: int = 0,
+                 handoff_wait_s: float = 0.0):
         self.runner, self.scheduler, self.sender = runner, scheduler, sender
         self.requests, self.inbox = requests, inbox
         self.page_size, self.stats = page_size, stats
         self.on_decode_mesh = on_decode_mesh
         self.layerwise = layerwise if layerwise and len(layerwise) > 1 else None
         self.layerwise_min_tokens = layerwise_min_tokens
+        self.handoff_wait_s = handoff_wait_s
+        self._wait_pulled = getattr(sender, "wait_pulled", None) if handoff_wait_s > 0 else None
 
     def uses_layerwise(self, bucket: int) -> bool:
         return (self.layerwise is not None and self.layerwise_min_tokens > 0
@@ -73,6 +79,11 @@ class PrefillLoop:
         batch, wait = self.scheduler.schedule(now)
         if batch is None:
             return False, wait
+        if self._wait_pulled is not None:
+            # The last batch's pages are pulled by the decode side from this process:
+            # let that finish before a long prefill takes the devices (and cores).
+            if self._wait_pulled(self.handoff_wait_s):
+                self.stats.add(handoff_waits_expired=1)
         live = self._start(batch)
         tokens, lengths, sampling = self._inputs(batch, live)
         self.stats.add(prefill_batches=1, prefill_tokens=int(lengths[:len(live)].sum()),

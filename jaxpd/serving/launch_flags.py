@@ -130,6 +130,10 @@ def _define_role_flags(fv: flags.FlagValues) -> None:
                       "(workers may also register themselves).", flag_values=fv)
     flags.DEFINE_list("decode_workers", [], "router role: host:port of decode workers.",
                       flag_values=fv)
+    flags.DEFINE_float("handoff_wait_ms", 200.0, "prefill role, transfer server: before its "
+                       "next batch, wait up to this long for the decode side to pull the last "
+                       "handoffs (the pull is served by this process; a long prefill would "
+                       "hold it up). 0: do not wait.", lower_bound=0, flag_values=fv)
     flags.DEFINE_enum("kv_transport", "transfer_server", ["transfer_server", "grpc"],
                       "prefill/decode roles: how KV pages cross processes (the JAX transfer "
                       "server, or a gRPC byte stream where it is unavailable).", flag_values=fv)
@@ -288,7 +292,7 @@ def engine_options(fv: flags.FlagValues) -> dict:
                    enable_prefix_caching=fv.enable_prefix_caching,
                    prefix_extend_below=fv.prefix_extend_below,
                    decode_context_step=fv.decode_context_step,
-                   attention_impl=fv.attention_impl)
+                   attention_impl=fv.attention_impl, handoff_wait_ms=fv.handoff_wait_ms)
     if fv.max_model_len is not None:
         options["max_model_len"] = fv.max_model_len
     return options
