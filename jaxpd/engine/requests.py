@@ -146,8 +146,10 @@ class Requests:
 
     def resubmit(self, request: Request) -> bool:
         """Preempted, or its transfer failed: prefill it again (prompt + output so far).
-        False if it was aborted meanwhile."""
-        if not request.transition(State.WAITING):
+        False if it is final meanwhile: aborted, or finished (a request preempted by a
+        step's plan can finish with the token of the step still in flight, read back
+        just after; only the decode thread finishes requests, and it is the caller)."""
+        if request.state is State.FINISHED or not request.transition(State.WAITING):
             return False
         self._route(request)
         return True
