@@ -220,3 +220,60 @@ def test_a_request_from_another_process_learns_its_first_token_from_the_handoff(
     assert mirror.output_ids == [61, 62, 63]
     assert mirror.timings.token_times[0] <= mirror.timings.kv_ready
     assert_no_page_held(env)
+
+
+def test_handoffs_from_another_process_are_pulled_before_they_have_a_slot(pool):
+    """The prefill process serves the pull and waits for it before its next batch
+    (issue 12): a handoff waiting for a slot is pulled at once, onto shard 0, up to
+    `max_prefetch` of them; admitted later, its pages are the ones inserted."""
+    env = make(pool, slots=1, remote=True)
+    env.loop.max_prefetch = 1
+    mirrors = []
+    for i in range(3):
+        wire = Request(f"remote-{i}", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3)).to_wire()
+        mirrors.append(Request.from_wire(wire))
+        env.requests.register(mirrors[-1])
+        kv = pages(LAYERS, 2, float(i + 1), PAGE_SIZE)
+        env.receiver.push(KVHandoff(f"remote-{i}", 5, 10 * (i + 1), kv, kv, payload=wire))
+    env.loop.iterate(receive_timeout=None)
+    # remote-0 has the slot; remote-1 waits for it, already pulled; remote-2 waits unpulled.
+    assert [h.request_id for h in env.receiver.placed] == ["remote-0", "remote-1"]
+    assert env.scheduler.slot_of(mirrors[1]) is None
+    run(env, lambda: all(m.is_final for m in mirrors))
+    assert [m.output_ids for m in mirrors] == [[10, 11, 12], [20, 21, 22], [30, 31, 32]]
+    assert [h.request_id for h in env.receiver.placed] == ["remote-0", "remote-1", "remote-2"]
+    assert env.stats.snapshot()["transfers"] == 3
+    assert_no_page_held(env)
+
+
+def test_a_prefetched_handoff_whose_request_is_aborted_is_dropped(pool):
+    env = make(pool, slots=1, remote=True)
+    mirrors = []
+    for i in range(2):
+        wire = Request(f"remote-{i}", [1, 2, 3], SamplingParams(max_tokens=4)).to_wire()
+        mirrors.append(Request.from_wire(wire))
+        env.requests.register(mirrors[-1])
+        kv = pages(LAYERS, 1, 1.0, PAGE_SIZE)
+        env.receiver.push(KVHandoff(f"remote-{i}", 3, 7, kv, kv, payload=wire))
+    env.loop.iterate(receive_timeout=None)
+    assert len(env.receiver.placed) == 2                  # the second was prefetched
+    env.requests.abort("remote-1", "cancelled")
+    run(env, lambda: all(m.is_final for m in mirrors))
+    assert mirrors[0].output_ids == [7, 8, 9, 10] and mirrors[1].finish_reason == "abort"
+    assert len(env.runner.inserts) == 1
+    assert_no_page_held(env)
+
+
+def test_resubmitting_a_request_that_finished_meanwhile_is_a_no_op(pool):
+    """A request preempted by a step's plan may finish with the token of the step still
+    in flight (read back right after the plan): resubmitting it then must change
+    nothing, not kill the decode thread (seen once in CI: finished -> waiting)."""
+    env = make(pool)
+    r = Request("done", [1, 2, 3], SamplingParams(max_tokens=1))
+    env.requests.submit(r)
+    env.requests.prefill_inbox.get_nowait()
+    r.transition(State.PREFILLING)
+    assert r.append_token(7, time.perf_counter())     # its first token was its last
+    assert r.state is State.FINISHED
+    assert env.requests.resubmit(r) is False
+    assert r.state is State.FINISHED and env.requests.prefill_inbox.empty()

@@ -156,6 +156,7 @@ class Inbound:
         self._received: list[KVHandoff] = []
         self._futures: list[futures.Future] = []
         self._start: tuple[jax.sharding.Sharding, jax.ShapeDtypeStruct] | None = None
+        self._target: jax.sharding.Sharding | None = None   # when started elsewhere first
         self._deadline = 0.0
         self._error: TransferError | None = None
         self.add(first)
@@ -207,10 +208,19 @@ class Inbound:
 
     def start(self, sharding: jax.sharding.Sharding, expect: jax.ShapeDtypeStruct) -> None:
         """Move the parts received so far onto `sharding`, later ones as they come.
-        `expect`: the whole KV's shape [L, P, page_size, K, H] and dtype in the pool."""
+        `expect`: the whole KV's shape [L, P, page_size, K, H] and dtype in the pool.
+        Started already (prefetched onto a staging sharding before it had a slot): the
+        parts keep moving there and are copied onto `sharding` once all have arrived."""
+        if self._start is not None:
+            self._target = sharding
+            return
         self._start = (sharding, expect)
         for h in self._received:
             self._place(h)
+
+    @property
+    def started(self) -> bool:
+        return self._start is not None
 
     def poll(self, now: float):
         """`PENDING`, `Placed` once every part is on the shard, or the `TransferError`
@@ -279,6 +289,8 @@ class Inbound:
             self._error = TransferError(f"the parts of {self.request_id!r} hold {k.shape[0]} "
                                         f"layers, the model has {layers}")
             return self._error
+        if self._target is not None and self._target != self._start[0]:
+            k, v = jax.device_put((k, v), self._target)      # staging shard -> its slot's
         return Placed(k, v, sum(x[2].num_bytes for x in results),
                       sum(x[2].seconds for x in results))
 

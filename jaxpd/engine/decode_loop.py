@@ -61,8 +61,9 @@ class DecodeLoop:
 
     def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler,
                  inbound: list[InboundQueue], requests: Requests, stats: StatsCounter,
-                 max_pages_per_slot: int, context_step: int = 8):
+                 max_pages_per_slot: int, context_step: int = 8, max_prefetch: int = 8):
         self.runner, self.scheduler, self.inbound = runner, scheduler, inbound
+        self.max_prefetch = max_prefetch
         self.requests, self.stats = requests, stats
         self.max_pages_per_slot, self.context_step = max_pages_per_slot, context_step
         # Prefill with context into slots (prefix caching): set by the engine.
@@ -141,6 +142,26 @@ class DecodeLoop:
                     continue
                 self.pending.append((inbound, r))
             timeout = None
+
+    def _prefetch_waiting(self) -> None:
+        """Handoffs from another process that wait for a slot start moving at once,
+        onto dp shard 0: their pages are served by the prefill process, whose next batch
+        waits for the pull (issue 12's handoff stall), so the pull must not wait for a
+        slot to free. At most `max_prefetch` of them hold pages outside the pool this
+        way, oldest first; once admitted, `Inbound` moves them to their slot's shard."""
+        started = sum(i.started for i, _ in self.pending)
+        for inbound, _ in self.pending:
+            if started >= self.max_prefetch:
+                return
+            if inbound.remote and not inbound.started and inbound.error is None:
+                inbound.start(self.runner.shard_sharding(0), self._expect(inbound))
+                started += 1
+
+    def _expect(self, inbound: Inbound) -> jax.ShapeDtypeStruct:
+        """The shape and dtype a transfer's pages take in the pool."""
+        pool = self.runner.k_pool
+        return jax.ShapeDtypeStruct((pool.shape[0], inbound.num_pages) + pool.shape[2:],
+                                    pool.dtype)
 
     def _refuse(self, request_id: str, payload, remote: bool, error: HandoffRejected,
                 inbound: Inbound | None = None) -> None:
@@ -225,18 +246,17 @@ class DecodeLoop:
                     f"the first {first} pages its handoff left out are no longer cached "
                     f"here"), inbound)
                 continue
-            if found is None:
-                return                         # FIFO: wait for a slot or pages to free
+            if found is None:                  # FIFO: wait for a slot or pages to free
+                self._prefetch_waiting()
+                return
             self.pending.popleft()
             slot, shared = found
             pages = self.scheduler.admit(slot, r, inbound.num_tokens, ready=False, shared=shared)
             if self.scheduler.caching:
                 self.stats.add(prefix_query_tokens=inbound.num_tokens,
                                prefix_hit_tokens=len(shared) * self.scheduler.page_size)
-            pool = self.runner.k_pool
-            expect = jax.ShapeDtypeStruct((pool.shape[0], inbound.num_pages) + pool.shape[2:],
-                                          pool.dtype)
-            inbound.start(self.runner.shard_sharding(self.scheduler.shard_of(slot)), expect)
+            inbound.start(self.runner.shard_sharding(self.scheduler.shard_of(slot)),
+                          self._expect(inbound))
             self._admitted.append(_Admitted(slot, r, pages, inbound))
 
     def _supersede(self, r: Request, new: Inbound) -> None:
