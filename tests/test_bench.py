@@ -125,7 +125,6 @@ def test_prompts_are_fixed_by_the_seed_not_the_rate():
     (["--deployment", "processes", "--prefill_cpus", "0", "--decode_cpus", "4096"],
      "--decode_cpus"),
     (["--prefill_cpus", "0", "--decode_cpus", "1"], "--prefill_cpus"),
-    (["--deployment", "processes", "--workload", "multiturn"], "--deployment"),
     (["--deployment", "processes", "--process_kv_transport", "pigeon"],
      "--process_kv_transport"),
 ])
@@ -256,3 +255,24 @@ def test_plan_traffic_bench_measures_each_message_shape(tmp_path, capsys):
     assert all(rows[b, t, "run"]["bytes"] > 4 * b * t for b, t in plan_traffic.SHAPES)
     assert all(r["latency_us_p50"] > 0 and r["publish_us_p50"] > 0 for r in out["rows"])
     assert "to follower p50/p99 us" in capsys.readouterr().out
+
+
+def test_prefix_bench_sums_a_deployments_worker_counters():
+    """The multi-process deployment's figures come from every live worker's engine
+    counters (the router's Stats fan-out), summed: prefill tokens are computed on both
+    roles, hits and KV moved on the decode side."""
+    from jaxpd.bench.prefix import worker_counters
+    from jaxpd.stats import COUNTERS
+
+    class Router:
+        def stats(self):
+            return {"workers": {"prefill": [{"counters": {"prefill_tokens": 100}}],
+                                "decode": [{"counters": {"prefill_tokens": 7,
+                                                         "prefix_hit_tokens": 32,
+                                                         "transfer_bytes": 4096}},
+                                           {"address": "an older worker: no counters"}]}}
+
+    total = worker_counters(Router())
+    assert set(total) == set(COUNTERS)
+    assert (total["prefill_tokens"], total["prefix_hit_tokens"], total["transfer_bytes"],
+            total["finished"]) == (107, 32, 4096, 0)

@@ -9,7 +9,9 @@ from tests.engine_fixtures import (assert_all_pages_free, build_hf_model, mixed_
                                    reference)
 
 NUM_REQUESTS = 28
-MESHES = ["prefill=1,decode=1", "prefill=4,decode=4", "prefill=2,decode=2x2", "colocated=4"]
+# prefill=1,decode=1 is held to transformers' tokens by test_handoff_stall and the
+# sampling, penalty and layer-wise tests; these are the meshes only this test covers.
+MESHES = ["prefill=4,decode=4", "prefill=2,decode=2x2", "colocated=4"]
 
 
 @pytest.fixture(scope="module")

@@ -82,8 +82,10 @@ def test_prefill_process_to_decode_process_matches_hf(model, tmp_path):
 
 
 def test_prefill_process_killed_after_offer_requests_still_finish(model, tmp_path):
-    # One slot per shard: most requests wait for a slot, so their pull comes after the kill.
-    # A pull from the dead process fails when its timeout runs out: a short one (a pull
+    # One slot per shard: most requests wait for a slot (those past the decode side's
+    # max_prefetch are not even pulled), so some pulls come after the kill, which follows
+    # the last offer at once. A pull from the dead process fails when its timeout runs
+    # out: a short one (a pull
     # that times out while the peer lives is a transfer failure too, which the
     # assertions below allow).
     proc, stats = _run(model, tmp_path, "die_after_offer", slots_per_shard=1,

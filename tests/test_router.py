@@ -29,6 +29,11 @@ COMMON = ["--max_model_len", "160", "--nowarmup", "--host", "127.0.0.1", "--http
 
 @pytest.fixture(scope="module")
 def model(tiny_hf_model):
+    return router_model(tiny_hf_model)
+
+
+def router_model(tiny_hf_model):
+    """(path, prompts, max tokens, their reference tokens, longer max tokens, theirs)."""
     path, hf = tiny_hf_model
     prompts = mixed_prompts(NUM, 256, seed=5)
     max_tokens = [6 + 2 * i for i in range(NUM)]
@@ -164,43 +169,6 @@ def test_router_layerwise_transfer_matches_single_process(model, procs, transpor
     # Prompts of 17+ tokens fill buckets of 32+: layer-wise; the rest went whole.
     assert after["transfers"] == NUM
     assert after["layerwise_transfers"] == sum(len(p) > 16 for p in prompts) == 4
-
-
-# Fault points x transports, each once (a CI minute each): before the first part is
-# offered and after it, on both transports between them.
-@pytest.mark.parametrize("fault,transport", [("die_before_offer:2", "transfer_server"),
-                                             ("die_after_offer:2", "grpc")])
-def test_prefill_worker_killed_between_layer_parts_requests_still_finish(model, procs, fault,
-                                                                         transport):
-    """The decode side holds a slot with some of a request's layers when the prefill
-    worker dies: the request is prefilled again and finishes with the same tokens."""
-    path, prompts, max_tokens, expected, long_tokens, expected_long = model
-    addr, _, workers = _deployment(procs, path, prefill_fault=fault, extra=LAYERWISE,
-                                   transport=transport, router_extra=PATIENT_ROUTER)
-    outs = _generate_all(addr, prompts, max_tokens)
-    assert workers[0].wait(timeout=60) == -signal.SIGKILL
-    assert [list(o.token_ids) for o in outs] == expected
-    decode = RoleClient(procs.wait_line(workers[1], r"decode worker on (\S+)").group(1))
-    deadline = time.monotonic() + 30
-    while decode.info(timeout=10)["free_slots"] != 8:      # every slot given back
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    # The request caught between parts failed its transfer and was prefilled again.
-    assert decode.info(timeout=10)["transfer_failures"] >= 1
-
-
-@pytest.mark.parametrize("fault,transport", [("die_before_offer:3", "transfer_server"),
-                                             ("die_after_offer:3", "transfer_server"),
-                                             ("die_on_ack:3", "transfer_server"),
-                                             ("die_before_offer:3", "grpc")])
-def test_prefill_worker_killed_requests_still_finish(model, procs, fault, transport):
-    path, prompts, max_tokens, expected, long_tokens, expected_long = model
-    addr, _, workers = _deployment(procs, path, prefill_fault=fault, transport=transport,
-                                   router_extra=PATIENT_ROUTER)
-    outs = _generate_all(addr, prompts, max_tokens)
-    assert workers[0].wait(timeout=60) == -signal.SIGKILL
-    # The requests the dead worker held were prefilled again on the decode worker.
-    assert [list(o.token_ids) for o in outs] == expected
 
 
 def test_decode_worker_killed_fails_over_to_another(model, procs):

@@ -152,8 +152,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.processes = None
     if args.deployment == "processes":
         from jaxpd.bench.processes import make_deployment
-        if args.workload != "poisson":
-            parser.error("--deployment processes: only --workload poisson for now")
         try:
             args.processes = make_deployment(args.process_mesh, args.prefill_cpus,
                                              args.decode_cpus,

@@ -10,6 +10,10 @@ every mesh served twice on the same requests, prefix cache off and on.
   `--prefix_len` tokens, each reused by `--num_requests / --num_prefixes` requests
   that add their own `--user_len` tokens; Poisson arrivals at `--rate`.
 
+With `--deployment processes`, the pinned multi-process deployment (a router in this
+process in front of a prefill and a decode worker, `bench/processes.py`) is served too,
+cache off and on, each started afresh; its counters are its workers' (`worker_counters`).
+
 Answers are `--output_lens`' first length, greedy, EOS ignored. Per run: TTFT and ITL
 percentiles, output tokens/s, prompt tokens computed, the cache's hit rate, KV bytes
 moved between meshes and KV bytes a handoff did not carry because the decode side held
@@ -56,9 +60,23 @@ def make_chats(args: argparse.Namespace, vocab_size: int) -> list[Chat]:
     return [Chat(float(s), tuple(t)) for s, t in zip(starts, turns)]
 
 
-def serve(llm, chats: list[Chat], output_len: int, think_s: float) -> dict:
-    """Run every chat (a thread each) against `llm`; the run's figures and outputs."""
-    before = llm.stats()
+def worker_counters(router) -> dict:
+    """A router deployment's engine counters: every live worker's, summed (prefill
+    tokens are computed on both roles, cache hits and KV moved on the decode side)."""
+    from jaxpd.stats import COUNTERS
+    total: dict = dict.fromkeys(COUNTERS, 0)
+    for workers in router.stats()["workers"].values():
+        for info in workers:
+            for name, value in info.get("counters", {}).items():
+                total[name] = total.get(name, 0) + value
+    return total
+
+
+def serve(llm, chats: list[Chat], output_len: int, think_s: float, stats=None) -> dict:
+    """Run every chat (a thread each) against `llm` (an `LLM` or a `Router`); the run's
+    figures and outputs. `stats`: where the engine counters come from (`llm.stats`)."""
+    stats_of = stats or llm.stats
+    before = stats_of()
     origin = time.perf_counter()
     done: list[tuple[int, int, object, list[int]]] = []
     lock = threading.Lock()
@@ -84,7 +102,7 @@ def serve(llm, chats: list[Chat], output_len: int, think_s: float) -> dict:
         t.start()
     for t in threads:
         t.join()
-    stats = _stats_delta(before, llm.stats())
+    stats = _stats_delta(before, stats_of())
     timelines = [timeline_of(r.timings, origin) for _, _, r, _ in done]
     duration = max(t.finish_s for t in timelines) - min(t.arrival_s for t in timelines)
     queried = stats.get("prefix_query_tokens", 0)
@@ -131,8 +149,38 @@ def run_prefix_bench(args: argparse.Namespace, model_dir: str, meshes: list[str]
             runs.append({"name": f"{mesh} cache={'on' if cache else 'off'}", "mesh": mesh,
                          "prefix_caching": cache, **run})
         runs[-1]["outputs_identical"] = outputs[True] == outputs[False]
+    if args.processes is not None:
+        runs += _serve_deployment(args, model_dir, chats, output_len, engine_options)
     print(format_prefix_table(runs))
     return {"workload": args.workload, "runs": runs}
+
+
+def _serve_deployment(args: argparse.Namespace, model_dir: str, chats: list[Chat],
+                      output_len: int, engine_options: dict) -> list[dict]:
+    """The pinned multi-process deployment (`--deployment processes`: a router in this
+    process, a prefill and a decode worker), cache off then on, each started afresh."""
+    from jaxpd.bench.processes import ProcessesBackend
+    from jaxpd.models.source import model_config_and_tokenizer
+    vocab = model_config_and_tokenizer(model_dir)[0].vocab_size
+    deployment, runs, outputs = args.processes, [], {}
+    for cache in (False, True):
+        options = dict(engine_options, enable_prefix_caching=cache)
+        if not cache:
+            options.pop("prefix_extend_below", None)
+        warm = args.warmup_requests > 0
+        backend = ProcessesBackend(model_dir, deployment, options, compile_ahead=warm)
+        try:
+            stats = lambda: worker_counters(backend.front)
+            if warm:
+                serve(backend.front, make_chats(_warm_args(args), vocab), output_len, 0.0, stats)
+            run = serve(backend.front, chats, output_len, args.think_s, stats)
+        finally:
+            backend.close()
+        outputs[cache] = run.pop("outputs")
+        runs.append({"name": f"{deployment.name} cache={'on' if cache else 'off'}",
+                     "mesh": deployment.name, "prefix_caching": cache, **run})
+    runs[-1]["outputs_identical"] = outputs[True] == outputs[False]
+    return runs
 
 
 def _warm_args(args: argparse.Namespace) -> argparse.Namespace:

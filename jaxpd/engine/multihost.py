@@ -16,11 +16,11 @@ a cluster token every plan is signed (HMAC-SHA256 over its sequence number and b
 a follower refuses one that is not; without a token the coordinator must be on loopback
 (the launcher enforces it). A follower also checks every message's shape before it acts.
 
-Liveness: a follower writes `beat acked` (a counter and the last plan it finished) every
-`BEAT_S` (`Follower`); the leader's watch (`FollowerWatch`) calls `on_lost` with the reason when a follower's beat stops
-for `dead_s`, or when it is behind and has finished nothing for `stuck_s`. A follower
-stops when the leader says so, or when the coordination service (hosted by the leader)
-is gone.
+Liveness: a follower (`Follower`) writes `beat acked` (a counter and the last plan it
+finished) every `BEAT_S`; the leader's `FollowerWatch` calls `on_lost` with the reason
+when a follower's beat stops for `dead_s`, or when it is behind and has finished nothing
+for `stuck_s`. A follower stops when the leader says so, or when the coordination
+service (hosted by the leader) is gone.
 """
 from __future__ import annotations
 
@@ -280,8 +280,9 @@ def _local(x):
 
 
 def _batch(msg: dict):
-    tokens, lengths = _unpack_array(msg.get("tokens"), "tokens"), _unpack_array(msg.get("lengths"), "lengths")
-    floats, ints = _unpack_array(msg.get("floats"), "floats"), _unpack_array(msg.get("ints"), "ints")
+    """A run message's (tokens, lengths, sampling rows), checked."""
+    tokens, lengths, floats, ints = (_unpack_array(msg.get(name), name)
+                                     for name in ("tokens", "lengths", "floats", "ints"))
     b = tokens.shape[0] if tokens.ndim == 2 else -1
     if b < 1 or lengths.shape != (b,) or floats.shape != (b, 6) or ints.shape != (b, 4) or \
             tokens.dtype != np.int32 or lengths.dtype != np.int32 or floats.dtype != np.float32:

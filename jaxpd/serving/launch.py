@@ -51,9 +51,11 @@ def run(fv: flags.FlagValues) -> int:
     except ValueError as e:
         print(f"--mesh: {e}", file=sys.stderr)
         return 2
+    group = None
     if fv.num_processes > 1:                 # before any jax backend comes up
         from jaxpd.engine.multihost import ProcessGroup, initialize
-        initialize(ProcessGroup(fv.num_processes, fv.process_id, fv.coordinator))
+        group = ProcessGroup(fv.num_processes, fv.process_id, fv.coordinator)
+        initialize(group)
     from jaxpd import xla_cache
     from jaxpd.llm import LLM   # after XLA_FLAGS: this is what brings the backend up
 
@@ -67,23 +69,20 @@ def run(fv: flags.FlagValues) -> int:
         return _run_once(fv, LLM)
     stop = _stop_on_signals()
     if fv.role in ("prefill", "decode"):
-        return _run_role(fv, stop)
+        return _run_role(fv, stop, group)
     return _serve(fv, stop, LLM)
 
 
-def _run_role(fv: flags.FlagValues, stop: threading.Event) -> int:
-    """A prefill or decode role of a multi-process deployment: 2 for bad auth flags or
-    an open plane, 1 when it cannot start or the router refuses it."""
+def _run_role(fv: flags.FlagValues, stop: threading.Event, group=None) -> int:
+    """A prefill or decode role of a multi-process deployment (`group`: this process's
+    place in a role spanning processes): 2 for bad auth flags or an open plane, 1 when
+    it cannot start or the router refuses it."""
     auth = _role_auth(fv, f"the {fv.role} worker")
     if auth is None:
         return 2
     from jaxpd.serving.role_server import serve_role
     from jaxpd.transfer.transfer_server import TransferServerUnavailable
     options = dict(engine_options(fv), warmup=fv.warmup)
-    group = None
-    if fv.num_processes > 1:
-        from jaxpd.engine.multihost import ProcessGroup
-        group = ProcessGroup(fv.num_processes, fv.process_id, fv.coordinator)
     try:
         return serve_role(fv.role, fv.model, fv.host, fv.port, fv.router, fv.kv_transport,
                           stop, _say, options, auth=auth, heartbeat_s=fv.heartbeat_s,

@@ -33,6 +33,7 @@ from grpc_health.v1 import health, health_pb2
 from jaxpd.auth import NO_AUTH, InternalAuth
 from jaxpd.engine.engine import Engine
 from jaxpd.errors import QueueFull
+from jaxpd.stats import COUNTERS
 from jaxpd.request import Request, State
 from jaxpd.serving.pool import ShrinkingThreadPool, health_handler
 from jaxpd.serving.role_rpc import (MAX_ADDRESS_LEN, MAX_REASON_LEN, ROLE_SERVICE,
@@ -82,7 +83,8 @@ class RoleService:
                 "model_path": self.engine.model.path, "transfers": s.transfers,
                 "slots_total": s.slots_total, "pages_total": s.pages_total,
                 "layerwise_transfers": s.layerwise_transfers,
-                "transfer_failures": s.transfer_failures, "transfer_bytes": s.transfer_bytes}
+                "transfer_failures": s.transfer_failures, "transfer_bytes": s.transfer_bytes,
+                "counters": {name: s[name] for name in COUNTERS}}
 
     def Prefill(self, msg, context) -> dict:
         self._require("prefill", context)
