@@ -71,12 +71,16 @@ class EngineConfig:
     # Prefill side, a sender whose peer pulls (the transfer server): before the next
     # batch, wait up to this long for the last handoffs to be pulled (0: do not wait).
     handoff_wait_ms: float = 200.0
-    # Prefix caching (the decode pool's full pages, content-addressed, shared by
-    # reference; `engine.page_allocator`): the decode mesh prefills with context what
-    # it finds cached. With a prefill mesh, a request whose cached prefix leaves fewer
-    # than `prefix_extend_below` tokens to compute is prefilled on the decode mesh.
+    # Prefix caching (full KV pages, content-addressed, shared by reference;
+    # `engine.page_allocator`): the decode mesh prefills with context what it finds
+    # cached in its pool. With a prefill mesh, a request whose cached prefix leaves
+    # fewer than `prefix_extend_below` tokens to compute is prefilled on the decode
+    # mesh; the others on the prefill mesh, which keeps its own cache of
+    # `prefill_cache_pages` pages (`engine.prefill_cache`; default: pages_per_shard,
+    # at least what its largest batch needs).
     enable_prefix_caching: bool = False
     prefix_extend_below: int = 256
+    prefill_cache_pages: int | None = None
     # Decode attention core: "auto" (the backend's), "reference" (jnp), "pallas_gpu",
     # "pallas_tpu"; `resolve_attention_impl` checks it against the decode devices.
     attention_impl: str = "auto"
@@ -116,6 +120,8 @@ class EngineConfig:
                              f"got {self.attention_impl!r}")
         if self.prefix_extend_below < 0:
             raise ValueError(f"prefix_extend_below must be >= 0, got {self.prefix_extend_below}")
+        if self.prefill_cache_pages is not None and self.prefill_cache_pages < 2:
+            raise ValueError(f"prefill_cache_pages must be >= 2, got {self.prefill_cache_pages}")
         if self.local_prefill_below < 0:
             raise ValueError(f"local_prefill_below must be >= 0, got {self.local_prefill_below}")
         min_pages = self.pages_per_slot + 1

@@ -51,6 +51,10 @@ class EngineStats(collections.abc.Mapping):
     prefix_query_tokens: int = _counter("Tokens looked up in the prefix cache (decode side).")
     prefix_hit_tokens: int = _counter("Tokens whose KV came from the prefix cache (not computed "
                                       "or not inserted).")
+    prefill_cache_query_tokens: int = _counter("Tokens looked up in the prefill mesh's own prefix "
+                                               "cache.")
+    prefill_cache_hit_tokens: int = _counter("Tokens the prefill mesh found in its prefix cache "
+                                             "(not computed).")
     prefix_evictions: int = _counter("Cached pages evicted to make room.")
     prefix_saved_bytes: int = _counter("Bytes of KV cache a handoff did not carry: the leading "
                                        "pages the decode side held cached.")
@@ -71,6 +75,8 @@ class EngineStats(collections.abc.Mapping):
     pages_used: int = _gauge("KV-cache pages in use.")
     pages_cached: int = _gauge("KV-cache pages nobody uses that keep a cached prefix "
                                "(evicted when room is needed).")
+    prefill_pages_cached: int = _gauge("Prefill-mesh cache pages that hold a cached prefix "
+                                       "(none is in use between batches).")
     queue_waiting: int = _gauge("Requests waiting for prefill.")
 
     def __getitem__(self, key: str):

@@ -32,6 +32,10 @@ def assert_all_pages_free(llm: LLM) -> None:
     assert stats["slots_active"] == 0, stats
     for alloc in llm.engine.decode_scheduler.allocators:
         assert alloc.num_free == alloc.capacity
+    cache = llm.engine.prefill_cache      # the prefill mesh's: nothing held between batches
+    if cache is not None:
+        cache.allocator.check()
+        assert cache.allocator.num_used == 0 and cache.allocator.num_free == cache.allocator.capacity
 
 
 def reference(hf_model, prompts, max_tokens):

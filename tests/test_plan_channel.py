@@ -234,6 +234,8 @@ def fv():
      "cannot share equally"),
     ({"num_processes": 2, "role": "prefill", "mesh": "prefill=4", "coordinator": "10.1.2.3:9"},
      "beyond loopback: give the cluster token"),
+    ({"num_processes": 2, "role": "prefill", "mesh": "prefill=4", "coordinator": "127.0.0.1:9",
+      "enable_prefix_caching": True}, "--enable_prefix_caching is not supported yet"),
 ])
 def test_launcher_refuses_bad_multi_process_flags(fv, args, match, monkeypatch):
     monkeypatch.delenv("JAXPD_CLUSTER_TOKEN", raising=False)

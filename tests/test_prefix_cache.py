@@ -195,7 +195,56 @@ def test_multiturn_greedy_matches_hf_and_computes_only_the_new_tokens(tiny_hf_mo
 
 
 @pytest.mark.slow
-def test_cache_off_and_on_agree_with_concurrent_sharers_and_a_tiny_pool(tiny_hf_model):
+def test_the_prefill_mesh_computes_only_what_its_own_cache_lacks(tiny_hf_model):
+    """Every turn through the prefill mesh (tp=2; `prefix_extend_below=0`): its cache
+    holds the previous turn's prompt pages, so it computes only the rest (counted
+    tokens), and its handoff leaves out what the decode side holds (counted bytes).
+    Outputs equal transformers'; both caches' books balance afterwards."""
+    path, hf_model = tiny_hf_model
+    system, users = _conversation(np.random.default_rng(7), turns=4)
+    with LLM(path, mesh="prefill=2,decode=1x2", max_model_len=192, slots_per_shard=2,
+             enable_prefix_caching=True, prefix_extend_below=0) as llm:
+        page = _page_bytes(llm)
+        conv, previous = list(system), 0
+        for t, user in enumerate(users):
+            before = llm.stats()
+            conv = _chat(llm, hf_model, conv, [user], logprobs=2)
+            after = llm.stats()
+            prompt = len(conv) - 6
+            d = {k: after[k] - before[k] for k in ("prefill_tokens", "prefill_cache_hit_tokens",
+                                                   "prefill_cache_query_tokens", "transfer_bytes",
+                                                   "prefix_saved_bytes", "local_prefills")}
+            # The prefill mesh cached the full pages of the previous prompt (it never
+            # sees the answers): exactly those are found, the rest is computed.
+            assert d["prefill_cache_hit_tokens"] == previous // 16 * 16, (t, d)
+            assert d["prefill_tokens"] == prompt - d["prefill_cache_hit_tokens"]
+            assert d["prefill_cache_query_tokens"] == prompt and d["local_prefills"] == 0
+            assert d["transfer_bytes"] + d["prefix_saved_bytes"] == -(-prompt // 16) * page
+            assert (d["prefix_saved_bytes"] > 0) == (t > 0)
+            previous = prompt
+        stats = llm.stats()
+        assert stats["prefill_pages_cached"] >= previous // 16
+        assert stats["prefix_skip_misses"] == 0 and stats["prefix_evictions"] == 0
+        _check_pool(llm)
+
+
+def test_a_prefill_cache_too_small_for_the_largest_batch_is_refused(tiny_hf_model):
+    path, _ = tiny_hf_model
+    with pytest.raises(ValueError, match="prefill_cache_pages=8 cannot hold"):
+        LLM(path, mesh="prefill=1,decode=1", max_model_len=96, enable_prefix_caching=True,
+            prefill_cache_pages=8)
+
+
+# dp=2: two pools, each with its own cache; a shard is chosen by its cached prefix.
+# prefill=1: the prefill mesh's cache, at the least that admits its largest batch (4
+# rows of 6 pages and the null page), evicts too.
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,extra", [
+    ("colocated=2", {}),
+    ("prefill=1,decode=1", dict(prefill_cache_pages=25, max_prefill_batch=4,
+                               prefix_extend_below=0))])
+def test_cache_off_and_on_agree_with_concurrent_sharers_and_a_tiny_pool(tiny_hf_model, mesh,
+                                                                        extra):
     """Many requests sharing a system prompt at once on a pool that must evict: every
     output equals transformers', cached pages are evicted (never one in use), and the
     accounting is exact afterwards."""
@@ -206,9 +255,8 @@ def test_cache_off_and_on_agree_with_concurrent_sharers_and_a_tiny_pool(tiny_hf_
     prompts += [rng.integers(3, 256, 50).tolist() for _ in range(4)]     # strangers
     expected = [hf_greedy(hf_model, p, 8) for p in prompts]
     # 2 slots x 6 pages + null: a full shard holds two requests, nothing else.
-    # dp=2: two pools, each with its own cache; a shard is chosen by its cached prefix.
-    with LLM(path, mesh="colocated=2", max_model_len=96, slots_per_shard=2,
-             pages_per_shard=13, enable_prefix_caching=True) as llm:
+    with LLM(path, mesh=mesh, max_model_len=96, slots_per_shard=2,
+             pages_per_shard=13, enable_prefix_caching=True, **extra) as llm:
         for round_ in range(2):
             outs = llm.generate(prompt_token_ids=prompts,
                                 sampling_params=[_greedy(8)] * len(prompts))
@@ -216,6 +264,9 @@ def test_cache_off_and_on_agree_with_concurrent_sharers_and_a_tiny_pool(tiny_hf_
         stats = llm.stats()
         assert stats["prefix_hit_tokens"] > 0 and stats["prefix_evictions"] > 0
         assert stats["finished"] == 2 * len(prompts) and stats["aborted"] == 0
+        cache = llm.engine.prefill_cache
+        if cache is not None:
+            assert stats["prefill_cache_hit_tokens"] > 0 and cache.allocator.num_evictions > 0
         _check_pool(llm)
 
 
@@ -317,9 +368,9 @@ def test_penalties_and_logprobs_through_the_cache_equal_the_uncached_path(tiny_h
     system, users = _conversation(np.random.default_rng(4), turns=3)
     params = dict(repetition_penalty=1.3, presence_penalty=0.4, logprobs=3)
 
-    def run(cache):
+    def run(cache, **kw):
         with LLM(path, mesh="prefill=1,decode=1", max_model_len=192, slots_per_shard=2,
-                 enable_prefix_caching=cache) as llm:
+                 enable_prefix_caching=cache, **kw) as llm:
             conv, answers = list(system), []
             for user in users:
                 conv += user
@@ -332,10 +383,13 @@ def test_penalties_and_logprobs_through_the_cache_equal_the_uncached_path(tiny_h
                 _check_pool(llm)
             return answers
 
-    cached, plain = run(True), run(False)
-    for (ids_c, lp_c), (ids_p, lp_p) in zip(cached, plain):
-        assert ids_c == ids_p
-        np.testing.assert_allclose(lp_c, lp_p, atol=1e-4)
+    # Later turns prefilled with context on the decode mesh, then on the prefill mesh
+    # (whose cache a penalised request does not read: it computes its whole prompt).
+    plain = run(False)
+    for cached in (run(True), run(True, prefix_extend_below=0)):
+        for (ids_c, lp_c), (ids_p, lp_p) in zip(cached, plain):
+            assert ids_c == ids_p
+            np.testing.assert_allclose(lp_c, lp_p, atol=1e-4)
 
 
 # ---- across processes' interfaces: the router's prefix-aware routing -----------------
@@ -345,22 +399,121 @@ def test_prefix_index_records_per_worker_and_forgets_a_dropped_one():
     index = PrefixIndex(page_size=4, max_pages=3)
     ids = list(range(3, 23))                              # 5 full pages
     index.record("a", ids[:12])
-    hashes = index.hashes(ids)
-    assert index.cached_tokens("a", hashes) == 12 and index.cached_tokens("b", hashes) == 0
+    query = index.query(ids)
+    assert index.cached_tokens("a", query) == 12 and index.cached_tokens("b", query) == 0
     index.record("a", ids)                                # bounded: the oldest pages go
-    assert index.cached_tokens("a", hashes) == 0          # page 0 forgotten: no prefix
+    assert index.cached_tokens("a", query) == 0           # page 0 forgotten: no prefix
     index.record("b", ids[:8])
     index.forget("b")
-    assert index.cached_tokens("b", hashes) == 0
+    assert index.cached_tokens("b", query) == 0
+
+
+def test_a_workers_journal_advertises_its_publishes_and_evictions_as_changes():
+    """`CacheJournal`: a full list first, then only what changed; a page held by two
+    allocators is dropped only when both evict it; `resync` sends everything again."""
+    from jaxpd.engine.page_allocator import CacheJournal
+    journal = CacheJournal(ROOT)
+    allocs = [PageAllocator(4, journal), PageAllocator(4, journal)]
+    hashes = page_hashes(list(range(12)), 4, ROOT)        # 3 pages
+    first = journal.take()
+    assert first == {"root": ROOT, "seq": 1, "full": True, "add": [], "drop": []}
+    for alloc in allocs:
+        pages = alloc.allocate(2)
+        alloc.publish(pages[0], hashes[0])
+        alloc.publish(pages[1], hashes[1])
+        alloc.free(pages)
+    keys = [h[:8] for h in hashes]
+    msg = journal.take()
+    assert (msg["seq"], msg["full"], sorted(msg["add"]), msg["drop"]) == (
+        2, False, sorted(keys[:2]), [])
+    allocs[0].drop_cached()                               # the other still holds both
+    assert journal.take()["drop"] == []
+    allocs[1].drop_cached()
+    assert sorted(journal.take()["drop"]) == sorted(keys[:2])
+    pages = allocs[0].allocate(1)
+    allocs[0].publish(pages[0], hashes[2])
+    journal.resync()
+    msg = journal.take()
+    assert msg["full"] and msg["add"] == [keys[2]] and msg["seq"] == 5
+
+
+def test_prefix_index_applies_advertisements_in_order_and_expires_beliefs():
+    """The router's view of a worker: advertised changes applied in sequence (a gap
+    asks for everything), a relayed belief kept until two advertisements have had
+    their say, and a malformed advertisement refused naming its field."""
+    from jaxpd.serving.prefix_index import PrefixIndex
+    index = PrefixIndex(page_size=4)
+    ids = list(range(3, 23))                              # 5 full pages
+    query = index.query(ids)
+    keys = [h[:8] for h in page_hashes(ids, 4, ROOT)]
+
+    def advert(seq, full=False, add=(), drop=()):
+        return {"root": ROOT, "seq": seq, "full": full, "add": list(add), "drop": list(drop)}
+
+    assert index.advertise("w", advert(1, full=True, add=keys[:2]))
+    assert index.cached_tokens("w", query) == 8
+    assert index.advertise("w", advert(2, add=keys[2:4]))
+    assert index.cached_tokens("w", query) == 16
+    assert index.advertise("w", advert(3, drop=keys[1:2]))          # page 1 evicted
+    assert index.cached_tokens("w", query) == 4
+    assert not index.advertise("w", advert(5, add=keys[1:2]))       # 4 was missed
+    assert not index.advertise("w", advert(6, add=keys[1:2]))       # until a full one
+    assert index.cached_tokens("w", query) == 4
+    assert index.advertise("w", advert(7, full=True, add=keys[:3]))
+    assert index.cached_tokens("w", query) == 12
+    index.record("w", ids)                                # relayed: all 5 pages, at once
+    assert index.cached_tokens("w", query) == 20
+    assert index.advertise("w", advert(8))
+    assert index.cached_tokens("w", query) == 20          # one advertisement: kept
+    assert index.advertise("w", advert(9))
+    assert index.cached_tokens("w", query) == 12          # two, silent on them: gone
+    for bad, field in [("x", "prefix must be a map"), ({**advert(10), "root": "r"}, "prefix.root"),
+                       ({**advert(10), "seq": 0}, "prefix.seq"),
+                       ({**advert(10), "full": 1}, "prefix.full"),
+                       ({**advert(10), "add": [b"short"]}, "prefix.add"),
+                       ({**advert(10), "drop": None}, "prefix.drop")]:
+        with pytest.raises(ValueError, match=field):
+            index.advertise("w", bad)
+    assert index.cached_tokens("w", query) == 12          # nothing applied
+
+
+def test_router_prefers_the_prefill_worker_holding_the_prompt_unless_it_is_busier():
+    """`RequestFlow._prefill_order`: tokens to compute (all but the prefix a worker is
+    believed to hold) plus its queue in requests of this length."""
+    from jaxpd.serving.prefix_index import PrefixIndex
+    from jaxpd.serving.router import _Worker
+    from jaxpd.serving.router_flow import RequestFlow
+
+    class Flow(RequestFlow):
+        def __init__(self, workers):
+            self.prefix, self.workers = PrefixIndex(16), workers
+
+        def _live_workers(self, role, exclude=()):
+            return list(self.workers)
+
+    a, b = (_Worker("prefill", name, None, static=True) for name in ("a", "b"))
+    flow = Flow([a, b])
+    ids = list(range(3, 83))                               # 80 tokens, 5 pages
+    r = Request("r", ids, SamplingParams(max_tokens=1))
+    query = flow.prefix.query(ids)
+    assert flow._prefill_order(r, query) == [a, b]         # nothing cached: in order
+    flow.prefix.record("b", ids[:48])                      # b holds 3 pages of it
+    assert flow._prefill_order(r, query) == [b, a]
+    b.load["queue"] = 1                                    # ... but has one queued
+    assert flow._prefill_order(r, query) == [a, b]
+    assert flow._prefill_order(r, None) == [a, b]          # no prefix routing: by load
 
 
 @pytest.mark.slow
 def test_router_sends_each_turn_to_the_decode_worker_holding_the_conversation(tiny_hf_model):
     """A prefill worker and two decode workers with prefix caching behind a router with
     prefix routing: turn N+1 goes to the worker that served turn N. Turn 2's uncached
-    rest (30 tokens) is above the threshold: the prefill worker computes it and its
-    handoff leaves out the 2 pages that worker holds; turn 3's (27) is below: that
-    worker prefills it itself. Outputs equal transformers'."""
+    rest (15 tokens) is below the threshold: that worker prefills it itself; turn 3's
+    (28) is above: the prefill worker computes it and its handoff leaves out the 4
+    pages that worker holds. (No conversation length is a multiple of the page size, so
+    whether a finished slot wrote its last token's KV changes no page count.) Outputs
+    equal transformers'. The workers' heartbeats advertise what their caches hold, and
+    an eviction reaches the router's index."""
     from jaxpd.auth import InternalAuth
     from jaxpd.serving.role_server import RoleServer, RoleService, make_connector
     from jaxpd.serving.router import Router, RouterConfig
@@ -368,7 +521,7 @@ def test_router_sends_each_turn_to_the_decode_worker_holding_the_conversation(ti
     auth = InternalAuth(token="t" * 32)
     workers = []
     router = Router(path, RouterConfig(max_model_len=192, heartbeat_s=1.0, prefix_routing=True,
-                                       prefix_extend_below=28), auth=auth)
+                                       prefix_extend_below=20), auth=auth)
     try:
         address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
         for role, mesh in (("prefill", "prefill=1"), ("decode", "decode=1"),
@@ -385,18 +538,39 @@ def test_router_sends_each_turn_to_the_decode_worker_holding_the_conversation(ti
         while len(router.live_workers()) < 3:
             assert time.monotonic() < deadline, "workers did not register"
             time.sleep(0.05)
-        system, users = _conversation(np.random.default_rng(5), turns=3)
-        _chat(router, hf_model, system, users)
+        system, users = _conversation(np.random.default_rng(5), turns=3, system_len=38)
+        conv = _chat(router, hf_model, system, users)
         counts = router.counters.snapshot()
         assert counts["prefix_routed"] == 1 and counts["decode_prefills"] == 0
-        decoders = sorted((llm.stats() for llm, _ in workers[1:]),
-                          key=lambda s: s["prefix_hit_tokens"])
-        assert decoders[0]["prefix_hit_tokens"] == 0        # one worker held the whole chat
-        held = decoders[1]
+        decoders = sorted(workers[1:], key=lambda w: w[0].stats()["prefix_hit_tokens"])
+        assert decoders[0][0].stats()["prefix_hit_tokens"] == 0    # one held the whole chat
+        holder, holder_server = decoders[1]
+        held = holder.stats()
         assert held["transfers"] == 2 and held["prefix_skip_misses"] == 0
-        assert held["prefix_saved_bytes"] == 2 * _page_bytes(workers[0][0])
+        assert held["prefix_saved_bytes"] == 4 * _page_bytes(workers[0][0])
         for llm, _ in workers[1:]:
             _check_pool(llm)
+        # What the workers advertise with their heartbeats: the holder's cache holds
+        # the whole chat but its last token; the prefill worker's, the last prompt.
+        index, query = router.prefix, router.prefix.query(conv)
+
+        def advertised(server, llm, ids):
+            keys = {h[:8] for h in page_hashes(ids, 16, llm.engine.prefix_root)}
+            return keys <= index._held[server.address].advertised
+
+        prefill_llm, prefill_server = workers[0]
+        deadline = time.monotonic() + 10
+        while not (advertised(holder_server, holder, conv[:-1]) and
+                   advertised(prefill_server, prefill_llm, conv[:-6])):
+            assert time.monotonic() < deadline, "the caches were not advertised"
+            time.sleep(0.05)
+        # An eviction reaches the router within heartbeats: it stops believing.
+        assert index.cached_tokens(holder_server.address, query) >= (len(conv) - 1) // 16 * 16
+        for a in holder.engine.decode_scheduler.allocators:       # (idle: no other user)
+            a.drop_cached()
+        while index.cached_tokens(holder_server.address, query):
+            assert time.monotonic() < deadline, "the eviction was not advertised"
+            time.sleep(0.05)
     finally:
         router.shutdown()
         for llm, server in workers:
@@ -404,26 +578,33 @@ def test_router_sends_each_turn_to_the_decode_worker_holding_the_conversation(ti
             llm.shutdown()
 
 
+# colocated: the decode mesh's prefill with context; prefill=1: the prefill mesh's.
 @pytest.mark.slow
-def test_warmup_covers_every_prefill_with_context_a_chat_needs(tiny_hf_model):
+@pytest.mark.parametrize("mesh,extra,programs", [
+    ("colocated=1", {}, ("extend", "decode")),
+    ("prefill=1,decode=1", dict(prefix_extend_below=0), ("prefill_cached", "decode"))])
+def test_warmup_covers_every_prefill_with_context_a_chat_needs(tiny_hf_model, mesh, extra,
+                                                               programs):
     """No compile in steady state with the cache on: concurrent chats (hits of every
     width) run only programs warm-up compiled."""
     path, hf_model = tiny_hf_model
     rng = np.random.default_rng(6)
     chats = [_conversation(rng, turns=2) for _ in range(3)]
     # page_size 8: 12 pages a slot, so hits of two context widths (8 and 12 pages).
-    with LLM(path, mesh="colocated=1", max_model_len=96, page_size=8, slots_per_shard=3,
-             max_prefill_batch=1, enable_prefix_caching=True, warmup=True) as llm:
+    with LLM(path, mesh=mesh, max_model_len=96, page_size=8, slots_per_shard=3,
+             max_prefill_batch=1, enable_prefix_caching=True, warmup=True, **extra) as llm:
         compiled = llm.engine.counter.counts()
         threads = [threading.Thread(target=_chat, args=(llm, hf_model, s, u)) for s, u in chats]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        assert llm.stats()["prefix_hit_tokens"] > 0
+        stats = llm.stats()
+        assert stats["prefix_hit_tokens"] > 0
+        assert (stats["prefill_cache_hit_tokens"] > 0) == ("prefill_cached" in programs)
         after = llm.engine.counter.counts()
         # (Cutting a handoff's pages out of a prefill batch is keyed on its exact page
         # count and paid on first use, with or without the cache: not counted here.)
-        for program in ("extend", "decode"):
+        for program in programs:
             assert after[program] == compiled[program], program
         _check_pool(llm)

@@ -28,6 +28,8 @@ from jaxpd.config import EngineConfig, resolve_attention_impl
 from jaxpd.engine.decode_loop import DecodeLoop
 from jaxpd.engine.extend_loop import ExtendLoop
 from jaxpd.engine.multihost import Follower, LeaderPrefillRunner, PlanChannel
+from jaxpd.engine.page_allocator import CacheJournal
+from jaxpd.engine.prefill_cache import PrefillCache, min_cache_pages
 from jaxpd.engine.prefill_loop import PrefillLoop
 from jaxpd.engine.requests import Limits, Requests
 from jaxpd.engine.runner import CompileCounter, DecodeRunner, PrefillRunner
@@ -65,9 +67,18 @@ class Engine:
                              "(--role prefill); decode meshes are one process each")
         self.plan, self._told_followers = plan, False
         self.is_follower = plan is not None and not plan.group.is_leader
-        # The prefix cache lives in the decode pool; the decode mesh prefills with
-        # context what it finds there (`ExtendLoop`).
+        # The decode pool caches prefixes; the decode mesh prefills with context what
+        # it finds there (`ExtendLoop`). A prefill mesh of its own keeps its own cache
+        # (`PrefillCache`).
         self.caching = config.enable_prefix_caching and spec.has_decode
+        self.prefill_caching = (config.enable_prefix_caching and spec.has_prefill
+                                and not spec.colocated)
+        if self.prefill_caching and plan is not None:
+            raise ValueError("enable_prefix_caching is not supported yet on a prefill mesh "
+                             "across processes (--num_processes > 1)")
+        self.prefix_root = self._prefix_root()
+        # What this engine's caches hold, for the router (a worker's heartbeat).
+        self.cache_journal = CacheJournal(self.prefix_root) if self.prefix_root else None
         self.meshes = build_meshes(spec)
         self.dtype = DTYPES[config.dtype]
         self.counter = CompileCounter()
@@ -84,7 +95,7 @@ class Engine:
             extend_all=spec.colocated or not spec.has_prefill, page_size=config.page_size,
             extend_below=config.prefix_extend_below)
         self._transfers = futures.ThreadPoolExecutor(4, thread_name_prefix="jaxpd-transfer")
-        self.prefill_loop = self.local_loop = self.decode_loop = None
+        self.prefill_loop = self.local_loop = self.decode_loop = self.prefill_cache = None
         self.decode_scheduler = None
         if spec.has_prefill and not (self.caching and spec.colocated):
             self._build_prefill()
@@ -155,11 +166,29 @@ class Engine:
         # the same devices in one loop, so there is nothing to overlap.
         groups = None if c.mesh.colocated else layer_groups(self.model.cfg.num_layers,
                                                              c.layerwise_parts)
+        self.prefill_cache = self._prefill_cache(params, rules, fused) \
+            if self.prefill_caching else None
         self.prefill_loop = PrefillLoop(self.prefill_runner, self.prefill_scheduler, sender,
                                         self.requests, self.requests.prefill_inbox, c.page_size,
                                         self.counters, layerwise=groups,
                                         layerwise_min_tokens=c.layerwise_min_tokens,
-                                        handoff_wait_s=c.handoff_wait_ms / 1000)
+                                        handoff_wait_s=c.handoff_wait_ms / 1000,
+                                        cache=self.prefill_cache)
+
+    def _prefill_cache(self, params, rules, fused) -> PrefillCache:
+        """The prefill mesh's prefix cache, sized to admit its largest batch."""
+        c, sched = self.config, self.prefill_scheduler
+        needed = min_cache_pages(sched.buckets, sched.batch_cap, c.page_size, c.pages_per_slot)
+        pages = c.prefill_cache_pages
+        if pages is None:
+            pages = max(c.pages_per_shard, needed)
+        elif pages < needed:
+            raise ValueError(f"prefill_cache_pages={pages} cannot hold the largest prefill "
+                             f"batch ({needed} pages with the null page; lower "
+                             f"max_prefill_tokens or max_prefill_batch, or raise it)")
+        return PrefillCache(self.model.cfg, params, self.meshes.prefill, rules, pages,
+                            c.page_size, c.pages_per_slot, self.prefix_root, self.counter,
+                            self.dtype, fused=fused, journal=self.cache_journal)
 
     def _build_decode(self) -> None:
         c, mesh, spec = self.config, self.meshes.decode, self.config.mesh
@@ -172,8 +201,9 @@ class Engine:
                                           c.page_size, self.counter, self.dtype, fused=fused,
                                           attention_impl=attention,
                                           attention_interpret=c.attention_interpret)
-        self.decode_scheduler = DecodeScheduler(num_shards, c.slots_per_shard, c.pages_per_shard,
-                                                c.page_size, self._prefix_root())
+        self.decode_scheduler = DecodeScheduler(
+            num_shards, c.slots_per_shard, c.pages_per_shard, c.page_size,
+            self.prefix_root if self.caching else None, self.cache_journal)
         receiver = self.connector
         handoffs = self._handoff_spec(compressed=False)
         if c.kv_transfer_dtype is not None:
@@ -208,9 +238,9 @@ class Engine:
                 c.pages_per_slot, c.decode_context_step, self.decode_loop.take_ready)
 
     def _prefix_root(self) -> bytes | None:
-        """Roots the prefix cache's page hashes: the model's shapes, the serving dtype
+        """Roots the prefix caches' page hashes: the model's shapes, the serving dtype
         and the page size (one engine serves one set of weights)."""
-        if not self.caching:
+        if not (self.caching or self.prefill_caching):
             return None
         key = f"{self.model.cfg}|{self.config.dtype}|{self.config.page_size}".encode()
         return hashlib.blake2b(key, digest_size=16).digest()
@@ -274,7 +304,9 @@ class Engine:
         counts = self.counters.snapshot()
         for name, n in self.connector.counts().items():
             counts[name] += n
-        counts["prefix_evictions"] = sum(a.num_evictions for a in allocators)
+        cache = self.prefill_cache.allocator if self.prefill_cache is not None else None
+        counts["prefix_evictions"] = sum(a.num_evictions for a in allocators) + (
+            cache.num_evictions if cache is not None else 0)
         return EngineStats(
             mesh=str(self.config.mesh), compiled_programs=self.counter.counts(),
             num_compiled_programs=self.counter.total, **counts,
@@ -282,6 +314,7 @@ class Engine:
             pages_total=sum(a.capacity for a in allocators),
             pages_used=sum(a.num_used for a in allocators),
             pages_cached=sum(a.num_cached_free for a in allocators),
+            prefill_pages_cached=cache.num_cached_free if cache is not None else 0,
             queue_waiting=self.requests.num_waiting())
 
     def follow(self, follower: Follower, stop: threading.Event) -> str:

@@ -16,12 +16,18 @@ always names what the page holds.
 Every page is in exactly one of: free (no contents), cached (contents, unreferenced,
 in the LRU), used (referenced): `num_used + num_cached_free + num_never_used ==
 capacity` (`check`).
+
+**What a worker advertises** (`CacheJournal`): every publish and eviction is noted in
+the journal its allocators share, and the worker's heartbeat carries what changed since
+the last one (or, after a failed heartbeat or when the router asks, all it holds), so
+the router's `PrefixIndex` knows what each worker's caches hold.
 """
 from __future__ import annotations
 
 import collections
 import hashlib
 import struct
+import threading
 
 
 class OutOfPages(Exception):
@@ -40,11 +46,67 @@ def page_hashes(token_ids: list[int], page_size: int, root: bytes) -> list[bytes
     return hashes
 
 
+# Bytes of a page hash a worker advertises: a collision (2^-64 a pair) costs a wrong
+# routing guess, which the worker's own cache corrects, never a wrong page.
+ADVERTISED_BYTES = 8
+
+
+class CacheJournal:
+    """The page hashes a worker's prefix caches hold (over all its allocators), and
+    their changes since the last `take`: what its heartbeat advertises. The allocators
+    note into it from the engine's threads; the heartbeat thread takes from it."""
+
+    def __init__(self, root: bytes):
+        self.root = root
+        self._lock = threading.Lock()
+        self._held: collections.Counter[bytes] = collections.Counter()   # key -> pages
+        self._changed: dict[bytes, bool] = {}     # key -> held now, since the last take
+        self._seq = 0
+        self._full = True
+
+    def added(self, h: bytes) -> None:
+        key = h[:ADVERTISED_BYTES]
+        with self._lock:
+            self._held[key] += 1
+            if self._held[key] == 1:
+                self._changed[key] = True
+
+    def dropped(self, h: bytes) -> None:
+        key = h[:ADVERTISED_BYTES]
+        with self._lock:
+            self._held[key] -= 1
+            if not self._held[key]:
+                del self._held[key]
+                self._changed[key] = False
+
+    def take(self) -> dict:
+        """The next advertisement: {"root", "seq", "full", "add", "drop"}; a full one
+        lists every held key in "add" (and replaces what the router knew)."""
+        with self._lock:
+            self._seq += 1
+            if self._full:
+                add, drop = list(self._held), []
+            else:
+                add = [k for k, held in self._changed.items() if held]
+                drop = [k for k, held in self._changed.items() if not held]
+            msg = {"root": self.root, "seq": self._seq, "full": self._full, "add": add,
+                   "drop": drop}
+            self._changed.clear()
+            self._full = False
+            return msg
+
+    def resync(self) -> None:
+        """The last advertisement may not have arrived: send everything next time."""
+        with self._lock:
+            self._full = True
+
+
 class PageAllocator:
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, journal: CacheJournal | None = None):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
         self.num_pages = num_pages
+        self.journal = journal
         # LIFO free list: recently freed pages are reused first (warm in cache).
         self._free = list(range(num_pages - 1, 0, -1))
         self._refs: dict[int, int] = {}                    # used page -> references
@@ -144,6 +206,8 @@ class PageAllocator:
             return False
         self._hash_of[page] = h
         self._page_of[h] = page
+        if self.journal is not None:
+            self.journal.added(h)
         return True
 
     def drop_cached(self) -> int:
@@ -155,7 +219,10 @@ class PageAllocator:
 
     def _evict_one(self) -> None:
         p, _ = self._lru.popitem(last=False)
-        del self._page_of[self._hash_of.pop(p)]
+        h = self._hash_of.pop(p)
+        del self._page_of[h]
+        if self.journal is not None:
+            self.journal.dropped(h)
         self._free.append(p)
         self.num_evictions += 1
 

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jaxpd.engine.page_allocator import pages_for
+from jaxpd.engine.prefill_cache import PrefillCache
 from jaxpd.engine.requests import Requests
 from jaxpd.engine.runner import PrefillRunner
 from jaxpd.engine.sampler import Logprobs, SamplingArrays
@@ -36,13 +37,15 @@ class PrefillLoop:
     bucket is at least `layerwise_min_tokens` long; each group's pages are sent as a
     `KVPart` as soon as they are computed, overlapping the transfer with the next
     groups' compute. Shorter buckets (or `layerwise=None`) send the whole KV at once.
+    `cache`: this mesh's prefix cache (`PrefillCache`); every batch then computes only
+    its requests' uncached tokens, and sends the whole KV at once.
     """
 
     def __init__(self, runner: PrefillRunner, scheduler: PrefillScheduler, sender: KVSender,
                  requests: Requests, inbox: queue.SimpleQueue, page_size: int,
                  stats: StatsCounter, *, on_decode_mesh: bool = False,
                  layerwise: list[tuple[int, int]] | None = None, layerwise_min_tokens: int = 0,
-                 handoff_wait_s: float = 0.0):
+                 handoff_wait_s: float = 0.0, cache: PrefillCache | None = None):
         self.runner, self.scheduler, self.sender = runner, scheduler, sender
         self.requests, self.inbox = requests, inbox
         self.page_size, self.stats = page_size, stats
@@ -50,10 +53,11 @@ class PrefillLoop:
         self.layerwise = layerwise if layerwise and len(layerwise) > 1 else None
         self.layerwise_min_tokens = layerwise_min_tokens
         self.handoff_wait_s = handoff_wait_s
+        self.cache = cache
         self._wait_pulled = getattr(sender, "wait_pulled", None) if handoff_wait_s > 0 else None
 
     def uses_layerwise(self, bucket: int) -> bool:
-        return (self.layerwise is not None and self.layerwise_min_tokens > 0
+        return (self.layerwise is not None and self.cache is None and self.layerwise_min_tokens > 0
                 and bucket >= self.layerwise_min_tokens)
 
     def take_queued(self) -> None:
@@ -85,6 +89,9 @@ class PrefillLoop:
             if self._wait_pulled(self.handoff_wait_s):
                 self.stats.add(handoff_waits_expired=1)
         live = self._start(batch)
+        if self.cache is not None:
+            self._run_cached(live, batch)
+            return True, 0.0
         tokens, lengths, sampling = self._inputs(batch, live)
         self.stats.add(prefill_batches=1, prefill_tokens=int(lengths[:len(live)].sum()),
                        prefill_padded_tokens=tokens.size)
@@ -136,6 +143,48 @@ class PrefillLoop:
                 continue                       # aborted meanwhile
             if self._send(r, n, int(first[i]), k_pages, v_pages, first_page=skip):
                 self.requests.handed_off(r)
+
+    def _run_cached(self, live: list[Request], batch: PrefillBatch) -> None:
+        """Prefill with context through the cache (`PrefillCache`): each row computes
+        only the tokens after its cached prefix; its pages are cut from the pool."""
+        cache = self.cache
+        admitted = cache.admit(live)
+        try:
+            uncached = [r.num_tokens - cached for r, (_, cached, _) in zip(live, admitted)]
+            length = next(t for t in cache.new_buckets(batch.length, self.scheduler.buckets)
+                          if t >= max(uncached, default=1))
+            rows, width = batch.batch_size, cache.width(batch.length)
+            tokens = np.zeros((rows, length), np.int32)
+            starts = np.zeros(rows, np.int32)
+            lengths = np.ones(rows, np.int32)  # padding rows: one token, to the null page
+            tables = np.zeros((rows, width), np.int32)
+            sampling = SamplingArrays.empty(rows)
+            for i, (r, (pages, cached, _)) in enumerate(zip(live, admitted)):
+                new = r.prefill_ids[cached:]
+                tokens[i, :len(new)] = new
+                starts[i], lengths[i] = cached, len(new)
+                tables[i, :len(pages)] = pages
+                sampling.set_row(i, r)
+            computed = sum(uncached)
+            self.stats.add(prefill_batches=1, prefill_tokens=computed,
+                           prefill_padded_tokens=tokens.size,
+                           prefill_cache_query_tokens=sum(r.num_tokens for r in live),
+                           prefill_cache_hit_tokens=sum(c for _, c, _ in admitted))
+            first, logprobs = cache.run(tokens, starts, lengths, tables, sampling)
+            for pages, cached, hashes in admitted:
+                cache.publish(pages, hashes, cached // self.page_size)
+            now = time.perf_counter()
+            for i, (r, (pages, _, _)) in enumerate(zip(live, admitted)):
+                n = int(starts[i] + lengths[i])
+                if self._first_token(r, i, int(first[i]), logprobs, now):
+                    continue
+                skip = self._skip_pages(r, n)
+                k_pages, v_pages = cache.take(pages[skip:])
+                if r.transition(State.TRANSFERRING) and \
+                        self._send(r, n, int(first[i]), k_pages, v_pages, first_page=skip):
+                    self.requests.handed_off(r)
+        finally:
+            cache.release([pages for pages, _, _ in admitted])
 
     def _run_layerwise(self, live: list[Request], tokens, lengths, sampling) -> None:
         """Send each layer group's pages as soon as they are computed; the first token

@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from jaxpd.engine.page_allocator import PageAllocator, page_hashes, pages_for
+from jaxpd.engine.page_allocator import CacheJournal, PageAllocator, page_hashes, pages_for
 from jaxpd.request import Request
 
 
@@ -98,11 +98,12 @@ class PrefillScheduler:
             q.extend(keep)
         return dropped
 
-    def _cap(self, bucket: int) -> int:
+    def batch_cap(self, bucket: int) -> int:
+        """Rows of a batch in `bucket`: the batch and token limits."""
         return max(1, min(self.max_batch, self.max_tokens // bucket))
 
     def padded_batch(self, n: int, bucket: int) -> int:
-        cap = self._cap(bucket)
+        cap = self.batch_cap(bucket)
         return min(next(s for s in self.batch_sizes if s >= n), cap) if n <= cap else cap
 
     def schedule(self, now: float) -> tuple[PrefillBatch | None, float | None]:
@@ -113,7 +114,7 @@ class PrefillScheduler:
             return None, None
         for oldest, bucket in order:
             queue = self._waiting[bucket]
-            cap = self._cap(bucket)
+            cap = self.batch_cap(bucket)
             if len(queue) >= cap or now - oldest >= self.bucket_timeout_s:
                 return self._take(bucket, cap), 0.0
         return None, max(0.0, order[0][0] + self.bucket_timeout_s - now)
@@ -166,12 +167,13 @@ class DecodeScheduler:
     whose pages `admit` then shares instead of allocating."""
 
     def __init__(self, num_shards: int, slots_per_shard: int, pages_per_shard: int,
-                 page_size: int, prefix_root: bytes | None = None):
+                 page_size: int, prefix_root: bytes | None = None,
+                 journal: CacheJournal | None = None):
         self.num_shards = num_shards
         self.slots_per_shard = slots_per_shard
         self.page_size = page_size
         self.prefix_root = prefix_root
-        self.allocators = [PageAllocator(pages_per_shard) for _ in range(num_shards)]
+        self.allocators = [PageAllocator(pages_per_shard, journal) for _ in range(num_shards)]
         self.slots: list[Slot | None] = [None] * (num_shards * slots_per_shard)
 
     @property

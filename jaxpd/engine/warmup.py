@@ -31,6 +31,9 @@ def _warm_prefill(loop, progress: Callable[[str], None]) -> None:
     sched = loop.scheduler
     shapes = sorted({(sched.padded_batch(b, t), t) for t in sched.buckets
                      for b in sched.batch_sizes})
+    if loop.cache is not None:
+        _warm_prefill_cached(loop, shapes, progress)
+        return
     for i, (b, t) in enumerate(shapes):
         progress(f"compiling {loop.runner.name} {i + 1}/{len(shapes)}: batch {b} x {t} tokens")
         args = (np.zeros((b, t), np.int32), np.ones(b, np.int32), SamplingArrays.empty(b))
@@ -38,6 +41,20 @@ def _warm_prefill(loop, progress: Callable[[str], None]) -> None:
             jax.block_until_ready(loop.runner.run_layerwise(*args, loop.layerwise, []))
         else:
             loop.runner.run(*args)
+
+
+def _warm_prefill_cached(loop, shapes, progress: Callable[[str], None]) -> None:
+    """A cached prefill batch in bucket `t` computes its uncached tokens in one of
+    `PrefillCache.new_buckets(t)`, over a block table of the bucket's pages (`PrefillLoop._run_cached`).
+    Padding rows write the null page."""
+    cache = loop.cache
+    shapes = sorted({(b, new, cache.width(t)) for b, t in shapes
+                     for new in cache.new_buckets(t, loop.scheduler.buckets)})
+    for i, (b, t, w) in enumerate(shapes):
+        progress(f"compiling {cache.name} {i + 1}/{len(shapes)}: batch {b} x {t} tokens, "
+                 f"{w} pages")
+        cache.run(np.zeros((b, t), np.int32), np.zeros(b, np.int32), np.ones(b, np.int32),
+                  np.zeros((b, w), np.int32), SamplingArrays.empty(b))
 
 
 def _warm_decode(engine, progress: Callable[[str], None]) -> None:

@@ -101,11 +101,16 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                         "$JAX_COMPILATION_CACHE_DIR, else $JAXPD_CACHE/xla (~/.cache/jaxpd/xla).",
                         flag_values=fv)
     flags.DEFINE_bool("enable_prefix_caching", False, "Cache full KV pages by content on "
-                      "the decode mesh: a request sharing a cached prefix computes only the "
-                      "rest, on the decode mesh when the rest is short.", flag_values=fv)
+                      "the decode mesh and on the prefill mesh: a request sharing a cached "
+                      "prefix computes only the rest (on the decode mesh when the rest is "
+                      "short) and its handoff carries only the pages the decode side lacks.",
+                      flag_values=fv)
     flags.DEFINE_integer("prefix_extend_below", 256, "With prefix caching: a request whose "
                          "uncached rest is shorter than this is prefilled on the decode mesh.",
                          lower_bound=0, flag_values=fv)
+    flags.DEFINE_integer("prefill_cache_pages", None, "With prefix caching: pages of the "
+                         "prefill mesh's own cache. Default: as many as a decode shard's "
+                         "pool, at least what its largest prefill batch needs.", lower_bound=2, flag_values=fv)
     flags.DEFINE_integer("local_prefill_below", 0, "Prompts shorter than this are prefilled "
                          "on the decode mesh itself (no transfer); 0 = never.", lower_bound=0,
                          flag_values=fv)
@@ -215,6 +220,9 @@ def multihost_error(fv: flags.FlagValues) -> str | None:
         return "--num_processes > 1: only a prefill role spans processes so far (--role prefill)"
     if fv.process_id >= fv.num_processes:
         return f"--process_id must be below --num_processes ({fv.num_processes})"
+    if fv.enable_prefix_caching:
+        return ("--enable_prefix_caching is not supported yet on a prefill role across "
+                "processes (--num_processes > 1)")
     host, _, port = (fv.coordinator or "").rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         return f"--coordinator must be host:port, got {fv.coordinator!r}"
@@ -295,4 +303,6 @@ def engine_options(fv: flags.FlagValues) -> dict:
                    attention_impl=fv.attention_impl, handoff_wait_ms=fv.handoff_wait_ms)
     if fv.max_model_len is not None:
         options["max_model_len"] = fv.max_model_len
+    if fv.prefill_cache_pages is not None:
+        options["prefill_cache_pages"] = fv.prefill_cache_pages
     return options

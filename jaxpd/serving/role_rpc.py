@@ -213,13 +213,15 @@ class RoleClient:
 
 
 def register(router_address: str, info: WorkerInfo, load: dict, auth: InternalAuth,
-             timeout: float) -> dict:
-    """Announce (or re-announce: the heartbeat) a worker to the router. Raises
-    grpc.RpcError while the router is not up, or when it refuses this worker."""
+             timeout: float, prefix: dict | None = None) -> dict:
+    """Announce (or re-announce: the heartbeat) a worker to the router, with what its
+    prefix caches hold (`CacheJournal.take`) when it has them. Raises grpc.RpcError
+    while the router is not up, or when it refuses this worker."""
+    fields = {} if prefix is None else {"prefix": prefix}
     with auth.channel(router_address) as channel:
         call = channel.unary_unary(f"/{ROUTER_SERVICE}/Register", request_serializer=pack,
                                    response_deserializer=unpack)
-        return call(_msg(**info.to_wire(), load=load), timeout=timeout)
+        return call(_msg(**info.to_wire(), load=load, **fields), timeout=timeout)
 
 
 def _msg(**fields) -> dict:

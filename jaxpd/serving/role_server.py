@@ -262,6 +262,7 @@ class RoleServer:
         refusal (mismatched model or limits, bad credentials) is logged, kept in
         `refused`, passed to `on_refused`, and ends the loop."""
         info = self.service.info(self.address)
+        journal = self.service.engine.cache_journal
 
         def loop():
             delay, registered = heartbeat_s, False
@@ -269,12 +270,17 @@ class RoleServer:
                 if self.service.engine.error is not None:
                     return                      # a dead engine: let the lease run out
                 try:
-                    register(router_address, info, self.service.load(), self.auth,
-                             timeout=max(heartbeat_s, 2.0))
+                    prefix = journal.take() if journal is not None else None
+                    answer = register(router_address, info, self.service.load(), self.auth,
+                                      timeout=max(heartbeat_s, 2.0), prefix=prefix)
                     if not registered:
                         _log.info("registered with router %s", router_address)
                     registered, delay = True, heartbeat_s
+                    if journal is not None and isinstance(answer, dict) and answer.get("resync"):
+                        journal.resync()        # it missed one: everything next time
                 except grpc.RpcError as e:
+                    if journal is not None:
+                        journal.resync()        # it may not have arrived
                     if e.code() in _FINAL_REFUSALS:
                         self.refused = f"router {router_address} refused this worker: {e.details()}"
                         _log.error("%s", self.refused)

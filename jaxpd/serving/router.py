@@ -197,7 +197,13 @@ class Router(RequestFlow, Frontend):
         refusal = self.admit(info, load)
         if refusal is not None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
-        return {"lease_s": self.config.lease_s}
+        if self.prefix is None or msg.get("prefix") is None:
+            return {"lease_s": self.config.lease_s}
+        try:
+            applied = self.prefix.advertise(info.address, msg["prefix"])
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad prefix advertisement: {e}")
+        return {"lease_s": self.config.lease_s, "resync": not applied}
 
     def admit(self, info: WorkerInfo, load: dict, static: bool = False) -> str | None:
         """Add or refresh a worker (a registration or a heartbeat); the reason it is

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from jaxpd.request import Request, State
+from jaxpd.serving.prefix_index import PrefixQuery
 from jaxpd.serving.role_rpc import check_tokens
 
 if TYPE_CHECKING:
@@ -36,14 +37,14 @@ class RequestFlow:
 
     def _run_until_final(self, r: Request) -> None:
         tried: set[str] = set()
-        hashes = self.prefix.hashes(r.prefill_ids) if self.prefix is not None else []
+        query = self.prefix.query(r.prefill_ids) if self.prefix is not None else None
         while not r.is_final:
             decoders = self._live_workers("decode", exclude=tried)
             if not decoders:
                 if r.abort("failed: no decode worker reachable"):
                     self.counters.add(aborted=1)
                 return
-            decoder, cached = self._choose_decoder(decoders, hashes)
+            decoder, cached = self._choose_decoder(decoders, query)
             call = self._track(r, decoder, decoder.client.decode(r.to_wire()), watched=True)
             try:
                 if r.is_final:                                 # aborted meanwhile
@@ -61,7 +62,7 @@ class RequestFlow:
                         # Its handoff leaves out the pages the decoder is believed to
                         # hold (it checks, and prefills the request itself if not).
                         r.kv_skip_pages = min(cached, r.num_tokens - 1) // self.config.page_size
-                        self._prefill(r, decoder)
+                        self._prefill(r, decoder, query)
                     call.last_seen = time.monotonic()
                 for event in call.handle:
                     call.last_seen = time.monotonic()
@@ -85,24 +86,38 @@ class RequestFlow:
             tried.add(decoder.address)
             self.counters.add(decode_failovers=1)
 
-    def _choose_decoder(self, decoders: list[_Worker], hashes: list) -> tuple[_Worker, int]:
+    def _choose_decoder(self, decoders: list[_Worker], query: PrefixQuery | None
+                        ) -> tuple[_Worker, int]:
         """The least loaded decode worker, unless one believed to hold a prefix of the
-        request (`hashes`) has a free slot: then the one holding the longest. Returns it
+        request (`query`) has a free slot: then the one holding the longest. Returns it
         and the prefix tokens it is believed to hold."""
         least = min(decoders, key=lambda w: (w.num_calls, -w.load["free_slots"]))
-        if not hashes:
+        if query is None:
             return least, 0
-        cached = {w.address: self.prefix.cached_tokens(w.address, hashes) for w in decoders}
+        cached = {w.address: self.prefix.cached_tokens(w.address, query) for w in decoders}
         roomy = [w for w in decoders if cached[w.address] and w.load["free_slots"] > 0]
         if not roomy:
             return least, cached[least.address]
         best = max(roomy, key=lambda w: (cached[w.address], -w.num_calls))
         return best, cached[best.address]
 
-    def _prefill(self, r: Request, decoder: _Worker) -> None:
-        prefillers = sorted(self._live_workers("prefill"),
-                            key=lambda w: w.load["queue"] + w.num_calls)
-        for p in prefillers:
+    def _prefill_order(self, r: Request, query: PrefixQuery | None) -> list[_Worker]:
+        """Prefill workers, cheapest first: the tokens each would compute (all but the
+        prefix its cache is believed to hold, `prefix_index`) plus its queue, counted in
+        requests of this one's length (Dynamo's "blocks to compute + load"). Without
+        prefix routing, the least loaded first."""
+        workers = self._live_workers("prefill")
+        if query is None:
+            return sorted(workers, key=lambda w: w.load["queue"] + w.num_calls)
+        n = r.num_tokens
+
+        def cost(w: _Worker) -> int:
+            cached = min(self.prefix.cached_tokens(w.address, query), n - 1)
+            return n - cached + (w.load["queue"] + w.num_calls) * n
+        return sorted(workers, key=cost)
+
+    def _prefill(self, r: Request, decoder: _Worker, query: PrefixQuery | None) -> None:
+        for p in self._prefill_order(r, query):
             call = self._track(r, p, p.client.prefill(r.to_wire(), decoder.info.kv_address,
                                                       timeout=self.config.prefill_timeout_s),
                                watched=False, destination=decoder)
@@ -122,6 +137,9 @@ class RequestFlow:
                 continue
             finally:
                 self._untrack(call)
+            if self.prefix is not None:
+                # Its cache now holds the prompt's full pages (when it has one).
+                self.prefix.record(p.address, r.prefill_ids)
             if finished:
                 now = time.perf_counter()
                 for t, logprobs in tokens:

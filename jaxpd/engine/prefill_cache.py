@@ -1,0 +1,160 @@
+"""`PrefillCache`: the prefill mesh's own prefix cache (issue 15).
+
+Without it a prefill mesh keeps nothing between batches: each batch computes its
+prompts into a dense [B, T] bucket, the connector takes the pages, and the next turn
+of a conversation computes its whole history again. With it, the prefill mesh owns a
+paged pool (split over kv heads by tp, as the bucket is) and every batch runs as a
+prefill with context (`Llama.extend`, the program the decode mesh's `ExtendLoop`
+runs):
+
+  admit    each request's longest cached prefix of full pages is shared from the
+           pool (`PageAllocator`: content-addressed, ref-counted, LRU), pages for the
+           rest are allocated (evicting the least recently used unreferenced pages);
+  extend   one program computes only the uncached tokens, writing their K/V into the
+           request's own pages and attending to the shared ones; samples the first
+           token;
+  publish  the full pages just written become findable by their hash chain;
+  take     a request's pages (from the first one its decode side lacks) are gathered
+           out of the pool for the connector, already in the layout the dense path
+           cuts;
+  release  every reference of the batch is dropped: its pages stay cached until the
+           allocator needs room.
+
+References live only within one batch, so a pool of `min_pages` always admits the
+largest batch the scheduler can form (the engine checks the size). Requests with
+penalties compute their whole prompt (their penalty context is built from the batch's
+tokens) but publish their pages like any other: KV does not depend on sampling.
+Nothing here is thread-safe: the prefill loop's thread alone calls it.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpd.engine.page_allocator import CacheJournal, PageAllocator, page_hashes, pages_for
+from jaxpd.engine.penalties import prefill_context
+from jaxpd.engine.runner import CompileCounter
+from jaxpd.engine.sampler import SamplingArrays, sample
+from jaxpd.models.config import ModelConfig
+from jaxpd.models.llama import Llama
+from jaxpd.request import Request
+
+
+def min_cache_pages(buckets: list[int], batch_cap, page_size: int, max_pages: int) -> int:
+    """Pages (with the null page) a pool needs to admit any batch a scheduler with
+    these length `buckets` and `batch_cap(bucket)` rows forms."""
+    return 1 + max(batch_cap(b) * min(pages_for(b, page_size), max_pages) for b in buckets)
+
+
+class PrefillCache:
+    """`num_pages` pages of [L, P, S, K, H] K and V on the prefill `mesh`;
+    `max_pages`: pages of the longest request (a block table's width is at most this);
+    `root`: the hash chain's root (`Engine._prefix_root`); `journal`: where publishes
+    and evictions are noted for the router."""
+
+    def __init__(self, cfg: ModelConfig, params, mesh: Mesh, rules, num_pages: int,
+                 page_size: int, max_pages: int, root: bytes, counter: CompileCounter,
+                 dtype=jnp.float32, fused: bool = False, name: str = "prefill_cached",
+                 journal: CacheJournal | None = None):
+        self.cfg, self.params, self.page_size, self.max_pages = cfg, params, page_size, max_pages
+        self.root, self.counter, self.name = root, counter, name
+        self.allocator = PageAllocator(num_pages, journal)
+        kv_axis = dict(rules).get("kv_heads")
+        pages = NamedSharding(mesh, P(None, None, None, kv_axis, None))
+        self._replicated = NamedSharding(mesh, P())
+        shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pages)
+        self.k_pool, self.v_pool = zeros(), zeros()
+        model = Llama(cfg, dtype, fused)
+
+        def extend(params, k_pool, v_pool, tokens, starts, lengths, tables, sampling):
+            with nn.logical_axis_rules(rules):
+                logits, k_pool, v_pool = model.apply(
+                    {"params": params}, tokens, starts, lengths, k_pool, v_pool, tables,
+                    method=Llama.extend)
+            # Only rows without a cached prefix have penalties (`admit`): their tokens
+            # are their whole prompt, as in a dense prefill.
+            context = lambda: prefill_context(tokens, lengths, sampling.prompt_len,
+                                              logits.shape[-1])
+            first, logprobs = sample(logits, sampling, starts + lengths, context)
+            return first, logprobs, k_pool, v_pool
+
+        self._extend = jax.jit(extend, donate_argnums=(1, 2),
+                               out_shardings=(self._replicated, self._replicated, pages, pages))
+        self._take = jax.jit(lambda k, v, ids: (k[:, ids], v[:, ids]),
+                             out_shardings=(pages, pages))
+
+    def hashes(self, token_ids: list[int]) -> list[bytes]:
+        return page_hashes(token_ids, self.page_size, self.root)
+
+    def admit(self, requests: list[Request]) -> list[tuple[list[int], int, list[bytes]]]:
+        """For each request, in order: (its pages, cached tokens, its full pages'
+        hashes), with one reference taken to each page. At least its last token is
+        computed (its logits give the first token). Raises `OutOfPages` (nothing
+        taken) only if the pool is smaller than `min_cache_pages`."""
+        admitted = []
+        try:
+            for r in requests:
+                ids = r.prefill_ids
+                n = len(ids)
+                hashes = self.hashes(ids)
+                shared = [] if r.params.has_penalties else \
+                    self.allocator.cached_prefix(hashes[:(n - 1) // self.page_size])
+                self.allocator.share(shared)
+                admitted.append((shared, 0, hashes))
+                own = self.allocator.allocate(pages_for(n, self.page_size) - len(shared))
+                admitted[-1] = (shared + own, len(shared) * self.page_size, hashes)
+        except Exception:
+            self.release([pages for pages, _, _ in admitted])
+            raise
+        return admitted
+
+    def release(self, pages: list[list[int]]) -> None:
+        for p in pages:
+            self.allocator.free(p)
+
+    def run(self, tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+            tables: np.ndarray, sampling: SamplingArrays):
+        """Rows [B] of `lengths` new tokens at positions from `starts` into the pages
+        of `tables` [B, W] -> (first tokens as numpy [B], their `Logprobs` as numpy
+        when some row asks for them, else None)."""
+        self.counter.note(self.name, (tokens.shape, tables.shape))
+        inputs = jax.device_put((tokens, starts, lengths, tables, sampling), self._replicated)
+        first, logprobs, self.k_pool, self.v_pool = self._extend(
+            self.params, self.k_pool, self.v_pool, *inputs)
+        return (np.asarray(first), jax.device_get(logprobs) if sampling.wants_logprobs else None)
+
+    def publish(self, pages: list[int], hashes: list[bytes], start: int) -> None:
+        """The full pages from index `start` on were just written: make them findable.
+        A page whose tokens another page already holds stays private (freed, not cached,
+        on release)."""
+        for i in range(start, len(hashes)):
+            self.allocator.publish(pages[i], hashes[i])
+
+    def take(self, page_ids: list[int]):
+        """The K and V of these pages, [L, n, S, K, H] each, for the connector."""
+        self.counter.note(f"{self.name}_take", len(page_ids))
+        ids = jax.device_put(np.asarray(page_ids, np.int32), self._replicated)
+        return self._take(self.k_pool, self.v_pool, ids)
+
+    def new_buckets(self, length: int, buckets: list[int]) -> list[int]:
+        """Padded lengths of the uncached tokens a batch in the `length` bucket may
+        compute, ascending: the bucket itself, then every fourth power of two below it,
+        and the smallest bucket. Coarser than the prefill buckets (at most 4x the
+        padding of the new tokens) because each is one more program per (batch, bucket)
+        for warm-up to compile."""
+        out, t = [], length
+        while t >= buckets[0]:
+            out.append(t)
+            t //= 4
+        if buckets[0] < length and buckets[0] not in out:
+            out.append(buckets[0])
+        return sorted(out)
+
+    def width(self, length: int) -> int:
+        """Block-table width (pages) of a batch in the `length` bucket."""
+        return min(pages_for(length, self.page_size), self.max_pages)
+
