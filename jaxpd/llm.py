@@ -7,6 +7,7 @@ import jax
 
 from jaxpd.config import EngineConfig, resolve_dtype
 from jaxpd.engine.engine import Engine
+from jaxpd.engine.placement import prefill_shardings
 from jaxpd import xla_cache
 from jaxpd.frontend import Frontend
 from jaxpd.model_registry import resolve_model
@@ -41,7 +42,11 @@ class LLM(Frontend):
                  connector: Connector | KVSender | KVReceiver | None = None,
                  compilation_cache_dir: str | None = None, plan=None, **engine_options):
         xla_cache.enable(compilation_cache_dir)
-        loaded = checkpoint.load(resolve_model(model), dtype="float32")
+        # A prefill mesh across processes: each process reads only the weight shards
+        # its devices hold, straight onto the mesh.
+        shardings = None if plan is None else lambda cfg: prefill_shardings(cfg, mesh)
+        loaded = checkpoint.load(resolve_model(model), dtype="float32", shardings=shardings)
+        self.weights_read = loaded.weights_read
         engine_options.setdefault("max_model_len", min(loaded.cfg.max_position_embeddings, 1024))
         self.config = EngineConfig(mesh=mesh, dtype=resolve_dtype(dtype, jax.default_backend()),
                                    **engine_options)

@@ -31,25 +31,43 @@ class LoadedModel:
     params: dict
     tokenizer: Tokenizer | None
     dtype: str
+    # (weight elements this process read, elements the model has), for a Hugging Face
+    # checkpoint; a process that holds only some shards reads only those.
+    weights_read: tuple[int, int] | None = None
 
 
 def load(path: str, dtype: str = "float32", shardings=None) -> LoadedModel:
-    """Load config, params (onto `shardings`, a tree like params, or default device) and
-    tokenizer (None when the directory has no tokenizer.json)."""
+    """Load config, params (onto `shardings`, a tree like params or a function of the
+    `ModelConfig` that gives one; else the default device) and tokenizer (None when the
+    directory has no tokenizer.json). With shardings, a safetensors or orbax checkpoint
+    is read one addressable shard at a time: each process reads only its own."""
     path = source.checkpoint_path(path)
     if source.is_gguf(path):
+        if callable(shardings):
+            shardings = shardings(_gguf_config(path))
         return _load_gguf(path, dtype, shardings)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path} does not exist")
     cfg = ModelConfig.from_dir(path)
+    if callable(shardings):
+        shardings = shardings(cfg)
     shapes, _ = abstract_params(cfg, DTYPES.get(dtype, jnp.float32))
+    read = None
     if os.path.isdir(os.path.join(path, ORBAX_DIR)):
         params = restore_params(os.path.join(path, ORBAX_DIR), cfg, dtype, shardings)
     else:
+        log: list = []
         params = load_hf_params(path, cfg, dtype, shardings,
-                                jax.tree.map(lambda s: s.shape, shapes))
+                                jax.tree.map(lambda s: s.shape, shapes), read_log=log)
+        read = (sum(n for _, n in log), sum(s.size for s in jax.tree.leaves(shapes)))
     tokenizer = Tokenizer(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
-    return LoadedModel(path, cfg, params, tokenizer, dtype)
+    return LoadedModel(path, cfg, params, tokenizer, dtype, read)
+
+
+def _gguf_config(path: str) -> ModelConfig:
+    from jaxpd.models import gguf
+
+    return gguf.model_config(gguf.GGUFFile(path))
 
 
 def _load_gguf(path: str, dtype: str, shardings) -> LoadedModel:

@@ -44,6 +44,41 @@ def test_orbax_round_trip_is_exact_including_onto_four_devices(hf_dir, tmp_path)
                  loaded.params, sharded)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_load_onto_a_mesh_reads_each_shard_alone_and_equals_the_whole(hf_dir, tp):
+    """`load(shardings=)` of a safetensors checkpoint: every weight split over tp is
+    read in tp parts of 1/tp each, from the file (`make_array_from_callback`: a process
+    of a mesh spanning several asks only for its own shards); a replicated one once.
+    Values and placement equal the whole load's."""
+    from jaxpd.engine.placement import checkpoint_shardings
+    from jaxpd.models.hf_io import load_hf_params
+    whole = checkpoint.load(hf_dir)
+    mesh = build_meshes(f"prefill={tp}").prefill
+    shardings = checkpoint_shardings(whole.cfg, mesh)
+    sharded = checkpoint.load(hf_dir, shardings=lambda cfg: checkpoint_shardings(cfg, mesh))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 whole.params, sharded.params)
+    jax.tree.map(lambda a, s: assert_sharding(a, s), sharded.params, shardings)
+    shapes = jax.tree.map(lambda a: a.shape, whole.params)
+    log: list = []
+    load_hf_params(hf_dir, whole.cfg, "float32", shardings, shapes, read_log=log)
+    reads: dict = {}
+    for name, n in log:
+        reads.setdefault(name, []).append(n)
+    q = whole.params["layers_0"]["q_proj"].size
+    assert reads["model.layers.0.self_attn.q_proj.weight"] == [q // tp] * tp
+    assert reads["model.layers.0.self_attn.o_proj.weight"] == [q // tp] * tp
+    assert len(reads["model.layers.0.self_attn.q_proj.bias"]) == tp
+    assert reads["model.norm.weight"] == [whole.cfg.hidden_size]
+    # One process holds every shard here: it reads every element once.
+    total = sum(a.size for a in jax.tree.leaves(whole.params))
+    assert sharded.weights_read == (total, total) == whole.weights_read
+
+
+def assert_sharding(array, sharding):
+    assert array.sharding == sharding
+
+
 def test_converted_directory_loads_through_orbax(hf_dir, tmp_path):
     loaded = checkpoint.load(hf_dir)
     out = tmp_path / "converted"

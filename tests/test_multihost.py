@@ -56,7 +56,11 @@ def _deployment(procs, path, transport):
     follower = procs.start(group + ["--process_id", "1"])
     decode = procs.start(["--role", "decode", "--mesh", "decode=2", "--model", path,
                           "--port", "0", "--slots_per_shard", "4"] + common)
-    procs.wait_line(follower, r"prefill follower 1/2 of the mesh prefill=4")
+    # Each process read only the weight shards its two devices hold (and the
+    # replicated ones).
+    read = procs.wait_line(follower, r"prefill follower 1/2 of the mesh prefill=4.* it read "
+                                     r"(\d+)% of the weights")
+    assert 40 <= int(read.group(1)) < 100
     for w in (leader, decode):
         address = procs.wait_line(w, r"worker on (\S+)").group(1)
         procs.wait_line(router, rf"worker {re.escape(address)} joined")

@@ -17,6 +17,23 @@ from jaxpd.models.llama import abstract_params, can_fuse, fuse_params
 from jaxpd.sharding import logical_rules, named_shardings
 
 
+def checkpoint_shardings(cfg: ModelConfig, mesh):
+    """Where `place_params` puts the unfused checkpoint tree on `mesh`: load a
+    checkpoint straight onto these (`checkpoint.load(shardings=)`) and placing it is
+    free."""
+    rules = logical_rules(mesh, **cfg.logical_dims())
+    _, logical = abstract_params(cfg, fused=False)
+    return named_shardings(logical, mesh, rules)
+
+
+def prefill_shardings(cfg: ModelConfig, mesh_spec):
+    """`checkpoint_shardings` of the prefill mesh of `mesh_spec` (a prefill-only mesh
+    spanning processes: `jax.devices()` is every process's)."""
+    from jaxpd.sharding import build_meshes
+
+    return checkpoint_shardings(cfg, build_meshes(mesh_spec).prefill)
+
+
 def place_params(cfg: ModelConfig, params, mesh, dtype, *, fuse: bool):
     """`params` (the checkpoint tree) cast to `dtype` and placed on `mesh` ->
     (params, logical rules of the mesh, fused). Fused when `fuse` and the fused tree

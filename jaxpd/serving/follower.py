@@ -44,7 +44,7 @@ def follow_leader(model: str | None, plan, stop: threading.Event, say, llm_optio
     try:
         llm = LLM(model, progress=lambda _: None, plan=plan, **llm_options)
         say(f"jaxpd prefill follower {group.process_id}/{group.num_processes} of the mesh "
-            f"{llm.config.mesh} led by process 0 ({group.coordinator})")
+            f"{llm.config.mesh} led by process 0 ({group.coordinator}){weights_note(llm)}")
         outcome = llm.engine.follow(follower, give_up)
     except PlanError as e:
         print(f"jaxpd prefill follower {group.process_id} stopped: {e}", file=sys.stderr,
@@ -61,3 +61,12 @@ def follow_leader(model: str | None, plan, stop: threading.Event, say, llm_optio
         sys.stdout.flush()
         os._exit(0)
     return 0
+
+
+def weights_note(llm) -> str:
+    """", it read 52% of the weights (its shards)": what a process of a mesh spanning
+    several read of the checkpoint (nothing for checkpoints not read by shard)."""
+    if llm.weights_read is None:
+        return ""
+    read, total = llm.weights_read
+    return f", it read {100 * read / total:.0f}% of the weights (its shards)"

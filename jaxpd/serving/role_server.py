@@ -354,6 +354,10 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
         say(message)
     try:
         llm = LLM(model, connector=connector, progress=progress, plan=plan, **llm_options)
+        if plan is not None:
+            from jaxpd.serving.follower import weights_note
+            say(f"jaxpd prefill leader 0/{plan.group.num_processes} of the mesh "
+                f"{llm.config.mesh}{weights_note(llm)}")
     except _Interrupted:
         say(f"jaxpd {role} worker stopped while starting")
         if watch is not None:
