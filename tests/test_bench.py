@@ -95,6 +95,24 @@ def test_rate_sweep_and_goodput_search_name_each_run(tiny_dir, tmp_path):
     assert all(r["goodput_req_s"] == 160.0 for r in runs)
 
 
+@pytest.mark.slow
+def test_shift_workload_reports_each_phase(tiny_dir, capsys):
+    """`--workload shift`: the phases one after the other on each mesh, SLO attainment
+    and latencies per phase beside the overall run."""
+    results = bench.main(_flags(tiny_dir, "--mesh", "prefill=1,decode=1", "--compare",
+                                "colocated=1", "--workload", "shift",
+                                "--phases", "40/3/3;16/6/2", "--slo_ttft", "100",
+                                "--slo_tpot", "100"))
+    assert results["workload"]["phases"][1] == {"prompt_lens": "16", "output_lens": "6",
+                                                "num_requests": 2}
+    for run in results["runs"]:
+        assert run["num_requests"] == 5 and run["slo_attainment"] == 1.0
+        assert [(p["phase"], p["num_requests"], p["slo_attainment"]) for p in run["phases"]] == [
+            (0, 3, 1.0), (1, 2, 1.0)]
+        assert all(p["ttft_p50_s"] > 0 and p["tpot_p50_s"] > 0 for p in run["phases"])
+    assert "phase 1 16->6" in capsys.readouterr().out
+
+
 def test_prompts_are_fixed_by_the_seed_not_the_rate():
     slow = make_bench_requests(make_workload(6, 1.0, "16:1,64:1", "8", seed=5), 256, 5)
     fast = make_bench_requests(make_workload(6, 9.0, "16:1,64:1", "8", seed=5), 256, 5)
@@ -127,6 +145,7 @@ def test_prompts_are_fixed_by_the_seed_not_the_rate():
     (["--prefill_cpus", "0", "--decode_cpus", "1"], "--prefill_cpus"),
     (["--deployment", "processes", "--process_kv_transport", "pigeon"],
      "--process_kv_transport"),
+    (["--workload", "shift", "--phases", "448/16"], "--phases"),
 ])
 def test_bad_flags_are_rejected_naming_the_flag(flags, named, capsys):
     assert_flag_rejected(bench.parse_args, flags, named, capsys)

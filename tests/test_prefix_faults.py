@@ -92,10 +92,10 @@ def test_prefill_worker_killed_mid_conversation_fails_over_and_accounting_is_exa
 
         # ---- turn 2: its prefill worker dies holding the computed KV ---------------
         # The victim's KV sender blocks on its next handoff (turn 2's: the router picks
-        # the same least-loaded prefill worker again) until the test releases it, then
-        # fails as a dead process's would: nothing reaches the decode side.
-        # Both prefill workers idle in the router's view (a heartbeat since turn 1):
-        # the tie goes to the first registered, turn 1's worker.
+        # the same prefill worker again) until the test releases it, then fails as a
+        # dead process's would: nothing reaches the decode side.
+        # Both prefill workers idle in the router's view (a heartbeat since turn 1): at
+        # equal load, turn 1's worker wins by the prompt prefix its cache holds.
         _until(lambda: all(w.load["queue"] == 0 for w in router._live_workers("prefill")),
                10, "prefill workers' load not refreshed")
         blocked, held = threading.Event(), []

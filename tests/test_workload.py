@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from jaxpd.bench.workload import WorkloadRequest, make_workload, parse_length_mix
+from jaxpd.bench.workload import (Phase, WorkloadRequest, make_shift_workload, make_workload,
+                                  parse_length_mix, parse_phases, phase_of)
 
 
 def test_parse_length_mix():
@@ -109,3 +110,29 @@ def test_workload_request_validation():
         WorkloadRequest(arrival_s=0.0, prompt_len=1, output_len=0, index=0)
     with pytest.raises(ValueError, match="arrival_s"):
         WorkloadRequest(arrival_s=-1.0, prompt_len=1, output_len=1, index=0)
+
+
+def test_shift_phases_parse_and_follow_one_another():
+    """`--workload shift`: each phase's requests in order, arrivals continuing past the
+    previous phase's last, indices running on, every request in its phase's mixes."""
+    phases = parse_phases("448/16/3; 32/128:3,64:1/4")
+    assert phases == [Phase("448", "16", 3), Phase("32", "128:3,64:1", 4)]
+    w = make_shift_workload(phases, 2.0, seed=0)
+    assert [r.index for r in w] == list(range(7))
+    assert [phase_of(phases, r.index) for r in w] == [0, 0, 0, 1, 1, 1, 1]
+    assert all(later.arrival_s > earlier.arrival_s for earlier, later in zip(w, w[1:]))
+    assert {(r.prompt_len, r.output_len) for r in w[:3]} == {(448, 16)}
+    assert {r.prompt_len for r in w[3:]} == {32} and {r.output_len for r in w[3:]} <= {128, 64}
+    assert make_shift_workload(phases, 2.0, seed=0) == w          # fixed by the seed
+    with pytest.raises(ValueError, match="beyond"):
+        phase_of(phases, 7)
+
+
+@pytest.mark.parametrize("text,why", [("448/16", "expected 'prompt_mix/output_mix"),
+                                      ("448/x/3", "length 'x' is not an integer"),
+                                      ("448/16/0", "num_requests must be a positive"),
+                                      ("448/16/3;", "bad phase ''")])
+def test_bad_phases_are_refused_naming_the_phase(text, why):
+    with pytest.raises(ValueError, match=why):
+        parse_phases(text)
+

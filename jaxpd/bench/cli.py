@@ -25,13 +25,16 @@ import json
 import sys
 from typing import Sequence
 
+import numpy as np
+
 from jaxpd.bench.args import (HF, compare_flag, describe_devices, length_mix, mesh_flag,
                               nonnegative_float, nonnegative_int, positive_float, positive_floats, positive_int,
                               resolve_model, whole_numbers)
 from jaxpd.bench.driver import (Backend, BenchRequest, EngineBackend, Progress, RunResult,
                                 ensure_cpu_devices, make_bench_requests)
 from jaxpd.bench.roofline import add_roofline_flags
-from jaxpd.bench.workload import make_workload, parse_length_mix
+from jaxpd.bench.workload import (make_shift_workload, make_workload, parse_length_mix,
+                                  parse_phases, phase_of)
 from jaxpd.metrics import find_goodput, format_table, run_report, slo_attainment
 
 
@@ -61,9 +64,14 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     w.add_argument("--output_lens", type=length_mix, default="128",
                    help="output length mix 'len:weight,...' (EOS ignored: exactly this many)")
     w.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and prompt ids")
-    w.add_argument("--workload", choices=["poisson", "multiturn", "prefix_repetition"],
-                   default="poisson", help="poisson: the length mixes above; multiturn and "
+    w.add_argument("--workload", choices=["poisson", "shift", "multiturn", "prefix_repetition"],
+                   default="poisson", help="poisson: the length mixes above; shift: --phases, "
+                   "one after the other, each reported apart; multiturn and "
                    "prefix_repetition: each mesh with the prefix cache off and on (bench/prefix.py)")
+    w.add_argument("--phases", default="448/16/24;32/128/24;448/16/24",
+                   help="shift: 'PROMPT_MIX/OUTPUT_MIX/N;...' phases at --rate, in order "
+                        "(default: long prompts with short answers, then short prompts with "
+                        "long answers, then back)")
     w.add_argument("--conversations", type=positive_int, default=8, help="multiturn: chats")
     w.add_argument("--turns", type=positive_int, default=4, help="multiturn: turns per chat")
     w.add_argument("--system_len", type=positive_int, default=256,
@@ -149,6 +157,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.rates = args.rates or [args.rate]
+    args.phase_list = None
+    if args.workload == "shift":
+        try:
+            args.phase_list = parse_phases(args.phases)
+        except ValueError as e:
+            parser.error(f"--phases: {e}")
+        args.num_requests = sum(p.num_requests for p in args.phase_list)
     args.processes = None
     if args.deployment == "processes":
         from jaxpd.bench.processes import make_deployment
@@ -208,8 +223,8 @@ class Benchmark:
         self.args, self.model_dir = args, model_dir
         cfg = model_config_and_tokenizer(model_dir)[0]
         self.vocab_size = cfg.vocab_size
-        prompts = [n for n, _ in parse_length_mix(args.prompt_lens)]
-        outputs = [n for n, _ in parse_length_mix(args.output_lens)]
+        prompts, outputs = self.prompt_lens(), [
+            n for mix in self._mixes("output_lens") for n, _ in parse_length_mix(mix)]
         self.max_model_len = args.max_model_len or max(prompts) + max(outputs)
         if self.max_model_len > cfg.max_position_embeddings:
             raise SystemExit(f"--prompt_lens/--output_lens: the longest request needs "
@@ -235,10 +250,22 @@ class Benchmark:
             warm += make_bench_requests(workload, self.vocab_size, seed)
         return (warm * a.warmup_requests)[:a.warmup_requests]
 
+    def _mixes(self, name: str) -> list[str]:
+        """The `prompt_lens` or `output_lens` mixes of the workload (one per phase)."""
+        if self.args.phase_list is None:
+            return [getattr(self.args, name)]
+        return [getattr(p, name) for p in self.args.phase_list]
+
+    def prompt_lens(self) -> list[int]:
+        return [n for mix in self._mixes("prompt_lens") for n, _ in parse_length_mix(mix)]
+
     def requests_at(self, rate: float) -> list[BenchRequest]:
         """The measured workload at `rate`: the same requests at every rate, re-timed."""
         a = self.args
-        workload = make_workload(a.num_requests, rate, a.prompt_lens, a.output_lens, a.seed)
+        if a.phase_list is not None:
+            workload = make_shift_workload(a.phase_list, rate, a.seed)
+        else:
+            workload = make_workload(a.num_requests, rate, a.prompt_lens, a.output_lens, a.seed)
         return make_bench_requests(workload, self.vocab_size, a.seed)
 
     def open(self, name: str) -> Backend:
@@ -246,7 +273,7 @@ class Benchmark:
         if name == HF:
             from jaxpd.bench.hf import HFBackend
             return HFBackend(self.model_dir, self.args.hf_batch, self.warmup)
-        prompt_lens = [n for n, _ in parse_length_mix(self.args.prompt_lens)]
+        prompt_lens = self.prompt_lens()
         deployment = self.args.processes
         if deployment is not None and name == deployment.name:
             from jaxpd.bench.processes import ProcessesBackend
@@ -317,6 +344,9 @@ class Benchmark:
             deployment = a.processes
             report["engine_options"] = self.options_for(
                 a.process_mesh if deployment and name == deployment.name else name)
+        if a.phase_list is not None:
+            report["phases"] = phase_reports(result.timelines, a.phase_list, a.slo_ttft,
+                                             a.slo_tpot)
         if a.goodput:
             report["goodput_probes"] = {
                 f"{r:.6g}": slo_attainment(m.timelines, a.slo_ttft, a.slo_tpot)
@@ -332,6 +362,8 @@ class Benchmark:
             "workload": {"num_requests": a.num_requests, "rates": a.rates,
                          "prompt_lens": a.prompt_lens, "output_lens": a.output_lens,
                          "seed": a.seed, "slo_ttft_s": a.slo_ttft, "slo_tpot_s": a.slo_tpot,
+                         "phases": ([dataclasses.asdict(p) for p in a.phase_list]
+                                    if a.phase_list is not None else None),
                          "model": self.model_dir, "max_model_len": self.max_model_len,
                          "engine_options": self.engine_options,
                          "deployment": dataclasses.asdict(a.processes) if a.processes else None},
@@ -355,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return run_roofline(model_dir, args)
     ensure_cpu_devices(num_devices_needed(args))
     model_dir = resolve_model(args.model)
-    if args.workload != "poisson":
+    if args.workload not in ("poisson", "shift"):
         from jaxpd.bench.prefix import run_prefix_bench
         results = run_prefix_bench(args, model_dir, meshes_of(args), dict(
             slots_per_shard=args.slots_per_shard, max_prefill_batch=args.max_prefill_batch,
@@ -375,6 +407,43 @@ def _print_runs(runs: list[dict]) -> None:
     print(format_table(runs))
     print("ITL max (ms):       " + "  ".join(
         f"{r['name']}={r['itl_max_s'] * 1e3:.1f}" for r in runs if r["itl_max_s"] is not None))
+    if runs and "phases" in runs[0]:
+        print(format_phase_table(runs))
+
+
+def phase_reports(timelines, phases, slo_ttft: float, slo_tpot: float) -> list[dict]:
+    """Per phase of a shift workload: its requests' SLO attainment and latencies."""
+    out = []
+    for p, phase in enumerate(phases):
+        mine = [t for i, t in enumerate(timelines) if phase_of(phases, i) == p]
+        ttfts = [t.ttft for t in mine if t.ttft is not None]
+        tpots = [t.tpot for t in mine if t.tpot is not None]
+        out.append({"phase": p, "prompt_lens": phase.prompt_lens,
+                    "output_lens": phase.output_lens, "num_requests": len(mine),
+                    "slo_attainment": slo_attainment(mine, slo_ttft, slo_tpot),
+                    "ttft_p50_s": float(np.percentile(ttfts, 50)) if ttfts else None,
+                    "tpot_p50_s": float(np.percentile(tpots, 50)) if tpots else None})
+    return out
+
+
+def format_phase_table(runs: list[dict]) -> str:
+    """SLO attainment per phase (and overall), one row per run."""
+    def phase_cell(p: dict) -> str:
+        return (f"{100 * p['slo_attainment']:.0f}% {_ms(p['ttft_p50_s'])}/"
+                f"{_ms(p['tpot_p50_s'])}")
+
+    names = [f"phase {p['phase']} {p['prompt_lens']}->{p['output_lens']}"
+             for p in runs[0]["phases"]]
+    rows = [f"{'run':<40}" + "".join(f"{n:>24}" for n in names) + f"{'overall':>10}",
+            "(SLO attainment %, TTFT p50 / TPOT p50 ms)"]
+    for r in runs:
+        cells = "".join(f"{phase_cell(p):>24}" for p in r["phases"])
+        rows.append(f"{r['name']:<40}{cells}{100 * r['slo_attainment']:>9.0f}%")
+    return "\n".join(rows)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
 
 
 def _write_outputs(args: argparse.Namespace, results: dict, timelines: dict[str, list]) -> None:

@@ -126,3 +126,60 @@ def make_workload(num_requests: int, rate: float, prompt_mix: Union[str, LengthM
     return [WorkloadRequest(arrival_s=float(arrivals[i]), prompt_len=int(prompts[i]),
                             output_len=int(outputs[i]), index=i)
             for i in range(num_requests)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One phase of a shifting workload: its length mixes and how many requests."""
+    prompt_lens: str
+    output_lens: str
+    num_requests: int
+
+
+def parse_phases(text: str) -> list[Phase]:
+    """`"PROMPT_MIX/OUTPUT_MIX/N;..."` -> phases, e.g. `"448/16/24;32/128:3,64:1/24"`.
+    Raises ValueError naming the whole flag text and the offending phase."""
+    phases = []
+    for part in text.split(";"):
+        pieces = part.strip().split("/")
+        if len(pieces) != 3:
+            raise ValueError(f"phases {text!r}: bad phase {part!r}: expected "
+                             f"'prompt_mix/output_mix/num_requests'")
+        prompts, outputs, count = (p.strip() for p in pieces)
+        try:
+            parse_length_mix(prompts)
+            parse_length_mix(outputs)
+        except ValueError as e:
+            raise ValueError(f"phases {text!r}: bad phase {part!r}: {e}") from None
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"phases {text!r}: bad phase {part!r}: num_requests must be a "
+                             f"positive integer, got {count!r}")
+        phases.append(Phase(prompts, outputs, int(count)))
+    return phases
+
+
+def make_shift_workload(phases: Sequence[Phase], rate: float,
+                        seed: int) -> list[WorkloadRequest]:
+    """The phases one after the other at `rate` req/s: each phase's requests are
+    `make_workload`'s (its own seed stream), its arrivals shifted to start one mean gap
+    after the previous phase's last; indices run on across phases. Request i belongs to
+    phase `phase_of(phases, i)`."""
+    out: list[WorkloadRequest] = []
+    start = 0.0
+    for p, phase in enumerate(phases):
+        part = make_workload(phase.num_requests, rate, phase.prompt_lens, phase.output_lens,
+                             seed * 1000 + p)
+        for w in part:
+            out.append(WorkloadRequest(w.arrival_s + start, w.prompt_len, w.output_len,
+                                       len(out)))
+        start = out[-1].arrival_s + (0.0 if math.isinf(rate) else 1.0 / rate)
+    return out
+
+
+def phase_of(phases: Sequence[Phase], index: int) -> int:
+    """The phase of request `index` of `make_shift_workload(phases, ...)`."""
+    for p, phase in enumerate(phases):
+        if index < phase.num_requests:
+            return p
+        index -= phase.num_requests
+    raise ValueError(f"request {index} is beyond the phases' requests")
