@@ -260,6 +260,22 @@ def test_abort_and_preemption_of_requests_sharing_pages_release_exactly_their_re
         _check_pool(llm)
 
 
+def start_workers(workers: list, path, router_address, auth, roles) -> None:
+    """In-process workers of `roles` ("prefill=1" or "decode=1" meshes, prefix caching
+    on, gRPC KV) registered with the router at `router_address` (heartbeat 0.2 s);
+    each (llm, server, connector) is appended to `workers` as it starts (the caller
+    stops them, started or not)."""
+    from jaxpd.serving.role_server import RoleServer, RoleService, make_connector
+    for role in roles:
+        connector, kv_address = make_connector(role, "grpc", "127.0.0.1", auth)
+        llm = LLM(path, mesh=f"{role}=1", max_model_len=192, slots_per_shard=2,
+                  connector=connector, enable_prefix_caching=True)
+        server = RoleServer(RoleService(llm.engine, kv_address, "grpc"), "127.0.0.1", 0, auth)
+        server.start()
+        server.register_with(router_address, heartbeat_s=0.2)
+        workers.append((llm, server, connector))
+
+
 def _page_bytes(llm) -> int:
     """Bytes one page of k and v takes in transit (float32, uncompressed)."""
     cfg = llm.engine.model.cfg
@@ -482,7 +498,6 @@ def test_router_sends_each_turn_to_the_decode_worker_holding_the_conversation(ti
     equal transformers'. The workers' heartbeats advertise what their caches hold, and
     an eviction reaches the router's index."""
     from jaxpd.auth import InternalAuth
-    from jaxpd.serving.role_server import RoleServer, RoleService, make_connector
     from jaxpd.serving.router import Router, RouterConfig
     path, hf_model = tiny_hf_model
     auth = InternalAuth(token="t" * 32)
@@ -491,16 +506,7 @@ def test_router_sends_each_turn_to_the_decode_worker_holding_the_conversation(ti
                                        prefix_extend_below=20), auth=auth)
     try:
         address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
-        for role, mesh in (("prefill", "prefill=1"), ("decode", "decode=1"),
-                           ("decode", "decode=1")):
-            connector, kv_address = make_connector(role, "grpc", "127.0.0.1", auth)
-            llm = LLM(path, mesh=mesh, max_model_len=192, slots_per_shard=2,
-                      connector=connector, enable_prefix_caching=True)
-            server = RoleServer(RoleService(llm.engine, kv_address, "grpc"), "127.0.0.1", 0,
-                                auth)
-            server.start()
-            server.register_with(address, heartbeat_s=0.2)
-            workers.append((llm, server))
+        start_workers(workers, path, address, auth, ["prefill", "decode", "decode"])
         deadline = time.monotonic() + 30
         while len(router.live_workers()) < 3:
             assert time.monotonic() < deadline, "workers did not register"
@@ -511,11 +517,11 @@ def test_router_sends_each_turn_to_the_decode_worker_holding_the_conversation(ti
         assert counts["prefix_routed"] == 1 and counts["decode_prefills"] == 0
         decoders = sorted(workers[1:], key=lambda w: w[0].stats()["prefix_hit_tokens"])
         assert decoders[0][0].stats()["prefix_hit_tokens"] == 0    # one held the whole chat
-        holder, holder_server = decoders[1]
+        holder, holder_server, _ = decoders[1]
         held = holder.stats()
         assert held["transfers"] == 2 and held["prefix_skip_misses"] == 0
         assert held["prefix_saved_bytes"] == 4 * _page_bytes(workers[0][0])
-        for llm, _ in workers[1:]:
+        for llm, _, _ in workers[1:]:
             _check_pool(llm)
         # What the workers advertise with their heartbeats: the holder's cache holds
         # the whole chat but its last token; the prefill worker's, the last prompt.
@@ -525,7 +531,7 @@ def test_router_sends_each_turn_to_the_decode_worker_holding_the_conversation(ti
             keys = {h[:8] for h in page_hashes(ids, 16, llm.engine.prefix_root)}
             return keys <= index._held[server.address].advertised
 
-        prefill_llm, prefill_server = workers[0]
+        prefill_llm, prefill_server, _ = workers[0]
         deadline = time.monotonic() + 10
         while not (advertised(holder_server, holder, conv[:-1]) and
                    advertised(prefill_server, prefill_llm, conv[:-6])):
@@ -540,7 +546,7 @@ def test_router_sends_each_turn_to_the_decode_worker_holding_the_conversation(ti
             time.sleep(0.05)
     finally:
         router.shutdown()
-        for llm, server in workers:
+        for llm, server, _ in workers:
             server.stop(0)
             llm.shutdown()
 

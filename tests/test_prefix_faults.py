@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from jaxpd import LLM
 from jaxpd.transfer.connector import TransferError
 from tests.engine_fixtures import wait_idle
-from tests.test_prefix_cache import _chat, _check_pool, _conversation, _page_bytes
+from tests.test_prefix_cache import (_chat, _check_pool, _conversation, _page_bytes,
+                                     start_workers)
 
 PAGE = 16
 
@@ -36,6 +36,21 @@ def _check_prefill_worker(llm) -> None:
         assert cache.allocator.num_free == cache.allocator.capacity
 
 
+def synced_skip(router, llm, server, conv) -> int:
+    """The pages of `conv` the decode worker's cache holds, once the router's index
+    (advertised and relayed) says the same: what the next turn's handoff leaves out.
+    Whether a finished turn's last token's page was written depends on whether its
+    slot ran one more step, so the test reads it rather than assuming it."""
+    sched = llm.engine.decode_scheduler
+    query = router.prefix.query(conv)
+
+    def held() -> int:
+        return max(len(a.cached_prefix(sched.hashes(conv))) for a in sched.allocators)
+    _until(lambda: router.prefix.cached_tokens(server.address, query) == held() * PAGE, 10,
+           "the router's index does not match the decode worker's cache")
+    return held()
+
+
 @pytest.mark.slow
 def test_prefill_worker_killed_mid_conversation_fails_over_and_accounting_is_exact(
         tiny_hf_model):
@@ -57,7 +72,6 @@ def test_prefill_worker_killed_mid_conversation_fails_over_and_accounting_is_exa
     skip); the surviving prefill worker holds nothing; the router counts one prefill
     failover, one dropped worker, three finished requests, no other failover or abort."""
     from jaxpd.auth import InternalAuth
-    from jaxpd.serving.role_server import RoleServer, RoleService, make_connector
     from jaxpd.serving.router import Router, RouterConfig
     path, hf_model = tiny_hf_model
     auth = InternalAuth(token="t" * 32)
@@ -67,16 +81,7 @@ def test_prefill_worker_killed_mid_conversation_fails_over_and_accounting_is_exa
     release = threading.Event()
     try:
         address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
-        for role, mesh in (("prefill", "prefill=1"), ("prefill", "prefill=1"),
-                           ("decode", "decode=1")):
-            connector, kv_address = make_connector(role, "grpc", "127.0.0.1", auth)
-            llm = LLM(path, mesh=mesh, max_model_len=192, slots_per_shard=2,
-                      connector=connector, enable_prefix_caching=True)
-            server = RoleServer(RoleService(llm.engine, kv_address, "grpc"), "127.0.0.1", 0,
-                                auth)
-            server.start()
-            server.register_with(address, heartbeat_s=0.2)
-            workers.append((llm, server, connector))
+        start_workers(workers, path, address, auth, ["prefill", "prefill", "decode"])
         _until(lambda: len(router.live_workers()) == 3, 30, "workers did not register")
         prefillers, (decode_llm, decode_server, _) = workers[:2], workers[2]
         page = _page_bytes(decode_llm)
@@ -98,6 +103,7 @@ def test_prefill_worker_killed_mid_conversation_fails_over_and_accounting_is_exa
         # equal load, turn 1's worker wins by the prompt prefix its cache holds.
         _until(lambda: all(w.load["queue"] == 0 for w in router._live_workers("prefill")),
                10, "prefill workers' load not refreshed")
+        skip2 = synced_skip(router, decode_llm, decode_server, conv)
         blocked, held = threading.Event(), []
 
         def dying_send(handoff):
@@ -120,9 +126,9 @@ def test_prefill_worker_killed_mid_conversation_fails_over_and_accounting_is_exa
         chat.start()
         assert blocked.wait(60), "turn 2 did not reach the prefill worker of turn 1"
         assert held[0].num_tokens == len(prompt2)
-        # The router believed the decode worker held turn 1's full pages (prompt and
-        # answer, but its last token): the handoff leaves them out.
-        skip2 = (len(conv) - 1) // PAGE
+        # The decode worker holds turn 1's full pages (prompt and answer, its last
+        # token's page too when the finished slot wrote it) and advertised them: the
+        # handoff leaves them out.
         assert held[0].first_page == skip2 >= 2
 
         def kill():
@@ -149,7 +155,7 @@ def test_prefill_worker_killed_mid_conversation_fails_over_and_accounting_is_exa
         # ---- the dead worker's lease runs out; turn 3 goes to the survivor ----------
         _until(lambda: victim_server.address not in router.live_workers(), 15,
                "the killed prefill worker was not dropped")
-        skip3 = (len(conv) - 1) // PAGE
+        skip3 = synced_skip(router, decode_llm, decode_server, conv)
         prompts = [len(system) + len(users[0]), len(prompt2), len(conv) + len(users[2])]
         conv = _chat(router, hf_model, conv, users[2:])
 
