@@ -203,7 +203,9 @@ def test_mismatch_dtype_and_transport_follow_the_first_worker(router, fakes):
     dict(role="bogus"), dict(role=None), dict(address=5), dict(address=""),
     dict(address="x" * 5000), dict(max_model_len="big"), dict(page_size=-1),
     dict(vocab_size=True), dict(kv_transport="carrier pigeon"), dict(load={"free_slots": -1}),
-    dict(load=[1, 2]), dict(dtype="\x1b[31m")])
+    dict(load=[1, 2]), dict(dtype="\x1b[31m"), dict(prefix="all of them"),
+    dict(prefix={"root": b"r", "seq": 1, "full": True, "add": [b"short"], "drop": []}),
+    dict(prefix={"root": b"r", "seq": -1, "full": True, "add": [], "drop": []})])
 def test_rogue_junk_registration_is_invalid_argument(router, fakes, junk):
     router, address = router
     body = {"wire_version": WIRE_VERSION, **fakes().info.to_wire(), "load": {}, **junk}

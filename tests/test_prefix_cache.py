@@ -420,6 +420,24 @@ def test_a_workers_journal_advertises_its_publishes_and_evictions_as_changes():
     assert msg["full"] and msg["add"] == [keys[2]] and msg["seq"] == 5
 
 
+def test_a_journal_advertisement_is_bounded(monkeypatch):
+    """More held keys than one advertisement carries: a full one lists `ADVERTISED_MAX`
+    of them; more changes than that since the last one make the next one full."""
+    from jaxpd.engine import page_allocator
+    monkeypatch.setattr(page_allocator, "ADVERTISED_MAX", 2)
+    journal = page_allocator.CacheJournal(ROOT)
+    alloc = PageAllocator(8, journal)
+    pages = alloc.allocate(3)
+    for p, h in zip(pages, page_hashes(list(range(12)), 4, ROOT)):
+        alloc.publish(p, h)
+    first = journal.take()
+    assert first["full"] and len(first["add"]) == 2
+    alloc.free(pages)
+    alloc.drop_cached()                                   # 3 changes > 2
+    msg = journal.take()
+    assert msg["full"] and msg["add"] == [] and msg["drop"] == []
+
+
 def test_prefix_index_applies_advertisements_in_order_and_expires_beliefs():
     """The router's view of a worker: advertised changes applied in sequence (a gap
     asks for everything), a relayed belief kept until two advertisements have had

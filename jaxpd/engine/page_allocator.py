@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import struct
 import threading
 
@@ -49,6 +50,9 @@ def page_hashes(token_ids: list[int], page_size: int, root: bytes) -> list[bytes
 # Bytes of a page hash a worker advertises: a collision (2^-64 a pair) costs a wrong
 # routing guess, which the worker's own cache corrects, never a wrong page.
 ADVERTISED_BYTES = 8
+# Keys one advertisement carries at most (about 0.7 MB): a larger cache advertises some
+# of its pages, which costs routing guesses, never a heartbeat over gRPC's size limit.
+ADVERTISED_MAX = 1 << 16
 
 
 class CacheJournal:
@@ -81,11 +85,14 @@ class CacheJournal:
 
     def take(self) -> dict:
         """The next advertisement: {"root", "seq", "full", "add", "drop"}; a full one
-        lists every held key in "add" (and replaces what the router knew)."""
+        lists the held keys in "add" (at most `ADVERTISED_MAX`) and replaces what the
+        router knew. More changes than that since the last one make it a full one."""
         with self._lock:
             self._seq += 1
+            if len(self._changed) > ADVERTISED_MAX:
+                self._full = True
             if self._full:
-                add, drop = list(self._held), []
+                add, drop = list(itertools.islice(self._held, ADVERTISED_MAX)), []
             else:
                 add = [k for k, held in self._changed.items() if held]
                 drop = [k for k, held in self._changed.items() if not held]

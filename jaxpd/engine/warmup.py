@@ -45,8 +45,8 @@ def _warm_prefill(loop, progress: Callable[[str], None]) -> None:
 
 def _warm_prefill_cached(loop, shapes, progress: Callable[[str], None]) -> None:
     """A cached prefill batch in bucket `t` computes its uncached tokens in one of
-    `PrefillCache.new_buckets(t)`, over a block table of the bucket's pages (`PrefillLoop._run_cached`).
-    Padding rows write the null page."""
+    `PrefillCache.new_buckets(t)`, over a block table of the bucket's pages
+    (`PrefillLoop._run_cached`). Padding rows write the null page."""
     cache = loop.cache
     shapes = sorted({(b, new, cache.width(t)) for b, t in shapes
                      for new in cache.new_buckets(t, loop.scheduler.buckets)})

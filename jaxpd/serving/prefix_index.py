@@ -37,7 +37,7 @@ import threading
 from jaxpd.engine.page_allocator import ADVERTISED_BYTES, page_hashes
 
 _ROOT = b"jaxpd-router-prefix-index"      # beliefs of a worker that never advertised
-MAX_ADVERTISED = 1 << 22                  # keys one worker may advertise (32 MiB)
+MAX_ADVERTISED = 1 << 20                  # keys one worker may hold here (8 MiB)
 BELIEF_ADVERTISEMENTS = 2                 # a belief outlives this many advertisements
 
 

@@ -55,7 +55,7 @@ from jaxpd.errors import QueueFull
 from jaxpd.frontend import Frontend
 from jaxpd.request import Request
 from jaxpd.stats import StatsCounter
-from jaxpd.serving.prefix_index import PrefixIndex
+from jaxpd.serving.prefix_index import PrefixIndex, check_advertisement
 from jaxpd.serving.router_flow import RequestFlow
 from jaxpd.serving.role_rpc import (ROLES, ROUTER_SERVICE, RoleClient, WorkerInfo, check_load,
                                     model_identity, unary_handler)
@@ -192,17 +192,17 @@ class Router(RequestFlow, Frontend):
         try:
             info = WorkerInfo.from_wire(msg)
             load = check_load(msg.get("load", {}))
+            prefix = msg.get("prefix")
+            if prefix is not None:
+                prefix = check_advertisement(prefix)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad registration: {e}")
         refusal = self.admit(info, load)
         if refusal is not None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
-        if self.prefix is None or msg.get("prefix") is None:
+        if self.prefix is None or prefix is None:
             return {"lease_s": self.config.lease_s}
-        try:
-            applied = self.prefix.advertise(info.address, msg["prefix"])
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad prefix advertisement: {e}")
+        applied = self.prefix.advertise(info.address, prefix)
         return {"lease_s": self.config.lease_s, "resync": not applied}
 
     def admit(self, info: WorkerInfo, load: dict, static: bool = False) -> str | None:
