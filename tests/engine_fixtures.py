@@ -35,7 +35,8 @@ def assert_all_pages_free(llm: LLM) -> None:
     cache = llm.engine.prefill_cache      # the prefill mesh's: nothing held between batches
     if cache is not None:
         cache.allocator.check()
-        assert cache.allocator.num_used == 0 and cache.allocator.num_free == cache.allocator.capacity
+        alloc = cache.allocator
+        assert alloc.num_used == 0 and alloc.num_free == alloc.capacity
 
 
 def reference(hf_model, prompts, max_tokens):

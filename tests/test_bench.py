@@ -241,6 +241,9 @@ def test_prefix_workloads_run_each_mesh_with_the_cache_off_and_on(tiny_dir, tmp_
     assert off["prompt_tokens"] == on["prompt_tokens"] == off["prefill_tokens"]
     assert on["prefill_tokens"] < off["prefill_tokens"] and on["hit_rate"] > 0
     assert off["hit_rate"] == 0
+    for run in (off, on):              # the default SLOs (1 s, 0.1 s): whatever was met
+        assert 0 <= run["slo_attainment"] <= 1 and run["goodput_req_s"] >= 0
+        assert (run["goodput_req_s"] > 0) == (run["slo_attainment"] > 0)
     assert "greedy outputs identical with the cache on and off: True" in capsys.readouterr().out
 
 

@@ -15,8 +15,10 @@ process in front of a prefill and a decode worker, `bench/processes.py`) is serv
 cache off and on, each started afresh; its counters are its workers' (`worker_counters`).
 
 Answers are `--output_lens`' first length, greedy, EOS ignored. Per run: TTFT and ITL
-percentiles, output tokens/s, prompt tokens computed, the cache's hit rate, KV bytes
-moved between meshes and KV bytes a handoff did not carry because the decode side held
+percentiles, output tokens/s, SLO attainment against `--slo_ttft`/`--slo_tpot` and the
+goodput (requests that met both SLOs per second of the run: the chats' closed loop sets
+the rate, so there is no rate to search), prompt tokens computed, the cache's hit rate,
+KV bytes moved between meshes and KV bytes a handoff did not carry because the decode side held
 them ("not sent"); the greedy outputs of the two runs of a mesh are compared.
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 
 from jaxpd.bench.driver import _FIRST_ORDINARY_ID, _greedy, _stats_delta, timeline_of
 from jaxpd.bench.workload import parse_length_mix
-from jaxpd.metrics import summarize
+from jaxpd.metrics import meets_slo, summarize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +74,12 @@ def worker_counters(router) -> dict:
     return total
 
 
-def serve(llm, chats: list[Chat], output_len: int, think_s: float, stats=None) -> dict:
+def serve(llm, chats: list[Chat], output_len: int, think_s: float, stats=None,
+          slo: tuple[float, float] = (1.0, 0.1)) -> dict:
     """Run every chat (a thread each) against `llm` (an `LLM` or a `Router`); the run's
-    figures and outputs. `stats`: where the engine counters come from (`llm.stats`)."""
+    figures and outputs. `stats`: where the engine counters come from (`llm.stats`);
+    `slo`: (TTFT, TPOT) seconds for the attainment and the goodput (requests that met
+    both, per second of the run)."""
     stats_of = stats or llm.stats
     before = stats_of()
     origin = time.perf_counter()
@@ -106,8 +111,11 @@ def serve(llm, chats: list[Chat], output_len: int, think_s: float, stats=None) -
     timelines = [timeline_of(r.timings, origin) for _, _, r, _ in done]
     duration = max(t.finish_s for t in timelines) - min(t.arrival_s for t in timelines)
     queried = stats.get("prefix_query_tokens", 0)
+    met = sum(meets_slo(t, *slo) for t in timelines)
     return {
         "ttft_s": summarize(t.ttft for t in timelines if t.ttft is not None),
+        "slo_attainment": met / len(timelines),
+        "goodput_req_s": met / max(duration, 1e-9),
         "itl_s": summarize(x for t in timelines for x in t.itls),
         "output_tok_s": sum(t.num_tokens for t in timelines) / max(duration, 1e-9),
         "prompt_tokens": sum(len(r.prompt_ids) for _, _, r, _ in done),
@@ -144,7 +152,8 @@ def run_prefix_bench(args: argparse.Namespace, model_dir: str, meshes: list[str]
                      **options) as llm:
                 if warm:   # first-call paths, on other chats of the same shape
                     serve(llm, make_chats(_warm_args(args), cfg.vocab_size), output_len, 0.0)
-                run = serve(llm, chats, output_len, args.think_s)
+                run = serve(llm, chats, output_len, args.think_s,
+                            slo=(args.slo_ttft, args.slo_tpot))
             outputs[cache] = run.pop("outputs")
             runs.append({"name": f"{mesh} cache={'on' if cache else 'off'}", "mesh": mesh,
                          "prefix_caching": cache, **run})
@@ -173,7 +182,8 @@ def _serve_deployment(args: argparse.Namespace, model_dir: str, chats: list[Chat
             stats = lambda: worker_counters(backend.front)
             if warm:
                 serve(backend.front, make_chats(_warm_args(args), vocab), output_len, 0.0, stats)
-            run = serve(backend.front, chats, output_len, args.think_s, stats)
+            run = serve(backend.front, chats, output_len, args.think_s, stats,
+                        slo=(args.slo_ttft, args.slo_tpot))
         finally:
             backend.close()
         outputs[cache] = run.pop("outputs")
@@ -191,12 +201,14 @@ def _warm_args(args: argparse.Namespace) -> argparse.Namespace:
 
 def format_prefix_table(runs: list[dict]) -> str:
     head = (f"{'run':<34}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p99':>10}{'tok/s':>8}"
+            f"{'SLO %':>7}{'goodput':>9}"
             f"{'computed':>10}{'of prompt':>11}{'hit rate':>10}{'KV MB':>8}{'not sent':>10}")
     rows = [head]
     for r in runs:
         ms = lambda s: f"{s * 1e3:.0f} ms" if s is not None else "-"
         rows.append(f"{r['name']:<34}{ms(r['ttft_s']['p50']):>10}{ms(r['ttft_s']['p99']):>10}"
                     f"{ms(r['itl_s']['p99']):>10}{r['output_tok_s']:>8.1f}"
+                    f"{100 * r['slo_attainment']:>7.0f}{r['goodput_req_s']:>9.2f}"
                     f"{r['prefill_tokens']:>10}{r['prompt_tokens']:>11}"
                     f"{r['hit_rate']:>10.0%}{r['transfer_bytes'] / 2**20:>8.2f}"
                     f"{r['saved_bytes'] / 2**20:>10.2f}")

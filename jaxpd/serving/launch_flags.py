@@ -110,7 +110,8 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                          lower_bound=0, flag_values=fv)
     flags.DEFINE_integer("prefill_cache_pages", None, "With prefix caching: pages of the "
                          "prefill mesh's own cache. Default: as many as a decode shard's "
-                         "pool, at least what its largest prefill batch needs.", lower_bound=2, flag_values=fv)
+                         "pool, at least what its largest prefill batch needs.", lower_bound=2,
+                         flag_values=fv)
     flags.DEFINE_integer("local_prefill_below", 0, "Prompts shorter than this are prefilled "
                          "on the decode mesh itself (no transfer); 0 = never.", lower_bound=0,
                          flag_values=fv)
