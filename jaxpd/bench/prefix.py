@@ -18,8 +18,8 @@ Answers are `--output_lens`' first length, greedy, EOS ignored. Per run: TTFT an
 percentiles, output tokens/s, SLO attainment against `--slo_ttft`/`--slo_tpot` and the
 goodput (requests that met both SLOs per second of the run: the chats' closed loop sets
 the rate, so there is no rate to search), prompt tokens computed, the cache's hit rate,
-KV bytes moved between meshes and KV bytes a handoff did not carry because the decode side held
-them ("not sent"); the greedy outputs of the two runs of a mesh are compared.
+KV bytes moved between meshes and KV bytes a handoff did not carry because the decode
+side held them ("not sent"); the greedy outputs of the two runs of a mesh are compared.
 """
 from __future__ import annotations
 
