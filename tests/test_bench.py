@@ -97,12 +97,12 @@ def test_rate_sweep_and_goodput_search_name_each_run(tiny_dir, tmp_path):
 
 @pytest.mark.slow
 def test_shift_workload_reports_each_phase(tiny_dir, capsys):
-    """`--workload shift`: the phases one after the other on each mesh, SLO attainment
-    and latencies per phase beside the overall run."""
+    """`--workload shift`: the phases one after the other, SLO attainment and
+    latencies per phase beside the overall run."""
     results = bench.main(_flags(tiny_dir, "--mesh", "prefill=1,decode=1", "--compare",
-                                "colocated=1", "--workload", "shift",
+                                "none", "--workload", "shift",
                                 "--phases", "40/3/3;16/6/2", "--slo_ttft", "100",
-                                "--slo_tpot", "100"))
+                                "--slo_tpot", "100", "--warmup_requests", "0"))
     assert results["workload"]["phases"][1] == {"prompt_lens": "16", "output_lens": "6",
                                                 "num_requests": 2}
     for run in results["runs"]:

@@ -47,17 +47,17 @@ def test_the_prefill_mesh_computes_only_what_its_own_cache_lacks(tiny_hf_model):
 @pytest.mark.parametrize("mesh", ["prefill=4,decode=4", "prefill=2,decode=2x2", "colocated=4"])
 def test_concurrent_chats_with_the_cache_match_hf_on_every_mesh_of_the_engine_test(
         tiny_hf_model, mesh):
-    """test_engine's meshes, the cache on: three chats at once, every turn through the
+    """test_engine's meshes, the cache on: two chats at once, every turn through the
     prefill mesh where there is one (tp=4 and tp=2 caches), the colocated mesh's
     prefill with context under dp=4. Every answer equals transformers'; both sides hit."""
     path, hf_model = tiny_hf_model
     rng = np.random.default_rng(8)
-    chats = [_conversation(rng, turns=3) for _ in range(3)]
+    chats = [_conversation(rng, turns=3) for _ in range(2)]
     with LLM(path, mesh=mesh, max_model_len=192, slots_per_shard=2,
              enable_prefix_caching=True, prefix_extend_below=0) as llm:
         _chats_at_once(llm, hf_model, chats)
         stats = llm.stats()
-        assert stats["finished"] == 9 and stats["aborted"] == 0
+        assert stats["finished"] == 6 and stats["aborted"] == 0
         assert stats["prefix_hit_tokens"] > 0
         assert (stats["prefill_cache_hit_tokens"] > 0) == (not mesh.startswith("colocated"))
         _check_pool(llm)
