@@ -165,3 +165,43 @@ def describe_devices() -> dict:
     return {"platform": devices[0].platform, "num_devices": len(devices),
             "device_kind": devices[0].device_kind, "host_cpu_count": os.cpu_count(),
             "load_avg_1m": None if load is None else round(load[0], 2)}
+
+
+def add_workload_flags(p: argparse.ArgumentParser) -> None:
+    """The bench's workload flags (`python -m jaxpd.bench --help`)."""
+    w = p.add_argument_group("workload")
+    w.add_argument("--rate", type=positive_float, default=1.0,
+                   help="Poisson arrival rate, requests/s (ignored when --rates is given)")
+    w.add_argument("--rates", type=positive_floats, default=None,
+                   help="comma-separated rates to sweep, e.g. 0.5,1,2,4; every backend runs each")
+    w.add_argument("--num_requests", type=positive_int, default=32, help="requests per run")
+    w.add_argument("--prompt_lens", type=length_mix, default="64:3,512:4,768:1",
+                   help="prompt length mix 'len:weight,...'")
+    w.add_argument("--output_lens", type=length_mix, default="128",
+                   help="output length mix 'len:weight,...' (EOS ignored: exactly this many)")
+    w.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and prompt ids")
+    w.add_argument("--workload", choices=["poisson", "shift", "multiturn", "prefix_repetition"],
+                   default="poisson", help="poisson: the length mixes above; shift: --phases, "
+                   "one after the other, each reported apart; multiturn and "
+                   "prefix_repetition: each mesh with the prefix cache off and on (bench/prefix.py)")
+    w.add_argument("--phases", default="448/16/24;32/128/24;448/16/24",
+                   help="shift: 'PROMPT_MIX/OUTPUT_MIX/N;...' phases at --rate, in order "
+                        "(default: long prompts with short answers, then short prompts with "
+                        "long answers, then back)")
+    w.add_argument("--conversations", type=positive_int, default=8, help="multiturn: chats")
+    w.add_argument("--turns", type=positive_int, default=4, help="multiturn: turns per chat")
+    w.add_argument("--system_len", type=positive_int, default=256,
+                   help="multiturn: system prompt tokens, shared by every chat")
+    w.add_argument("--user_len", type=positive_int, default=32,
+                   help="multiturn / prefix_repetition: new tokens a turn or request adds")
+    w.add_argument("--think_s", type=nonnegative_float, default=0.5,
+                   help="multiturn: seconds between an answer and the next turn")
+    w.add_argument("--num_prefixes", type=positive_int, default=4,
+                   help="prefix_repetition: distinct prefixes")
+    w.add_argument("--prefix_len", type=positive_int, default=512,
+                   help="prefix_repetition: tokens of each prefix")
+    w.add_argument("--prefix_extend_below", type=nonnegative_int, default=256,
+                   help="multiturn / prefix_repetition, cache on: a request whose uncached "
+                        "rest is shorter is prefilled on the decode mesh (0: every request "
+                        "goes through the prefill mesh, its handoff carrying only the "
+                        "pages the decode side lacks)")

@@ -25,16 +25,15 @@ import json
 import sys
 from typing import Sequence
 
-import numpy as np
-
-from jaxpd.bench.args import (HF, compare_flag, describe_devices, length_mix, mesh_flag,
-                              nonnegative_float, nonnegative_int, positive_float, positive_floats, positive_int,
+from jaxpd.bench.args import (HF, add_workload_flags, compare_flag, describe_devices,
+                              mesh_flag, nonnegative_int, positive_float, positive_int,
                               resolve_model, whole_numbers)
 from jaxpd.bench.driver import (Backend, BenchRequest, EngineBackend, Progress, RunResult,
                                 ensure_cpu_devices, make_bench_requests)
 from jaxpd.bench.roofline import add_roofline_flags
+from jaxpd.bench.shift import format_phase_table, phase_reports
 from jaxpd.bench.workload import (make_shift_workload, make_workload, parse_length_mix,
-                                  parse_phases, phase_of)
+                                  parse_phases)
 from jaxpd.metrics import find_goodput, format_table, run_report, slo_attainment
 
 
@@ -45,50 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jaxpd.bench", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    _add_workload_flags(p)
+    add_workload_flags(p)
     _add_backend_flags(p)
     _add_output_flags(p)
     add_roofline_flags(p)
     return p
-
-
-def _add_workload_flags(p: argparse.ArgumentParser) -> None:
-    w = p.add_argument_group("workload")
-    w.add_argument("--rate", type=positive_float, default=1.0,
-                   help="Poisson arrival rate, requests/s (ignored when --rates is given)")
-    w.add_argument("--rates", type=positive_floats, default=None,
-                   help="comma-separated rates to sweep, e.g. 0.5,1,2,4; every backend runs each")
-    w.add_argument("--num_requests", type=positive_int, default=32, help="requests per run")
-    w.add_argument("--prompt_lens", type=length_mix, default="64:3,512:4,768:1",
-                   help="prompt length mix 'len:weight,...'")
-    w.add_argument("--output_lens", type=length_mix, default="128",
-                   help="output length mix 'len:weight,...' (EOS ignored: exactly this many)")
-    w.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and prompt ids")
-    w.add_argument("--workload", choices=["poisson", "shift", "multiturn", "prefix_repetition"],
-                   default="poisson", help="poisson: the length mixes above; shift: --phases, "
-                   "one after the other, each reported apart; multiturn and "
-                   "prefix_repetition: each mesh with the prefix cache off and on (bench/prefix.py)")
-    w.add_argument("--phases", default="448/16/24;32/128/24;448/16/24",
-                   help="shift: 'PROMPT_MIX/OUTPUT_MIX/N;...' phases at --rate, in order "
-                        "(default: long prompts with short answers, then short prompts with "
-                        "long answers, then back)")
-    w.add_argument("--conversations", type=positive_int, default=8, help="multiturn: chats")
-    w.add_argument("--turns", type=positive_int, default=4, help="multiturn: turns per chat")
-    w.add_argument("--system_len", type=positive_int, default=256,
-                   help="multiturn: system prompt tokens, shared by every chat")
-    w.add_argument("--user_len", type=positive_int, default=32,
-                   help="multiturn / prefix_repetition: new tokens a turn or request adds")
-    w.add_argument("--think_s", type=nonnegative_float, default=0.5,
-                   help="multiturn: seconds between an answer and the next turn")
-    w.add_argument("--num_prefixes", type=positive_int, default=4,
-                   help="prefix_repetition: distinct prefixes")
-    w.add_argument("--prefix_len", type=positive_int, default=512,
-                   help="prefix_repetition: tokens of each prefix")
-    w.add_argument("--prefix_extend_below", type=nonnegative_int, default=256,
-                   help="multiturn / prefix_repetition, cache on: a request whose uncached "
-                        "rest is shorter is prefilled on the decode mesh (0: every request "
-                        "goes through the prefill mesh, its handoff carrying only the "
-                        "pages the decode side lacks)")
 
 
 def _add_backend_flags(p: argparse.ArgumentParser) -> None:
@@ -409,41 +369,6 @@ def _print_runs(runs: list[dict]) -> None:
         f"{r['name']}={r['itl_max_s'] * 1e3:.1f}" for r in runs if r["itl_max_s"] is not None))
     if runs and "phases" in runs[0]:
         print(format_phase_table(runs))
-
-
-def phase_reports(timelines, phases, slo_ttft: float, slo_tpot: float) -> list[dict]:
-    """Per phase of a shift workload: its requests' SLO attainment and latencies."""
-    out = []
-    for p, phase in enumerate(phases):
-        mine = [t for i, t in enumerate(timelines) if phase_of(phases, i) == p]
-        ttfts = [t.ttft for t in mine if t.ttft is not None]
-        tpots = [t.tpot for t in mine if t.tpot is not None]
-        out.append({"phase": p, "prompt_lens": phase.prompt_lens,
-                    "output_lens": phase.output_lens, "num_requests": len(mine),
-                    "slo_attainment": slo_attainment(mine, slo_ttft, slo_tpot),
-                    "ttft_p50_s": float(np.percentile(ttfts, 50)) if ttfts else None,
-                    "tpot_p50_s": float(np.percentile(tpots, 50)) if tpots else None})
-    return out
-
-
-def format_phase_table(runs: list[dict]) -> str:
-    """SLO attainment per phase (and overall), one row per run."""
-    def phase_cell(p: dict) -> str:
-        return (f"{100 * p['slo_attainment']:.0f}% {_ms(p['ttft_p50_s'])}/"
-                f"{_ms(p['tpot_p50_s'])}")
-
-    names = [f"phase {p['phase']} {p['prompt_lens']}->{p['output_lens']}"
-             for p in runs[0]["phases"]]
-    rows = [f"{'run':<40}" + "".join(f"{n:>24}" for n in names) + f"{'overall':>10}",
-            "(SLO attainment %, TTFT p50 / TPOT p50 ms)"]
-    for r in runs:
-        cells = "".join(f"{phase_cell(p):>24}" for p in r["phases"])
-        rows.append(f"{r['name']:<40}{cells}{100 * r['slo_attainment']:>9.0f}%")
-    return "\n".join(rows)
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
 
 
 def _write_outputs(args: argparse.Namespace, results: dict, timelines: dict[str, list]) -> None:
