@@ -124,6 +124,14 @@ class EngineConfig:
             raise ValueError(f"prefill_cache_pages must be >= 2, got {self.prefill_cache_pages}")
         if self.local_prefill_below < 0:
             raise ValueError(f"local_prefill_below must be >= 0, got {self.local_prefill_below}")
+        if self.mesh.elastic:
+            # What a re-split does not move yet (`engine.elastic`): a prefix cache's pages,
+            # compressed pages, and the decode mesh's own prefill.
+            for name, off in (("enable_prefix_caching", False), ("kv_transfer_dtype", None),
+                              ("local_prefill_below", 0)):
+                if getattr(self, name) != off:
+                    raise ValueError(f"{name} is not supported with mesh {self.mesh} yet "
+                                     f"(an elastic split); leave it at {off!r}")
         min_pages = self.pages_per_slot + 1
         if self.pages_per_shard is None:
             object.__setattr__(self, "pages_per_shard", self.slots_per_shard * self.pages_per_slot + 1)

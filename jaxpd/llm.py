@@ -6,6 +6,7 @@ from typing import Callable, Sequence
 import jax
 
 from jaxpd.config import EngineConfig, resolve_dtype
+from jaxpd.engine import elastic
 from jaxpd.engine.engine import Engine
 from jaxpd.engine.placement import prefill_shardings
 from jaxpd import xla_cache
@@ -73,6 +74,17 @@ class LLM(Frontend):
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def resplit(self, prefill: int) -> elastic.Resplit:
+        """An elastic mesh (`mesh="elastic=N"`): move devices so that the prefill mesh
+        has `prefill` of them, while serving; every request is kept, and decoding ones
+        keep their KV (`jaxpd.engine.elastic`)."""
+        return elastic.resplit(self.engine, prefill, lambda msg: None)
+
+    def prepare_resplit(self, prefill: int) -> float:
+        """Build and compile the split `resplit(prefill)` moves to, now, while serving (it
+        then only pauses for the move); returns the seconds it took."""
+        return elastic.prepare(self.engine, prefill, lambda msg: None)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

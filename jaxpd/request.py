@@ -5,6 +5,7 @@
     DECODING / TRANSFERRING -> WAITING      (preempted: recomputed later)
     PREFILLING / TRANSFERRING -> FINISHED   (the first token already ends it)
     WAITING -> FINISHED                     (a router's request: relayed tokens end it)
+    DECODING -> TRANSFERRING                (an elastic re-split moves its KV)
 
 Every change of state goes through `_move` (under the request's lock): `transition`
 for the loops, `append_token` when a token ends it, `abort`. Every request ends in
@@ -88,7 +89,8 @@ _ALLOWED = {
     State.PREFILLING: {State.TRANSFERRING, State.DECODING, State.FINISHED, State.WAITING,
                        State.ABORTED},
     State.TRANSFERRING: {State.DECODING, State.FINISHED, State.WAITING, State.ABORTED},
-    State.DECODING: {State.FINISHED, State.WAITING, State.ABORTED},
+    # DECODING -> TRANSFERRING: an elastic re-split moves its KV to the new decode mesh.
+    State.DECODING: {State.TRANSFERRING, State.FINISHED, State.WAITING, State.ABORTED},
 }
 FINAL = (State.FINISHED, State.ABORTED)
 

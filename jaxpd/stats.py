@@ -64,6 +64,10 @@ class EngineStats(collections.abc.Mapping):
                                           "had pulled the previous handoffs "
                                           "(`handoff_wait_ms` ran out).")
     decode_steps: int = _counter("Decode steps run.")
+    resplits: int = _counter("Elastic re-splits: devices moved between the prefill and decode "
+                             "meshes.")
+    resplit_moved_requests: int = _counter("Decoding requests whose KV a re-split moved to the "
+                                           "new decode mesh (not recomputed).")
     preemptions: int = _counter("Requests preempted for lack of pages.")
     finished: int = _counter("Requests finished (stop or length).",
                              metric="jaxpd_requests_finished_total")
@@ -78,6 +82,8 @@ class EngineStats(collections.abc.Mapping):
     prefill_pages_cached: int = _gauge("Prefill-mesh cache pages that hold a cached prefix "
                                        "(none is in use between batches).")
     queue_waiting: int = _gauge("Requests waiting for prefill.")
+    prefill_devices: int = _gauge("Devices of the prefill mesh (an elastic split moves them).")
+    decode_devices: int = _gauge("Devices of the decode mesh (an elastic split moves them).")
 
     def __getitem__(self, key: str):
         if key not in _NAMES:

@@ -5,6 +5,8 @@ Spec grammar (comma-separated `role=size` parts):
   prefill=P,decode=DxT    decode mesh of D data-parallel shards, each T-way tensor parallel
   colocated=N             one set of N devices doing both phases, interleaved
   prefill=P  /  decode=D  one phase only: a process of a multi-process deployment
+  elastic=N[,prefill=P]   N devices split prefill=P,decode=N-P (default P = N // 2),
+                          a split `LLM.resplit` moves while serving (issue 17)
 
 Plain Python, no jax import: the launcher must count the devices a spec needs before
 jax starts (it sets XLA_FLAGS from it), and the router, planner and config validation
@@ -26,6 +28,7 @@ class MeshSpec:
     decode_dp: int
     decode_tp: int = 1
     colocated: bool = False
+    elastic: int = 0        # N > 0: an elastic split of N devices (prefill + decode = N)
 
     def __post_init__(self):
         # 0 means "this process has no such mesh" (single-role processes).
@@ -38,6 +41,21 @@ class MeshSpec:
             raise ValueError("mesh: needs a prefill or a decode mesh (or both)")
         if self.colocated and self.prefill_tp != self.decode_dp * self.decode_tp:
             raise ValueError("mesh: colocated prefill and decode must span the same devices")
+        if self.elastic and not (self.prefill_tp >= 1 and self.decode_dp >= 1
+                                 and self.prefill_tp + self.decode_dp == self.elastic
+                                 and self.decode_tp == 1 and not self.colocated):
+            raise ValueError(f"mesh: elastic={self.elastic} splits its devices into prefill=P "
+                             f"and decode=N-P, each at least 1 (got prefill={self.prefill_tp}, "
+                             f"decode={self.decode_dp}x{self.decode_tp})")
+
+    def split(self, prefill: int) -> "MeshSpec":
+        """This elastic spec with `prefill` devices on the prefill mesh."""
+        if not self.elastic:
+            raise ValueError(f"mesh {self} is not elastic (--mesh elastic=N)")
+        if not 1 <= prefill < self.elastic:
+            raise ValueError(f"prefill must be in [1, {self.elastic - 1}] for mesh "
+                             f"elastic={self.elastic}, got {prefill}")
+        return MeshSpec(prefill, self.elastic - prefill, elastic=self.elastic)
 
     @property
     def num_devices(self) -> int:
@@ -54,6 +72,8 @@ class MeshSpec:
         return self.decode_dp > 0
 
     def __str__(self) -> str:
+        if self.elastic:
+            return f"elastic={self.elastic},prefill={self.prefill_tp}"
         if self.colocated:
             return f"colocated={self.prefill_tp}"
         parts = [f"prefill={self.prefill_tp}"] if self.has_prefill else []
@@ -73,9 +93,9 @@ def parse_mesh_spec(spec: str | MeshSpec) -> MeshSpec:
     for part in spec.replace(" ", "").split(","):
         role, eq, size = part.partition("=")
         m = _SIZE.match(size)
-        if not eq or role not in ("prefill", "decode", "colocated") or not m:
+        if not eq or role not in ("prefill", "decode", "colocated", "elastic") or not m:
             raise ValueError(f"mesh: bad part {part!r} in {spec!r}; expected prefill=N, "
-                             f"decode=N or decode=DxT, or colocated=N")
+                             f"decode=N or decode=DxT, colocated=N, or elastic=N")
         if role in parts:
             raise ValueError(f"mesh: role {role!r} given twice in {spec!r}")
         if role != "decode" and m.group(2):
@@ -83,6 +103,12 @@ def parse_mesh_spec(spec: str | MeshSpec) -> MeshSpec:
         parts[role] = (int(m.group(1)), int(m.group(2) or 1))
         if min(parts[role]) < 1:
             raise ValueError(f"mesh: {part!r}: sizes must be >= 1")
+    if "elastic" in parts:
+        n = parts["elastic"][0]
+        if "decode" in parts or "colocated" in parts or n < 2:
+            raise ValueError(f"mesh: elastic=N (N >= 2) takes only an optional prefill=P, "
+                             f"got {spec!r}")
+        return MeshSpec(n // 2, n - n // 2, elastic=n).split(parts.get("prefill", (n // 2,))[0])
     if "colocated" in parts:
         if len(parts) > 1:
             raise ValueError(f"mesh: colocated=N stands alone, got {spec!r}")

@@ -68,8 +68,7 @@ class DecodeLoop:
         self.max_pages_per_slot, self.context_step = max_pages_per_slot, context_step
         # Prefill with context into slots (prefix caching): set by the engine.
         self.extend: ExtendLoop | None = None
-        # Received, waiting for a slot (FIFO), with the request each belongs to.
-        self.pending: collections.deque[tuple[Inbound, Request]] = collections.deque()
+        self.pending: collections.deque[tuple[Inbound, Request]] = collections.deque()  # FIFO
         self._admitted: list[_Admitted] = []
         num_slots = len(scheduler.slots)
         self._stepped: list[Request | None] = [None] * num_slots  # who each slot fed last step
@@ -120,7 +119,21 @@ class DecodeLoop:
             self._emit(*self._in_flight)
             self._in_flight = None
 
-    def _receive(self, timeout: float | None) -> None:
+    def drain(self, timeout_s: float) -> None:
+        """Before an elastic re-split replaces this loop (nothing is sent meanwhile):
+        receive all sent, insert what holds a slot (stepping meanwhile; what is not
+        placed within `timeout_s` is prefilled again), read back the step in flight."""
+        deadline = time.monotonic() + timeout_s
+        while self._admitted and time.monotonic() < deadline or self._receive(0):
+            self.iterate(receive_timeout=0)
+        for a in list(self._admitted):
+            self._drop(a)
+            self._fail_transfer(a.request, TransferError("not placed before a re-split"))
+        self.finish_in_flight()
+
+    def _receive(self, timeout: float | None) -> int:
+        """Take what the inbound queues hold; returns how many new handoffs."""
+        taken = 0
         for queue in self.inbound:
             inbounds, rejected = queue.receive(timeout)
             for x in rejected:
@@ -141,7 +154,9 @@ class DecodeLoop:
                         f"the request holds {r.num_tokens}"), inbound)
                     continue
                 self.pending.append((inbound, r))
+            taken += len(inbounds) + len(rejected)
             timeout = None
+        return taken
 
     def _prefetch_waiting(self) -> None:
         """Handoffs from another process that wait for a slot start moving at once,

@@ -29,7 +29,7 @@ from jaxpd.engine.decode_loop import DecodeLoop
 from jaxpd.engine.extend_loop import ExtendLoop
 from jaxpd.engine.multihost import Follower, LeaderPrefillRunner, PlanChannel
 from jaxpd.engine.page_allocator import CacheJournal
-from jaxpd.engine.prefill_cache import PrefillCache, min_cache_pages
+from jaxpd.engine.prefill_cache import PrefillCache, cache_pages
 from jaxpd.engine.prefill_loop import PrefillLoop
 from jaxpd.engine.requests import Limits, Requests
 from jaxpd.engine.runner import CompileCounter, DecodeRunner, PrefillRunner
@@ -106,9 +106,20 @@ class Engine:
             self.connector.stage_on(self._staging_sharding())
         if warmup and not self.is_follower:     # a follower replays the leader's warm-up
             warm_up(self, progress or (lambda msg: None))
+        self.warmed = warmup
+        self.prepared_splits: dict = {}        # an elastic split's (`engine.elastic`)
         self._stop = threading.Event()
+        self._paused = threading.Event()      # an elastic re-split holds the threads
+        self.resplit_lock, self.lifecycle_lock = threading.Lock(), threading.Lock()
         self._error: BaseException | None = None
-        loops = ([] if self.is_follower else
+        self._threads: list[threading.Thread] = []
+        self.resume_threads()
+
+    def resume_threads(self) -> None:
+        """Start this mesh's loop threads (again, after `pause_threads`)."""
+        spec = self.config.mesh
+        self._paused.clear()
+        loops = ([] if self.is_follower or self._stop.is_set() else
                  [("jaxpd-engine", self._run_colocated)] if spec.colocated else
                  [("jaxpd-prefill", self._run_prefill)] * spec.has_prefill +
                  [("jaxpd-decode", self._run_decode)] * spec.has_decode)
@@ -116,6 +127,18 @@ class Engine:
                          for name, loop in loops]
         for t in self._threads:
             t.start()
+
+    def pause_threads(self) -> bool:
+        """Stop the loop threads at a batch or step boundary, nothing aborted (an
+        elastic re-split); False if the engine is shut down."""
+        self._paused.set()
+        self.requests.wake.set()
+        for t in self._threads:
+            t.join()
+        return not self._stop.is_set()
+
+    def _serving(self) -> bool:
+        return not (self._stop.is_set() or self._paused.is_set())
 
     def _params_on(self, mesh, fuse: bool):
         """(params placed on `mesh`, its logical rules, whether the params are fused):
@@ -166,29 +189,16 @@ class Engine:
         # the same devices in one loop, so there is nothing to overlap.
         groups = None if c.mesh.colocated else layer_groups(self.model.cfg.num_layers,
                                                              c.layerwise_parts)
-        self.prefill_cache = self._prefill_cache(params, rules, fused) \
-            if self.prefill_caching else None
+        self.prefill_cache = PrefillCache(
+            self.model.cfg, params, mesh, rules, cache_pages(c, self.prefill_scheduler),
+            c.page_size, c.pages_per_slot, self.prefix_root, self.counter, self.dtype,
+            fused=fused, journal=self.cache_journal) if self.prefill_caching else None
         self.prefill_loop = PrefillLoop(self.prefill_runner, self.prefill_scheduler, sender,
                                         self.requests, self.requests.prefill_inbox, c.page_size,
                                         self.counters, layerwise=groups,
                                         layerwise_min_tokens=c.layerwise_min_tokens,
                                         handoff_wait_s=c.handoff_wait_ms / 1000,
                                         cache=self.prefill_cache)
-
-    def _prefill_cache(self, params, rules, fused) -> PrefillCache:
-        """The prefill mesh's prefix cache, sized to admit its largest batch."""
-        c, sched = self.config, self.prefill_scheduler
-        needed = min_cache_pages(sched.buckets, sched.batch_cap, c.page_size, c.pages_per_slot)
-        pages = c.prefill_cache_pages
-        if pages is None:
-            pages = max(c.pages_per_shard, needed)
-        elif pages < needed:
-            raise ValueError(f"prefill_cache_pages={pages} cannot hold the largest prefill "
-                             f"batch ({needed} pages with the null page; lower "
-                             f"max_prefill_tokens or max_prefill_batch, or raise it)")
-        return PrefillCache(self.model.cfg, params, self.meshes.prefill, rules, pages,
-                            c.page_size, c.pages_per_slot, self.prefix_root, self.counter,
-                            self.dtype, fused=fused, journal=self.cache_journal)
 
     def _build_decode(self) -> None:
         c, mesh, spec = self.config, self.meshes.decode, self.config.mesh
@@ -299,6 +309,7 @@ class Engine:
         return self.requests.all_final() and (self.decode_loop is None or self.decode_loop.idle)
 
     def stats(self) -> EngineStats:
+        spec = self.config.mesh
         slots = self.decode_scheduler.slots if self.decode_scheduler else []
         allocators = self.decode_scheduler.allocators if self.decode_scheduler else []
         counts = self.counters.snapshot()
@@ -315,7 +326,8 @@ class Engine:
             pages_used=sum(a.num_used for a in allocators),
             pages_cached=sum(a.num_cached_free for a in allocators),
             prefill_pages_cached=cache.num_cached_free if cache is not None else 0,
-            queue_waiting=self.requests.num_waiting())
+            queue_waiting=self.requests.num_waiting(), prefill_devices=spec.prefill_tp,
+            decode_devices=spec.decode_dp * spec.decode_tp)
 
     def follow(self, follower: Follower, stop: threading.Event) -> str:
         """A follower's life: replay the leader's prefill programs (`multihost.Follower`)."""
@@ -326,7 +338,8 @@ class Engine:
     def shutdown(self, reason: str = "shutdown") -> None:
         """Stop the threads, abort what is still in flight, join (a leader then tells
         its followers to stop). Idempotent."""
-        self._stop.set()
+        with self.lifecycle_lock:     # not halfway through a re-split's swap
+            self._stop.set()
         self.requests.wake.set()
         for t in self._threads:
             t.join(timeout=60)
@@ -345,22 +358,26 @@ class Engine:
         try:
             loop()
         except BaseException as e:   # surface, never hang: fail every live request
-            self._error = e
-            self._stop.set()
-            self.requests.abort_all(f"failed: {e!r}")
+            self.fail(e)
             logging.exception("engine thread %s died; every live request was aborted",
                               threading.current_thread().name)
 
+    def fail(self, error: BaseException) -> None:
+        """The engine cannot serve: stop, and abort every live request with `error`."""
+        self._error = error
+        self._stop.set()
+        self.requests.abort_all(f"failed: {error!r}")
+
     def _run_prefill(self) -> None:
         wake = self.requests.wake
-        while not self._stop.is_set():
+        while self._serving():
             wake.clear()
             ran, wait = self.prefill_loop.run_once(time.perf_counter())
             if not ran:
                 wake.wait(timeout=0.05 if wait is None else max(wait, 1e-4))
 
     def _run_decode(self) -> None:
-        while not self._stop.is_set():
+        while self._serving():
             if self.local_loop is not None:
                 self.local_loop.run_once(time.perf_counter())
             self.decode_loop.iterate(receive_timeout=0.02)
@@ -368,7 +385,7 @@ class Engine:
 
     def _run_colocated(self) -> None:
         wake = self.requests.wake
-        while not self._stop.is_set():
+        while self._serving():
             wake.clear()
             ran, wait = (self.prefill_loop.run_once(time.perf_counter())
                          if self.prefill_loop is not None else (False, None))

@@ -43,10 +43,20 @@ from jaxpd.models.llama import Llama
 from jaxpd.request import Request
 
 
-def min_cache_pages(buckets: list[int], batch_cap, page_size: int, max_pages: int) -> int:
-    """Pages (with the null page) a pool needs to admit any batch a scheduler with
-    these length `buckets` and `batch_cap(bucket)` rows forms."""
-    return 1 + max(batch_cap(b) * min(pages_for(b, page_size), max_pages) for b in buckets)
+def cache_pages(config, scheduler) -> int:
+    """Pages (with the null page) of the prefill mesh's cache: `prefill_cache_pages`,
+    by default a decode shard's count; never fewer than admit any batch `scheduler`
+    forms (references never outlive a batch), else a ValueError naming the field."""
+    c = config
+    needed = 1 + max(scheduler.batch_cap(b) * min(pages_for(b, c.page_size), c.pages_per_slot)
+                     for b in scheduler.buckets)
+    if c.prefill_cache_pages is None:
+        return max(c.pages_per_shard, needed)
+    if c.prefill_cache_pages < needed:
+        raise ValueError(f"prefill_cache_pages={c.prefill_cache_pages} cannot hold the largest "
+                         f"prefill batch ({needed} pages with the null page; lower "
+                         f"max_prefill_tokens or max_prefill_batch, or raise it)")
+    return c.prefill_cache_pages
 
 
 class PrefillCache:

@@ -184,6 +184,7 @@ class DecodeRunner:
                  attention_interpret: bool = False):
         self.cfg, self.params, self.mesh = cfg, params, mesh
         self.page_size, self.counter = page_size, counter
+        self.pages_per_shard = pages_per_shard
         self.num_shards = mesh.shape["dp"]
         kv_axis = dict(rules).get("kv_heads")
         self.pool_spec = P(None, "dp", None, kv_axis, None)          # [L, P, S, K, H]
@@ -243,6 +244,7 @@ class DecodeRunner:
             in_specs=(pool, pool, pool, pool, slot), out_specs=(pool, pool)),
             donate_argnums=(0, 1))
         self._pad = jax.jit(self._pad_pages, static_argnums=(1,))
+        self._take = jax.jit(lambda k_pool, v_pool, ids: (k_pool[:, ids], v_pool[:, ids]))
 
     def shard_sharding(self, shard: int) -> NamedSharding:
         """Where a request's pages must land to be inserted on `shard`."""
@@ -261,6 +263,13 @@ class DecodeRunner:
         k_new = self._assemble(shard, k_pages)
         v_new = self._assemble(shard, v_pages)
         self.k_pool, self.v_pool = self._insert(self.k_pool, self.v_pool, k_new, v_new, ids)
+
+    def take(self, shard: int, page_ids: list[int]) -> tuple[jax.Array, jax.Array]:
+        """Copies of `shard`'s [L, n, S, K, H] pages at `page_ids` (an elastic re-split
+        moves a decoding request's KV with them; compiled per page count, as rare)."""
+        self.counter.note("take", len(page_ids))
+        ids = np.asarray(page_ids, np.int32) + shard * self.pages_per_shard
+        return self._take(self.k_pool, self.v_pool, ids)
 
     def set_penalties(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         """The penalty context of the request just inserted at `slot` (one with penalties)."""

@@ -98,6 +98,15 @@ class PrefillScheduler:
             q.extend(keep)
         return dropped
 
+    def take_all(self) -> list[Request]:
+        """Every waiting request, oldest first; the scheduler is left empty (an elastic
+        re-split hands them to the new prefill mesh's scheduler)."""
+        taken = sorted((r for q in self._waiting.values() for r in q),
+                       key=lambda r: r.timings.arrival)
+        for q in self._waiting.values():
+            q.clear()
+        return taken
+
     def batch_cap(self, bucket: int) -> int:
         """Rows of a batch in `bucket`: the batch and token limits."""
         return max(1, min(self.max_batch, self.max_tokens // bucket))

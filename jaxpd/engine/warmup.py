@@ -75,6 +75,11 @@ def _warm_decode(engine, progress: Callable[[str], None]) -> None:
         shape = (model.num_layers, m, cfg.page_size, model.num_kv_heads, model.head_dim)
         pages = jax.device_put(jnp.zeros(shape, DTYPES[cfg.dtype]), runner.shard_sharding(0))
         runner.insert(0, [0] * m, pages, pages)
+    if cfg.mesh.elastic:
+        # A re-split cuts each decoding request's pages out of the pool (`engine.elastic`).
+        for n in range(1, cfg.pages_per_slot + 1):
+            progress(f"compiling page take for {n} pages")
+            runner.take(0, [0] * n)
     jax.block_until_ready(runner.k_pool)
 
 

@@ -187,7 +187,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("mesh", "queue_waiting", "slots_active", "slots_total", "pages_used", "pages_total", "transfers", "transfer_bytes", "transfer_s", "num_compiled_programs", "compiled_programs", "rejections", "rejections_queue_full", "rejections_slo", "preemptions", "finished", "aborted", "prefill_batches", "prefill_tokens", "decode_steps", "local_prefills", "prefill_s_per_token", "requests_in_flight", "transfer_failures", "decode_failovers", "prefill_failovers", "requests_submitted", "prefix_query_tokens", "prefix_hit_tokens", "prefix_evictions", "pages_cached", "prefix_saved_bytes", "prefix_skip_misses", "handoff_waits_expired", "prefill_cache_query_tokens", "prefill_cache_hit_tokens", "prefill_pages_cached")
+    __slots__ = ("mesh", "queue_waiting", "slots_active", "slots_total", "pages_used", "pages_total", "transfers", "transfer_bytes", "transfer_s", "num_compiled_programs", "compiled_programs", "rejections", "rejections_queue_full", "rejections_slo", "preemptions", "finished", "aborted", "prefill_batches", "prefill_tokens", "decode_steps", "local_prefills", "prefill_s_per_token", "requests_in_flight", "transfer_failures", "decode_failovers", "prefill_failovers", "requests_submitted", "prefix_query_tokens", "prefix_hit_tokens", "prefix_evictions", "pages_cached", "prefix_saved_bytes", "prefix_skip_misses", "handoff_waits_expired", "prefill_cache_query_tokens", "prefill_cache_hit_tokens", "prefill_pages_cached", "resplits", "resplit_moved_requests", "prefill_devices", "decode_devices")
     class CompiledProgramsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,10 @@ class StatsResponse(_message.Message):
     PREFILL_CACHE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
+    RESPLITS_FIELD_NUMBER: _ClassVar[int]
+    RESPLIT_MOVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_DEVICES_FIELD_NUMBER: _ClassVar[int]
     mesh: str
     queue_waiting: int
     slots_active: int
@@ -269,4 +273,8 @@ class StatsResponse(_message.Message):
     prefill_cache_query_tokens: int
     prefill_cache_hit_tokens: int
     prefill_pages_cached: int
-    def __init__(self, mesh: _Optional[str] = ..., queue_waiting: _Optional[int] = ..., slots_active: _Optional[int] = ..., slots_total: _Optional[int] = ..., pages_used: _Optional[int] = ..., pages_total: _Optional[int] = ..., transfers: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., num_compiled_programs: _Optional[int] = ..., compiled_programs: _Optional[_Mapping[str, int]] = ..., rejections: _Optional[int] = ..., rejections_queue_full: _Optional[int] = ..., rejections_slo: _Optional[int] = ..., preemptions: _Optional[int] = ..., finished: _Optional[int] = ..., aborted: _Optional[int] = ..., prefill_batches: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_steps: _Optional[int] = ..., local_prefills: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., requests_in_flight: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., decode_failovers: _Optional[int] = ..., prefill_failovers: _Optional[int] = ..., requests_submitted: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., pages_cached: _Optional[int] = ..., prefix_saved_bytes: _Optional[int] = ..., prefix_skip_misses: _Optional[int] = ..., handoff_waits_expired: _Optional[int] = ..., prefill_cache_query_tokens: _Optional[int] = ..., prefill_cache_hit_tokens: _Optional[int] = ..., prefill_pages_cached: _Optional[int] = ...) -> None: ...
+    resplits: int
+    resplit_moved_requests: int
+    prefill_devices: int
+    decode_devices: int
+    def __init__(self, mesh: _Optional[str] = ..., queue_waiting: _Optional[int] = ..., slots_active: _Optional[int] = ..., slots_total: _Optional[int] = ..., pages_used: _Optional[int] = ..., pages_total: _Optional[int] = ..., transfers: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., num_compiled_programs: _Optional[int] = ..., compiled_programs: _Optional[_Mapping[str, int]] = ..., rejections: _Optional[int] = ..., rejections_queue_full: _Optional[int] = ..., rejections_slo: _Optional[int] = ..., preemptions: _Optional[int] = ..., finished: _Optional[int] = ..., aborted: _Optional[int] = ..., prefill_batches: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_steps: _Optional[int] = ..., local_prefills: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., requests_in_flight: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., decode_failovers: _Optional[int] = ..., prefill_failovers: _Optional[int] = ..., requests_submitted: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., pages_cached: _Optional[int] = ..., prefix_saved_bytes: _Optional[int] = ..., prefix_skip_misses: _Optional[int] = ..., handoff_waits_expired: _Optional[int] = ..., prefill_cache_query_tokens: _Optional[int] = ..., prefill_cache_hit_tokens: _Optional[int] = ..., prefill_pages_cached: _Optional[int] = ..., resplits: _Optional[int] = ..., resplit_moved_requests: _Optional[int] = ..., prefill_devices: _Optional[int] = ..., decode_devices: _Optional[int] = ...) -> None: ...
