@@ -203,3 +203,71 @@ def test_plan_cli_live_scrapes_a_metrics_url(capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and out[0].startswith("t=") and "split prefill=2,decode=6" in out[0]
     assert "TTFT p90" in out[0] and "slots 50%" in out[0]
+
+
+class _Serving:
+    """What a serving process shows the elastic driver: its /metrics text, and a split
+    that a re-split changes (or refuses to)."""
+
+    def __init__(self, refuse: bool = False):
+        from jaxpd.serving.prometheus import ServingMetrics
+        self.metrics, self.split, self.refuse = ServingMetrics(), Split(4, 4), refuse
+        self.calls = []
+
+    def render(self) -> str:
+        return self.metrics.render({"slots_active": 2, "slots_total": 16, "pages_used": 10,
+                                    "pages_total": 100, "queue_waiting": 7})
+
+    def prepare(self, prefill):
+        self.calls.append(("prepare", prefill))
+
+    def resplit(self, prefill):
+        self.calls.append(("resplit", prefill))
+        if self.refuse:
+            raise ValueError("prefill must be in [1, 7]")
+        self.split = Split(prefill, 8 - prefill)
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_the_elastic_driver_acts_on_the_metrics_it_renders(refuse):
+    from jaxpd.plan.driver import ElasticDriver
+    serving, said, now = _Serving(refuse), [], [0.0]
+    c = controller(sustain_s=3, dwell_s=5, smoothing_s=1)
+    driver = ElasticDriver(c, serving.render, serving.prepare, serving.resplit,
+                           lambda: serving.split, interval_s=1, say=said.append,
+                           clock=lambda: now[0])
+    decisions = []
+    for t in range(10):                 # the first move at t=5; the next not within 5 s
+        now[0] = float(t)
+        for _ in range(5):      # this window's requests: TTFT 3x its SLO, TPOT well under
+            serving.metrics.ttft.observe(3.0)
+            serving.metrics.tpot.observe(0.02)
+        decisions.append(driver.tick())
+    made = [d for d in decisions if d is not None]
+    assert len(made) == 1 and made[0].new == Split(5, 3)
+    assert serving.calls == [("prepare", 5), ("resplit", 5)]     # compiled first, then moved
+    assert "prefill=4,decode=4 -> prefill=5,decode=3: prefill at" in said[0]
+    if refuse:           # the controller is told the split it really has
+        assert "refused: prefill must be in [1, 7]" in said[1]
+        assert c.split == serving.split == Split(4, 4)
+    else:
+        assert c.split == serving.split == Split(5, 3)
+
+
+@pytest.mark.parametrize("args,match", [
+    ({"elastic": True}, "--elastic needs --mesh elastic=N"),
+    ({"elastic": True, "mesh": "elastic=8", "role": "prefill"}, "without --role"),
+    ({"elastic": True, "mesh": "elastic=8", "slo_ttft_ms": 500.0}, "needs --slo_ttft_ms and"),
+])
+def test_the_launcher_refuses_elastic_without_what_it_needs(args, match):
+    from absl import flags
+    from jaxpd.serving.launch_flags import define_flags, elastic_error
+    fv = flags.FlagValues()
+    define_flags(fv)
+    fv(["launch"])
+    assert elastic_error(fv) is None
+    for name, value in args.items():
+        fv[name].value = value
+    assert match in elastic_error(fv)
+    fv.slo_ttft_ms, fv.slo_tpot_ms, fv.role, fv.mesh = 500.0, 50.0, "", "elastic=8"
+    assert elastic_error(fv) is None

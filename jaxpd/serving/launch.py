@@ -25,8 +25,8 @@ import time
 from absl import app, flags
 
 from jaxpd.serving.launch_flags import (_role_auth, define_flags, engine_options,  # noqa: F401
-                                        internal_auth, multihost_error, parse_cpus,
-                                        pin_cpus, set_cpu_device_count)
+                                        elastic_error, internal_auth, multihost_error,
+                                        parse_cpus, pin_cpus, set_cpu_device_count)
 
 
 def _say(message: str) -> None:
@@ -42,7 +42,7 @@ def run(fv: flags.FlagValues) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
-    error = multihost_error(fv)
+    error = multihost_error(fv) or elastic_error(fv)
     if error is not None:
         print(error, file=sys.stderr)
         return 2
@@ -181,7 +181,10 @@ def _serve(fv: flags.FlagValues, stop: threading.Event, LLM) -> int:
                 http.attach(llm)
             _say(f"jaxpd serving {llm.model_path} on {fv.host}:{server.port} "
                  f"(mesh {llm.config.mesh})")
+            driver = _elastic_driver(fv, llm, server) if fv.elastic else None
             stop.wait()
+            if driver is not None:
+                driver.stop()
         _say("jaxpd shutting down")
     finally:
         _stop_servers(server, http, fv.shutdown_grace_s)
@@ -192,6 +195,23 @@ def _serve(fv: flags.FlagValues, stop: threading.Event, LLM) -> int:
     if left:
         print(f"threads still running at exit: {left}", file=sys.stderr)
     return 0
+
+
+def _elastic_driver(fv: flags.FlagValues, llm, server):
+    """`--elastic`: the split controller, acting on this process's elastic mesh."""
+    from jaxpd.plan.controller import Split, SplitController
+    from jaxpd.plan.driver import ElasticDriver
+
+    def split() -> Split:
+        spec = llm.engine.config.mesh
+        return Split(spec.prefill_tp, spec.decode_dp)
+
+    controller = SplitController(split(), fv.slo_ttft_ms / 1000, fv.slo_tpot_ms / 1000,
+                                 sustain_s=fv.elastic_sustain_s, dwell_s=fv.elastic_dwell_s)
+    _say(f"jaxpd elastic: the split controller moves devices every >= {fv.elastic_dwell_s:g} s "
+         f"(TTFT SLO {fv.slo_ttft_ms:g} ms, TPOT SLO {fv.slo_tpot_ms:g} ms)")
+    return ElasticDriver(controller, server.render_metrics, llm.prepare_resplit, llm.resplit,
+                         split, fv.elastic_interval_s, say=_say).start()
 
 
 def _stop_on_signals() -> threading.Event:

@@ -88,6 +88,19 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                          "get RESOURCE_EXHAUSTED.", lower_bound=1, flag_values=fv)
     flags.DEFINE_float("slo_ttft_ms", 0.0, "Reject (RESOURCE_EXHAUSTED) a request whose "
                        "predicted TTFT exceeds this; 0 = off.", lower_bound=0, flag_values=fv)
+    flags.DEFINE_float("slo_tpot_ms", 0.0, "With --elastic: the time-per-output-token SLO "
+                       "the split controller holds decode to.", lower_bound=0, flag_values=fv)
+    flags.DEFINE_bool("elastic", False, "With --mesh elastic=N: move devices between the "
+                      "prefill and decode meshes while serving, as the split controller "
+                      "decides from TTFT and TPOT against --slo_ttft_ms / --slo_tpot_ms and "
+                      "decode occupancy. Off by default until the shift bench says it wins.",
+                      flag_values=fv)
+    flags.DEFINE_float("elastic_interval_s", 5.0, "With --elastic: seconds between "
+                       "observations.", lower_bound=0.01, flag_values=fv)
+    flags.DEFINE_float("elastic_sustain_s", 30.0, "With --elastic: how long a move must be "
+                       "wanted before it is made.", lower_bound=0, flag_values=fv)
+    flags.DEFINE_float("elastic_dwell_s", 120.0, "With --elastic: the least time between two "
+                       "moves.", lower_bound=0, flag_values=fv)
     flags.DEFINE_integer("layerwise_min_tokens", 0, "Prefill buckets of at least this many "
                          "tokens send their KV layer group by layer group, each as soon as it "
                          "is computed, overlapping the transfer with the rest of the prefill; "
@@ -206,6 +219,23 @@ def _role_auth(fv: flags.FlagValues, what: str):
         print(f"cannot start {what}: {e}", file=sys.stderr)
         return None
     return auth
+
+
+def elastic_error(fv: flags.FlagValues) -> str | None:
+    """Why `--elastic` cannot run with these flags, or None."""
+    from jaxpd.sharding.spec import parse_mesh_spec
+    if not fv.elastic:
+        return None
+    try:
+        elastic = parse_mesh_spec(fv.mesh).elastic
+    except ValueError:
+        elastic = 0                          # the mesh's own check says what is wrong
+    if not elastic or fv.role or fv.once is not None:
+        return (f"--elastic needs --mesh elastic=N and a serving process without --role "
+                f"or --once (got --mesh {fv.mesh})")
+    if not (fv.slo_ttft_ms > 0 and fv.slo_tpot_ms > 0):
+        return "--elastic needs --slo_ttft_ms and --slo_tpot_ms (the SLOs it holds each role to)"
+    return None
 
 
 def multihost_error(fv: flags.FlagValues) -> str | None:
