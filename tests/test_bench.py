@@ -9,6 +9,7 @@ import json
 import pytest
 
 from jaxpd.bench import cli as bench
+from jaxpd.bench.elastic import plot_split
 from jaxpd.bench.driver import make_bench_requests
 from jaxpd.bench.workload import make_workload
 from tests.cli_fixtures import assert_flag_rejected
@@ -111,6 +112,49 @@ def test_shift_workload_reports_each_phase(tiny_dir, capsys):
             (0, 3, 1.0), (1, 2, 1.0)]
         assert all(p["ttft_p50_s"] > 0 and p["tpot_p50_s"] > 0 for p in run["phases"])
     assert "phase 1 16->6" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_an_elastic_mesh_moves_its_split_during_the_shift_workload(tiny_dir, capsys):
+    """`--mesh elastic=3`: the controller acts during the run. A TTFT SLO no prefill
+    meets and a TPOT SLO every decode does: one device moves to prefill (then decode
+    is at its floor of one), said with its reason, recorded over time."""
+    results = bench.main(_flags(tiny_dir, "--mesh", "elastic=3,prefill=1", "--compare", "none",
+                                "--workload", "shift", "--phases", "40/3/3;16/6/3",
+                                "--rate", "0.5", "--slo_ttft", "0.0001", "--slo_tpot", "100",
+                                "--warmup_requests", "0", "--elastic_interval_s", "0.2",
+                                "--elastic_sustain_s", "0", "--elastic_dwell_s", "0",
+                                "--slots_per_shard", "8"))
+    [run] = results["runs"]
+    assert run["num_requests"] == 6 and run["num_aborted"] == 0
+    stats = run["engine_stats"]
+    assert [(d["old"], d["new"]) for d in stats["resplit_decisions"]] == [
+        ("prefill=1,decode=2", "prefill=2,decode=1")]
+    assert "prefill at" in stats["resplit_decisions"][0]["reason"]
+    assert stats["resplits"] == 1
+    devices = [p["prefill_devices"] for p in stats["split_timeline"]]
+    assert devices[0] == 1 and devices[-1] == 2 and devices == sorted(devices)
+    assert "elastic=3,prefill=1: t=" in capsys.readouterr().out.split("elastic moves:")[1]
+    drawn = _Axes()
+    plot_split(drawn, [run])
+    assert drawn.lines[0] == ("step", [p["prefill_devices"] for p in stats["split_timeline"]])
+    assert [kind for kind, _ in drawn.lines] == ["step", "plot", "plot"]
+
+
+class _Axes:
+    """Records what is drawn on it (matplotlib is an optional extra)."""
+
+    def __init__(self):
+        self.lines = []
+
+    def step(self, x, y, **kw):
+        self.lines.append(("step", list(y)))
+
+    def plot(self, x, y, **kw):
+        self.lines.append(("plot", list(y)))
+
+    def __getattr__(self, name):       # labels, title, grid, legend
+        return lambda *a, **kw: None
 
 
 def test_prompts_are_fixed_by_the_seed_not_the_rate():

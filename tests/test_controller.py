@@ -271,3 +271,13 @@ def test_the_launcher_refuses_elastic_without_what_it_needs(args, match):
     assert match in elastic_error(fv)
     fv.slo_ttft_ms, fv.slo_tpot_ms, fv.role, fv.mesh = 500.0, 50.0, "", "elastic=8"
     assert elastic_error(fv) is None
+
+
+def test_a_window_without_ttft_is_no_news_while_prompts_wait_and_idle_when_none_do():
+    c = controller(sustain_s=0, dwell_s=0, smoothing_s=1)
+    c.observe(Signals(0, ttft_p90_s=3.0, slot_occupancy=0.1))
+    high = c.prefill_pressure
+    c.observe(Signals(5, slot_occupancy=0.1, prefill_queue=4))    # nothing finished yet
+    assert c.prefill_pressure == high
+    c.observe(Signals(10, slot_occupancy=0.1))                    # nothing waits either
+    assert c.prefill_pressure < 0.1 * high

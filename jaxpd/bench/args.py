@@ -107,7 +107,8 @@ def mesh_flag(text: str) -> str:
 
 
 def parse_compare(text: str) -> list[str]:
-    """`"colocated=8,hf"` -> ["colocated=8", "hf"]; a `prefill=P,decode=D` pair stays whole.
+    """`"colocated=8,hf"` -> ["colocated=8", "hf"]; a `prefill=P,decode=D` pair (and
+    `elastic=N,prefill=P`) stays whole.
 
     Empty or "none" compares nothing. Raises ValueError naming the bad part.
     """
@@ -124,11 +125,15 @@ def parse_compare(text: str) -> list[str]:
               and parts[i + 1].startswith("decode=")):
             out.append(serving_mesh(f"{part},{parts[i + 1]}"))
             i += 1
-        elif part.startswith(("colocated=", "prefill=", "decode=")):
+        elif (part.startswith("elastic=") and i + 1 < len(parts)
+              and parts[i + 1].startswith("prefill=")):
+            out.append(serving_mesh(f"{part},{parts[i + 1]}"))
+            i += 1
+        elif part.startswith(("colocated=", "prefill=", "decode=", "elastic=")):
             out.append(serving_mesh(part))
         else:
-            raise ValueError(f"bad entry {part!r} in {text!r}: expected 'hf', 'colocated=N' "
-                             f"or 'prefill=P,decode=D'")
+            raise ValueError(f"bad entry {part!r} in {text!r}: expected 'hf', 'colocated=N', "
+                             f"'prefill=P,decode=D' or 'elastic=N[,prefill=P]'")
         i += 1
     if len(set(out)) != len(out):
         raise ValueError(f"{text!r} names a run twice")

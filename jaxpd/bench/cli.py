@@ -26,8 +26,8 @@ import sys
 from typing import Sequence
 
 from jaxpd.bench.args import (HF, add_workload_flags, compare_flag, describe_devices,
-                              mesh_flag, nonnegative_int, positive_float, positive_int,
-                              resolve_model, whole_numbers)
+                              mesh_flag, nonnegative_float, nonnegative_int, positive_float,
+                              positive_int, resolve_model, whole_numbers)
 from jaxpd.bench.driver import (Backend, BenchRequest, EngineBackend, Progress, RunResult,
                                 ensure_cpu_devices, make_bench_requests)
 from jaxpd.bench.roofline import add_roofline_flags
@@ -86,6 +86,12 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
                         "at equal batch capacity)")
     s.add_argument("--max_prefill_batch", type=positive_int, default=8,
                    help="engine prompts per prefill batch")
+    s.add_argument("--elastic_interval_s", type=positive_float, default=1.0,
+                   help="an elastic=N mesh: seconds between its controller's observations")
+    s.add_argument("--elastic_sustain_s", type=nonnegative_float, default=3.0,
+                   help="an elastic=N mesh: how long a move must be wanted before it is made")
+    s.add_argument("--elastic_dwell_s", type=nonnegative_float, default=10.0,
+                   help="an elastic=N mesh: the least time between two moves")
     s.add_argument("--hf_batch", type=positive_int, default=8,
                    help="largest static batch of the hf baseline")
     s.add_argument("--warmup_requests", type=nonnegative_int, default=2,
@@ -240,6 +246,14 @@ class Benchmark:
             return ProcessesBackend(self.model_dir, deployment,
                                     self.options_for(self.args.process_mesh), self.warmup,
                                     prompt_lens, compile_ahead=bool(self.warmup))
+        from jaxpd.sharding.spec import parse_mesh_spec
+        if parse_mesh_spec(name).elastic:
+            from jaxpd.bench.elastic import ElasticBackend
+            a = self.args
+            return ElasticBackend(self.model_dir, name, self.options_for(name), self.warmup,
+                                  prompt_lens, bool(self.warmup), slo_ttft_s=a.slo_ttft,
+                                  slo_tpot_s=a.slo_tpot, interval_s=a.elastic_interval_s,
+                                  sustain_s=a.elastic_sustain_s, dwell_s=a.elastic_dwell_s)
         return EngineBackend(self.model_dir, name, self.options_for(name), self.warmup,
                              prompt_lens, compile_ahead=bool(self.warmup))
 
@@ -369,6 +383,10 @@ def _print_runs(runs: list[dict]) -> None:
         f"{r['name']}={r['itl_max_s'] * 1e3:.1f}" for r in runs if r["itl_max_s"] is not None))
     if runs and "phases" in runs[0]:
         print(format_phase_table(runs))
+    from jaxpd.bench.elastic import format_decisions
+    decisions = format_decisions(runs)
+    if decisions:
+        print("elastic moves:\n" + decisions)
 
 
 def _write_outputs(args: argparse.Namespace, results: dict, timelines: dict[str, list]) -> None:

@@ -168,6 +168,9 @@ class FrontendBackend:
     def is_idle(self) -> bool:
         return True
 
+    def finished(self, request) -> None:
+        """`request` is done (a backend that watches its own latencies records it)."""
+
     def counters(self) -> dict:
         return {}
 
@@ -202,6 +205,7 @@ class FrontendBackend:
             request = submitted.get()
             for _ in front.events(request):
                 pass
+            self.finished(request)
             requests_done.append(request)
             if on_done is not None:
                 on_done()

@@ -37,7 +37,9 @@ def plot_runs(timelines: Mapping[str, Sequence[RequestTimeline]], reports: Seque
     plt = require_matplotlib()
     rates = sorted({r["rate"] for r in reports})
     sweep = len(rates) > 1
-    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(16 if sweep else 11, 4.5))
+    elastic = [r for r in reports if r.get("engine_stats", {}).get("split_timeline")]
+    panels = 2 + sweep + bool(elastic)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.5))
     ttft_ax, itl_ax = axes[0], axes[1]
     for name, runs in timelines.items():
         _cdf(ttft_ax, [t.ttft for t in runs if t.ttft is not None], name)
@@ -63,6 +65,9 @@ def plot_runs(timelines: Mapping[str, Sequence[RequestTimeline]], reports: Seque
         ax.set_ylim(0, 105)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    if elastic:
+        from jaxpd.bench.elastic import plot_split
+        plot_split(axes[-1], elastic)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

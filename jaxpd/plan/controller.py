@@ -13,7 +13,8 @@ a worker and recompiles, so a wrong move costs far more than a late one. Hence:
 - after a move nothing moves for `dwell_s`, and no role drops below `min_devices`.
 
 Pressure of each role (1.0 = at its SLO):
-  prefill  max(TTFT p90 / slo_ttft, predicted TTFT / slo_ttft)
+  prefill  max(TTFT p90 / slo_ttft, predicted TTFT / slo_ttft); with neither, 0 if
+           the prefill queue is empty, else unchanged (no news)
   decode   max(TPOT p90 / slo_tpot, slot occupancy / occupancy_high,
                page occupancy / occupancy_high)
 """
@@ -93,10 +94,12 @@ class SplitController:
         self._wanted: tuple[str, float] | None = None    # (direction, since)
         self.decisions: list[Decision] = []
 
-    def pressures(self, s: Signals) -> tuple[float, float]:
-        """This observation's raw (prefill, decode) pressure."""
+    def pressures(self, s: Signals) -> tuple[float | None, float]:
+        """This observation's raw (prefill, decode) pressure. With no TTFT measured or
+        predicted, prefill is 0 when nothing waits for it, else None: no news (a prefill
+        so slow that nothing finished within the window must not read as idle)."""
         prefill = max([x / self.slo_ttft_s for x in (s.ttft_p90_s, s.predicted_ttft_s)
-                       if x is not None], default=0.0)
+                       if x is not None], default=None if s.prefill_queue else 0.0)
         decode = max([s.tpot_p90_s / self.slo_tpot_s] if s.tpot_p90_s is not None else [],
                      default=0.0)
         decode = max(decode, s.slot_occupancy / self.occupancy_high,
@@ -108,11 +111,12 @@ class SplitController:
             raise ValueError(f"signals out of order: t={s.t} after t={self._last_t}")
         prefill, decode = self.pressures(s)
         if self._last_t is None:
-            self.prefill_pressure, self.decode_pressure = prefill, decode
+            self.prefill_pressure, self.decode_pressure = prefill or 0.0, decode
             self._started_t = s.t
         else:
             keep = math.exp(-(s.t - self._last_t) / self.smoothing_s)
-            self.prefill_pressure = keep * self.prefill_pressure + (1 - keep) * prefill
+            if prefill is not None:
+                self.prefill_pressure = keep * self.prefill_pressure + (1 - keep) * prefill
             self.decode_pressure = keep * self.decode_pressure + (1 - keep) * decode
         self._last_t = s.t
         want = self._wanted_direction()
