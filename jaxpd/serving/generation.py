@@ -128,7 +128,11 @@ class GenerationServicer:
         self._generation_done = threading.Condition(self._lock)
         # engine request_id -> (request, prompt tokens queued ahead of it when it arrived)
         self._in_flight: dict[str, tuple[Request, int]] = {}
-        self._num_generating = 0
+        self._num_generating = 0   # calls holding a slot (their handler runs)
+        # Calls not yet ended in grpc: a handler returns before grpc sends the status
+        # (the stream's last message may still be on its way), and a `stop` that then
+        # cancels all calls turns the client's end into an error.
+        self._num_open_calls = 0
         self._draining = False
         self.num_queue_full = 0
         self.num_rpc_limit = 0
@@ -147,9 +151,10 @@ class GenerationServicer:
             self.llm.abort(r.request_id, reason)
 
     def wait_generation_done(self, timeout_s: float) -> bool:
-        """Wait until no Generate/Complete call is running; False if `timeout_s` passed."""
+        """Wait until every Generate/Complete call has ended in grpc (its status sent, or
+        it was cancelled); False if `timeout_s` passed."""
         with self._generation_done:
-            return self._generation_done.wait_for(lambda: self._num_generating == 0,
+            return self._generation_done.wait_for(lambda: self._num_open_calls == 0,
                                                   timeout=timeout_s)
 
     @property
@@ -269,7 +274,8 @@ class GenerationServicer:
 
     @contextlib.contextmanager
     def _generation_slot(self, context):
-        """Hold one of `max_generating` slots for the call's life, or refuse it."""
+        """Hold one of `max_generating` slots while the handler runs, or refuse it; the
+        call stays open (`wait_generation_done`) until grpc has ended it."""
         with self._lock:
             full = self._num_generating >= self.max_generating
             if full:
@@ -280,12 +286,21 @@ class GenerationServicer:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{self.max_generating} Generate/Complete calls are in flight "
                           f"(max_concurrent_rpcs={self.max_generating})")
+        with self._lock:
+            self._num_open_calls += 1
+        if not context.add_callback(self._call_ended):
+            self._call_ended()   # the RPC already ended before we could register
         try:
             yield
         finally:
-            with self._generation_done:
+            with self._lock:
                 self._num_generating -= 1
-                self._generation_done.notify_all()
+
+    def _call_ended(self) -> None:
+        """grpc's callback when a call ends: after its status went out, or a cancel."""
+        with self._generation_done:
+            self._num_open_calls -= 1
+            self._generation_done.notify_all()
 
     def _make_requests(self, msg: jaxpd_pb2.GenerateRequest) -> tuple[list[Request], str | None]:
         """Validate and build (one request per sample) under ids the front end assigns;

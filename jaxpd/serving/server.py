@@ -37,8 +37,8 @@ _SPARE_THREADS = 4       # beyond max_concurrent_rpcs: refusals, Tokenize, refle
 _CONTROL_THREADS = 4     # ModelInfo, Stats
 _HEALTH_THREADS = 2      # health Check
 _BACKLOG = 64            # grpc's backstop: calls beyond the generation cap
-_FINAL_MESSAGE_S = 5.0   # at stop, for aborted streams to send their last message (a
-#                          bound, not a wait: on a loaded machine 2 s once fell short)
+_FINAL_MESSAGE_S = 5.0   # at stop, for aborted streams to send their last message and
+#                          status (a bound, not a wait: on a loaded machine 2 s once fell short)
 _GRPC_MAX_MESSAGE = 4 * 1024 * 1024   # grpc's default receive limit
 
 
