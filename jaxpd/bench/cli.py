@@ -90,6 +90,8 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
                    help="an elastic=N mesh: seconds between its controller's observations")
     s.add_argument("--elastic_sustain_s", type=nonnegative_float, default=3.0,
                    help="an elastic=N mesh: how long a move must be wanted before it is made")
+    s.add_argument("--elastic_step", type=positive_int, default=1,
+                   help="an elastic=N mesh: devices one move takes from a role")
     s.add_argument("--elastic_dwell_s", type=nonnegative_float, default=10.0,
                    help="an elastic=N mesh: the least time between two moves")
     s.add_argument("--hf_batch", type=positive_int, default=8,
@@ -253,7 +255,8 @@ class Benchmark:
             return ElasticBackend(self.model_dir, name, self.options_for(name), self.warmup,
                                   prompt_lens, bool(self.warmup), slo_ttft_s=a.slo_ttft,
                                   slo_tpot_s=a.slo_tpot, interval_s=a.elastic_interval_s,
-                                  sustain_s=a.elastic_sustain_s, dwell_s=a.elastic_dwell_s)
+                                  sustain_s=a.elastic_sustain_s, dwell_s=a.elastic_dwell_s,
+                                  step=a.elastic_step)
         return EngineBackend(self.model_dir, name, self.options_for(name), self.warmup,
                              prompt_lens, compile_ahead=bool(self.warmup))
 

@@ -18,17 +18,18 @@ from jaxpd.serving.prometheus import ServingMetrics
 class ElasticBackend(EngineBackend):
     """`EngineBackend` on an elastic mesh, its controller acting during `run`: each
     finished request feeds the TTFT/TPOT histograms the driver reads, as /metrics
-    would; `interval_s`, `sustain_s` and `dwell_s` as `--elastic_*` of the launcher
-    (the bench's defaults are shorter: its phases last tens of seconds)."""
+    would; `interval_s`, `sustain_s`, `dwell_s` and `step` as `--elastic_*` of the
+    launcher (the bench's defaults are shorter: its phases last tens of seconds)."""
 
     def __init__(self, model_dir: str, mesh: str, engine_options: dict,
                  warmup_requests: Sequence[BenchRequest], warm_prompt_lens: Sequence[int],
                  compile_ahead: bool, *, slo_ttft_s: float, slo_tpot_s: float,
-                 interval_s: float, sustain_s: float, dwell_s: float):
+                 interval_s: float, sustain_s: float, dwell_s: float, step: int = 1):
         super().__init__(model_dir, mesh, engine_options, warmup_requests, warm_prompt_lens,
                          compile_ahead)
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.interval_s, self.sustain_s, self.dwell_s = interval_s, sustain_s, dwell_s
+        self.step = step
         self.metrics = ServingMetrics()
 
     def split(self) -> Split:
@@ -42,8 +43,8 @@ class ElasticBackend(EngineBackend):
     def run(self, requests: Sequence[BenchRequest],
             on_done: Callable[[], None] | None = None) -> RunResult:
         controller = SplitController(self.split(), self.slo_ttft_s, self.slo_tpot_s,
-                                     sustain_s=self.sustain_s, dwell_s=self.dwell_s,
-                                     smoothing_s=2 * self.interval_s)
+                                     step=self.step, sustain_s=self.sustain_s,
+                                     dwell_s=self.dwell_s, smoothing_s=2 * self.interval_s)
         origin, timeline = time.monotonic(), []
 
         def render() -> str:

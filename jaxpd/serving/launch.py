@@ -207,7 +207,8 @@ def _elastic_driver(fv: flags.FlagValues, llm, server):
         return Split(spec.prefill_tp, spec.decode_dp)
 
     controller = SplitController(split(), fv.slo_ttft_ms / 1000, fv.slo_tpot_ms / 1000,
-                                 sustain_s=fv.elastic_sustain_s, dwell_s=fv.elastic_dwell_s)
+                                 step=fv.elastic_step, sustain_s=fv.elastic_sustain_s,
+                                 dwell_s=fv.elastic_dwell_s)
     _say(f"jaxpd elastic: the split controller moves devices every >= {fv.elastic_dwell_s:g} s "
          f"(TTFT SLO {fv.slo_ttft_ms:g} ms, TPOT SLO {fv.slo_tpot_ms:g} ms)")
     return ElasticDriver(controller, server.render_metrics, llm.prepare_resplit, llm.resplit,

@@ -99,6 +99,8 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                        "observations.", lower_bound=0.01, flag_values=fv)
     flags.DEFINE_float("elastic_sustain_s", 30.0, "With --elastic: how long a move must be "
                        "wanted before it is made.", lower_bound=0, flag_values=fv)
+    flags.DEFINE_integer("elastic_step", 1, "With --elastic: devices one move takes from a "
+                         "role.", lower_bound=1, flag_values=fv)
     flags.DEFINE_float("elastic_dwell_s", 120.0, "With --elastic: the least time between two "
                        "moves.", lower_bound=0, flag_values=fv)
     flags.DEFINE_integer("layerwise_min_tokens", 0, "Prefill buckets of at least this many "
