@@ -111,6 +111,7 @@ def test_shift_workload_reports_each_phase(tiny_dir, capsys):
         assert [(p["phase"], p["num_requests"], p["slo_attainment"]) for p in run["phases"]] == [
             (0, 3, 1.0), (1, 2, 1.0)]
         assert all(p["ttft_p50_s"] > 0 and p["tpot_p50_s"] > 0 for p in run["phases"])
+        assert all(p["goodput_rps"] > 0 for p in run["phases"])   # every request met the SLOs
     assert "phase 1 16->6" in capsys.readouterr().out
 
 

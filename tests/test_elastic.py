@@ -100,6 +100,25 @@ def test_resplit_under_load_keeps_tokens_and_moves_kv(tiny):
             with pytest.raises(ValueError, match="prefill must be in"):
                 llm.resplit(bad)
 
+        # Requests aborted as the split moves end aborted; the others are unharmed.
+        again = [llm.submit(llm.make_request(prompt_token_ids=p, sampling_params=_greedy(n)))
+                 for p, n in zip(prompts[:6], max_tokens[:6])]
+        _wait_decoding(llm, again, 3)
+        cancelled = [r for r in again if not r.is_final][:2]
+        for r in cancelled:
+            llm.abort(r.request_id)
+        llm.resplit(3)
+        for r, exp in zip(again, expected):
+            out = llm._wait(r)
+            if r in cancelled:
+                assert out.finish_reason == "abort"
+            else:
+                assert out.finish_reason == "length" and out.token_ids == exp
+        assert_all_pages_free(llm)
+        assert llm.stats()["prefill_tokens"] == sum(len(p) for p in prompts + prompts[:6])
+        # A split prepared and never moved to goes with the engine at shutdown.
+        llm.prepare_resplit(4)
+
 
 @pytest.mark.slow
 def test_resplit_needs_an_elastic_mesh(tiny):

@@ -133,7 +133,8 @@ def _move(engine, shadow) -> tuple[int, int]:
     for _, slot in decoding:
         r = sched.slots[slot].request
         n = r.num_tokens - 1                 # KV so far; the last token is fed next
-        k, v = old.runner.take(sched.shard_of(slot), sched.slots[slot].pages[:pages_for(n, page_size)])
+        pages = sched.slots[slot].pages[:pages_for(n, page_size)]
+        k, v = old.runner.take(sched.shard_of(slot), pages)
         if not r.transition(State.TRANSFERRING):
             continue                         # aborted meanwhile
         handoff = KVHandoff(r.request_id, n, r.output_ids[-1], k, v,

@@ -348,6 +348,7 @@ class Engine:
             self._told_followers = True
             self.plan.publish({"op": "stop"})
         self.requests.abort_all(reason)
+        self.prepared_splits.clear()
         # Transfer threads still placing end within their connector's timeout.
         self._transfers.shutdown(wait=True, cancel_futures=True)
         self.connector.close()

@@ -80,7 +80,7 @@ def _run_role(fv: flags.FlagValues, stop: threading.Event, group=None) -> int:
     auth = _role_auth(fv, f"the {fv.role} worker")
     if auth is None:
         return 2
-    from jaxpd.serving.role_server import serve_role
+    from jaxpd.serving.worker import serve_role
     from jaxpd.transfer.transfer_server import TransferServerUnavailable
     options = dict(engine_options(fv), warmup=fv.warmup)
     try:

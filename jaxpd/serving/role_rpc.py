@@ -11,10 +11,15 @@ Python (msgpack, grpc, no jax): the router process imports this.
                       asks for them), and {"alive"} after each second without one
   Reprefill unary     request_id -> the decode worker prefills it itself
   Abort     unary     request_id, reason
+  SwitchRole unary    role -> the worker drains, rebuilds its engine for that role on
+                      the same devices, and answers its new epoch (`role_switch`)
   Register  unary     (served by the router's internal port) `WorkerInfo` fields +
                       address + load, every `heartbeat_s` -> {"lease_s"}
 
-All of them travel on the internal plane only: servers take `InternalAuth`'s
+Every router -> worker call but Info names the worker's `epoch` as the router knows
+it (`WorkerInfo.epoch`, 1 at start, one more per role switch); a worker refuses a
+call for another epoch (FAILED_PRECONDITION), so nothing meant for its old role is
+applied to its new one. All of them travel on the internal plane only: servers take `InternalAuth`'s
 interceptors and credentials, clients its channel. Bodies are decoded here, with size
 limits, so a malformed one is INVALID_ARGUMENT and a body of another wire version
 FAILED_PRECONDITION, before any handler runs.
@@ -115,13 +120,14 @@ class WorkerInfo:
     page_size: int
     dtype: str
     kv_transport: str
+    epoch: int = 1            # one more per role switch (`role_switch`)
 
     @classmethod
     def from_wire(cls, d: dict) -> "WorkerInfo":
         """Every field checked for type and size; ValueError naming the field."""
         kwargs = {}
         for f in dataclasses.fields(cls):
-            value = d.get(f.name)
+            value = d.get(f.name, f.default)
             if f.type == "int":
                 if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
                     raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
@@ -189,24 +195,33 @@ class RoleClient:
         self._decode = call("unary_stream", "Decode")
         self._reprefill = call("unary_unary", "Reprefill")
         self._abort = call("unary_unary", "Abort")
+        self._switch_role = call("unary_unary", "SwitchRole")
 
     def info(self, timeout: float) -> dict:
         return self._info(_msg(), timeout=timeout)
 
-    def prefill(self, request: dict, destination: str, timeout: float) -> grpc.Future:
+    def prefill(self, request: dict, destination: str, timeout: float, epoch: int = 1
+                ) -> grpc.Future:
         """A cancellable call: `.result()` is {"status": ...}."""
-        return self._prefill.future(_msg(request=request, destination=destination),
-                                    timeout=timeout)
+        return self._prefill.future(_msg(request=request, destination=destination,
+                                         epoch=epoch), timeout=timeout)
 
-    def decode(self, request: dict, local: bool = False) -> Iterator[dict]:
+    def decode(self, request: dict, local: bool = False, epoch: int = 1) -> Iterator[dict]:
         """A cancellable stream (`.cancel()`): {"registered": True} first, then events."""
-        return self._decode(_msg(request=request, local=local))
+        return self._decode(_msg(request=request, local=local, epoch=epoch))
 
-    def reprefill(self, request_id: str, timeout: float) -> bool:
-        return bool(self._reprefill(_msg(request_id=request_id), timeout=timeout)["ok"])
+    def reprefill(self, request_id: str, timeout: float, epoch: int = 1) -> bool:
+        return bool(self._reprefill(_msg(request_id=request_id, epoch=epoch),
+                                    timeout=timeout)["ok"])
 
-    def abort(self, request_id: str, reason: str, timeout: float) -> bool:
-        return bool(self._abort(_msg(request_id=request_id, reason=reason), timeout=timeout)["aborted"])
+    def abort(self, request_id: str, reason: str, timeout: float, epoch: int = 1) -> bool:
+        return bool(self._abort(_msg(request_id=request_id, reason=reason, epoch=epoch),
+                                timeout=timeout)["aborted"])
+
+    def switch_role(self, role: str, epoch: int, timeout: float) -> dict:
+        """{"role", "epoch"} once the worker serves `role` (draining and rebuilding
+        take up to `timeout`)."""
+        return self._switch_role(_msg(role=role, epoch=epoch), timeout=timeout)
 
     def close(self) -> None:
         self._channel.close()

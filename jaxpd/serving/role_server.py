@@ -36,6 +36,7 @@ from jaxpd.errors import QueueFull
 from jaxpd.stats import COUNTERS
 from jaxpd.request import Request, State
 from jaxpd.serving.pool import ShrinkingThreadPool, health_handler
+from jaxpd.serving.role_switch import RoleSwitch
 from jaxpd.serving.role_rpc import (MAX_ADDRESS_LEN, MAX_REASON_LEN, ROLE_SERVICE,
                                     SERVER_KEEPALIVE, WorkerInfo, model_identity, register,
                                     stream_handler, unary_handler)
@@ -57,13 +58,16 @@ class RoleService:
         self.alive_every_s = alive_every_s
         self.role = "prefill" if engine.prefill_loop is not None else "decode"
         self.model = model_identity(engine.model.path)
+        self.epoch = 1                  # one more per role switch (`role_switch`)
+        self.switcher: RoleSwitch | None = None     # None: this worker keeps its role
 
     def info(self, address: str) -> WorkerInfo:
         c, m = self.engine.config, self.engine.model.cfg
         return WorkerInfo(role=self.role, address=address, kv_address=self.kv_address,
                           model=self.model, max_model_len=c.max_model_len,
                           max_prompt_len=c.max_prompt_len, vocab_size=m.vocab_size,
-                          page_size=c.page_size, dtype=c.dtype, kv_transport=self.kv_transport)
+                          page_size=c.page_size, dtype=c.dtype, kv_transport=self.kv_transport,
+                          epoch=self.epoch)
 
     def load(self) -> dict:
         s = self.engine.stats()
@@ -74,7 +78,13 @@ class RoleService:
         return grpc.method_handlers_generic_handler(ROLE_SERVICE, {
             "Info": unary_handler(self.Info), "Prefill": unary_handler(self.Prefill),
             "Decode": stream_handler(self.Decode), "Reprefill": unary_handler(self.Reprefill),
-            "Abort": unary_handler(self.Abort)})
+            "Abort": unary_handler(self.Abort), "SwitchRole": unary_handler(self.SwitchRole)})
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why this worker cannot serve: its engine failed, or a role switch did."""
+        switch = self.switcher.error if self.switcher is not None else None
+        return switch or self.engine.error
 
     def Info(self, msg, context) -> dict:
         self._alive(context)
@@ -87,7 +97,7 @@ class RoleService:
                 "counters": {name: s[name] for name in COUNTERS}}
 
     def Prefill(self, msg, context) -> dict:
-        self._require("prefill", context)
+        self._require("prefill", msg, context)
         r = self._request(msg, context, State.WAITING)
         destination = msg.get("destination")
         if not isinstance(destination, str) or not 0 < len(destination) <= MAX_ADDRESS_LEN:
@@ -111,7 +121,7 @@ class RoleService:
                         **_logprobs_of(r, held, len(tokens))}
 
     def Decode(self, msg, context):
-        self._require("decode", context)
+        self._require("decode", msg, context)
         local = bool(msg.get("local"))
         r = self._request(msg, context, State.WAITING if local else State.TRANSFERRING)
         sent = len(r.output_ids)            # tokens the router holds already (a failover)
@@ -139,10 +149,11 @@ class RoleService:
                 return
 
     def Reprefill(self, msg, context) -> dict:
-        self._require("decode", context)
+        self._require("decode", msg, context)
         return {"ok": self.engine.reprefill(_request_id(msg, context))}
 
     def Abort(self, msg, context) -> dict:
+        self.check_epoch(msg, context)
         request_id = _request_id(msg, context)
         reason = msg.get("reason") or "cancelled"
         if not isinstance(reason, str) or len(reason) > MAX_REASON_LEN or not reason.isprintable():
@@ -152,13 +163,34 @@ class RoleService:
 
     # ---- checks -------------------------------------------------------------------
 
-    def _alive(self, context) -> None:
-        if self.engine.error is not None:
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"this {self.role} worker's engine failed: {self.engine.error!r}")
-
-    def _require(self, role: str, context) -> None:
+    def SwitchRole(self, msg, context) -> dict:
         self._alive(context)
+        if self.switcher is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"this {self.role} worker cannot switch roles (a mesh across "
+                          f"processes, or started without one)")
+        return self.switcher.handle(msg, context)
+
+    def _alive(self, context) -> None:
+        if self.error is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"this {self.role} worker's engine failed: {self.error!r}")
+
+    def check_epoch(self, msg: dict, context) -> None:
+        """A call for another epoch of this worker is refused: it was meant for the
+        role it had before a switch (or a later one)."""
+        epoch = msg.get("epoch", 1)
+        if epoch != self.epoch:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"stale epoch: the call is for epoch {epoch!r} of this worker, "
+                          f"which is now a {self.role} worker at epoch {self.epoch}")
+
+    def _require(self, role: str, msg: dict, context) -> None:
+        self._alive(context)
+        draining = self.switcher.draining if self.switcher is not None else None
+        if draining is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, draining)
+        self.check_epoch(msg, context)
         if self.role != role:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"this is a {self.role} worker, not a {role} worker")
@@ -248,10 +280,9 @@ class RoleServer:
 
     def _watch_engine(self) -> None:
         while not self._stop.wait(0.2):
-            if self.service.engine.error is not None:
+            if self.service.error is not None:
                 self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-                _log.error("engine failed (%r): health NOT_SERVING",
-                           self.service.engine.error)
+                _log.error("engine failed (%r): health NOT_SERVING", self.service.error)
                 return
 
     def register_with(self, router_address: str, heartbeat_s: float = 1.0,
@@ -261,14 +292,14 @@ class RoleServer:
         the router does not answer (workers and router may start in any order); a
         refusal (mismatched model or limits, bad credentials) is logged, kept in
         `refused`, passed to `on_refused`, and ends the loop."""
-        info = self.service.info(self.address)
-        journal = self.service.engine.cache_journal
-
         def loop():
             delay, registered = heartbeat_s, False
             while not self._stop.is_set():
-                if self.service.engine.error is not None:
+                if self.service.error is not None:
                     return                      # a dead engine: let the lease run out
+                # Read each time: a role switch changes them.
+                info = self.service.info(self.address)
+                journal = self.service.engine.cache_journal
                 try:
                     prefix = journal.take() if journal is not None else None
                     answer = register(router_address, info, self.service.load(), self.auth,
@@ -317,80 +348,3 @@ def make_connector(role: str, transport: str, host: str, auth: InternalAuth = NO
         conn = GrpcReceiver(address=f"{host}:0", auth=auth)
         return conn, conn.address
     raise ValueError(f"kv_transport must be 'transfer_server' or 'grpc', got {transport!r}")
-
-
-class _Interrupted(Exception):
-    """A stop signal arrived while the worker was still starting."""
-
-
-def serve_role(role: str, model: str | None, host: str, port: int, router: str | None,
-               transport: str, stop: threading.Event, say, llm_options: dict,
-               auth: InternalAuth = NO_AUTH, heartbeat_s: float = 1.0,
-               http_port: int = -1, group=None, follower_timeout_s: float = 5.0) -> int:
-    """Run a prefill or decode worker process until `stop` is set; 1 if the router
-    refused it, or its engine failed. `http_port` >= 0: GET /health and /metrics there
-    (0: a free port, printed), as on the router and a single process. `group`: this
-    process's place in a prefill mesh spanning processes (`engine.multihost`): process 0
-    serves as the worker, the others follow it."""
-    from jaxpd.llm import LLM
-
-    plan = None
-    if group is not None and group.multi:
-        from jaxpd.engine.multihost import PlanChannel
-        from jaxpd.serving.follower import follow_leader
-        plan = PlanChannel(group, auth.token.encode() if auth.token else None)
-        if not group.is_leader:
-            return follow_leader(model, plan, stop, say, llm_options)
-    auth.check_bind(host, f"the {role} worker")
-    connector, kv_address = make_connector(role, transport, host, auth)
-    watch = None
-    if plan is not None:
-        from jaxpd.engine.multihost import FollowerWatch
-        from jaxpd.serving.follower import role_lost
-        watch = FollowerWatch(plan, role_lost(role), dead_s=follower_timeout_s)
-    def progress(message: str) -> None:
-        if stop.is_set():            # stopped while loading or compiling: stop between steps
-            raise _Interrupted
-        say(message)
-    try:
-        llm = LLM(model, connector=connector, progress=progress, plan=plan, **llm_options)
-        if plan is not None:
-            from jaxpd.serving.follower import weights_note
-            say(f"jaxpd prefill leader 0/{plan.group.num_processes} of the mesh "
-                f"{llm.config.mesh}{weights_note(llm)}")
-    except _Interrupted:
-        say(f"jaxpd {role} worker stopped while starting")
-        if watch is not None:
-            watch.stop()
-            plan.publish({"op": "stop"})   # followers are between the same two steps
-        return 0
-    server = RoleServer(RoleService(llm.engine, kv_address, transport), host, port, auth)
-    http = None
-    try:
-        if http_port >= 0:
-            from jaxpd.serving.http import HttpServer, OpenAIService
-            http = HttpServer(OpenAIService(role), host, http_port, openai_routes=False)
-            http.service.attach(llm)
-            say(f"jaxpd {role} worker HTTP (/health, /metrics) on http://{host}:{http.port}")
-        server.start()
-        if router:
-            server.register_with(router, heartbeat_s, on_refused=lambda _: stop.set())
-        processes = f", {group.num_processes} processes" if plan is not None else ""
-        say(f"jaxpd {role} worker on {server.address} (mesh {llm.config.mesh}{processes}, "
-            f"kv {transport} {kv_address or 'sender'}, auth: {auth.describe()})")
-        stop.wait()
-    finally:
-        if watch is not None:
-            watch.stop()
-        if http is not None:
-            http.service.draining = True
-        server.stop()
-        if http is not None:
-            http.stop(0)
-        llm.shutdown()
-    if plan is not None:
-        say(f"jaxpd {role} leader {plan.summary()}")
-    if server.refused is not None:
-        say(f"jaxpd {role} worker stopped: {server.refused}")
-        return 1
-    return 0

@@ -30,6 +30,12 @@ with none left it is aborted with a reason. Nothing is dropped silently, nothing
 forever: every unary RPC has a deadline, a stream is watched, and every call is
 cancelled on abort.
 
+A worker changes role on `switch_role(address, role)` (issue 17; `role_switch`): the
+router stops choosing it at once, the worker drains and rebuilds, and its next
+heartbeat re-registers it in the new role at a new epoch; the old registration is
+dropped like a lost worker (calls still open on it fail over), and every call names
+the epoch the router knows, so a call meant for the old role is refused.
+
 The `jaxpd-router-watch` thread expires leases, probes static workers and cancels
 stalled streams; `stats()` asks every live worker for `Info` in parallel
 (`jaxpd-router-info`) within `info_timeout_s`: a frozen worker costs that once.
@@ -79,6 +85,7 @@ class _Worker:
     live: bool = False
     probing: bool = False
     num_calls: int = 0                  # our calls open on it
+    draining: bool = False              # switching roles: chosen for nothing new
 
 
 @dataclasses.dataclass(eq=False)
@@ -210,7 +217,28 @@ class Router(RequestFlow, Frontend):
     def _live_workers(self, role: str, exclude=()) -> list[_Worker]:
         with self._lock:
             return [w for w in self._workers.values()
-                    if w.live and w.role == role and w.address not in exclude]
+                    if w.live and not w.draining and w.role == role and w.address not in exclude]
+
+    def switch_role(self, address: str, role: str, timeout_s: float = 600.0) -> dict:
+        """Have the worker at `address` become a `role` worker (`role_switch`): nothing
+        new goes to it from now on; it drains, rebuilds and answers its new epoch
+        ({"role", "epoch"}); its next heartbeat re-registers it in the new role.
+        ValueError for no such live worker or role; RuntimeError if it failed."""
+        with self._lock:
+            w = self._workers.get(address)
+            if w is None or not w.live or w.info is None:
+                raise ValueError(f"no live worker at {address!r}")
+            if role not in ROLES or role == w.role:
+                raise ValueError(f"role must be the other of {ROLES}, got {role!r} for the "
+                                 f"{w.role} worker {address}")
+            w.draining = True
+        try:
+            return w.client.switch_role(role, w.info.epoch, timeout=timeout_s)
+        except grpc.RpcError as e:
+            with self._lock:
+                w.draining = False
+            raise RuntimeError(f"the {w.role} worker {address} did not switch to {role}: "
+                               f"{e.code()}: {e.details()}") from None
 
     def live_workers(self) -> dict[str, str]:
         """address -> role of every live worker."""

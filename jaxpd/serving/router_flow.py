@@ -45,7 +45,8 @@ class RequestFlow:
                     self.counters.add(aborted=1)
                 return
             decoder, cached = self._choose_decoder(decoders, query)
-            call = self._track(r, decoder, decoder.client.decode(r.to_wire()), watched=True)
+            call = self._track(r, decoder, decoder.client.decode(
+                r.to_wire(), epoch=decoder.info.epoch), watched=True)
             try:
                 if r.is_final:                                 # aborted meanwhile
                     call.handle.cancel()
@@ -57,7 +58,8 @@ class RequestFlow:
                         # Its prefix is cached there and the rest is short: no trip
                         # through a prefill worker (conditional disaggregation).
                         self.counters.add(prefix_routed=1)
-                        decoder.client.reprefill(r.request_id, timeout=self.config.rpc_timeout_s)
+                        decoder.client.reprefill(r.request_id, timeout=self.config.rpc_timeout_s,
+                                                 epoch=decoder.info.epoch)
                     else:
                         # Its handoff leaves out the pages the decoder is believed to
                         # hold (it checks, and prefills the request itself if not).
@@ -119,7 +121,8 @@ class RequestFlow:
     def _prefill(self, r: Request, decoder: _Worker, query: PrefixQuery | None) -> None:
         for p in self._prefill_order(r, query):
             call = self._track(r, p, p.client.prefill(r.to_wire(), decoder.info.kv_address,
-                                                      timeout=self.config.prefill_timeout_s),
+                                                      timeout=self.config.prefill_timeout_s,
+                                                      epoch=p.info.epoch),
                                watched=False, destination=decoder)
             try:
                 out = call.handle.result()
@@ -147,11 +150,12 @@ class RequestFlow:
                 if out.get("finish_reason") in ("stop", "length"):
                     r.finish(out["finish_reason"])
                 decoder.client.abort(r.request_id, "finished at prefill",
-                                     timeout=self.config.rpc_timeout_s)
+                                     timeout=self.config.rpc_timeout_s, epoch=decoder.info.epoch)
             return
         # No prefill worker could: the decode worker prefills it on its own mesh.
         self.counters.add(decode_prefills=1)
-        decoder.client.reprefill(r.request_id, timeout=self.config.rpc_timeout_s)
+        decoder.client.reprefill(r.request_id, timeout=self.config.rpc_timeout_s,
+                                 epoch=decoder.info.epoch)
 
     def _relay(self, r: Request, event: dict) -> bool:
         """Apply one decode event ({"alive"} carries nothing); True once the request is

@@ -1,0 +1,103 @@
+"""A worker process's life (`python -m jaxpd.launch --role prefill|decode`): build its
+engine, serve the Worker service (`role_server`), register with the router, and, on
+the router's command, switch role (`role_switch`), until stopped."""
+from __future__ import annotations
+
+import threading
+
+from jaxpd.auth import NO_AUTH, InternalAuth
+from jaxpd.serving.role_server import RoleServer, RoleService, make_connector
+from jaxpd.serving.role_switch import RoleSwitch, other_mesh
+
+
+class _Interrupted(Exception):
+    """A stop signal arrived while the worker was still starting."""
+
+
+def serve_role(role: str, model: str | None, host: str, port: int, router: str | None,
+               transport: str, stop: threading.Event, say, llm_options: dict,
+               auth: InternalAuth = NO_AUTH, heartbeat_s: float = 1.0,
+               http_port: int = -1, group=None, follower_timeout_s: float = 5.0) -> int:
+    """Run a prefill or decode worker process until `stop` is set; 1 if the router
+    refused it, or its engine failed. `http_port` >= 0: GET /health and /metrics there
+    (0: a free port, printed), as on the router and a single process. `group`: this
+    process's place in a prefill mesh spanning processes (`engine.multihost`): process 0
+    serves as the worker, the others follow it."""
+    from jaxpd.llm import LLM
+
+    plan = None
+    if group is not None and group.multi:
+        from jaxpd.engine.multihost import PlanChannel
+        from jaxpd.serving.follower import follow_leader
+        plan = PlanChannel(group, auth.token.encode() if auth.token else None)
+        if not group.is_leader:
+            return follow_leader(model, plan, stop, say, llm_options)
+    auth.check_bind(host, f"the {role} worker")
+    connector, kv_address = make_connector(role, transport, host, auth)
+    watch = None
+    if plan is not None:
+        from jaxpd.engine.multihost import FollowerWatch
+        from jaxpd.serving.follower import role_lost
+        watch = FollowerWatch(plan, role_lost(role), dead_s=follower_timeout_s)
+    def progress(message: str) -> None:
+        if stop.is_set():            # stopped while loading or compiling: stop between steps
+            raise _Interrupted
+        say(message)
+    try:
+        llm = LLM(model, connector=connector, progress=progress, plan=plan, **llm_options)
+        if plan is not None:
+            from jaxpd.serving.follower import weights_note
+            say(f"jaxpd prefill leader 0/{plan.group.num_processes} of the mesh "
+                f"{llm.config.mesh}{weights_note(llm)}")
+    except _Interrupted:
+        say(f"jaxpd {role} worker stopped while starting")
+        if watch is not None:
+            watch.stop()
+            plan.publish({"op": "stop"})   # followers are between the same two steps
+        return 0
+    service = RoleService(llm.engine, kv_address, transport)
+    server = RoleServer(service, host, port, auth)
+    current, http = [llm], None
+
+    def rebuild(new_role: str):
+        """The engine of `new_role` on this process's devices (`RoleSwitch`)."""
+        conn, address = make_connector(new_role, transport, host, auth)
+        options = dict(llm_options, mesh=other_mesh(str(current[0].config.mesh), new_role))
+        new = LLM(model, connector=conn, progress=say, **options)
+        current[0] = new
+        if http is not None:
+            http.service.attach(new)
+        say(f"jaxpd worker {server.address} is now a {new_role} worker (mesh "
+            f"{new.config.mesh}, kv {transport} {address or 'sender'})")
+        return new.engine, address
+
+    if plan is None:                 # a mesh across processes keeps its role
+        service.switcher = RoleSwitch(service, rebuild)
+    try:
+        if http_port >= 0:
+            from jaxpd.serving.http import HttpServer, OpenAIService
+            http = HttpServer(OpenAIService(role), host, http_port, openai_routes=False)
+            http.service.attach(llm)
+            say(f"jaxpd {role} worker HTTP (/health, /metrics) on http://{host}:{http.port}")
+        server.start()
+        if router:
+            server.register_with(router, heartbeat_s, on_refused=lambda _: stop.set())
+        processes = f", {group.num_processes} processes" if plan is not None else ""
+        say(f"jaxpd {role} worker on {server.address} (mesh {llm.config.mesh}{processes}, "
+            f"kv {transport} {kv_address or 'sender'}, auth: {auth.describe()})")
+        stop.wait()
+    finally:
+        if watch is not None:
+            watch.stop()
+        if http is not None:
+            http.service.draining = True
+        server.stop()
+        if http is not None:
+            http.stop(0)
+        current[0].shutdown()
+    if plan is not None:
+        say(f"jaxpd {role} leader {plan.summary()}")
+    if server.refused is not None:
+        say(f"jaxpd {service.role} worker stopped: {server.refused}")
+        return 1
+    return 0

@@ -1,0 +1,132 @@
+"""A worker that switches role while requests stream through the router on both roles
+(`SwitchRole`, `Router.switch_role`; issue 17): every request finishes with
+transformers' greedy tokens, nothing leaks on any worker, the worker serves its new
+role at a new epoch, and calls meant for its old epoch are refused."""
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from jaxpd import LLM, SamplingParams
+from jaxpd.serving.role_switch import other_mesh
+from tests.hf_fixtures import hf_greedy
+
+MAX_MODEL_LEN = 160
+
+
+def _greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def test_the_other_role_takes_the_same_devices():
+    assert other_mesh("prefill=2", "decode") == "decode=2"
+    assert other_mesh("decode=2", "prefill") == "prefill=2"
+    assert other_mesh("decode=2x2", "prefill") == "prefill=4"
+    for mesh, role in [("prefill=2,decode=2", "decode"), ("colocated=2", "prefill"),
+                       ("prefill=2", "router")]:
+        with pytest.raises(ValueError, match="single-role mesh"):
+            other_mesh(mesh, role)
+
+
+def _start(path, router_address, auth, role):
+    """An in-process worker of `role` that can switch roles (as `serve_role` builds it)."""
+    from jaxpd.serving.role_server import RoleServer, RoleService, make_connector
+    from jaxpd.serving.role_switch import RoleSwitch
+    options = dict(max_model_len=MAX_MODEL_LEN, slots_per_shard=4)
+    connector, kv_address = make_connector(role, "grpc", "127.0.0.1", auth)
+    llms = [LLM(path, mesh=f"{role}=1", connector=connector, **options)]
+    service = RoleService(llms[0].engine, kv_address, "grpc")
+
+    def rebuild(new_role):
+        conn, address = make_connector(new_role, "grpc", "127.0.0.1", auth)
+        llms.append(LLM(path, mesh=other_mesh(str(llms[-1].config.mesh), new_role),
+                        connector=conn, **options))
+        return llms[-1].engine, address
+
+    service.switcher = RoleSwitch(service, rebuild, drain_s=30)
+    server = RoleServer(service, "127.0.0.1", 0, auth)
+    server.start()
+    server.register_with(router_address, heartbeat_s=0.2)
+    return server, llms
+
+
+@pytest.mark.slow
+def test_a_decode_worker_becomes_a_prefill_worker_while_requests_stream(tiny_hf_model):
+    from jaxpd.auth import InternalAuth
+    from jaxpd.serving.role_rpc import RoleClient
+    from jaxpd.serving.router import Router, RouterConfig
+    path, hf_model = tiny_hf_model
+    auth = InternalAuth(token="t" * 32)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(5, 60, 12)]
+    max_tokens = [int(n) for n in rng.integers(30, 60, 12)]
+    expected = [hf_greedy(hf_model, p, n) for p, n in zip(prompts, max_tokens)]
+    router = Router(path, RouterConfig(max_model_len=MAX_MODEL_LEN, heartbeat_s=0.5), auth=auth)
+    workers = []
+    try:
+        address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
+        for role in ("prefill", "decode", "decode"):
+            workers.append(_start(path, address, auth, role))
+        deadline = time.monotonic() + 30
+        while len(router.live_workers()) < 3:
+            assert time.monotonic() < deadline, "workers did not register"
+            time.sleep(0.05)
+        switching = workers[2][0].address
+        requests = [router.submit(router.make_request(prompt_token_ids=p,
+                                                      sampling_params=_greedy(n)))
+                    for p, n in zip(prompts, max_tokens)]
+        # The switch while the first requests decode, on both decode workers.
+        deadline = time.monotonic() + 60
+        while sum(len(r.output_ids) >= 2 for r in requests) < 4:
+            assert time.monotonic() < deadline, "nothing decoded"
+            time.sleep(0.01)
+        answer = {}
+        switch = threading.Thread(
+            target=lambda: answer.update(router.switch_role(switching, "prefill", 120)))
+        switch.start()
+        outs = [router._wait(r) for r in requests]
+        switch.join(timeout=180)
+        assert answer == {"role": "prefill", "epoch": 2}
+        for out, exp in zip(outs, expected):
+            assert out.finish_reason == "length" and out.token_ids == exp
+        deadline = time.monotonic() + 10
+        while router.live_workers().get(switching) != "prefill":
+            assert time.monotonic() < deadline, router.live_workers()
+            time.sleep(0.05)
+        # The new role serves: more requests, now with two prefill workers.
+        more = router.generate(prompt_token_ids=prompts[:6],
+                               sampling_params=[_greedy(n) for n in max_tokens[:6]])
+        assert [o.token_ids for o in more] == expected[:6]
+        switched = workers[2][1][-1]
+        assert switched.stats()["prefill_batches"] > 0 or \
+            workers[0][1][-1].stats()["prefill_batches"] > 0
+        # Calls for the old epoch (its decode role) are refused, naming both epochs.
+        client = RoleClient(switching, auth)
+        try:
+            with pytest.raises(grpc.RpcError) as refused:
+                client.abort("rt-0", "late", timeout=5, epoch=1)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "stale epoch" in refused.value.details()
+            with pytest.raises(grpc.RpcError) as refused:
+                list(client.decode(requests[0].to_wire(), epoch=1))
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert client.abort("rt-0", "late", timeout=5, epoch=2) is False
+        finally:
+            client.close()
+        # Nothing leaked: every decode slot and page is back, on every engine.
+        for _, llms in workers:
+            for llm in llms:
+                stats = llm.stats()
+                assert stats["slots_active"] == 0 and stats["pages_used"] == 0, stats
+        counts = router.counters.snapshot()
+        assert counts["finished"] == len(prompts) + 6 and counts["aborted"] == 0
+        # It drained: the requests it was decoding finished there, none failed over.
+        assert workers[2][1][0].stats()["finished"] > 0 and counts["decode_failovers"] == 0
+    finally:
+        router.shutdown()
+        for server, llms in workers:
+            server.stop(0)
+            for llm in llms:
+                llm.shutdown()
