@@ -12,7 +12,7 @@ from jaxpd.sharding.spec import MeshSpec, parse_mesh_spec
 from tests.engine_fixtures import (assert_all_pages_free, build_hf_model, mixed_prompts,
                                    reference)
 
-NUM_REQUESTS = 16
+NUM_REQUESTS = 12
 MAX_MODEL_LEN = 160
 
 
@@ -22,7 +22,7 @@ def tiny(tmp_path_factory):
     hf_model = build_hf_model("llama_gqa", path)
     prompts = mixed_prompts(NUM_REQUESTS, 256, seed=3)
     # Long answers: requests are still decoding when the split moves.
-    max_tokens = [min(MAX_MODEL_LEN - 10 - len(p), 50 + (7 * i) % 40)
+    max_tokens = [min(MAX_MODEL_LEN - 10 - len(p), 36 + (7 * i) % 30)
                   for i, p in enumerate(prompts)]
     return path, prompts, max_tokens, reference(hf_model, prompts, max_tokens)
 

@@ -63,7 +63,10 @@ def test_a_decode_worker_becomes_a_prefill_worker_while_requests_stream(tiny_hf_
     prompts = [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(5, 60, 12)]
     max_tokens = [int(n) for n in rng.integers(30, 60, 12)]
     expected = [hf_greedy(hf_model, p, n) for p, n in zip(prompts, max_tokens)]
-    router = Router(path, RouterConfig(max_model_len=MAX_MODEL_LEN, heartbeat_s=0.5), auth=auth)
+    # A long lease: on a loaded machine compiles can hold up heartbeats for seconds, and
+    # this test is not about losing workers.
+    router = Router(path, RouterConfig(max_model_len=MAX_MODEL_LEN, heartbeat_s=0.5, lease_s=30),
+                    auth=auth)
     workers = []
     try:
         address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"

@@ -53,7 +53,7 @@ class Resplit:
     new: MeshSpec
     moved_requests: int        # decoding requests whose KV moved to the new decode mesh
     requeued_prompts: int      # queued prompts handed to the new prefill scheduler
-    build_s: float             # building and compiling the new split (while serving)
+    build_s: float             # building and compiling it, while serving (~0 if prepared)
     pause_s: float             # serving paused: drain, move, swap
 
 

@@ -92,7 +92,11 @@ class RoleSwitch:
             self.error = e
             _log.exception("the switch from %s to %s failed", old, role)
             return
-        service.engine, service.kv_address, service.role = engine, kv_address, role
+        # The epoch first, the role last: a heartbeat read in between announces the old
+        # role at the new epoch (the router, draining it, sends it nothing), never the
+        # new role at the old epoch.
         service.epoch += 1
+        service.engine, service.kv_address = engine, kv_address
+        service.role = role
         self.draining = None
         _log.info("now a %s worker (epoch %d)", role, service.epoch)
