@@ -26,8 +26,9 @@ import sys
 from typing import Sequence
 
 from jaxpd.bench.args import (HF, add_workload_flags, compare_flag, describe_devices,
-                              mesh_flag, nonnegative_float, nonnegative_int, positive_float,
-                              positive_int, resolve_model, whole_numbers)
+                              mesh_flag, nonnegative_int, positive_float, positive_int,
+                              resolve_model, whole_numbers)
+from jaxpd.bench.elastic import add_elastic_flags, format_decisions
 from jaxpd.bench.driver import (Backend, BenchRequest, EngineBackend, Progress, RunResult,
                                 ensure_cpu_devices, make_bench_requests)
 from jaxpd.bench.roofline import add_roofline_flags
@@ -86,14 +87,7 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
                         "at equal batch capacity)")
     s.add_argument("--max_prefill_batch", type=positive_int, default=8,
                    help="engine prompts per prefill batch")
-    s.add_argument("--elastic_interval_s", type=positive_float, default=1.0,
-                   help="an elastic=N mesh: seconds between its controller's observations")
-    s.add_argument("--elastic_sustain_s", type=nonnegative_float, default=3.0,
-                   help="an elastic=N mesh: how long a move must be wanted before it is made")
-    s.add_argument("--elastic_step", type=positive_int, default=1,
-                   help="an elastic=N mesh: devices one move takes from a role")
-    s.add_argument("--elastic_dwell_s", type=nonnegative_float, default=10.0,
-                   help="an elastic=N mesh: the least time between two moves")
+    add_elastic_flags(s)
     s.add_argument("--hf_batch", type=positive_int, default=8,
                    help="largest static batch of the hf baseline")
     s.add_argument("--warmup_requests", type=nonnegative_int, default=2,
@@ -386,7 +380,6 @@ def _print_runs(runs: list[dict]) -> None:
         f"{r['name']}={r['itl_max_s'] * 1e3:.1f}" for r in runs if r["itl_max_s"] is not None))
     if runs and "phases" in runs[0]:
         print(format_phase_table(runs))
-    from jaxpd.bench.elastic import format_decisions
     decisions = format_decisions(runs)
     if decisions:
         print("elastic moves:\n" + decisions)

@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
+from jaxpd.bench.args import nonnegative_float, positive_float, positive_int
 from jaxpd.bench.driver import BenchRequest, EngineBackend, RunResult
 from jaxpd.outputs import RequestMetrics
 from jaxpd.plan.controller import Split, SplitController
@@ -70,6 +71,18 @@ class ElasticBackend(EngineBackend):
             for d in controller.decisions]
         # The next run (another rate) starts from the split this one left.
         return result
+
+
+def add_elastic_flags(s) -> None:
+    """The bench's flags of an `elastic=N` mesh's controller (on argument group `s`)."""
+    s.add_argument("--elastic_interval_s", type=positive_float, default=1.0,
+                   help="an elastic=N mesh: seconds between its controller's observations")
+    s.add_argument("--elastic_sustain_s", type=nonnegative_float, default=3.0,
+                   help="an elastic=N mesh: how long a move must be wanted before it is made")
+    s.add_argument("--elastic_step", type=positive_int, default=1,
+                   help="an elastic=N mesh: devices one move takes from a role")
+    s.add_argument("--elastic_dwell_s", type=nonnegative_float, default=10.0,
+                   help="an elastic=N mesh: the least time between two moves")
 
 
 def format_decisions(runs: list[dict]) -> str:
