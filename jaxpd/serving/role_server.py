@@ -10,6 +10,9 @@ second without one so the router can tell a slow request from a frozen worker. A
 cancelled RPC aborts the request, so its slot and pages are freed by the engine's
 next iteration.
 
+On the router's command (`SwitchRole`) a worker drains and becomes the other role at a
+new epoch (`role_switch`); a call naming another epoch is refused.
+
 Nothing a peer sends is trusted: every request is rebuilt from its wire form and
 checked by `jaxpd.validation` against this worker's own limits (INVALID_ARGUMENT
 naming the field) before the engine sees it, and every RPC is authenticated by the
