@@ -17,33 +17,57 @@ def resolve_dtype(dtype: str, backend: str) -> str:
     return "float32" if backend == "cpu" else "bfloat16"
 
 
-ATTENTION_IMPLS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
-_AUTO: dict[str, str] = {}       # platform -> its checked kernel (none yet: see below)
+ATTENTION_IMPLS = ("auto", "reference", "native", "pallas_gpu", "pallas_tpu")
+_AUTO: dict[str, str] = {}       # platform -> its checked Pallas kernel (none yet: see below)
 
 
-def resolve_attention_impl(impl: str, platform: str, interpret: bool = False) -> str:
+def resolve_attention_impl(impl: str, platform: str, interpret: bool = False,
+                           dtype: str = "float32") -> str:
     """The decode attention core for `impl` on devices of `platform` ("cpu", "gpu",
-    "cuda", "rocm", "tpu"). "auto" is the `jnp` reference on every platform for now:
-    the Pallas kernels are checked against it only in interpret mode on CPU, never yet
-    compiled on a GPU or TPU, and a default must not fail to start there; `_AUTO` is
-    where a platform's kernel becomes its default once a device run has checked it.
-    A kernel for another platform runs only in Pallas interpret mode (`interpret`,
-    for tests)."""
+    "cuda", "rocm", "tpu") serving `dtype`.
+
+    "auto" on CPU is "native" (`models/native_attention.py`, a C++ kernel built on first
+    use) when it builds and the dtype is float32, else the `jnp` reference. On GPU and
+    TPU "auto" is the reference for now: the Pallas kernels are checked against it only
+    in interpret mode on CPU, never yet compiled on a GPU or TPU, and a default must not
+    fail to start there; `_AUTO` is where a platform's kernel becomes its default once a
+    device run has checked it. A Pallas kernel for another platform runs only in Pallas
+    interpret mode (`interpret`, for tests)."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     kind = "gpu" if platform in ("gpu", "cuda", "rocm") else platform
     if impl == "auto":
         impl = _AUTO.get(kind, "reference")
-    if impl == "reference":
+        if kind == "cpu" and dtype == "float32" and not interpret and _native_available():
+            impl = "native"
+    if impl in ("reference", "native"):
         if interpret:
             raise ValueError("attention_interpret=True needs a Pallas attention_impl ('pallas_gpu' "
-                             f"or 'pallas_tpu'); it resolved to 'reference' on {platform}")
+                             f"or 'pallas_tpu'); it resolved to {impl!r} on {platform}")
+        if impl == "native":
+            _check_native(kind, dtype)
         return impl
     if impl != f"pallas_{kind}" and not interpret:
         raise ValueError(f"attention_impl={impl!r} cannot run on {platform} devices; use "
                          f"'auto' or 'reference', or attention_interpret=True (Pallas "
                          f"interpret mode, slow: tests only)")
     return impl
+
+
+def _native_available() -> bool:
+    from jaxpd.models import native_attention
+    return native_attention.available()
+
+
+def _check_native(kind: str, dtype: str) -> None:
+    if kind != "cpu":
+        raise ValueError(f"attention_impl='native' runs on CPU devices only, not {kind}")
+    if dtype != "float32":
+        raise ValueError(f"attention_impl='native' serves float32 only, not dtype={dtype!r}")
+    from jaxpd.models import native_attention
+    if not native_attention.available():
+        raise ValueError("attention_impl='native' could not be built here: "
+                         f"{native_attention.unavailable_reason()}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +105,9 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     prefix_extend_below: int = 256
     prefill_cache_pages: int | None = None
-    # Decode attention core: "auto" (the backend's), "reference" (jnp), "pallas_gpu",
-    # "pallas_tpu"; `resolve_attention_impl` checks it against the decode devices.
+    # Decode attention core: "auto" (the backend's), "reference" (jnp), "native" (CPU,
+    # C++), "pallas_gpu", "pallas_tpu"; `resolve_attention_impl` checks it against the
+    # decode devices.
     attention_impl: str = "auto"
     attention_interpret: bool = False  # run the Pallas kernel interpreted (CPU tests)
 

@@ -17,6 +17,7 @@ from jaxpd.request import Request
 from jaxpd.sampling_params import SamplingParams
 from jaxpd.stats import EngineStats
 from jaxpd.models import checkpoint
+from jaxpd.sharding.spec import AUTO, auto_mesh
 from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
 
 
@@ -25,7 +26,8 @@ class LLM(Frontend):
 
     model: a Hugging Face checkpoint directory, a .gguf file, a registered name
     (`jaxpd.model_registry.MODELS`, fetched once), a hub id, or None for the built-in default.
-    mesh: "prefill=P,decode=D[xT]" or "colocated=N". warmup: compile every bucket now
+    mesh: "prefill=P,decode=D[xT]", "colocated=N", "elastic=N" or "auto" (the default:
+    `sharding.spec.auto_mesh`, one device per role on CPU). warmup: compile every bucket now
     (reporting through `progress`) instead of on first use. dtype: "auto" (float32 on
     CPU, bfloat16 on TPU/GPU), "float32" or "bfloat16". connector: how KV moves (default:
     in-process `DevicePutConnector`; a cross-process sender or receiver for single-role
@@ -37,12 +39,14 @@ class LLM(Frontend):
     slots_per_shard, ...).
     """
 
-    def __init__(self, model: str | None = None, mesh: str = "prefill=4,decode=4",
+    def __init__(self, model: str | None = None, mesh: str = "auto",
                  dtype: str = "auto", warmup: bool = False,
                  progress: Callable[[str], None] | None = None,
                  connector: Connector | KVSender | KVReceiver | None = None,
                  compilation_cache_dir: str | None = None, plan=None, **engine_options):
         xla_cache.enable(compilation_cache_dir)
+        if mesh == AUTO:
+            mesh = auto_mesh(jax.devices()[0].platform, jax.device_count())
         # A prefill mesh across processes: each process reads only the weight shards
         # its devices hold, straight onto the mesh.
         shardings = None if plan is None else lambda cfg: prefill_shardings(cfg, mesh)
@@ -92,7 +96,7 @@ class LLM(Frontend):
 
 def generate(prompts: str | Sequence[str] | None = None,
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             mesh: str = "prefill=4,decode=4", model: str | None = None,
+             mesh: str = "auto", model: str | None = None,
              prompt_token_ids: Sequence[Sequence[int]] | None = None,
              **options) -> list[CompletionOutput]:
     """One shot: build an `LLM`, generate, shut it down."""

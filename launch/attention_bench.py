@@ -35,6 +35,14 @@ def _inputs(b, context, *, n, kh, h, page_size, dtype, seed=0):
     return q, k, v, jnp.asarray(tables, jnp.int32), jnp.asarray(lengths)
 
 
+def _one_layer(attention):
+    """Every core with the reference's signature: a whole-pool kernel (`native`) gets
+    the [P, ...] pools as one layer."""
+    if not getattr(attention, "whole_pool", False):
+        return attention
+    return lambda q, k, v, tables, lengths: attention(q, k[None], v[None], 0, tables, lengths)
+
+
 def _median_s(fn, args, iters):
     fn(*args).block_until_ready()
     times = []
@@ -62,10 +70,12 @@ def main() -> None:
     platform = jax.devices()[0].platform
     impls = []
     for name in a.impls.split(","):
-        impl = resolve_attention_impl(name, platform, a.interpret and name != "reference")
+        impl = resolve_attention_impl(name, platform, a.interpret and name != "reference",
+                                      a.dtype)
         if impl not in impls:
             impls.append(impl)
-    fns = {i: jax.jit(decode_attention(i, a.interpret and i != "reference")) for i in impls}
+    fns = {i: jax.jit(_one_layer(decode_attention(i, a.interpret and i != "reference")))
+           for i in impls}
     rows = []
     print(f"{platform}: N={a.heads} K={a.kv_heads} H={a.head_dim} page_size={a.page_size} "
           f"{a.dtype}")

@@ -202,8 +202,12 @@ class Llama(nn.Module):
             q, k, v = layer.qkv(x, pos, self.inv_freq)
             k_pool_LPSKH = write_pages(k_pool_LPSKH, i, k[:, 0], block_tables_BP, positions_B)
             v_pool_LPSKH = write_pages(v_pool_LPSKH, i, v[:, 0], block_tables_BP, positions_B)
-            attn = self.decode_attention(q[:, 0], k_pool_LPSKH[i], v_pool_LPSKH[i],
-                                         block_tables_BP, positions_B + 1)
+            if getattr(self.decode_attention, "whole_pool", False):   # reads layer i in place
+                attn = self.decode_attention(q[:, 0], k_pool_LPSKH, v_pool_LPSKH, i,
+                                             block_tables_BP, positions_B + 1)
+            else:
+                attn = self.decode_attention(q[:, 0], k_pool_LPSKH[i], v_pool_LPSKH[i],
+                                             block_tables_BP, positions_B + 1)
             x = layer.finish(x, attn[:, None])
         return self._logits(x[:, 0]), k_pool_LPSKH, v_pool_LPSKH
 

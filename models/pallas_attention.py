@@ -146,9 +146,12 @@ def decode_attention(impl: str, interpret: bool = False) -> AttentionFn:
             raise ValueError("attention_interpret=True needs a Pallas attention_impl, "
                              "not 'reference'")
         return paged_attention
+    if impl == "native":
+        from jaxpd.models.native_attention import paged_attention_native
+        return paged_attention_native
     if impl == "pallas_gpu":
         return functools.partial(paged_attention_gpu, interpret=interpret)
     if impl == "pallas_tpu":
         return functools.partial(paged_attention_tpu, interpret=interpret)
-    raise ValueError(f"attention_impl must be 'reference', 'pallas_gpu' or 'pallas_tpu' "
-                     f"here, got {impl!r}")
+    raise ValueError(f"attention_impl must be 'reference', 'native', 'pallas_gpu' or "
+                     f"'pallas_tpu' here, got {impl!r}")

@@ -82,6 +82,32 @@ class MeshSpec:
         return ",".join(parts)
 
 
+AUTO = "auto"
+
+
+def auto_mesh(platform: str, num_devices: int, role: str | None = None) -> str:
+    """The mesh `mesh="auto"` serves on `num_devices` devices of `platform`, for the whole
+    engine (`role` None) or one role's process ("prefill" / "decode").
+
+    On CPU, one device per role: a process's XLA:CPU devices share one thread pool over
+    every core, so one device already computes with all of them; more virtual devices
+    add collectives (tp) or read the weights once per shard (dp) for no extra compute
+    (BENCHMARKS.md section 14: `prefill=4,decode=4` at 0.6x `prefill=1,decode=1` in
+    output tokens/s on 2 cores). On accelerators, the devices split in half: tp prefill,
+    dp decode (one device: colocated)."""
+    if role not in (None, "prefill", "decode"):
+        raise ValueError(f"role must be None, 'prefill' or 'decode', got {role!r}")
+    if num_devices < 1:
+        raise ValueError(f"mesh=auto needs at least one device, got {num_devices}")
+    if platform == "cpu":
+        return f"{role}=1" if role else "prefill=1,decode=1"
+    if role:
+        return f"{role}={num_devices}"
+    if num_devices == 1:
+        return "colocated=1"
+    return f"prefill={num_devices // 2},decode={num_devices - num_devices // 2}"
+
+
 def parse_mesh_spec(spec: str | MeshSpec) -> MeshSpec:
     """`"prefill=4,decode=4"` -> MeshSpec; a malformed spec is a ValueError naming the bad part."""
     if isinstance(spec, MeshSpec):

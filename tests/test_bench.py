@@ -205,7 +205,7 @@ def test_flags_parse_and_compare_keeps_mesh_pairs_whole():
     assert bench.num_devices_needed(args) == 4
     defaults = bench.parse_args([])
     assert (defaults.mesh, defaults.compare, defaults.rates) == (
-        "prefill=4,decode=4", ["colocated=8"], [1.0])
+        "auto", ["colocated=8"], [1.0])
     assert bench.num_devices_needed(defaults) == 8
     # Every flag documents its default.
     for action in bench.build_parser()._actions:

@@ -1,7 +1,9 @@
-"""EngineConfig and the serving dtype (plain Python, no model)."""
+"""EngineConfig, the serving dtype and the "auto" mesh (plain Python, no model)."""
 import pytest
 
 from jaxpd.config import EngineConfig, resolve_dtype
+from jaxpd.serving.launch_flags import set_cpu_device_count
+from jaxpd.sharding.spec import auto_mesh, parse_mesh_spec
 
 
 @pytest.mark.parametrize("backend, dtype", [("cpu", "float32"), ("gpu", "bfloat16"),
@@ -20,3 +22,25 @@ def test_bad_dtypes_are_refused_naming_the_field():
         resolve_dtype("float16", "cpu")
     with pytest.raises(ValueError, match="dtype must be"):
         EngineConfig(dtype="auto")        # the engine takes a resolved dtype
+
+
+@pytest.mark.parametrize("platform,num,role,mesh", [
+    ("cpu", 8, None, "prefill=1,decode=1"), ("cpu", 2, None, "prefill=1,decode=1"),
+    ("cpu", 8, "prefill", "prefill=1"), ("cpu", 1, "decode", "decode=1"),
+    ("gpu", 8, None, "prefill=4,decode=4"), ("tpu", 3, None, "prefill=1,decode=2"),
+    ("gpu", 1, None, "colocated=1"), ("tpu", 4, "prefill", "prefill=4"),
+    ("gpu", 2, "decode", "decode=2")])
+def test_auto_mesh_is_one_device_per_role_on_cpu_and_a_split_elsewhere(platform, num, role,
+                                                                        mesh):
+    assert auto_mesh(platform, num, role) == mesh
+    assert str(parse_mesh_spec(mesh)) == mesh
+
+
+def test_auto_mesh_refuses_bad_input_and_the_launcher_makes_its_devices():
+    with pytest.raises(ValueError, match="role must be None, 'prefill' or 'decode'"):
+        auto_mesh("cpu", 8, "router")
+    with pytest.raises(ValueError, match="at least one device"):
+        auto_mesh("gpu", 0)
+    environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --other"}
+    assert set_cpu_device_count("auto", environ) == 2
+    assert environ["XLA_FLAGS"] == "--other --xla_force_host_platform_device_count=2"

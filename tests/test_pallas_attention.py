@@ -78,7 +78,7 @@ def test_tpu_kernel_matches_reference(g, page_size):
 
 
 @pytest.mark.parametrize("impl,platform,expected", [
-    ("auto", "cpu", "reference"), ("auto", "gpu", "reference"), ("auto", "cuda", "reference"),
+    ("auto", "gpu", "reference"), ("auto", "cuda", "reference"),
     ("auto", "tpu", "reference"), ("reference", "tpu", "reference"),
     ("pallas_gpu", "gpu", "pallas_gpu"), ("pallas_tpu", "tpu", "pallas_tpu")])
 def test_attention_impl_resolves_by_platform(impl, platform, expected):

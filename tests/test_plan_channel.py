@@ -230,6 +230,8 @@ def fv():
      "--process_id must be below"),
     ({"num_processes": 2, "role": "prefill", "mesh": "prefill=4"},
      "--coordinator must be host:port"),
+    ({"num_processes": 2, "role": "prefill", "coordinator": "127.0.0.1:9"},
+     "--num_processes > 1 needs an explicit --mesh prefill=P"),
     ({"num_processes": 3, "role": "prefill", "mesh": "prefill=4", "coordinator": "127.0.0.1:9"},
      "cannot share equally"),
     ({"num_processes": 2, "role": "prefill", "mesh": "prefill=4", "coordinator": "10.1.2.3:9"},

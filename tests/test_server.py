@@ -494,14 +494,16 @@ def test_launch_flags_document_their_defaults_and_match_engine_config():
     # The dtype is resolved per backend before it reaches EngineConfig: the flag's
     # default is LLM's.
     assert fv["dtype"].default == inspect.signature(LLM).parameters["dtype"].default == "auto"
-    assert fv.mesh == "prefill=4,decode=4" and fv.host == "127.0.0.1" and fv.port == 50051
+    # The mesh too is resolved (per platform and device count) before EngineConfig.
+    assert fv.mesh == inspect.signature(LLM).parameters["mesh"].default == "auto"
+    assert fv.host == "127.0.0.1" and fv.port == 50051
     assert fv.warmup is True and fv.metrics_port == 0 and fv.slo_ttft_ms == 0
     help_text = " ".join(fv.get_help().split())   # unwrapped
     for name in ("model", "mesh", "dtype", "host", "port", "metrics_port", "max_model_len",
                  "page_size", "slots_per_shard", "max_prefill_batch", "bucket_timeout_ms",
                  "max_queued", "slo_ttft_ms", "warmup", "once"):
         assert f"--{name}" in help_text or f"--[no]{name}" in help_text, name
-    assert "(default: 'prefill=4,decode=4')" in help_text and "default: the built-in" in help_text
+    assert "(default: 'auto')" in help_text and "default: the built-in" in help_text
     env = {"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=8"}
     assert launch.set_cpu_device_count("prefill=2,decode=2x2", env) == 6
     assert env["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=6"

@@ -90,7 +90,9 @@ def serving_mesh(text: str) -> str:
     A single-phase spec (`prefill=4`) is one process of a multi-process deployment and
     cannot serve a request by itself, so a benchmark refuses it.
     """
-    from jaxpd.sharding.spec import parse_mesh_spec
+    from jaxpd.sharding.spec import AUTO, parse_mesh_spec
+    if text == AUTO:
+        return text
     spec = parse_mesh_spec(text)
     if not (spec.has_prefill and spec.has_decode):
         raise ValueError(f"mesh {text!r} has only one phase; a benchmark needs "
@@ -210,3 +212,21 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
                         "rest is shorter is prefilled on the decode mesh (0: every request "
                         "goes through the prefill mesh, its handoff carrying only the "
                         "pages the decode side lacks)")
+
+
+def meshes_of(args: argparse.Namespace) -> list[str]:
+    """The engine meshes to run, the one under test first."""
+    return [args.mesh] + [c for c in args.compare if c != HF]
+
+
+def backends_of(args: argparse.Namespace) -> list[str]:
+    """Every backend to run, in order: the meshes, the process deployment, transformers."""
+    return (meshes_of(args) + ([args.processes.name] if args.processes else [])
+            + ([HF] if HF in args.compare else []))
+
+
+def num_devices_needed(args: argparse.Namespace) -> int:
+    """Devices of the largest mesh to run: the virtual CPU devices to ask for ("auto":
+    two, one per role, as on CPU)."""
+    from jaxpd.sharding.spec import AUTO, parse_mesh_spec
+    return max(2 if m == AUTO else parse_mesh_spec(m).num_devices for m in meshes_of(args))

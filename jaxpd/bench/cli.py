@@ -25,8 +25,9 @@ import json
 import sys
 from typing import Sequence
 
-from jaxpd.bench.args import (HF, add_workload_flags, compare_flag, describe_devices,
-                              mesh_flag, nonnegative_int, positive_float, positive_int,
+from jaxpd.bench.args import (HF, add_workload_flags, backends_of, compare_flag,  # noqa: F401
+                              describe_devices, mesh_flag, meshes_of, nonnegative_int,
+                              num_devices_needed, positive_float, positive_int,
                               resolve_model, whole_numbers)
 from jaxpd.bench.elastic import add_elastic_flags, format_decisions
 from jaxpd.bench.driver import (Backend, BenchRequest, EngineBackend, Progress, RunResult,
@@ -35,7 +36,9 @@ from jaxpd.bench.roofline import add_roofline_flags
 from jaxpd.bench.shift import format_phase_table, phase_reports
 from jaxpd.bench.workload import (make_shift_workload, make_workload, parse_length_mix,
                                   parse_phases)
+from jaxpd.config import ATTENTION_IMPLS
 from jaxpd.metrics import find_goodput, format_table, run_report, slo_attainment
+from jaxpd.sharding.spec import AUTO, auto_mesh
 
 
 # ---- flags --------------------------------------------------------------------------
@@ -56,7 +59,7 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("what runs")
     s.add_argument("--model", default=None,
                    help="Hugging Face checkpoint directory (default: the built-in default model)")
-    s.add_argument("--mesh", type=mesh_flag, default="prefill=4,decode=4",
+    s.add_argument("--mesh", type=mesh_flag, default=AUTO,
                    help="the engine mesh under test")
     s.add_argument("--compare", type=compare_flag, default=["colocated=8"],
                    help="comma-separated baselines run on the same requests: meshes "
@@ -87,6 +90,8 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
                         "at equal batch capacity)")
     s.add_argument("--max_prefill_batch", type=positive_int, default=8,
                    help="engine prompts per prefill batch")
+    s.add_argument("--attention_impl", default="auto", choices=ATTENTION_IMPLS,
+                   help="engine decode attention core")
     add_elastic_flags(s)
     s.add_argument("--hf_batch", type=positive_int, default=8,
                    help="largest static batch of the hf baseline")
@@ -154,23 +159,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def meshes_of(args: argparse.Namespace) -> list[str]:
-    """The engine meshes to run, the one under test first."""
-    return [args.mesh] + [c for c in args.compare if c != HF]
-
-
-def backends_of(args: argparse.Namespace) -> list[str]:
-    """Every backend to run, in order: the meshes, the process deployment, transformers."""
-    return (meshes_of(args) + ([args.processes.name] if args.processes else [])
-            + ([HF] if HF in args.compare else []))
-
-
-def num_devices_needed(args: argparse.Namespace) -> int:
-    """Devices of the largest mesh to run: the virtual CPU devices to ask for."""
-    from jaxpd.sharding.spec import parse_mesh_spec
-    return max(parse_mesh_spec(m).num_devices for m in meshes_of(args))
-
-
 # ---- running ------------------------------------------------------------------------
 
 def _run_name(backend: str, rate: float, args: argparse.Namespace) -> str:
@@ -194,7 +182,8 @@ class Benchmark:
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         self.engine_options = dict(max_model_len=self.max_model_len,
                                    slots_per_shard=args.slots_per_shard,
-                                   max_prefill_batch=args.max_prefill_batch)
+                                   max_prefill_batch=args.max_prefill_batch,
+                                   attention_impl=args.attention_impl)
         if args.handoff_wait_ms is not None:
             self.engine_options["handoff_wait_ms"] = args.handoff_wait_ms
         self.warmup = self._warmup_requests(min(prompts), max(prompts), min(max(outputs), 8))
@@ -357,12 +346,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
         model_dir = resolve_model(args.model)
         return run_roofline(model_dir, args)
     ensure_cpu_devices(num_devices_needed(args))
+    if args.mesh == AUTO:
+        import jax
+        args.mesh = auto_mesh(jax.devices()[0].platform, jax.device_count())
     model_dir = resolve_model(args.model)
     if args.workload not in ("poisson", "shift"):
         from jaxpd.bench.prefix import run_prefix_bench
         results = run_prefix_bench(args, model_dir, meshes_of(args), dict(
             slots_per_shard=args.slots_per_shard, max_prefill_batch=args.max_prefill_batch,
-            prefix_extend_below=args.prefix_extend_below))
+            prefix_extend_below=args.prefix_extend_below, attention_impl=args.attention_impl))
         _write_outputs(argparse.Namespace(**{**vars(args), "plot": None}), results, {})
         return results
     bench = Benchmark(args, model_dir)

@@ -100,7 +100,7 @@ def worker_flags(deployment: Deployment, model_dir: str, options: dict,
     if not compile_ahead:
         common.append("--nowarmup")
     for key in ("slots_per_shard", "max_prefill_batch", "prefix_extend_below",
-                "handoff_wait_ms"):
+                "handoff_wait_ms", "attention_impl"):
         if key in options:
             common += [f"--{key}", str(options[key])]
     if options.get("enable_prefix_caching"):

@@ -134,13 +134,15 @@ def time_prefill(cfg, params, length: int, repeats: int) -> float:
     return best_time(lambda: fn(params, tokens, lengths), repeats)
 
 
-def time_decode(cfg, params, batch: int, context: int, page_size: int, repeats: int) -> float:
+def time_decode(cfg, params, batch: int, context: int, page_size: int, repeats: int,
+                attention_impl: str = "reference") -> float:
     """Best step time with `batch` slots whose next token sits at position `context`;
     `params`: `fuse_params`'s tree, as decode meshes run them."""
     import jax
     import jax.numpy as jnp
     from jaxpd.models.llama import Llama
-    model = Llama(cfg, fused=True)
+    from jaxpd.models.pallas_attention import decode_attention
+    model = Llama(cfg, fused=True, decode_attention=decode_attention(attention_impl))
     pages_per_slot = -(-(context + 1) // page_size)
     shape = (cfg.num_layers, batch * pages_per_slot + 1, page_size, cfg.num_kv_heads,
              cfg.head_dim)
@@ -175,13 +177,15 @@ def format_roofline(machine: dict, rows: list[dict]) -> str:
                      f"{r['limit']:>9}{r['achieved_flops_per_s'] / 1e9:>9.1f}"
                      f"{r['achieved_bytes_per_s'] / 1e9:>7.1f}"
                      f"{100 * r['fraction_of_roofline']:>12.1f}%")
-    lines.append("(tokens: prompt bucket for prefill, context length for decode)")
+    lines.append("(tokens: prompt bucket for prefill, context length for decode; decode "
+                 f"attention: {machine['decode_attention']})")
     return "\n".join(lines)
 
 
 def run_roofline(model_dir: str, args: argparse.Namespace) -> dict:
     """Measure the machine, time the model's calls, print the table, write --json."""
     import jax
+    from jaxpd.config import resolve_attention_impl
     from jaxpd.engine.scheduler import length_buckets
     from jaxpd.models import checkpoint
     from jaxpd.models.llama import fuse_params
@@ -193,7 +197,10 @@ def run_roofline(model_dir: str, args: argparse.Namespace) -> dict:
     fused = jax.device_put(fuse_params(cfg, loaded.params), device)   # as decode meshes run
     bandwidth = measure_bandwidth(args.roofline_repeats)
     matmul = measure_matmul(min(args.roofline_repeats, 3))
-    machine = {**bandwidth, "flops_per_s": matmul["flops_per_s"], "matmul_n": matmul["n"]}
+    # Decode steps run the attention core the engine would serve with here.
+    attention = resolve_attention_impl(args.attention_impl, device.platform)
+    machine = {**bandwidth, "flops_per_s": matmul["flops_per_s"], "matmul_n": matmul["n"],
+               "decode_attention": attention}
     rows = []
     max_len = min(args.roofline_max_len, cfg.max_position_embeddings)
     for length in length_buckets(max_len):
@@ -206,7 +213,8 @@ def run_roofline(model_dir: str, args: argparse.Namespace) -> dict:
         for context in args.roofline_contexts:
             if context + 1 > cfg.max_position_embeddings:
                 continue
-            seconds = time_decode(cfg, fused, batch, context, 16, args.roofline_repeats)
+            seconds = time_decode(cfg, fused, batch, context, 16, args.roofline_repeats,
+                                  attention)
             rows.append(_row("decode", {"batch": batch, "context": context},
                              *decode_cost(cfg, batch, context), seconds, machine))
     result = {"machine": machine, "rows": rows, "model": model_dir,

@@ -205,7 +205,7 @@ class Engine:
         params, rules, fused = self._params_on(mesh, fuse=True)
         num_shards = spec.decode_dp
         attention = resolve_attention_impl(c.attention_impl, mesh.devices.flat[0].platform,
-                                           c.attention_interpret)
+                                           c.attention_interpret, c.dtype)
         self.decode_runner = DecodeRunner(self.model.cfg, params, mesh, rules,
                                           num_shards * c.slots_per_shard, c.pages_per_shard,
                                           c.page_size, self.counter, self.dtype, fused=fused,

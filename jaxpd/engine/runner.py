@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import flax.linen as nn
@@ -159,7 +160,7 @@ class PrefillRunner:
 
 
 def _kernel_per_tp_shard(attention, kv_axis: str | None):
-    """`attention` (a Pallas kernel) run on each tp shard's own kv heads. A kernel is
+    """`attention` (a Pallas or native kernel) run on each tp shard's own kv heads. A kernel is
     opaque to GSPMD, which would gather a kv-head-sharded pool onto every device for
     it, and to jax's varying-axes check (`check_vma`), which cannot type its output
     (so the step that calls it runs without the check too). Each shard already holds
@@ -167,12 +168,26 @@ def _kernel_per_tp_shard(attention, kv_axis: str | None):
     (`kv_axis` None), every shard computes them all. Called inside the step's dp
     shard_map, so the mesh is that body's (dp already manual)."""
     heads, pool, whole = P(None, kv_axis, None), P(None, None, kv_axis, None), P()
+    if getattr(attention, "whole_pool", False):      # (q, pools [L, ...], layer, tables, lengths)
+        layers = P(None, None, None, kv_axis, None)
+
+        def per_shard_layer(q, k_pool, v_pool, layer, *rest):
+            return shard_map(functools.partial(_at_layer, attention, layer),
+                             mesh=jax.sharding.get_abstract_mesh(), axis_names={"tp"},
+                             check_vma=False, in_specs=(heads, layers, layers, whole, whole),
+                             out_specs=heads)(q, k_pool, v_pool, *rest)
+        per_shard_layer.whole_pool = True
+        return per_shard_layer
 
     def per_shard(*args):
         return shard_map(attention, mesh=jax.sharding.get_abstract_mesh(), axis_names={"tp"},
                          check_vma=False, in_specs=(heads, pool, pool, whole, whole),
                          out_specs=heads)(*args)
     return per_shard
+
+
+def _at_layer(attention, layer, q, k_pool, v_pool, block_tables, lengths):
+    return attention(q, k_pool, v_pool, layer, block_tables, lengths)
 
 
 class DecodeRunner:
@@ -185,6 +200,7 @@ class DecodeRunner:
         self.cfg, self.params, self.mesh = cfg, params, mesh
         self.page_size, self.counter = page_size, counter
         self.pages_per_shard = pages_per_shard
+        self.attention_impl = attention_impl
         self.num_shards = mesh.shape["dp"]
         kv_axis = dict(rules).get("kv_heads")
         self.pool_spec = P(None, "dp", None, kv_axis, None)          # [L, P, S, K, H]

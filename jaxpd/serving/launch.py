@@ -27,6 +27,7 @@ from absl import app, flags
 from jaxpd.serving.launch_flags import (_role_auth, define_flags, engine_options,  # noqa: F401
                                         elastic_error, internal_auth, multihost_error,
                                         parse_cpus, pin_cpus, set_cpu_device_count)
+from jaxpd.sharding.spec import AUTO, auto_mesh
 
 
 def _say(message: str) -> None:
@@ -58,6 +59,9 @@ def run(fv: flags.FlagValues) -> int:
         initialize(group)
     from jaxpd import xla_cache
     from jaxpd.llm import LLM   # after XLA_FLAGS: this is what brings the backend up
+    if fv.mesh == AUTO and fv.role != "router":
+        import jax
+        fv.mesh = auto_mesh(jax.devices()[0].platform, jax.device_count(), fv.role or None)
 
     try:
         xla_cache.enable(fv.compilation_cache_dir or xla_cache.default_dir())

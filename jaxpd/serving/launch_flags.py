@@ -23,8 +23,10 @@ def _define_serving_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("model", None, "Hugging Face checkpoint directory of a Llama-family "
                         "model (default: the built-in model, jaxpd.default_model_dir()).",
                         flag_values=fv)
-    flags.DEFINE_string("mesh", "prefill=4,decode=4", "Mesh spec: prefill=P,decode=D[xT] "
-                        "or colocated=N.", flag_values=fv)
+    flags.DEFINE_string("mesh", "auto", "Mesh spec: prefill=P,decode=D[xT], colocated=N, "
+                        "elastic=N, or auto: on CPU one device per role (prefill=1,decode=1, "
+                        "or the role's =1), which is fastest there; on accelerators the "
+                        "devices split in half (a role takes them all).", flag_values=fv)
     flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
                       "Dtype of the weights and the KV cache; auto: float32 on CPU, bfloat16 "
                       "on TPU/GPU.", flag_values=fv)
@@ -130,9 +132,12 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("local_prefill_below", 0, "Prompts shorter than this are prefilled "
                          "on the decode mesh itself (no transfer); 0 = never.", lower_bound=0,
                          flag_values=fv)
-    flags.DEFINE_enum("attention_impl", "auto", ["auto", "reference", "pallas_gpu", "pallas_tpu"],
-                      "Decode attention core: 'auto' is the jnp reference (the Pallas "
-                      "kernels are opt-in until checked on a device).", flag_values=fv)
+    flags.DEFINE_enum("attention_impl", "auto",
+                      ["auto", "reference", "native", "pallas_gpu", "pallas_tpu"],
+                      "Decode attention core: 'auto' is 'native' on CPU (a C++ kernel built "
+                      "on first use; the jnp reference where it cannot be built) and the jnp "
+                      "reference elsewhere (the Pallas kernels are opt-in until checked on a "
+                      "device).", flag_values=fv)
 
 
 def _define_role_flags(fv: flags.FlagValues) -> None:
@@ -256,6 +261,8 @@ def multihost_error(fv: flags.FlagValues) -> str | None:
     if fv.enable_prefix_caching:
         return ("--enable_prefix_caching is not supported yet on a prefill role across "
                 "processes (--num_processes > 1)")
+    if fv.mesh == "auto":
+        return "--num_processes > 1 needs an explicit --mesh prefill=P (P devices in all)"
     host, _, port = (fv.coordinator or "").rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         return f"--coordinator must be host:port, got {fv.coordinator!r}"
@@ -282,12 +289,12 @@ def set_cpu_device_count(mesh: str, environ=os.environ, processes: int = 1) -> i
     devices as this process's share of `mesh` needs (`processes` share it equally),
     replacing any count already in XLA_FLAGS. Returns the count, or None when the
     platform is not CPU. Must run before jax initialises."""
-    from jaxpd.sharding.spec import parse_mesh_spec   # plain Python: loads no jax
+    from jaxpd.sharding.spec import AUTO, parse_mesh_spec   # plain Python: loads no jax
 
     platforms = environ.get("JAX_PLATFORMS", "")
     if platforms and "cpu" not in platforms.split(","):
         return None
-    num = parse_mesh_spec(mesh).num_devices // processes
+    num = 2 if mesh == AUTO else parse_mesh_spec(mesh).num_devices // processes
     rest = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                   environ.get("XLA_FLAGS", "")).split()
     environ["XLA_FLAGS"] = " ".join(rest + [f"--xla_force_host_platform_device_count={num}"])

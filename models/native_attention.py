@@ -1,0 +1,115 @@
+"""A native paged decode attention kernel for XLA:CPU (`attention_impl="native"`).
+
+`native/paged_attention.cc` is compiled with the system's C++ compiler the first time it
+is needed, against the XLA FFI headers of the *installed* jaxlib (so the handler always
+matches the runtime it registers with), and cached in `~/.cache/jaxpd/native`
+(`JAXPD_CACHE_DIR` moves it) under a name that hashes the source, the jaxlib version, the
+compiler and this CPU. No compiler, or a failed build: `available()` is False with the
+reason in `unavailable_reason()`, and "auto" stays on the jnp reference. Measured before
+it became CPU's default: BENCHMARKS.md section 14.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+_SOURCE = Path(__file__).parent / "native" / "paged_attention.cc"
+_TARGET = "jaxpd_paged_decode_f32"
+_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("JAXPD_CACHE_DIR") or os.path.join(Path.home(), ".cache", "jaxpd")
+    return Path(root) / "native"
+
+
+def _cpu_identity() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or \
+        shutil.which("clang++")
+
+
+def _build() -> Path:
+    """The compiled library's path, building it if this machine has none yet."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    import jaxlib
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout.splitlines()[:1]
+    key = hashlib.sha256("\0".join([
+        _SOURCE.read_text(), jaxlib.__version__, compiler, *version, *_FLAGS,
+        _cpu_identity()]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"paged_attention-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside and renamed: processes building at once never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *_FLAGS, "-I", jax.ffi.include_dir(), str(_SOURCE),
+                               "-o", tmp], capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[:2000]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def _load() -> tuple[bool, str]:
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build()))
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.JaxpdPagedDecodeF32),
+                                    platform="cpu")
+    except Exception as e:   # noqa: BLE001 - any failure means: use the reference
+        return False, f"{type(e).__name__}: {e}"
+    return True, ""
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered (building it on first call)."""
+    return _load()[0]
+
+
+def unavailable_reason() -> str:
+    return _load()[1]
+
+
+def paged_attention_native(q_BNH: jnp.ndarray, k_pool_LPSKH: jnp.ndarray,
+                           v_pool_LPSKH: jnp.ndarray, layer: int, block_tables: jnp.ndarray,
+                           lengths: jnp.ndarray) -> jnp.ndarray:
+    """`attention.paged_attention` on layer `layer` of the whole pools (read in place):
+    q [B, N, H] float32, pools [L, P, page_size, K, H] float32 -> [B, N, H]."""
+    if not available():
+        raise RuntimeError(f"the native attention kernel is not available: "
+                           f"{unavailable_reason()}")
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q_BNH.shape, jnp.float32))
+    return call(q_BNH, k_pool_LPSKH, v_pool_LPSKH, block_tables.astype(jnp.int32),
+                lengths.astype(jnp.int32), layer=layer)
+
+
+# The decode model passes this kernel the whole pools and the layer (`Llama.decode`).
+paged_attention_native.whole_pool = True

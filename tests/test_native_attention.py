@@ -1,0 +1,115 @@
+"""The native (C++, jax.ffi) paged decode attention against the `jnp` reference: the
+kernel alone, inside the engine on dp and dp x tp decode meshes, its build and cache,
+bad page ids, and the `attention_impl` choice around it."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpd import LLM, SamplingParams
+from jaxpd.config import resolve_attention_impl
+from jaxpd.models import native_attention
+from jaxpd.models.attention import paged_attention
+from jaxpd.models.native_attention import paged_attention_native
+from tests.engine_fixtures import assert_all_pages_free
+
+pytestmark = pytest.mark.skipif(native_attention._compiler() is None,
+                                reason="no C++ compiler on this machine")
+
+
+def test_kernel_builds_where_a_compiler_is_found():
+    # With a compiler present, a build failure is a bug, not a silent fallback.
+    assert native_attention.available(), native_attention.unavailable_reason()
+
+
+def _pools(seed, *, layers=3, num_pages=13, page_size=4, kh=2, h=16):
+    rng = np.random.default_rng(seed)
+    shape = (layers, num_pages, page_size, kh, h)
+    return (jnp.asarray(rng.standard_normal(shape), jnp.float32),
+            jnp.asarray(rng.standard_normal(shape), jnp.float32))
+
+
+@pytest.mark.parametrize("kh,g,h,page_size", [(2, 2, 16, 4), (1, 4, 32, 16), (4, 1, 8, 2),
+                                              (3, 3, 64, 8)])
+def test_kernel_equals_reference_on_every_layer(kh, g, h, page_size):
+    rng = np.random.default_rng(kh * 100 + g)
+    b, width, num_pages = 7, 5, 17
+    k, v = _pools(g, num_pages=num_pages, page_size=page_size, kh=kh, h=h)
+    q = jnp.asarray(rng.standard_normal((b, kh * g, h)), jnp.float32)
+    tables = rng.integers(0, num_pages, (b, width))
+    tables[0] = tables[1]                                  # slots sharing pages
+    tables[2, 2:] = 0                                      # a tail of null pages
+    lengths = rng.integers(1, width * page_size + 1, b)
+    lengths[:3] = 1, width * page_size, 2 * page_size
+    lengths[3] = width * page_size + 9                     # past the table: all keys count
+    tables, lengths = jnp.asarray(tables, jnp.int32), jnp.asarray(lengths, jnp.int32)
+    native = jax.jit(paged_attention_native, static_argnums=3)
+    for layer in range(k.shape[0]):
+        expected = paged_attention(q, k[layer], v[layer], tables, lengths)
+        np.testing.assert_allclose(native(q, k, v, layer, tables, lengths), expected,
+                                   atol=2e-6, rtol=2e-5)
+
+
+def test_a_page_id_outside_the_pool_is_an_error_not_a_read():
+    k, v = _pools(0)
+    q = jnp.ones((2, 4, 16), jnp.float32)
+    lengths = jnp.asarray([3, 5], jnp.int32)
+    for bad in (13, -1, 2 ** 30):
+        tables = jnp.asarray([[1, 2], [4, bad]], jnp.int32)
+        with pytest.raises(Exception, match=f"page id {bad} outside the pool of 13"):
+            jax.block_until_ready(paged_attention_native(q, k, v, 1, tables, lengths))
+    # A bad id beyond the slot's length is never read, so it is not an error.
+    tables = jnp.asarray([[1, 2], [4, 99]], jnp.int32)
+    out = paged_attention_native(q, k, v, 1, tables, jnp.asarray([3, 4], jnp.int32))
+    np.testing.assert_allclose(out[1], paged_attention(q, k[1], v[1], tables.at[1, 1].set(0),
+                                                       jnp.asarray([3, 4], jnp.int32))[1],
+                               atol=2e-6)
+
+
+def test_build_is_cached_per_source_and_reports_a_failed_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXPD_CACHE_DIR", str(tmp_path))
+    path = native_attention._build()
+    assert path.parent == tmp_path / "native" and path.exists()
+    built = path.stat().st_mtime_ns
+    assert native_attention._build() == path and path.stat().st_mtime_ns == built
+    monkeypatch.setenv("JAXPD_CACHE_DIR", str(tmp_path / "other"))
+    monkeypatch.setenv("CXX", "false")                   # a compiler that always fails
+    with pytest.raises(RuntimeError, match="false failed"):
+        native_attention._build()
+    assert not any(p.suffix == ".so" for p in (tmp_path / "other" / "native").iterdir())
+
+
+def test_attention_impl_choice(monkeypatch):
+    assert resolve_attention_impl("auto", "cpu") == "native"
+    assert resolve_attention_impl("native", "cpu") == "native"
+    assert resolve_attention_impl("auto", "cpu", dtype="bfloat16") == "reference"
+    with pytest.raises(ValueError, match="serves float32 only, not dtype='bfloat16'"):
+        resolve_attention_impl("native", "cpu", dtype="bfloat16")
+    with pytest.raises(ValueError, match="runs on CPU devices only, not gpu"):
+        resolve_attention_impl("native", "cuda")
+    with pytest.raises(ValueError, match="attention_interpret=True needs a Pallas"):
+        resolve_attention_impl("native", "cpu", interpret=True)
+    # Where it cannot be built: "auto" falls back, an explicit request says why.
+    monkeypatch.setattr(native_attention, "_load", lambda: (False, "no C++ compiler found"))
+    assert resolve_attention_impl("auto", "cpu") == "reference"
+    with pytest.raises(ValueError, match=r"could not be built here: no C\+\+ compiler found"):
+        resolve_attention_impl("native", "cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["prefill=1,decode=2", "prefill=2,decode=2x2"])
+def test_engine_tokens_equal_the_reference(mesh):
+    """Greedy tokens of the default ("auto" = native) engine equal the reference's, on a
+    dp decode mesh and a dp x tp one (kv heads split over tp), across page boundaries.
+    (test_engine holds the default engine to transformers' tokens on every mesh.)"""
+    prompts = ["def foo(x):", "The list type", "import os\nimport sys\n" * 6, "a"]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for impl in ("auto", "reference"):
+        with LLM(mesh=mesh, max_model_len=160, slots_per_shard=2, attention_impl=impl) as llm:
+            assert llm.engine.decode_runner.attention_impl == ("native" if impl == "auto"
+                                                               else "reference")
+            tokens[impl] = [o.token_ids for o in llm.generate(prompts, params)]
+            assert_all_pages_free(llm)
+    assert tokens["auto"] == tokens["reference"]
+    assert all(len(t) == 40 for t in tokens["auto"])
