@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 _SOURCE = Path(__file__).parent / "native" / "paged_attention.cc"
 _TARGET = "jaxpd_paged_decode_f32"
-_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
+_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
 def _cache_dir() -> Path:

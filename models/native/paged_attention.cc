@@ -3,18 +3,18 @@
 // One query token per slot against the pages its block table names, read in place from
 // the whole [L, P, page_size, K, H] pool: no gathered copy of the context, no transpose,
 // no padded width. XLA:CPU's code for the jnp reference spends most of a decode step
-// gathering pages into a [B, S, K, H] copy (BENCHMARKS.md section 3); this reads each key
-// and value row once, for the G query heads of its kv head together.
+// gathering pages into a [B, S, K, H] copy (BENCHMARKS.md section 3); this reads each
+// token's keys and values once, every kv head together (one contiguous K*H row each).
 //
 // Same semantics as models/attention.py:paged_attention: keys at index >= length are
 // masked; float32 scores and softmax. A page id outside the pool is an error, not a read.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
+#include <cstdint>
 #include <memory>
 #include <mutex>
-#include <cmath>
-#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -31,7 +31,7 @@ struct Problem {
   const int32_t* tables;     // [B, W]
   const int32_t* lengths;    // [B]
   float* out;                // [B, N, H]
-  int64_t N, H, P, S, K, W;
+  int64_t N, H, P, page_size, K, W;
   float scale;
 };
 
@@ -40,57 +40,72 @@ struct Problem {
 // context is read once, in order. False, with the id in `*bad_page`, where a slot's table
 // names a page outside the pool (that slot is left unwritten).
 bool AttendSlots(const Problem& pr, int64_t begin, int64_t end, int64_t* bad_page) {
-  const int64_t N = pr.N, H = pr.H, S = pr.S, K = pr.K, W = pr.W, G = N / K;
-  std::vector<float> scores(static_cast<size_t>(W * S * N));   // [t, n]
+  const int64_t N = pr.N, H = pr.H, page_size = pr.page_size, K = pr.K, W = pr.W, G = N / K;
+  const int64_t T = W * page_size;
+  std::vector<float> scores(static_cast<size_t>(N * T));   // [n, t]: softmax rows contiguous
   std::vector<float> acc(static_cast<size_t>(N * H));
   for (int64_t b = begin; b < end; ++b) {
-    const int64_t len = std::min<int64_t>(pr.lengths[b], W * S);
+    const int64_t len = std::min<int64_t>(pr.lengths[b], T);
     const int32_t* table = pr.tables + b * W;
     float* o = pr.out + b * N * H;
     if (len <= 0) {                                    // an empty slot: its output is unused
       std::fill(o, o + N * H, 0.0f);
       continue;
     }
-    for (int64_t p = 0; p < (len + S - 1) / S; ++p)
+    for (int64_t p = 0; p < (len + page_size - 1) / page_size; ++p)
       if (table[p] < 0 || table[p] >= pr.P) {
         *bad_page = table[p];
         return false;
       }
     const float* qb = pr.q + b * N * H;
-    for (int64_t t = 0; t < len; ++t) {
-      const float* keys = pr.k + (static_cast<int64_t>(table[t / S]) * S + t % S) * K * H;
-      float* st = scores.data() + t * N;
-      for (int64_t n = 0; n < N; ++n) {
-        const float* qn = qb + n * H;
-        const float* key = keys + (n / G) * H;
-        float dot = 0.0f;
+    // Pages, then tokens in a page: no division per token, none per head.
+    for (int64_t t0 = 0; t0 < len; t0 += page_size) {
+      const float* page = pr.k + static_cast<int64_t>(table[t0 / page_size]) * page_size * K * H;
+      for (int64_t t = t0; t < std::min(len, t0 + page_size); ++t) {
+        const float* keys = page + (t - t0) * K * H;
+        for (int64_t k = 0; k < K; ++k) {
+          const float* key = keys + k * H;
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t n = k * G + g;
+            const float* qn = qb + n * H;
+            float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t h = 0; h < H; ++h) dot += qn[h] * key[h];
-        st[n] = dot * pr.scale;
+            for (int64_t h = 0; h < H; ++h) dot += qn[h] * key[h];
+            scores[n * T + t] = dot * pr.scale;
+          }
+        }
       }
     }
     for (int64_t n = 0; n < N; ++n) {
+      float* row = scores.data() + n * T;
       float m = -INFINITY;
-      for (int64_t t = 0; t < len; ++t) m = std::max(m, scores[t * N + n]);
+#pragma omp simd reduction(max : m)
+      for (int64_t t = 0; t < len; ++t) m = std::max(m, row[t]);
       float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < len; ++t) {
-        const float e = std::exp(scores[t * N + n] - m);
-        scores[t * N + n] = e;
-        sum += e;
+        row[t] = std::exp(row[t] - m);
+        sum += row[t];
       }
       const float inv = 1.0f / sum;
-      for (int64_t t = 0; t < len; ++t) scores[t * N + n] *= inv;
+#pragma omp simd
+      for (int64_t t = 0; t < len; ++t) row[t] *= inv;
     }
     std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t t = 0; t < len; ++t) {
-      const float* vals = pr.v + (static_cast<int64_t>(table[t / S]) * S + t % S) * K * H;
-      const float* st = scores.data() + t * N;
-      for (int64_t n = 0; n < N; ++n) {
-        const float w = st[n];
-        const float* val = vals + (n / G) * H;
-        float* a = acc.data() + n * H;
+    for (int64_t t0 = 0; t0 < len; t0 += page_size) {
+      const float* page = pr.v + static_cast<int64_t>(table[t0 / page_size]) * page_size * K * H;
+      for (int64_t t = t0; t < std::min(len, t0 + page_size); ++t) {
+        const float* vals = page + (t - t0) * K * H;
+        for (int64_t k = 0; k < K; ++k) {
+          const float* val = vals + k * H;
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t n = k * G + g;
+            const float w = scores[n * T + t];
+            float* a = acc.data() + n * H;
 #pragma omp simd
-        for (int64_t h = 0; h < H; ++h) a[h] += w * val[h];
+            for (int64_t h = 0; h < H; ++h) a[h] += w * val[h];
+          }
+        }
       }
     }
     std::copy(acc.begin(), acc.end(), o);
@@ -134,19 +149,19 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_BNH,
   const auto pd = k_pool.dimensions();
   const auto td = block_tables.dimensions();
   if (qd.size() != 3 || pd.size() != 5 || td.size() != 2 || lengths.dimensions().size() != 1)
-    return ffi::Error::InvalidArgument("paged_decode: q [B,N,H], pools [L,P,S,K,H], "
+    return ffi::Error::InvalidArgument("paged_decode: q [B,N,H], pools [L,P,page_size,K,H], "
                                        "block_tables [B,W], lengths [B]");
   const int64_t B = qd[0], N = qd[1], H = qd[2];
-  const int64_t L = pd[0], P = pd[1], S = pd[2], K = pd[3];
+  const int64_t L = pd[0], P = pd[1], page_size = pd[2], K = pd[3];
   if (pd[4] != H || td[0] != B || lengths.dimensions()[0] != B || K == 0 || N % K != 0 ||
       layer < 0 || layer >= L ||
       !std::equal(pd.begin(), pd.end(), v_pool.dimensions().begin(), v_pool.dimensions().end()))
     return ffi::Error::InvalidArgument("paged_decode: inconsistent shapes or layer");
   auto work = std::make_shared<Work>();
-  const int64_t layer_size = P * S * K * H;
+  const int64_t layer_size = P * page_size * K * H;
   work->pr = Problem{q_BNH.typed_data(), k_pool.typed_data() + layer * layer_size,
                      v_pool.typed_data() + layer * layer_size, block_tables.typed_data(),
-                     lengths.typed_data(), out_BNH->typed_data(), N, H, P, S, K, td[1],
+                     lengths.typed_data(), out_BNH->typed_data(), N, H, P, page_size, K, td[1],
                      1.0f / std::sqrt(static_cast<float>(H))};
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   work->num_slots = B;
