@@ -1,7 +1,8 @@
 """A worker that switches role while requests stream through the router on both roles
-(`SwitchRole`, `Router.switch_role`; issue 17): every request finishes with
-transformers' greedy tokens, nothing leaks on any worker, the worker serves its new
-role at a new epoch, and calls meant for its old epoch are refused."""
+(`SwitchRole`, `Router.switch_role`; issue 17), on the split controller's decision
+(`--role router --elastic`: `ElasticDriver` + `RouterSplit`): every request finishes
+with transformers' greedy tokens, nothing leaks on any worker, the worker serves its
+new role at a new epoch, and calls meant for its old epoch are refused."""
 import threading
 import time
 
@@ -10,7 +11,12 @@ import numpy as np
 import pytest
 
 from jaxpd import LLM, SamplingParams
+from jaxpd.outputs import RequestMetrics
+from jaxpd.plan.controller import Split, SplitController
+from jaxpd.plan.driver import ElasticDriver
+from jaxpd.serving.prometheus import ServingMetrics
 from jaxpd.serving.role_switch import other_mesh
+from jaxpd.serving.router_split import RouterSplit
 from tests.hf_fixtures import hf_greedy
 
 MAX_MODEL_LEN = 160
@@ -52,6 +58,24 @@ def _start(path, router_address, auth, role):
     return server, llms
 
 
+def _driver(router, actuator):
+    """The controller on the router's real occupancy, with every scrape adding a
+    finished request whose TTFT is 10x the 1 s SLO: prefill overloaded. Decode has room
+    (TPOT far under its SLO; occupancy counts from 4x the slots, as the test fills
+    them all), so it moves a decode worker to prefill at once (no sustain, no dwell)."""
+    metrics = ServingMetrics()
+
+    def render():
+        metrics.observe(RequestMetrics(queue_s=None, prefill_s=None, transfer_s=0.0,
+                                       transfer_bytes=0, ttft_s=10.0, tpot_s=0.001, itl_s=[],
+                                       e2e_s=None, num_preemptions=0))
+        return metrics.render(router.stats())
+    controller = SplitController(actuator.split(), 1.0, 1.0, occupancy_high=4.0, sustain_s=0,
+                                 dwell_s=0)
+    return ElasticDriver(controller, render, actuator.prepare, actuator.resplit,
+                         actuator.split, 1.0, say=lambda _: None)
+
+
 @pytest.mark.slow
 def test_a_decode_worker_becomes_a_prefill_worker_while_requests_stream(tiny_hf_model):
     from jaxpd.auth import InternalAuth
@@ -76,7 +100,6 @@ def test_a_decode_worker_becomes_a_prefill_worker_while_requests_stream(tiny_hf_
         while len(router.live_workers()) < 3:
             assert time.monotonic() < deadline, "workers did not register"
             time.sleep(0.05)
-        switching = workers[2][0].address
         requests = [router.submit(router.make_request(prompt_token_ids=p,
                                                       sampling_params=_greedy(n)))
                     for p, n in zip(prompts, max_tokens)]
@@ -85,13 +108,17 @@ def test_a_decode_worker_becomes_a_prefill_worker_while_requests_stream(tiny_hf_
         while sum(len(r.output_ids) >= 2 for r in requests) < 4:
             assert time.monotonic() < deadline, "nothing decoded"
             time.sleep(0.01)
-        answer = {}
-        switch = threading.Thread(
-            target=lambda: answer.update(router.switch_role(switching, "prefill", 120)))
+        actuator, decisions = RouterSplit(router, 120, say=lambda _: None), []
+        driver = _driver(router, actuator)
+        switch = threading.Thread(target=lambda: decisions.append(driver.tick()))
         switch.start()
         outs = [router._wait(r) for r in requests]
         switch.join(timeout=180)
-        assert answer == {"role": "prefill", "epoch": 2}
+        assert decisions[0].old == Split(1, 2) and decisions[0].new == Split(2, 1)
+        (switching, role, answer), = actuator.switched
+        assert role == "prefill" and answer == {"role": "prefill", "epoch": 2}
+        index = [server.address for server, _ in workers].index(switching)
+        assert index in (1, 2)
         for out, exp in zip(outs, expected):
             assert out.finish_reason == "length" and out.token_ids == exp
         deadline = time.monotonic() + 10
@@ -102,7 +129,7 @@ def test_a_decode_worker_becomes_a_prefill_worker_while_requests_stream(tiny_hf_
         more = router.generate(prompt_token_ids=prompts[:4],
                                sampling_params=[_greedy(n) for n in max_tokens[:4]])
         assert [o.token_ids for o in more] == expected[:4]
-        switched = workers[2][1][-1]
+        switched = workers[index][1][-1]
         assert switched.stats()["prefill_batches"] > 0 or \
             workers[0][1][-1].stats()["prefill_batches"] > 0
         # Calls for the old epoch (its decode role) are refused, naming both epochs.
@@ -126,7 +153,10 @@ def test_a_decode_worker_becomes_a_prefill_worker_while_requests_stream(tiny_hf_
         counts = router.counters.snapshot()
         assert counts["finished"] == len(prompts) + 4 and counts["aborted"] == 0
         # It drained: the requests it was decoding finished there, none failed over.
-        assert workers[2][1][0].stats()["finished"] > 0 and counts["decode_failovers"] == 0
+        assert workers[index][1][0].stats()["finished"] > 0 and counts["decode_failovers"] == 0
+        assert counts["resplits"] == 1
+        totals = router.stats()
+        assert (totals["prefill_devices"], totals["decode_devices"]) == (2, 1)
     finally:
         router.shutdown()
         for server, llms in workers:

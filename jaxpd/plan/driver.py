@@ -1,4 +1,6 @@
-"""`--elastic`: the split controller acting on an elastic mesh in this process.
+"""`--elastic`: the split controller acting on an elastic mesh in this process, or, on a
+router, on the deployment's workers (`serving.router_split.RouterSplit` gives the same
+`prepare` / `resplit` / `split`, counted in workers, one switched per decision).
 
 Every `interval_s` the serving metrics, as /metrics renders them, become `Signals`
 (`LiveSignals`: TTFT and TPOT p90 within the window, slot and page occupancy, the

@@ -275,7 +275,7 @@ def _run_router(fv: flags.FlagValues) -> int:
         _say(f"jaxpd router listening on {fv.host}:{server.port} (NOT_SERVING until a "
              f"decode worker is live)")
         _say_http(fv, http)
-        known, serving, attached = {}, False, False
+        known, serving, attached, driver = {}, False, False, None
         while not stop.is_set():             # health follows the live decode workers
             live = router.live_workers()
             for address in live.keys() - known.keys():
@@ -298,12 +298,36 @@ def _run_router(fv: flags.FlagValues) -> int:
                         http.set_serving(serving)
                     _say(f"jaxpd router {'SERVING' if serving else 'NOT_SERVING'}: "
                          f"{'a' if serving else 'no'} live decode worker")
+            if fv.elastic and driver is None:
+                driver = _router_elastic_driver(fv, router, server)
             stop.wait(0.2)
         _say("jaxpd shutting down")
     finally:
+        if driver is not None:
+            driver.stop()
         _stop_servers(server, http, fv.shutdown_grace_s)
         router.shutdown()
     return 0
+
+
+def _router_elastic_driver(fv: flags.FlagValues, router, server):
+    """`--role router --elastic`: the split controller switching workers' roles
+    (`router_split`), once at least one worker of each role is live (None before)."""
+    from jaxpd.plan.controller import SplitController
+    from jaxpd.plan.driver import ElasticDriver
+    from jaxpd.serving.router_split import RouterSplit
+
+    actuator = RouterSplit(router, say=_say)
+    split = actuator.split()
+    if min(split.prefill, split.decode) < 1:
+        return None
+    controller = SplitController(split, fv.slo_ttft_ms / 1000, fv.slo_tpot_ms / 1000,
+                                 sustain_s=fv.elastic_sustain_s, dwell_s=fv.elastic_dwell_s)
+    _say(f"jaxpd elastic: the split controller switches one worker's role at most every "
+         f"{fv.elastic_dwell_s:g} s (workers now {split}; TTFT SLO {fv.slo_ttft_ms:g} ms, "
+         f"TPOT SLO {fv.slo_tpot_ms:g} ms)")
+    return ElasticDriver(controller, server.render_metrics, actuator.prepare, actuator.resplit,
+                         actuator.split, fv.elastic_interval_s, say=_say).start()
 
 
 def _run_once(fv: flags.FlagValues, llm_class) -> int:

@@ -95,14 +95,15 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_bool("elastic", False, "With --mesh elastic=N: move devices between the "
                       "prefill and decode meshes while serving, as the split controller "
                       "decides from TTFT and TPOT against --slo_ttft_ms / --slo_tpot_ms and "
-                      "decode occupancy. Off by default until the shift bench says it wins.",
-                      flag_values=fv)
+                      "decode occupancy; with --role router: switch one worker's role at a "
+                      "time (never a role's last). Off by default until the shift bench says "
+                      "it wins.", flag_values=fv)
     flags.DEFINE_float("elastic_interval_s", 5.0, "With --elastic: seconds between "
                        "observations.", lower_bound=0.01, flag_values=fv)
     flags.DEFINE_float("elastic_sustain_s", 30.0, "With --elastic: how long a move must be "
                        "wanted before it is made.", lower_bound=0, flag_values=fv)
     flags.DEFINE_integer("elastic_step", 1, "With --elastic: devices one move takes from a "
-                         "role.", lower_bound=1, flag_values=fv)
+                         "role (a router moves one worker).", lower_bound=1, flag_values=fv)
     flags.DEFINE_float("elastic_dwell_s", 120.0, "With --elastic: the least time between two "
                        "moves.", lower_bound=0, flag_values=fv)
     flags.DEFINE_integer("layerwise_min_tokens", 0, "Prefill buckets of at least this many "
@@ -237,9 +238,13 @@ def elastic_error(fv: flags.FlagValues) -> str | None:
         elastic = parse_mesh_spec(fv.mesh).elastic
     except ValueError:
         elastic = 0                          # the mesh's own check says what is wrong
-    if not elastic or fv.role or fv.once is not None:
+    if fv.role == "router":
+        if fv.elastic_step != 1:
+            return "--elastic on a router moves one worker at a time: --elastic_step must be 1"
+    elif not elastic or fv.role or fv.once is not None:
         return (f"--elastic needs --mesh elastic=N and a serving process without --role "
-                f"or --once (got --mesh {fv.mesh})")
+                f"or --once, or --role router (got --mesh {fv.mesh}"
+                + (f", --role {fv.role})" if fv.role else ")"))
     if not (fv.slo_ttft_ms > 0 and fv.slo_tpot_ms > 0):
         return "--elastic needs --slo_ttft_ms and --slo_tpot_ms (the SLOs it holds each role to)"
     return None

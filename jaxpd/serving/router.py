@@ -62,8 +62,9 @@ from jaxpd.frontend import Frontend
 from jaxpd.request import Request
 from jaxpd.stats import StatsCounter
 from jaxpd.serving.prefix_index import PrefixIndex, check_advertisement
-from jaxpd.serving.router_config import RouterConfig
+from jaxpd.serving.router_config import RouterConfig, registration_mismatch
 from jaxpd.serving.router_flow import RequestFlow
+from jaxpd.serving.router_split import deployment_totals
 from jaxpd.serving.role_rpc import (ROLES, ROUTER_SERVICE, RoleClient, WorkerInfo, check_load,
                                     model_identity, unary_handler)
 from jaxpd.models.source import model_config_and_tokenizer
@@ -121,7 +122,7 @@ class Router(RequestFlow, Frontend):
         self.counters = StatsCounter(("requests_submitted", "finished", "aborted",
                                       "decode_failovers",
                                       "prefill_failovers", "decode_prefills", "workers_dropped",
-                                      "prefix_routed"))
+                                      "prefix_routed", "resplits"))
         self.prefix = PrefixIndex(config.page_size) if config.prefix_routing else None
         for a in prefill:
             self.add_static_worker("prefill", a)
@@ -181,7 +182,9 @@ class Router(RequestFlow, Frontend):
         """Add or refresh a worker (a registration or a heartbeat); the reason it is
         refused, naming the field, or None."""
         with self._lock:
-            refusal = self._mismatch(info)
+            refusal = registration_mismatch(
+                info, self.model_identity, self.model_config.vocab_size, self.config,
+                self._pinned)
             if refusal is not None:
                 return refusal
             w = self._workers.get(info.address)
@@ -194,24 +197,6 @@ class Router(RequestFlow, Frontend):
             for field in ("dtype", "kv_transport"):
                 self._pinned.setdefault(field, getattr(info, field))
             w.info, w.load, w.seen, w.live = info, load, time.monotonic(), True
-        return None
-
-    def _mismatch(self, info: WorkerInfo) -> str | None:
-        who = f"{info.role} worker {info.address}"
-        if info.model != self.model_identity:
-            return (f"model: {who} serves another checkpoint (identity {info.model[:16]}..., "
-                    f"the router's is {self.model_identity[:16]}...): every role must load the "
-                    f"same model files")
-        same = {"vocab_size": self.model_config.vocab_size, "page_size": self.config.page_size,
-                **self._pinned}
-        for field, want in same.items():
-            if getattr(info, field) != want:
-                return f"{field}: {who} has {getattr(info, field)!r}, the deployment uses {want!r}"
-        for field in ("max_model_len", "max_prompt_len"):
-            if getattr(info, field) < getattr(self.config, field):
-                return (f"{field}: {who} has {getattr(info, field)}, smaller than the router's "
-                        f"{getattr(self.config, field)}: start the router with a "
-                        f"--{field} no larger than every worker's")
         return None
 
     def _live_workers(self, role: str, exclude=()) -> list[_Worker]:
@@ -233,17 +218,26 @@ class Router(RequestFlow, Frontend):
                                  f"{w.role} worker {address}")
             w.draining = True
         try:
-            return w.client.switch_role(role, w.info.epoch, timeout=timeout_s)
+            answer = w.client.switch_role(role, w.info.epoch, timeout=timeout_s)
         except grpc.RpcError as e:
             with self._lock:
                 w.draining = False
             raise RuntimeError(f"the {w.role} worker {address} did not switch to {role}: "
                                f"{e.code()}: {e.details()}") from None
+        self.counters.add(resplits=1)
+        return answer
 
     def live_workers(self) -> dict[str, str]:
         """address -> role of every live worker."""
         with self._lock:
             return {a: w.role for a, w in self._workers.items() if w.live}
+
+    def worker_loads(self) -> list[dict]:
+        """Each live worker the router may choose (not draining): role, address, calls
+        open on it, and its last heartbeat's load (`router_split`)."""
+        with self._lock:
+            return [{"role": w.role, "address": w.address, "num_calls": w.num_calls, **w.load}
+                    for w in self._workers.values() if w.live and not w.draining]
 
     def ready(self) -> bool:
         """SERVING: see the module docstring (at least one live decode worker)."""
@@ -378,7 +372,7 @@ class Router(RequestFlow, Frontend):
                 w = asked[f]
                 found[w.role].append(dict(f.result(), address=w.address))
         return {"mesh": self.config.mesh, "in_flight": in_flight, **self.counters.snapshot(),
-                "workers": found}
+                **deployment_totals(found), "workers": found}
 
     def shutdown(self) -> None:
         with self._lock:

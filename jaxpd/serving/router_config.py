@@ -1,4 +1,5 @@
-"""`RouterConfig`: the router's limits and clocks, validated once (plain Python).
+"""`RouterConfig`: the router's limits and clocks, validated once, and what a worker
+must match to be admitted (plain Python).
 (Split from `jaxpd.serving.router`, which re-exports it.)"""
 from __future__ import annotations
 
@@ -40,3 +41,25 @@ class RouterConfig:
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
 
     mesh = "router"
+
+
+def registration_mismatch(info, model_identity: str, vocab_size: int, config: RouterConfig,
+                          pinned: dict) -> str | None:
+    """Why the router refuses the worker `info` (a `WorkerInfo`), naming the field, or
+    None: another model, vocabulary or page size, a dtype or KV transport other than the
+    deployment's (`pinned` by the first worker), or limits below the router's."""
+    who = f"{info.role} worker {info.address}"
+    if info.model != model_identity:
+        return (f"model: {who} serves another checkpoint (identity {info.model[:16]}..., "
+                f"the router's is {model_identity[:16]}...): every role must load the "
+                f"same model files")
+    same = {"vocab_size": vocab_size, "page_size": config.page_size, **pinned}
+    for field, want in same.items():
+        if getattr(info, field) != want:
+            return f"{field}: {who} has {getattr(info, field)!r}, the deployment uses {want!r}"
+    for field in ("max_model_len", "max_prompt_len"):
+        if getattr(info, field) < getattr(config, field):
+            return (f"{field}: {who} has {getattr(info, field)}, smaller than the router's "
+                    f"{getattr(config, field)}: start the router with a "
+                    f"--{field} no larger than every worker's")
+    return None
