@@ -207,6 +207,12 @@ def test_flags_parse_and_compare_keeps_mesh_pairs_whole():
     assert (defaults.mesh, defaults.compare, defaults.rates) == (
         "auto", ["colocated=8"], [1.0])
     assert bench.num_devices_needed(defaults) == 8
+    # "auto" is checked against --compare and --decode_slots once resolved (in main).
+    args = bench.parse_args(["--compare", "prefill=1,decode=1,hf", "--decode_slots", "32"])
+    assert args.mesh == "auto" and bench.num_devices_needed(args) == 2
+    args.mesh, said = "prefill=1,decode=1", []
+    bench.check_meshes(args, said.append)
+    assert said == ["--compare: prefill=1,decode=1 is already the --mesh under test"]
     # Every flag documents its default.
     for action in bench.build_parser()._actions:
         if action.dest != "help":

@@ -30,7 +30,7 @@ def _pools(seed, *, layers=3, num_pages=13, page_size=4, kh=2, h=16):
 
 
 @pytest.mark.parametrize("kh,g,h,page_size", [(2, 2, 16, 4), (1, 4, 32, 16), (4, 1, 8, 2),
-                                              (3, 3, 64, 8)])
+                                              (3, 3, 64, 8), (2, 2, 128, 4)])
 def test_kernel_equals_reference_on_every_layer(kh, g, h, page_size):
     rng = np.random.default_rng(kh * 100 + g)
     b, width, num_pages = 7, 5, 17

