@@ -78,15 +78,21 @@ def test_a_refused_switch_leaves_the_driver_watching_with_the_real_split():
     assert controller.split == Split(1, 2)
 
 
-def test_deployment_totals_sum_the_workers_and_skip_a_bad_mesh():
-    workers = {"prefill": [{"queue": 3, "mesh": "prefill=2"}, {"queue": 1, "mesh": "x=1"}],
+def test_deployment_totals_sum_the_workers_and_count_garbage_as_nothing():
+    workers = {"prefill": [{"queue": 3, "mesh": "prefill=2",
+                            "counters": {"prefill_tokens": 100, "prefix_hit_tokens": 5}},
+                           {"queue": 1, "mesh": "x=1", "counters": "not a dict"}],
                "decode": [{"slots_total": 8, "free_slots": 2, "pages_total": 100,
-                           "free_pages": 40, "queue": 7, "mesh": "decode=2x2"},
+                           "free_pages": 40, "queue": 7, "mesh": "decode=2x2",
+                           "counters": {"prefix_hit_tokens": 64, "transfer_bytes": 1024,
+                                        "not_a_counter": 9, "prefill_tokens": "many"}},
                           {"slots_total": 4, "free_slots": 4, "pages_total": 50,
-                           "free_pages": 50, "mesh": "decode=1"}]}
+                           "free_pages": 50, "mesh": 7, "queue": True,
+                           "counters": {"prefix_hit_tokens": -3, "transfers": float("nan")}}]}
     assert deployment_totals(workers) == {
-        "queue_waiting": 4, "slots_total": 12, "slots_active": 6, "pages_total": 150,
-        "pages_used": 60, "prefill_devices": 2, "decode_devices": 5}
+        "prefill_tokens": 100, "prefix_hit_tokens": 69, "transfer_bytes": 1024,
+        "transfers": 0, "queue_waiting": 4, "slots_total": 12, "slots_active": 6,
+        "pages_total": 150, "pages_used": 60, "prefill_devices": 2, "decode_devices": 4}
     assert deployment_totals({})["slots_total"] == 0
 
 

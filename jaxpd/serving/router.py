@@ -371,8 +371,8 @@ class Router(RequestFlow, Frontend):
             if f.exception() is None:
                 w = asked[f]
                 found[w.role].append(dict(f.result(), address=w.address))
-        return {"mesh": self.config.mesh, "in_flight": in_flight, **self.counters.snapshot(),
-                **deployment_totals(found), "workers": found}
+        return {"mesh": self.config.mesh, "in_flight": in_flight, **deployment_totals(found),
+                **self.counters.snapshot(), "workers": found}
 
     def shutdown(self) -> None:
         with self._lock:

@@ -12,8 +12,11 @@ the fewest calls open. The last live worker of a role never moves. A switch that
 is a refused decision: the driver re-reads the split and keeps watching.
 
 `deployment_totals` is what the router adds to its stats so that its /metrics carry
-the deployment's occupancy (decode workers' slots and pages, prefill workers' queue) and
-its split (devices per role, workers switched so far).
+the deployment's occupancy (decode workers' slots and pages, prefill workers' queue), its
+split (devices per role) and its workers' engine counters summed (prefix-cache hits, KV
+moved, ...; the router's own counters, such as requests finished, take precedence). A
+sum drops when a worker leaves, which Prometheus reads as a counter reset. The workers'
+answers are a peer's input: anything but a non-negative number counts as nothing.
 """
 from __future__ import annotations
 
@@ -22,8 +25,14 @@ from typing import Callable
 
 from jaxpd.plan.controller import Split
 from jaxpd.sharding.spec import parse_mesh_spec
+from jaxpd.stats import COUNTERS
 
 _log = logging.getLogger(__name__)
+
+
+def _count(value) -> int:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return int(value) if ok and 0 <= value < 2 ** 63 else 0
 
 
 def deployment_totals(workers: dict[str, list[dict]]) -> dict:
@@ -31,7 +40,7 @@ def deployment_totals(workers: dict[str, list[dict]]) -> dict:
     prefill, decode = workers.get("prefill", []), workers.get("decode", [])
 
     def total(ws: list[dict], key: str) -> int:
-        return sum(int(w.get(key, 0)) for w in ws)
+        return sum(_count(w.get(key, 0)) for w in ws)
 
     def devices(ws: list[dict]) -> int:
         found = 0
@@ -42,8 +51,14 @@ def deployment_totals(workers: dict[str, list[dict]]) -> dict:
                 pass
         return found
 
+    counters: dict[str, int] = {}
+    for w in prefill + decode:
+        found = w.get("counters")
+        for name, value in (found.items() if isinstance(found, dict) else ()):
+            if name in COUNTERS:
+                counters[name] = counters.get(name, 0) + _count(value)
     slots, pages = total(decode, "slots_total"), total(decode, "pages_total")
-    return {"queue_waiting": total(prefill, "queue"),
+    return {**counters, "queue_waiting": total(prefill, "queue"),
             "slots_total": slots, "slots_active": slots - total(decode, "free_slots"),
             "pages_total": pages, "pages_used": pages - total(decode, "free_pages"),
             "prefill_devices": devices(prefill), "decode_devices": devices(decode)}
