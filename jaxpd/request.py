@@ -239,6 +239,16 @@ class Request:
             self._move(new)
             return True
 
+    def transition_from(self, expected: tuple[State, ...], new: State) -> bool:
+        """Move to `new` only from one of `expected`; False (no change) otherwise: another
+        thread moved it meanwhile (an abort, or `Engine.reprefill` sending it back to
+        prefill) and that move stands."""
+        with self._lock:
+            if self.state not in expected:
+                return False
+            self._move(new)
+            return True
+
     def _move(self, new: State) -> None:
         """The one place a state changes (caller holds the lock)."""
         if new not in _ALLOWED.get(self.state, ()):

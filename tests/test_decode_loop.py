@@ -277,3 +277,29 @@ def test_resubmitting_a_request_that_finished_meanwhile_is_a_no_op(pool):
     assert r.state is State.FINISHED
     assert env.requests.resubmit(r) is False
     assert r.state is State.FINISHED and env.requests.prefill_inbox.empty()
+
+
+def test_a_request_sent_back_to_prefill_while_its_pages_go_in_gives_its_slot_back(pool):
+    """`Engine.reprefill` (an RPC thread: the router says the KV will not come) can send a
+    request back to prefill after the decode thread saw its transfer finish and while it
+    inserts the pages. The request stays with its prefill (no illegal WAITING -> DECODING
+    killing the decode thread, as CI once saw), its slot and pages come back, and the
+    loop serves the next request."""
+    env = make(pool)
+    r = prefilled(env, "a", 5, 100, 6)
+    insert = env.runner.insert
+
+    def insert_while_reprefilled(*args):
+        insert(*args)
+        assert env.requests.resubmit(r)               # as Engine.reprefill does, meanwhile
+    env.runner.insert = insert_while_reprefilled
+    env.receiver.push(handoff(r, 100, value=100))
+    run(env, lambda: r.state is State.WAITING and env.scheduler.slot_of(r) is None)
+    assert env.requests.prefill_inbox.get_nowait() is r      # routed to prefill again
+    env.runner.insert = insert
+    nxt = prefilled(env, "b", 9, 200, 4)
+    env.receiver.push(handoff(nxt, 200, value=200))
+    run(env, lambda: nxt.is_final)
+    assert nxt.output_ids == list(range(200, 204))
+    r.abort("test over")
+    assert_no_page_held(env)

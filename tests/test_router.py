@@ -77,6 +77,11 @@ class Procs:
             time.sleep(0.05)
         raise AssertionError(f"no {pattern!r} in:\n{''.join(p.lines)}")
 
+    def tails(self, n: int = 30) -> str:
+        """The last `n` lines of every process, for a failing assertion's message."""
+        return "\n".join(f"--- {' '.join(p.args[-12:])}\n" + "".join(p.lines[-n:])
+                         for p in self.procs)
+
     def close(self):
         for p in self.procs:
             if p.poll() is None:

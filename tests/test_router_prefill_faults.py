@@ -42,7 +42,8 @@ def test_prefill_worker_killed_between_layer_parts_requests_still_finish(model, 
                                    transport=transport, router_extra=PATIENT_ROUTER)
     outs = _generate_all(addr, prompts, max_tokens)
     assert workers[0].wait(timeout=60) == -signal.SIGKILL
-    assert [list(o.token_ids) for o in outs] == expected
+    assert [list(o.token_ids) for o in outs] == expected, (
+        [(o.finish_reason, o.metrics.abort_reason) for o in outs], procs.tails())
     decode = RoleClient(procs.wait_line(workers[1], r"decode worker on (\S+)").group(1))
     deadline = time.monotonic() + 30
     while decode.info(timeout=10)["free_slots"] != 8:      # every slot given back
@@ -63,5 +64,5 @@ def test_prefill_worker_killed_requests_still_finish(model, procs, fault, transp
     outs = _generate_all(addr, prompts, max_tokens)
     assert workers[0].wait(timeout=60) == -signal.SIGKILL
     # The requests the dead worker held were prefilled again on the decode worker.
-    assert [list(o.token_ids) for o in outs] == expected, [
-        (o.finish_reason, o.metrics.abort_reason) for o in outs]
+    assert [list(o.token_ids) for o in outs] == expected, (
+        [(o.finish_reason, o.metrics.abort_reason) for o in outs], procs.tails())

@@ -349,8 +349,14 @@ class DecodeLoop:
         r.timings.kv_ready = time.perf_counter()
         self._first_token[slot] = first_token
         self._stepped[slot] = None
+        if not r.transition_from((State.TRANSFERRING, State.PREFILLING), State.DECODING):
+            # Moved by another thread since this thread checked it: aborted (its slot
+            # goes in `_release_final`), or sent back to prefill by `Engine.reprefill`
+            # (its prefill brings KV again, for a slot of its own).
+            if not r.is_final:
+                self.scheduler.release(slot)
+            return
         self.scheduler.mark_ready(slot)
-        r.transition(State.DECODING)
 
     def _dispatch(self, plan: StepPlan) -> tuple[jax.Array, Logprobs | None]:
         """One decode step for the plan's slots. A slot fed last step takes its input
