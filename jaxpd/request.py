@@ -63,6 +63,17 @@ def token_logprobs_from_wire(value, top: int, field: str) -> TokenLogprobs:
     return _logprob(value[0], field), tuple(pairs)
 
 
+def handoff_logprobs(payload, num_logprobs: int | None) -> TokenLogprobs | None:
+    """A prefilled request's first-token log-probabilities, from the prefill side's wire
+    form of it (a handoff's payload: a peer's word, checked; ValueError naming the
+    field), when the request asked for them."""
+    if num_logprobs is None:
+        return None
+    payload = payload if isinstance(payload, dict) else {}
+    return token_logprobs_from_wire(payload.get("next_logprobs"), num_logprobs,
+                                    "next_logprobs")
+
+
 def logprobs_from_wire(value, num_tokens: int, top: int, field: str = "logprobs"
                        ) -> list[TokenLogprobs]:
     """The log-probabilities of `num_tokens` tokens from a peer (see

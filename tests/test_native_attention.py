@@ -77,6 +77,13 @@ def test_build_is_cached_per_source_and_reports_a_failed_compiler(tmp_path, monk
     assert not any(p.suffix == ".so" for p in (tmp_path / "other" / "native").iterdir())
 
 
+def test_jaxlib_older_than_the_kernel_has_served_with_gets_the_reference():
+    assert native_attention.version_refusal("0.6.0") == "needs jaxlib >= 0.10, found 0.6.0"
+    assert native_attention.version_refusal("0.9.2") is not None
+    assert native_attention.version_refusal("0.10.2") is None
+    assert native_attention.version_refusal("1.0.0.dev20270101") is None
+
+
 def test_attention_impl_choice(monkeypatch):
     assert resolve_attention_impl("auto", "cpu") == "native"
     assert resolve_attention_impl("native", "cpu") == "native"

@@ -31,7 +31,7 @@ from jaxpd.engine.requests import Requests
 from jaxpd.engine.runner import DecodeRunner
 from jaxpd.engine.sampler import Logprobs, SamplingArrays
 from jaxpd.engine.scheduler import DecodeScheduler, StepPlan, context_width
-from jaxpd.request import Request, State, TokenLogprobs, token_logprobs_from_wire
+from jaxpd.request import Request, State, handoff_logprobs
 from jaxpd.stats import StatsCounter
 from jaxpd.transfer.connector import TransferError
 from jaxpd.transfer.inbound import (PENDING, HandoffNeverFits, HandoffRejected, Inbound,
@@ -209,22 +209,12 @@ class DecodeLoop:
             if (inbound.first_token is not None and r.state is State.TRANSFERRING
                     and r.num_tokens == inbound.num_tokens):
                 try:
-                    logprobs = self._first_logprobs(inbound, r)
+                    logprobs = handoff_logprobs(inbound.payload, r.params.logprobs)
                 except ValueError as e:
                     self._fail_transfer(r, HandoffRejected(f"{r.request_id!r}: {e}"))
                     continue
                 if r.append_token(inbound.first_token, time.perf_counter(), logprobs):
                     self.stats.add(finished=int(r.state is State.FINISHED))
-
-    @staticmethod
-    def _first_logprobs(inbound: Inbound, r: Request) -> TokenLogprobs | None:
-        """The first token's log-probabilities, from the prefill side's wire form of
-        `r` (a peer's word: checked)."""
-        if r.params.logprobs is None:
-            return None
-        payload = inbound.payload if isinstance(inbound.payload, dict) else {}
-        return token_logprobs_from_wire(payload.get("next_logprobs"), r.params.logprobs,
-                                        "next_logprobs")
 
     def _release_final(self) -> None:
         for i, s in enumerate(self.scheduler.slots):
@@ -343,19 +333,18 @@ class DecodeLoop:
 
     def take_ready(self, slot: int, r: Request, first_token: int) -> None:
         """`slot`'s KV is in place (inserted, or computed there): decode it from the next
-        step on, fed `first_token`."""
+        step on, fed `first_token` -- unless another thread moved the request since this
+        one checked it: aborted (`_release_final` frees the slot), or sent back to prefill
+        by `Engine.reprefill` (the slot is given back; its prefill brings KV again)."""
+        if not r.transition_from((State.TRANSFERRING, State.PREFILLING), State.DECODING):
+            if not r.is_final:
+                self.scheduler.release(slot)
+            return
         if r.params.has_penalties:
             self.runner.set_penalties(slot, r.prompt_ids, r.output_ids)
         r.timings.kv_ready = time.perf_counter()
         self._first_token[slot] = first_token
         self._stepped[slot] = None
-        if not r.transition_from((State.TRANSFERRING, State.PREFILLING), State.DECODING):
-            # Moved by another thread since this thread checked it: aborted (its slot
-            # goes in `_release_final`), or sent back to prefill by `Engine.reprefill`
-            # (its prefill brings KV again, for a slot of its own).
-            if not r.is_final:
-                self.scheduler.release(slot)
-            return
         self.scheduler.mark_ready(slot)
 
     def _dispatch(self, plan: StepPlan) -> tuple[jax.Array, Logprobs | None]:
