@@ -29,7 +29,8 @@ _SOURCE = Path(__file__).parent / "native" / "paged_attention.cc"
 # the reference.
 MIN_JAXLIB = (0, 10)
 _TARGET = "jaxpd_paged_decode_f32"
-_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w")
+_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17",
+          "-shared", "-fPIC", "-w")
 
 
 def _cache_dir() -> Path:
@@ -38,13 +39,19 @@ def _cache_dir() -> Path:
 
 
 def _cpu_identity() -> str:
+    """The CPU's model and instruction-set flags: `-march=native` code built on one host
+    must not be loaded on another (a shared home directory across unlike machines;
+    virtual machines often share a generic model name)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        lines = []
+    first = {}
+    for line in lines:
+        key = line.split(":", 1)[0].strip()
+        if key in ("model name", "flags"):
+            first.setdefault(key, line)
+    return "\n".join(first.values()) or platform.processor() or platform.machine()
 
 
 def _compiler() -> str | None:
