@@ -69,6 +69,9 @@ class ElasticBackend(EngineBackend):
         result.stats["resplit_decisions"] = [
             {"t_s": d.t - origin, "old": str(d.old), "new": str(d.new), "reason": d.reason}
             for d in controller.decisions]
+        result.stats["resplit_vetoes"] = [
+            {"t_s": v.t - origin, "split": str(v.split), "wanted": str(v.wanted),
+             "reason": v.reason} for v in controller.vetoes]
         # The next run (another rate) starts from the split this one left.
         return result
 
@@ -86,12 +89,16 @@ def add_elastic_flags(s) -> None:
 
 
 def format_decisions(runs: list[dict]) -> str:
-    """Every elastic run's moves, one line each."""
+    """Every elastic run's moves and the moves its latency model vetoed, one line each,
+    in time order."""
     lines = []
     for r in runs:
-        for d in r.get("engine_stats", {}).get("resplit_decisions", []):
-            lines.append(f"{r['name']}: t={d['t_s']:.1f} s {d['old']} -> {d['new']}: "
-                         f"{d['reason']}")
+        stats = r.get("engine_stats", {})
+        moves = [(d["t_s"], f"{d['old']} -> {d['new']}: {d['reason']}")
+                 for d in stats.get("resplit_decisions", [])]
+        held = [(v["t_s"], f"held {v['split']} (not {v['wanted']}): {v['reason']}")
+                for v in stats.get("resplit_vetoes", [])]
+        lines += [f"{r['name']}: t={t:.1f} s {line}" for t, line in sorted(moves + held)]
     return "\n".join(lines)
 
 

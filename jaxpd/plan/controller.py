@@ -10,7 +10,14 @@ a worker and recompiles, so a wrong move costs far more than a late one. Hence:
 - a move is wanted only when one role is overloaded and the other has room (both
   overloaded is a capacity problem a re-split cannot solve), and made only once it has
   been wanted continuously for `sustain_s`;
-- after a move nothing moves for `dwell_s`, and no role drops below `min_devices`.
+- after a move nothing moves for `dwell_s`, and no role drops below `min_devices`;
+- a move that is due is first put to the live latency model (`split_model.SplitModel`,
+  refreshed from every observation): it is vetoed when the role giving devices would be
+  over `high` after it, or when the role receiving them would stay over `high` and gain
+  less than `MIN_GAIN` of its pressure (a role at 2x its SLO may need several moves, and
+  each that helps must be allowed). A veto is kept in `vetoes` with its reason, and the
+  move must then be wanted for `sustain_s` again. Without enough measured requests the
+  model predicts nothing and vetoes nothing.
 
 Pressure of each role (1.0 = at its SLO):
   prefill  max(TTFT p90 / slo_ttft, predicted TTFT / slo_ttft); with neither, 0 if
@@ -20,8 +27,13 @@ Pressure of each role (1.0 = at its SLO):
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+
+from jaxpd.plan.split_model import SplitModel
+
+MIN_GAIN = 0.1      # a receiving role left over `high` must lose at least this share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +47,17 @@ class Signals:
     slot_occupancy: float = 0.0
     page_occupancy: float = 0.0
     prefill_queue: int = 0
+    # For the latency model: the window's means (queue wait, prefill time and TTFT of the
+    # requests that had all three) and how many requests measured them and TPOT.
+    ttft_mean_s: float | None = None
+    queue_mean_s: float | None = None
+    prefill_mean_s: float | None = None
+    num_prefilled: int = 0
+    num_tpot: int = 0
 
     def __post_init__(self):
-        for name in ("ttft_p90_s", "predicted_ttft_s", "tpot_p90_s"):
+        for name in ("ttft_p90_s", "predicted_ttft_s", "tpot_p90_s", "ttft_mean_s",
+                     "queue_mean_s", "prefill_mean_s"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -45,6 +65,8 @@ class Signals:
             value = getattr(self, name)
             if not (math.isfinite(value) and 0 <= value <= 1):
                 raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+        if min(self.num_prefilled, self.num_tpot) < 0:
+            raise ValueError("num_prefilled and num_tpot must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +76,31 @@ class Split:
 
     def __str__(self) -> str:
         return f"prefill={self.prefill},decode={self.decode}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """The pressures the latency model predicts after a move to `new` (None: not enough
+    measured for that role; math.inf: it could not keep up)."""
+    new: Split
+    prefill: float | None
+    decode: float | None
+
+    def __str__(self) -> str:
+        x = lambda p: "-" if p is None else f"{p:.2f}x"          # noqa: E731
+        return f"{self.new}: prefill {x(self.prefill)}, decode {x(self.decode)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Veto:
+    """A move that was due and that the latency model refused, with why."""
+    t: float
+    split: Split
+    wanted: Split
+    reason: str
+
+    def __str__(self) -> str:
+        return f"hold {self.split} (not {self.wanted}): {self.reason}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +118,13 @@ class Decision:
 class SplitController:
     """Feed it `Signals` in time order (`observe`); it returns a `Decision` when the
     split should change, else None. `split` is the split now; `step` devices move at a
-    time (a decode dp shard's size, say)."""
+    time (a decode dp shard's size, say). `efficiency` and `min_samples` are the latency
+    model's (`SplitModel`)."""
 
     def __init__(self, split: Split, slo_ttft_s: float, slo_tpot_s: float, *, step: int = 1,
                  min_devices: int = 1, high: float = 1.0, low: float = 0.6,
                  occupancy_high: float = 0.9, sustain_s: float = 30.0, dwell_s: float = 120.0,
-                 smoothing_s: float = 10.0):
+                 smoothing_s: float = 10.0, efficiency: float = 1.0, min_samples: int = 20):
         if not (slo_ttft_s > 0 and slo_tpot_s > 0):
             raise ValueError("slo_ttft_s and slo_tpot_s must be > 0")
         if not 0 < low < high:
@@ -93,6 +141,9 @@ class SplitController:
         self._last_switch_t: float | None = None
         self._wanted: tuple[str, float] | None = None    # (direction, since)
         self.decisions: list[Decision] = []
+        self.model = SplitModel(slo_tpot_s, occupancy_high, smoothing_s, efficiency, min_samples)
+        self.vetoes: collections.deque[Veto] = collections.deque(maxlen=1000)
+        self.num_vetoes = 0
 
     def pressures(self, s: Signals) -> tuple[float | None, float]:
         """This observation's raw (prefill, decode) pressure. With no TTFT measured or
@@ -109,6 +160,7 @@ class SplitController:
     def observe(self, s: Signals) -> Decision | None:
         if self._last_t is not None and s.t < self._last_t:
             raise ValueError(f"signals out of order: t={s.t} after t={self._last_t}")
+        self.model.observe(s)
         prefill, decode = self.pressures(s)
         if self._last_t is None:
             self.prefill_pressure, self.decode_pressure = prefill or 0.0, decode
@@ -129,7 +181,44 @@ class SplitController:
         settled_t = self._started_t if self._last_switch_t is None else self._last_switch_t
         if s.t - since < self.sustain_s or s.t - settled_t < self.dwell_s:
             return None
-        return self._switch(s.t, want, since)
+        prediction = self.predict(want)
+        veto = self._veto(want, prediction)
+        if veto is not None:
+            self.vetoes.append(Veto(s.t, self.split, prediction.new, veto))
+            self.num_vetoes += 1
+            self._wanted = (want, s.t)        # wanted for sustain_s again before a retry
+            return None
+        return self._switch(s.t, want, since, prediction)
+
+    def predict(self, direction: str) -> Prediction:
+        """The latency model's pressures after `step` devices move `direction`
+        ("to_prefill" or "to_decode"): each role's smoothed pressure now times its
+        `SplitModel.factor`."""
+        sign = 1 if direction == "to_prefill" else -1
+        new = Split(self.split.prefill + sign * self.step, self.split.decode - sign * self.step)
+        if min(new.prefill, new.decode) < 1:
+            return Prediction(new, None, None)
+        after = {}
+        for role, pressure in (("prefill", self.prefill_pressure),
+                               ("decode", self.decode_pressure)):
+            factor = self.model.factor(role, getattr(self.split, role), getattr(new, role))
+            after[role] = None if factor is None or pressure is None else (
+                math.inf if math.isinf(factor) else pressure * factor)
+        return Prediction(new, **after)
+
+    def _veto(self, direction: str, prediction: Prediction) -> str | None:
+        """Why the move should not be made (None: make it, or nothing predicted)."""
+        busy, idle = ("prefill", "decode") if direction == "to_prefill" else ("decode", "prefill")
+        pressure = {"prefill": self.prefill_pressure, "decode": self.decode_pressure}
+        giver, receiver = getattr(prediction, idle), getattr(prediction, busy)
+        if giver is not None and giver > self.high:
+            return (f"{idle} would be at {giver:.2f}x its SLO with {self.step} device(s) "
+                    f"fewer (over {self.high:g}x); predicted {prediction}")
+        if receiver is not None and receiver >= self.high and \
+                receiver > (1 - MIN_GAIN) * pressure[busy]:
+            return (f"{busy} would only go from {pressure[busy]:.2f}x to {receiver:.2f}x "
+                    f"its SLO with {self.step} device(s) more; predicted {prediction}")
+        return None
 
     def _wanted_direction(self) -> str | None:
         p, d = self.prefill_pressure, self.decode_pressure
@@ -139,7 +228,8 @@ class SplitController:
             return "to_decode"
         return None
 
-    def _switch(self, t: float, direction: str, since: float) -> Decision:
+    def _switch(self, t: float, direction: str, since: float,
+                prediction: Prediction) -> Decision:
         old = self.split
         sign = 1 if direction == "to_prefill" else -1
         new = Split(old.prefill + sign * self.step, old.decode - sign * self.step)
@@ -148,6 +238,8 @@ class SplitController:
         reason = (f"{busy} at {pressure[busy]:.2f}x its SLO and {idle} at "
                   f"{pressure[idle]:.2f}x for {t - since:.0f} s: {self.step} device(s) "
                   f"{idle} -> {busy}")
+        if (prediction.prefill, prediction.decode) != (None, None):
+            reason += f"; predicted {prediction}"
         decision = Decision(t, old, new, reason)
         self.split, self._last_switch_t, self._wanted = new, t, None
         self.decisions.append(decision)

@@ -8,8 +8,9 @@ prefill queue); the `SplitController` decides, with its hysteresis, sustain and 
 time. A decision first prepares the new split (built and compiled while the old one
 serves), then re-splits (`jaxpd.engine.elastic`); each is logged with its reason and
 counted (`jaxpd_resplits_total`; the split now is the `jaxpd_prefill_devices` and
-`jaxpd_decode_devices` gauges). A re-split that fails is logged and the controller is
-told the split it really has; a failure that stops the engine ends the driver.
+`jaxpd_decode_devices` gauges). A move the controller's latency model vetoed is logged
+with its prediction (`SplitController.vetoes`). A re-split that fails is logged and the
+controller is told the split it really has; a failure that stops the engine ends the driver.
 """
 from __future__ import annotations
 
@@ -45,7 +46,10 @@ class ElasticDriver:
 
     def tick(self) -> Decision | None:
         """One observation; acts on a decision. Returns it (None: no move)."""
+        num_vetoes = self.controller.num_vetoes
         decision = self.controller.observe(self.live.observe(self.clock(), self.render()))
+        if self.controller.num_vetoes > num_vetoes:
+            self.say(f"elastic: {self.controller.vetoes[-1]}")
         if decision is None:
             return None
         self.say(f"elastic: {decision.old} -> {decision.new}: {decision.reason}")

@@ -4,7 +4,10 @@ which prefill/decode split it would move to and why. It recommends; it does not 
 
 Each scrape is compared with the one before: TTFT and TPOT p90 come from the
 histograms' bucket counts *in that window* (as Prometheus' `histogram_quantile` over a
-`rate()`), occupancies from the slot and page gauges.
+`rate()`), occupancies from the slot and page gauges; and for the controller's latency
+model (`split_model`) the window's means (sum over count) of TTFT, the queue wait and the
+prefill time, and how many requests measured them and TPOT. Each line shows what the
+model predicts a move either way would do, and a move it vetoed is printed with why.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxpd.plan.controller import Signals, Split, SplitController
+from jaxpd.plan.controller import Prediction, Signals, Split, SplitController
 
 Buckets = list[tuple[float, float]]           # (upper bound, cumulative count)
 
@@ -54,17 +57,32 @@ def window_quantile(before: Buckets | None, after: Buckets, q: float) -> float |
     return low
 
 
+def window_mean(before: dict[str, float], after: dict[str, float],
+                name: str) -> tuple[float | None, int]:
+    """(mean, count) of what histogram `name` observed between two scrapes' samples;
+    (None, 0) when nothing was, or the counts went back (a worker left a router's sums)."""
+    count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+    total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
+    if count <= 0 or total < 0:
+        return None, 0
+    return total / count, int(count)
+
+
 class LiveSignals:
     """`Signals` from successive /metrics texts."""
 
     def __init__(self):
         self._before: dict[str, Buckets] = {}
+        self._values: dict[str, float] = {}
 
     def observe(self, t: float, text: str) -> Signals:
         histograms, values = parse_metrics(text)
         p90 = {name: window_quantile(self._before.get(name), buckets, 0.9)
                for name, buckets in histograms.items()}
-        self._before = histograms
+        mean = {name: window_mean(self._values, values, name) for name in histograms}
+        self._before, self._values = histograms, values
+        queue_s, num_prefilled = mean.get("jaxpd_queue_seconds", (None, 0))
+        prefill_s = mean.get("jaxpd_prefill_seconds", (None, 0))[0]
 
         def share(used: str, total: str) -> float:
             whole = values.get(total, 0.0)
@@ -74,7 +92,11 @@ class LiveSignals:
                        tpot_p90_s=p90.get("jaxpd_tpot_seconds"),
                        slot_occupancy=share("jaxpd_slots_active", "jaxpd_slots_total"),
                        page_occupancy=share("jaxpd_pages_used", "jaxpd_pages_total"),
-                       prefill_queue=int(values.get("jaxpd_queue_waiting", 0)))
+                       prefill_queue=int(values.get("jaxpd_queue_waiting", 0)),
+                       ttft_mean_s=mean.get("jaxpd_ttft_seconds", (None, 0))[0],
+                       queue_mean_s=queue_s, prefill_mean_s=prefill_s,
+                       num_prefilled=num_prefilled,
+                       num_tpot=mean.get("jaxpd_tpot_seconds", (None, 0))[1])
 
 
 def _fetch(url: str) -> str:
@@ -88,7 +110,7 @@ def run_live(url: str, controller: SplitController, interval_s: float, count: in
              sleep: Callable[[float], None] = time.sleep) -> list:
     """Scrape `count` times (None: until interrupted), `interval_s` apart; print each
     observation and every recommendation; returns the decisions."""
-    live, n = LiveSignals(), 0
+    live, n, num_vetoes = LiveSignals(), 0, controller.num_vetoes
     while count is None or n < count:
         if n:
             sleep(interval_s)
@@ -99,11 +121,27 @@ def run_live(url: str, controller: SplitController, interval_s: float, count: in
             f"TTFT p90 {ms(s.ttft_p90_s)} ms, TPOT p90 {ms(s.tpot_p90_s)} ms, slots "
             f"{s.slot_occupancy:.0%}, pages {s.page_occupancy:.0%}, queue {s.prefill_queue}; "
             f"pressure prefill {controller.prefill_pressure:.2f} decode "
-            f"{controller.decode_pressure:.2f}")
+            f"{controller.decode_pressure:.2f}{_predictions(controller)}")
         if decision is not None:
             say(f"recommend {decision.new} (from {decision.old}): {decision.reason}")
+        elif controller.num_vetoes > num_vetoes:
+            say(str(controller.vetoes[-1]))
+        num_vetoes = controller.num_vetoes
         n += 1
     return controller.decisions
+
+
+def _predictions(controller: SplitController) -> str:
+    """'; predicted after prefill=P,decode=D: ...' for each move the split allows and
+    the latency model can predict."""
+    predictions = [controller.predict(d) for d in ("to_prefill", "to_decode")]
+    shown = [str(p) for p in predictions if _allowed(controller, p)
+             and (p.prefill, p.decode) != (None, None)]
+    return f"; predicted after {' | '.join(shown)}" if shown else ""
+
+
+def _allowed(controller: SplitController, p: Prediction) -> bool:
+    return min(p.new.prefill, p.new.decode) >= controller.min_devices
 
 
 def parse_split(text: str) -> Split:

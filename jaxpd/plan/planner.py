@@ -308,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a move must be wanted this long before it is recommended")
     live.add_argument("--live_dwell_s", type=positive_float, default=120.0,
                       help="no move within this long of the last one")
+    live.add_argument("--live_efficiency", type=float, default=1.0,
+                      help="the latency model's scaling: time per unit of work ~ "
+                           "(devices now / after) ** this, in [0, 1] (1: as --assume ideal)")
     return p
 
 
@@ -329,6 +332,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.splits = [str(s) for s in specs]
     if args.goodput_max_rate is not None and args.goodput_max_rate < args.rate / 100:
         parser.error(f"--goodput_max_rate={args.goodput_max_rate} is below --rate / 100")
+    if not 0 <= args.live_efficiency <= 1:
+        parser.error(f"--live_efficiency must be in [0, 1], got {args.live_efficiency}")
     args.profile_batches = whole_numbers(parser, "profile_batches", args.profile_batches)
     return args
 
@@ -345,7 +350,8 @@ def main(argv: Sequence[str] | None = None) -> list[Prediction]:
         except ValueError as e:
             build_parser().error(str(e))
         controller = SplitController(split, args.slo_ttft, args.slo_tpot,
-                                     sustain_s=args.live_sustain_s, dwell_s=args.live_dwell_s)
+                                     sustain_s=args.live_sustain_s, dwell_s=args.live_dwell_s,
+                                     efficiency=args.live_efficiency)
         try:
             run_live(args.live, controller, args.live_interval_s, args.live_count)
         except KeyboardInterrupt:

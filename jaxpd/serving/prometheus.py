@@ -44,17 +44,23 @@ REJECTION_REASONS = ("queue_full", "slo", "rpc_limit")
 
 
 class ServingMetrics:
-    """TTFT, TPOT and ITL histograms."""
+    """TTFT, TPOT and ITL histograms; and the queue wait and prefill time of requests
+    whose TTFT they hold (the elastic split's latency model reads their means)."""
 
     def __init__(self):
         self.ttft = LatencyHistogram()
         self.tpot = LatencyHistogram()
         self.itl = LatencyHistogram()
+        self.queue = LatencyHistogram()
+        self.prefill = LatencyHistogram()
 
     def observe(self, metrics: RequestMetrics) -> None:
         """Record one finished request's latencies."""
         if metrics.ttft_s is not None:
             self.ttft.observe(metrics.ttft_s)
+            if metrics.queue_s is not None and metrics.prefill_s is not None:
+                self.queue.observe(metrics.queue_s)
+                self.prefill.observe(metrics.prefill_s)
         if metrics.tpot_s is not None:
             self.tpot.observe(metrics.tpot_s)
         for gap in metrics.itl_s:
@@ -79,7 +85,12 @@ class ServingCollector(Collector):
                                  (m.tpot, "jaxpd_tpot_seconds",
                                   "Mean time per output token after the first."),
                                  (m.itl, "jaxpd_itl_seconds",
-                                  "Gap between consecutive output tokens.")):
+                                  "Gap between consecutive output tokens."),
+                                 (m.queue, "jaxpd_queue_seconds",
+                                  "Wait from arrival to the start of the request's prefill."),
+                                 (m.prefill, "jaxpd_prefill_seconds",
+                                  "From the start of the request's prefill to its first token (its "
+                                  "batch's time).")):
             buckets, total = hist.snapshot()
             yield HistogramMetricFamily(name, help, sum_value=total, buckets=[
                 (floatToGoString(le), count) for le, count in buckets])
