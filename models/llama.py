@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxpd.models.attention import (causal_attention, paged_attention, paged_prefix_attention,
+from jaxpd.models.attention import (causal_attention, gather_pages, paged_attention,
                                     write_pages, write_prompt_pages)
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.rope import apply_rope, inverse_frequencies
@@ -212,23 +212,29 @@ class Llama(nn.Module):
         return self._logits(x[:, 0]), k_pool_LPSKH, v_pool_LPSKH
 
     def extend(self, tokens_BT, starts_B, lengths_B, k_pool_LPSKH, v_pool_LPSKH,
-               block_tables_BP):
+               prefix_tables_BW, new_tables_BN):
         """Prefill with context (prefix caching): row b's `lengths[b]` new tokens sit at
-        positions starts[b], starts[b] + 1, ...; the pages before `starts[b]` already hold
-        its prefix's K/V. The new K/V are written into the row's pages, then attended
-        with the prefix. Returns (logits of each row's last new token [B, V], k_pool,
-        v_pool)."""
+        positions starts[b], starts[b] + 1, ...; its prefix's K/V already fill the pages
+        `prefix_tables[b]` (starts[b] tokens: whole pages, so `starts` is a multiple of
+        the page size). The new K/V are written into the pages `new_tables[b]` (the
+        page of new token i is `new_tables[b, i // page_size]`) and attended causally,
+        after the prefix. `prefix_tables` may have no columns (no row has a prefix):
+        then it is a plain prefill into pages. Returns (logits of each row's last new
+        token [B, V], k_pool, v_pool)."""
         t = tokens_BT.shape[1]
-        positions = starts_B[:, None] + jnp.arange(t)[None, :]
-        valid = jnp.arange(t)[None, :] < lengths_B[:, None]
+        offsets = jnp.broadcast_to(jnp.arange(t)[None, :], tokens_BT.shape)
+        positions = starts_B[:, None] + offsets
+        valid = offsets < lengths_B[:, None]
         x = self._embed(tokens_BT)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(x, positions, self.inv_freq)
-            k_pool_LPSKH = write_prompt_pages(k_pool_LPSKH, i, k, block_tables_BP, positions, valid)
-            v_pool_LPSKH = write_prompt_pages(v_pool_LPSKH, i, v, block_tables_BP, positions, valid)
-            attn = paged_prefix_attention(q, k_pool_LPSKH[i], v_pool_LPSKH[i], block_tables_BP,
-                                          positions)
-            x = layer.finish(x, attn)
+            prefix = None
+            if prefix_tables_BW.shape[1]:
+                prefix = (gather_pages(k_pool_LPSKH[i], prefix_tables_BW),
+                          gather_pages(v_pool_LPSKH[i], prefix_tables_BW), starts_B)
+            k_pool_LPSKH = write_prompt_pages(k_pool_LPSKH, i, k, new_tables_BN, offsets, valid)
+            v_pool_LPSKH = write_prompt_pages(v_pool_LPSKH, i, v, new_tables_BN, offsets, valid)
+            x = layer.finish(x, causal_attention(q, k, v, prefix))
         last = x[jnp.arange(x.shape[0]), lengths_B - 1]
         return self._logits(last), k_pool_LPSKH, v_pool_LPSKH
 

@@ -14,13 +14,18 @@ def test_the_prefill_mesh_computes_only_what_its_own_cache_lacks(tiny_hf_model):
     """Every turn through the prefill mesh (tp=2; `prefix_extend_below=0`): its cache
     holds the previous turn's prompt pages, so it computes only the rest (counted
     tokens), and its handoff leaves out what the decode side holds (counted bytes).
-    Outputs equal transformers'; both caches' books balance afterwards."""
+    A turn whose new tokens need the whole bucket anyway computes everything, with no
+    prefix (the last turn: 106 new tokens of 250, bucket 256; a prefix pays only when
+    the new tokens fit a quarter of it). Outputs equal transformers'; both caches'
+    books balance afterwards."""
     path, hf_model = tiny_hf_model
-    system, users = _conversation(np.random.default_rng(7), turns=4)
-    with LLM(path, mesh="prefill=2,decode=1x2", max_model_len=192, slots_per_shard=2,
+    rng = np.random.default_rng(7)
+    system = rng.integers(3, 256, 100).tolist()
+    users = [rng.integers(3, 256, n).tolist() for n in (5, 14, 23, 90)]
+    with LLM(path, mesh="prefill=2,decode=1x2", max_model_len=256, slots_per_shard=2,
              enable_prefix_caching=True, prefix_extend_below=0) as llm:
         page = _page_bytes(llm)
-        conv, previous = list(system), 0
+        conv, previous, hits = list(system), 0, []
         for t, user in enumerate(users):
             before = llm.stats()
             conv = _chat(llm, hf_model, conv, [user], logprobs=2)
@@ -30,13 +35,17 @@ def test_the_prefill_mesh_computes_only_what_its_own_cache_lacks(tiny_hf_model):
                                                    "prefill_cache_query_tokens", "transfer_bytes",
                                                    "prefix_saved_bytes", "local_prefills")}
             # The prefill mesh cached the full pages of the previous prompt (it never
-            # sees the answers): exactly those are found, the rest is computed.
-            assert d["prefill_cache_hit_tokens"] == previous // 16 * 16, (t, d)
-            assert d["prefill_tokens"] == prompt - d["prefill_cache_hit_tokens"]
+            # sees the answers): exactly those are found, the rest is computed; on the
+            # last turn the rest needs the whole 256 bucket, so nothing is used.
+            cached = previous // 16 * 16 if t < 3 else 0
+            assert d["prefill_cache_hit_tokens"] == cached, (t, d)
+            assert d["prefill_tokens"] == prompt - cached
             assert d["prefill_cache_query_tokens"] == prompt and d["local_prefills"] == 0
             assert d["transfer_bytes"] + d["prefix_saved_bytes"] == -(-prompt // 16) * page
             assert (d["prefix_saved_bytes"] > 0) == (t > 0)
             previous = prompt
+            hits.append(cached)
+        assert previous == 250 and hits == [0, 96, 112, 0]
         stats = llm.stats()
         assert stats["prefill_pages_cached"] >= previous // 16
         assert stats["prefix_skip_misses"] == 0 and stats["prefix_evictions"] == 0
@@ -52,8 +61,10 @@ def test_concurrent_chats_with_the_cache_match_hf_on_every_mesh_of_the_engine_te
     prefill with context under dp=4. Every answer equals transformers'; both sides hit."""
     path, hf_model = tiny_hf_model
     rng = np.random.default_rng(8)
-    chats = [_conversation(rng, turns=3) for _ in range(2)]
-    with LLM(path, mesh=mesh, max_model_len=192, slots_per_shard=2,
+    # A long system prompt: each turn's new tokens fit a quarter of its bucket, so the
+    # prefill mesh's hits pay (`PrefillLoop._run_cached`).
+    chats = [_conversation(rng, turns=3, system_len=100) for _ in range(2)]
+    with LLM(path, mesh=mesh, max_model_len=256, slots_per_shard=2,
              enable_prefix_caching=True, prefix_extend_below=0) as llm:
         _chats_at_once(llm, hf_model, chats)
         stats = llm.stats()

@@ -580,9 +580,10 @@ def test_warmup_covers_every_prefill_with_context_a_chat_needs(tiny_hf_model, me
     width) run only programs warm-up compiled."""
     path, hf_model = tiny_hf_model
     rng = np.random.default_rng(6)
-    chats = [_conversation(rng, turns=2) for _ in range(3)]
-    # page_size 8: 12 pages a slot, so hits of two context widths (8 and 12 pages).
-    with LLM(path, mesh=mesh, max_model_len=96, page_size=8, slots_per_shard=3,
+    # A 70-token system prompt: the second turn's new tokens fit a quarter of its
+    # bucket, so the prefill mesh's hit pays (`PrefillLoop._run_cached`); page_size 8.
+    chats = [_conversation(rng, turns=2, system_len=70) for _ in range(3)]
+    with LLM(path, mesh=mesh, max_model_len=128, page_size=8, slots_per_shard=3,
              max_prefill_batch=1, enable_prefix_caching=True, warmup=True, **extra) as llm:
         compiled = llm.engine.counter.counts()
         _chats_at_once(llm, hf_model, chats)

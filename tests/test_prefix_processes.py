@@ -41,7 +41,9 @@ def test_chats_across_processes_match_transformers_with_both_caches(tiny_hf_mode
     caching = ["--enable_prefix_caching", "--prefix_extend_below", "0"]
     addr, _, workers = _deployment(procs, path, extra=caching, router_extra=caching)
     rng = np.random.default_rng(9)
-    chats = [_conversation(rng, turns=3) for _ in range(2)]
+    # A long system prompt, so that a turn's new tokens fit a quarter of its bucket
+    # and the prefill process's hits pay (`PrefillLoop._run_cached`).
+    chats = [_conversation(rng, turns=3, system_len=100) for _ in range(2)]
     errors, prompt_tokens = [], []
 
     def chat(system, users):

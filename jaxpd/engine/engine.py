@@ -242,10 +242,13 @@ class Engine:
                                       self.requests, self.counters, c.pages_per_slot,
                                       c.decode_context_step)
         if self.caching:
+            every = self.requests.extends_all
             self.decode_loop.extend = ExtendLoop(
                 self.decode_runner, self.decode_scheduler, self.requests.extend_inbox,
                 self.counters, c.buckets, c.max_prefill_batch, c.max_prefill_tokens,
-                c.pages_per_slot, c.decode_context_step, self.decode_loop.take_ready)
+                c.pages_per_slot, c.decode_context_step, self.decode_loop.take_ready,
+                expected_below=None if every else max(c.prefix_extend_below, c.local_prefill_below),
+                expects_fresh=every or c.local_prefill_below > 0)
 
     def _prefix_root(self) -> bytes | None:
         """Roots the prefix caches' page hashes: the model's shapes, the serving dtype

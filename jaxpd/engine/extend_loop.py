@@ -33,17 +33,27 @@ from jaxpd.stats import StatsCounter
 class ExtendLoop:
     """`buckets`: padded new-token lengths (the engine's prefill buckets);
     `max_batch` requests per dp shard and `max_tokens` padded tokens per call;
-    `on_ready(slot, request, first_token)`: the decode loop takes a computed slot."""
+    `on_ready(slot, request, first_token)`: the decode loop takes a computed slot;
+    `expected_below`: requests come with fewer new tokens than this (a mesh with a
+    prefill mesh beside it sends only short rests here), so warm-up compiles only
+    their buckets; None: any length (colocated, or a decode-only process).
+    `expects_fresh`: requests may come with nothing cached (else warm-up compiles only
+    programs with a prefix)."""
 
     def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler,
                  inbox: queue.SimpleQueue, stats: StatsCounter, buckets: list[int],
                  max_batch: int, max_tokens: int, max_pages_per_slot: int, context_step: int,
-                 on_ready: Callable[[int, Request, int], None]):
+                 on_ready: Callable[[int, Request, int], None], expected_below: int | None = None,
+                 expects_fresh: bool = True):
         self.runner, self.scheduler, self.inbox, self.stats = runner, scheduler, inbox, stats
         self.buckets, self.batch_sizes = buckets, batch_buckets(max_batch)
+        # (A rest longer than expected, its prefix evicted since it was routed, runs
+        # in a bucket compiled on first use.)
+        self.warm_buckets = buckets if expected_below is None else \
+            [b for b in buckets if b < expected_below or b == self.bucket_for(expected_below)]
         self.max_batch, self.max_tokens = max_batch, max_tokens
         self.max_pages_per_slot, self.context_step = max_pages_per_slot, context_step
-        self.on_ready = on_ready
+        self.on_ready, self.expects_fresh = on_ready, expects_fresh
         self.waiting: collections.deque[Request] = collections.deque()
 
     @property
@@ -51,17 +61,31 @@ class ExtendLoop:
         return not self.waiting and self.inbox.empty()
 
     def width(self, num_pages: int) -> int:
-        """Pages of context a call computes for a slot of `num_pages`: powers of two
-        times the decode step (coarser than decode's widths: a call's programs are
-        also keyed on rows and length, and warm-up compiles every combination)."""
+        """Pages of cached prefix a call reads for rows of at most `num_pages` prefix
+        pages: none for none, else powers of four times the decode step. Coarse: a
+        call's programs are also keyed on rows and length, warm-up compiles every
+        combination, and every XLA:CPU program maps a few hundred regions of code (the
+        kernel's default limit is 65,530 a process)."""
+        if num_pages == 0:
+            return 0
         width = self.context_step
         while width < num_pages:
-            width *= 2
+            width *= 4
         return min(width, self.max_pages_per_slot)
 
-    def widths(self, min_pages: int = 1) -> list[int]:
-        """Every width `width` can return for slots of at least `min_pages` pages."""
-        return sorted({self.width(n) for n in range(min_pages, self.max_pages_per_slot + 1)})
+    def widths(self, max_pages: int) -> list[int]:
+        """Every width `width` can return for prefixes of up to `max_pages` pages (none
+        included only if `expects_fresh`)."""
+        return sorted({self.width(n) for n in range(0 if self.expects_fresh else 1,
+                                                    max_pages + 1)})
+
+    def max_prefix_pages(self, length: int) -> int:
+        """Most cached pages a row computing in the `length` bucket can have: its
+        uncached tokens need this bucket (more than the one below), and the whole
+        request fits a slot."""
+        below = max([b for b in self.buckets if b < length], default=0)
+        page_size = self.scheduler.page_size
+        return max(0, (self.max_pages_per_slot * page_size - below - 1) // page_size)
 
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.buckets if num_tokens <= b)
@@ -121,13 +145,14 @@ class ExtendLoop:
         per_shard = collections.Counter(sched.shard_of(slot) for slot, _, _ in batch)
         r_pad = self._padded(max(per_shard.values()))
         length = self.bucket_for(max(r.num_tokens - cached for _, r, cached in batch))
-        most_pages = max(len(sched.slots[slot].pages) for slot, _, _ in batch)
-        width = self.width(most_pages)
+        page_size = sched.page_size
+        width = self.width(max(cached for _, _, cached in batch) // page_size)
         rows = sched.num_shards * r_pad
         tokens = np.zeros((rows, length), np.int32)
         starts = np.zeros(rows, np.int32)
         lengths = np.ones(rows, np.int32)      # padding rows: one token, to the null page
-        tables = np.zeros((rows, width), np.int32)
+        prefix_tables = np.zeros((rows, width), np.int32)
+        new_tables = np.zeros((rows, -(-length // page_size)), np.int32)
         row_slots = np.zeros(rows, np.int32)
         sampling = SamplingArrays.empty(rows)
         placed = collections.Counter()
@@ -140,7 +165,9 @@ class ExtendLoop:
             tokens[row, :len(new)] = new
             starts[row], lengths[row] = cached, len(new)
             pages = sched.slots[slot].pages
-            tables[row, :len(pages)] = pages
+            prefix_tables[row, :cached // page_size] = pages[:cached // page_size]
+            own = pages[cached // page_size:][:-(-len(new) // page_size)]
+            new_tables[row, :len(own)] = own   # (a slot may hold pages for what it decodes)
             row_slots[row] = slot % sched.slots_per_shard
             sampling.set_row(row, r)
             if r.params.has_penalties:
@@ -152,7 +179,8 @@ class ExtendLoop:
         computed = sum(r.num_tokens - cached for _, r, cached in batch)
         self.stats.add(prefill_batches=1, prefill_tokens=computed,
                        prefill_padded_tokens=tokens.size, local_prefills=len(batch))
-        first, logprobs = self.runner.extend(tokens, starts, lengths, tables, row_slots, sampling)
+        first, logprobs = self.runner.extend(tokens, starts, lengths, prefix_tables, new_tables,
+                                             row_slots, sampling)
         first = np.asarray(first)
         logprobs = jax.device_get(logprobs) if sampling.wants_logprobs else None
         now = time.perf_counter()

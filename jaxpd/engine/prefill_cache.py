@@ -80,11 +80,12 @@ class PrefillCache:
         self.k_pool, self.v_pool = zeros(), zeros()
         model = Llama(cfg, dtype, fused)
 
-        def extend(params, k_pool, v_pool, tokens, starts, lengths, tables, sampling):
+        def extend(params, k_pool, v_pool, tokens, starts, lengths, prefix_tables, new_tables,
+                   sampling):
             with nn.logical_axis_rules(rules):
                 logits, k_pool, v_pool = model.apply(
-                    {"params": params}, tokens, starts, lengths, k_pool, v_pool, tables,
-                    method=Llama.extend)
+                    {"params": params}, tokens, starts, lengths, k_pool, v_pool, prefix_tables,
+                    new_tables, method=Llama.extend)
             # Only rows without a cached prefix have penalties (`admit`): their tokens
             # are their whole prompt, as in a dense prefill.
             context = lambda: prefill_context(tokens, lengths, sampling.prompt_len,
@@ -100,18 +101,21 @@ class PrefillCache:
     def hashes(self, token_ids: list[int]) -> list[bytes]:
         return page_hashes(token_ids, self.page_size, self.root)
 
-    def admit(self, requests: list[Request]) -> list[tuple[list[int], int, list[bytes]]]:
+    def admit(self, requests: list[Request], share: bool = True
+              ) -> list[tuple[list[int], int, list[bytes]]]:
         """For each request, in order: (its pages, cached tokens, its full pages'
         hashes), with one reference taken to each page. At least its last token is
-        computed (its logits give the first token). Raises `OutOfPages` (nothing
-        taken) only if the pool is smaller than `min_cache_pages`."""
+        computed (its logits give the first token). `share` False: every page is the
+        request's own (nothing cached is used; its pages are still published after).
+        Raises `OutOfPages` (nothing taken) only if the pool is smaller than
+        `cache_pages`."""
         admitted = []
         try:
             for r in requests:
                 ids = r.prefill_ids
                 n = len(ids)
                 hashes = self.hashes(ids)
-                shared = [] if r.params.has_penalties else \
+                shared = [] if r.params.has_penalties or not share else \
                     self.allocator.cached_prefix(hashes[:(n - 1) // self.page_size])
                 self.allocator.share(shared)
                 admitted.append((shared, 0, hashes))
@@ -127,12 +131,15 @@ class PrefillCache:
             self.allocator.free(p)
 
     def run(self, tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-            tables: np.ndarray, sampling: SamplingArrays):
-        """Rows [B] of `lengths` new tokens at positions from `starts` into the pages
-        of `tables` [B, W] -> (first tokens as numpy [B], their `Logprobs` as numpy
-        when some row asks for them, else None)."""
-        self.counter.note(self.name, (tokens.shape, tables.shape))
-        inputs = jax.device_put((tokens, starts, lengths, tables, sampling), self._replicated)
+            prefix_tables: np.ndarray, new_tables: np.ndarray, sampling: SamplingArrays):
+        """Rows [B] of `lengths` new tokens at positions from `starts`, after the
+        prefix in the pages of `prefix_tables` [B, W] (W may be 0: no prefix), into
+        the pages of `new_tables` [B, T / page_size] (`Llama.extend`) -> (first tokens
+        as numpy [B], their `Logprobs` as numpy when some row asks for them, else
+        None)."""
+        self.counter.note(self.name, (tokens.shape, prefix_tables.shape))
+        inputs = jax.device_put((tokens, starts, lengths, prefix_tables, new_tables, sampling),
+                                self._replicated)
         first, logprobs, self.k_pool, self.v_pool = self._extend(
             self.params, self.k_pool, self.v_pool, *inputs)
         return (np.asarray(first), jax.device_get(logprobs) if sampling.wants_logprobs else None)
@@ -155,7 +162,9 @@ class PrefillCache:
         compute, ascending: the bucket itself, then every fourth power of two below it,
         and the smallest bucket. Coarser than the prefill buckets (at most 4x the
         padding of the new tokens) because each is one more program per (batch, bucket)
-        for warm-up to compile."""
+        for warm-up to compile. A batch that lands in the bucket itself computes every
+        token, with no prefix (`PrefillLoop._run_cached`): at most a quarter of the
+        bucket is worth a prefix's attention."""
         out, t = [], length
         while t >= buckets[0]:
             out.append(t)
@@ -167,4 +176,11 @@ class PrefillCache:
     def width(self, length: int) -> int:
         """Block-table width (pages) of a batch in the `length` bucket."""
         return min(pages_for(length, self.page_size), self.max_pages)
+
+    def shapes(self, length: int, buckets: list[int]) -> list[tuple[int, int]]:
+        """(new tokens, prefix pages) of every program a batch in the `length` bucket
+        may run: the bucket itself without a prefix, each smaller new-token bucket
+        after a prefix as wide as the bucket."""
+        return [(t, 0 if t == length else self.width(length))
+                for t in self.new_buckets(length, buckets)]
 

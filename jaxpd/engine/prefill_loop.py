@@ -146,33 +146,42 @@ class PrefillLoop:
 
     def _run_cached(self, live: list[Request], batch: PrefillBatch) -> None:
         """Prefill with context through the cache (`PrefillCache`): each row computes
-        only the tokens after its cached prefix; its pages are cut from the pool."""
-        cache = self.cache
+        only the tokens after its cached prefix; its pages are cut from the pool. A
+        batch whose new tokens still need the whole bucket computes all its tokens with
+        no prefix: its hits would save nothing and cost the prefix's attention."""
+        cache, page_size = self.cache, self.page_size
         admitted = cache.admit(live)
+        length = next(t for t in cache.new_buckets(batch.length, self.scheduler.buckets)
+                      if t >= max((r.num_tokens - c for r, (_, c, _) in zip(live, admitted)),
+                                  default=1))
+        if length == batch.length and any(c for _, c, _ in admitted):
+            cache.release([pages for pages, _, _ in admitted])
+            admitted = cache.admit(live, share=False)
         try:
-            uncached = [r.num_tokens - cached for r, (_, cached, _) in zip(live, admitted)]
-            length = next(t for t in cache.new_buckets(batch.length, self.scheduler.buckets)
-                          if t >= max(uncached, default=1))
-            rows, width = batch.batch_size, cache.width(batch.length)
+            rows = batch.batch_size
+            width = 0 if length == batch.length else cache.width(batch.length)
             tokens = np.zeros((rows, length), np.int32)
             starts = np.zeros(rows, np.int32)
             lengths = np.ones(rows, np.int32)  # padding rows: one token, to the null page
-            tables = np.zeros((rows, width), np.int32)
+            prefix_tables = np.zeros((rows, width), np.int32)
+            new_tables = np.zeros((rows, pages_for(length, page_size)), np.int32)
             sampling = SamplingArrays.empty(rows)
             for i, (r, (pages, cached, _)) in enumerate(zip(live, admitted)):
                 new = r.prefill_ids[cached:]
                 tokens[i, :len(new)] = new
                 starts[i], lengths[i] = cached, len(new)
-                tables[i, :len(pages)] = pages
+                prefix_tables[i, :cached // page_size] = pages[:cached // page_size]
+                own = pages[cached // page_size:]
+                new_tables[i, :len(own)] = own
                 sampling.set_row(i, r)
-            computed = sum(uncached)
-            self.stats.add(prefill_batches=1, prefill_tokens=computed,
+            self.stats.add(prefill_batches=1, prefill_tokens=int(lengths[:len(live)].sum()),
                            prefill_padded_tokens=tokens.size,
                            prefill_cache_query_tokens=sum(r.num_tokens for r in live),
                            prefill_cache_hit_tokens=sum(c for _, c, _ in admitted))
-            first, logprobs = cache.run(tokens, starts, lengths, tables, sampling)
+            first, logprobs = cache.run(tokens, starts, lengths, prefix_tables, new_tables,
+                                        sampling)
             for pages, cached, hashes in admitted:
-                cache.publish(pages, hashes, cached // self.page_size)
+                cache.publish(pages, hashes, cached // page_size)
             now = time.perf_counter()
             for i, (r, (pages, _, _)) in enumerate(zip(live, admitted)):
                 n = int(starts[i] + lengths[i])

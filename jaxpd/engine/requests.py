@@ -65,7 +65,7 @@ class Requests:
         self.has_prefill, self.has_local_prefill = has_prefill, has_local_prefill
         self._local_below = local_prefill_below
         self._cached_tokens, self._extend_below = cached_tokens, extend_below
-        self._extend_all = extend_all
+        self.extends_all = extend_all
         self._page_size = page_size
         self.prefill_inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.local_inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
@@ -199,7 +199,7 @@ class Requests:
         if self._cached_tokens is None or self.remote_decode:
             # (A prefill-only process: the router's hint came with the request.)
             (self.local_inbox if local else self.prefill_inbox).put(request)
-        elif self._extend_all or local:
+        elif self.extends_all or local:
             self.extend_inbox.put(request)
         else:
             # A prefix cached on the decode mesh: the rest prefilled there when short,

@@ -237,11 +237,11 @@ class DecodeRunner:
             donate_argnums=(1, 2, 3))
 
         def extend(params, k_pool, v_pool, counts, prompt, tokens, starts, lengths,
-                   block_tables, row_slots, sampling):
+                   prefix_tables, new_tables, row_slots, sampling):
             with nn.logical_axis_rules(rules):
                 logits, k_pool, v_pool = model.apply(
-                    {"params": params}, tokens, starts, lengths, k_pool, v_pool, block_tables,
-                    method=Llama.extend)
+                    {"params": params}, tokens, starts, lengths, k_pool, v_pool, prefix_tables,
+                    new_tables, method=Llama.extend)
             # Penalties read the slot's context, set (`set_penalties`) before the call.
             nxt, logprobs = sample(logits, sampling, starts + lengths,
                                    lambda: (counts[row_slots], prompt[row_slots]))
@@ -249,7 +249,7 @@ class DecodeRunner:
 
         self._extend = jax.jit(shard_map(
             extend, mesh=mesh, axis_names={"dp"},
-            in_specs=(P(), pool, pool, slot, slot) + (slot,) * 6,
+            in_specs=(P(), pool, pool, slot, slot) + (slot,) * 7,
             out_specs=(slot, slot, pool, pool)), donate_argnums=(1, 2))
 
         def insert(k_pool, v_pool, k_new, v_new, page_ids):
@@ -304,19 +304,20 @@ class DecodeRunner:
         self.prev_tokens = nxt
         return nxt, logprobs
 
-    def extend(self, tokens, starts, lengths, block_tables, row_slots,
+    def extend(self, tokens, starts, lengths, prefix_tables, new_tables, row_slots,
                sampling: SamplingArrays) -> tuple[jax.Array, Logprobs]:
         """Prefill with context straight into the pool (prefix caching): rows [D * R]
         (R per dp shard, in shard order) of `lengths` new tokens at positions from
-        `starts`, written into the pages of `block_tables` (shard-local ids) after the
-        cached prefix they attend to; `row_slots`: each row's shard-local slot (whose
-        penalty context its sampling reads). Returns each row's next token and its
-        `Logprobs`, on device."""
-        self.counter.note("extend", (tokens.shape, block_tables.shape))
+        `starts`, attending to the cached prefix in the pages of `prefix_tables` (may
+        have no columns) and written into the pages of `new_tables` (shard-local ids;
+        `Llama.extend`); `row_slots`: each row's shard-local slot (whose penalty context
+        its sampling reads). Returns each row's next token and its `Logprobs`, on
+        device."""
+        self.counter.note("extend", (tokens.shape, prefix_tables.shape))
         p = self.penalties
         nxt, logprobs, self.k_pool, self.v_pool = self._extend(
             self.params, self.k_pool, self.v_pool, p.counts, p.prompt, tokens, starts,
-            lengths, block_tables, row_slots, sampling)
+            lengths, prefix_tables, new_tables, row_slots, sampling)
         return nxt, logprobs
 
     @staticmethod

@@ -44,17 +44,17 @@ def _warm_prefill(loop, progress: Callable[[str], None]) -> None:
 
 
 def _warm_prefill_cached(loop, shapes, progress: Callable[[str], None]) -> None:
-    """A cached prefill batch in bucket `t` computes its uncached tokens in one of
-    `PrefillCache.new_buckets(t)`, over a block table of the bucket's pages
-    (`PrefillLoop._run_cached`). Padding rows write the null page."""
-    cache = loop.cache
-    shapes = sorted({(b, new, cache.width(t)) for b, t in shapes
-                     for new in cache.new_buckets(t, loop.scheduler.buckets)})
+    """A cached prefill batch in bucket `t` runs one of `PrefillCache.shapes(t)` (new
+    tokens, prefix pages) (`PrefillLoop._run_cached`). Padding rows write the null page."""
+    cache, page_size = loop.cache, loop.page_size
+    shapes = sorted({(b, new, w) for b, t in shapes
+                     for new, w in cache.shapes(t, loop.scheduler.buckets)})
     for i, (b, t, w) in enumerate(shapes):
         progress(f"compiling {cache.name} {i + 1}/{len(shapes)}: batch {b} x {t} tokens, "
-                 f"{w} pages")
+                 f"{w} pages of prefix")
         cache.run(np.zeros((b, t), np.int32), np.zeros(b, np.int32), np.ones(b, np.int32),
-                  np.zeros((b, w), np.int32), SamplingArrays.empty(b))
+                  np.zeros((b, w), np.int32), np.zeros((b, pages_for(t, page_size)), np.int32),
+                  SamplingArrays.empty(b))
 
 
 def _warm_decode(engine, progress: Callable[[str], None]) -> None:
@@ -85,18 +85,19 @@ def _warm_decode(engine, progress: Callable[[str], None]) -> None:
 
 def _warm_extend(engine, progress: Callable[[str], None]) -> None:
     """Prefill-with-context programs: each length bucket, each batch size that fits the
-    token budget, and each context width a slot can then have (a cached prefix makes
-    it wider than the new tokens alone)."""
-    cfg, loop = engine.config, engine.decode_loop.extend
+    token budget, and each width of cached prefix a row computing in that bucket can
+    have (none included)."""
+    loop, page_size = engine.decode_loop.extend, engine.config.page_size
     shards = engine.decode_scheduler.num_shards
     shapes = set()
-    for t in loop.buckets:
+    for t in loop.warm_buckets:
         rows = [b for b in loop.batch_sizes if shards * b * t <= loop.max_tokens] or [1]
-        widths = loop.widths(min(pages_for(t // 2 + 2, cfg.page_size), cfg.pages_per_slot))
+        widths = loop.widths(loop.max_prefix_pages(t))
         shapes |= {(shards * b, t, w) for b in rows for w in widths}
     for i, (rows, t, w) in enumerate(sorted(shapes)):
         progress(f"compiling prefill with context {i + 1}/{len(shapes)}: {rows} x {t} tokens, "
-                 f"{w} pages")
+                 f"{w} pages of prefix")
         engine.decode_runner.extend(np.zeros((rows, t), np.int32), np.zeros(rows, np.int32),
                                     np.ones(rows, np.int32), np.zeros((rows, w), np.int32),
+                                    np.zeros((rows, pages_for(t, page_size)), np.int32),
                                     np.zeros(rows, np.int32), SamplingArrays.empty(rows))
