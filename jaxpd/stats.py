@@ -55,6 +55,9 @@ class EngineStats(collections.abc.Mapping):
                                                "cache.")
     prefill_cache_hit_tokens: int = _counter("Tokens the prefill mesh found in its prefix cache "
                                              "(not computed).")
+    prefill_cache_cold_batches: int = _counter("Prefill batches computed without their cached "
+                                               "prefix: its program was still compiling in the "
+                                               "background.")
     prefix_evictions: int = _counter("Cached pages evicted to make room.")
     prefix_saved_bytes: int = _counter("Bytes of KV cache a handoff did not carry: the leading "
                                        "pages the decode side held cached.")

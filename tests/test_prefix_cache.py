@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxpd import LLM, SamplingParams
+from jaxpd.engine.background_compile import settle
 from jaxpd.engine.page_allocator import PageAllocator, page_hashes
 from jaxpd.engine.scheduler import DecodeScheduler
 from jaxpd.request import Request, State
@@ -569,30 +570,62 @@ def test_router_sends_each_turn_to_the_decode_worker_holding_the_conversation(ti
             llm.shutdown()
 
 
-# colocated: the decode mesh's prefill with context; prefill=1: the prefill mesh's.
+# Colocated, the decode mesh's prefill with context is its only prefill: all warmed up.
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh,extra,programs", [
-    ("colocated=1", {}, ("extend", "decode")),
-    ("prefill=1,decode=1", dict(prefix_extend_below=0), ("prefill_cached", "decode"))])
-def test_warmup_covers_every_prefill_with_context_a_chat_needs(tiny_hf_model, mesh, extra,
-                                                               programs):
+def test_warmup_covers_every_prefill_with_context_a_colocated_chat_needs(tiny_hf_model):
     """No compile in steady state with the cache on: concurrent chats (hits of every
     width) run only programs warm-up compiled."""
     path, hf_model = tiny_hf_model
     rng = np.random.default_rng(6)
-    # A 70-token system prompt: the second turn's new tokens fit a quarter of its
-    # bucket, so the prefill mesh's hit pays (`PrefillLoop._run_cached`); page_size 8.
     chats = [_conversation(rng, turns=2, system_len=70) for _ in range(3)]
-    with LLM(path, mesh=mesh, max_model_len=128, page_size=8, slots_per_shard=3,
-             max_prefill_batch=1, enable_prefix_caching=True, warmup=True, **extra) as llm:
+    with LLM(path, mesh="colocated=1", max_model_len=128, page_size=8, slots_per_shard=3,
+             max_prefill_batch=1, enable_prefix_caching=True, warmup=True) as llm:
         compiled = llm.engine.counter.counts()
         _chats_at_once(llm, hf_model, chats)
-        stats = llm.stats()
-        assert stats["prefix_hit_tokens"] > 0
-        assert (stats["prefill_cache_hit_tokens"] > 0) == ("prefill_cached" in programs)
+        assert llm.stats()["prefix_hit_tokens"] > 0
         after = llm.engine.counter.counts()
-        # (Cutting a handoff's pages out of a prefill batch is keyed on its exact page
-        # count and paid on first use, with or without the cache: not counted here.)
-        for program in programs:
+        for program in ("extend", "decode"):
             assert after[program] == compiled[program], program
+        _check_pool(llm)
+
+
+# Beside a prefill mesh, programs with a prefix compile after warm-up, on demand.
+@pytest.mark.slow
+@pytest.mark.parametrize("extend_below", [0, 256])
+def test_programs_with_a_prefix_compile_in_the_background_after_warmup(tiny_hf_model,
+                                                                       extend_below):
+    """`prefill=1,decode=1`, warmed up: no program with a prefix is compiled before
+    serving. A follow-up turn whose program is not ready runs the cache-off way
+    meanwhile -- on the prefill mesh without its prefix (`extend_below` 0: every turn
+    through the prefill mesh), or through the prefill mesh instead of the decode mesh's
+    prefill with context (256) -- and asks for it in the background; the same kind of
+    turn in the next chat, once it is compiled, uses it. Same greedy tokens as
+    transformers throughout, and nothing compiles on a serving thread."""
+    path, hf_model = tiny_hf_model
+    rng = np.random.default_rng(12)
+    with LLM(path, mesh="prefill=1,decode=1", max_model_len=128, page_size=8,
+             slots_per_shard=2, max_prefill_batch=1, enable_prefix_caching=True,
+             prefix_extend_below=extend_below, warmup=True) as llm:
+        compiled = llm.engine.counter.counts()
+        assert "extend" not in compiled
+        seen = []
+        for chat in range(2):
+            before = llm.stats()
+            _chat(llm, hf_model, *_conversation(rng, turns=2, system_len=70))
+            after = llm.stats()
+            seen.append({k: after[k] - before[k] for k in (
+                "prefill_cache_cold_batches", "prefill_cache_hit_tokens", "local_prefills")})
+            assert settle(llm.engine, 120) == {}
+        if extend_below == 0:     # the prefill mesh: cold, then its prefix pays
+            assert seen[0]["prefill_cache_cold_batches"] == 1, seen
+            assert seen[0]["prefill_cache_hit_tokens"] == 0, seen
+            assert seen[1]["prefill_cache_cold_batches"] == 0, seen
+            assert seen[1]["prefill_cache_hit_tokens"] > 0, seen
+        else:                     # the decode mesh: the prefill mesh, then its own
+            assert [s["local_prefills"] for s in seen] == [0, 1], seen
+        after = llm.engine.counter.counts()
+        for program in ("prefill_cached", "decode"):
+            assert after[program] == compiled[program], program
+        assert "extend" not in after
+        assert after.get("prefill_cached_background", 0) + after.get("extend_background", 0) > 0
         _check_pool(llm)

@@ -87,8 +87,8 @@ class Engine:
         self.requests = Requests(
             self.counters, config.max_queued,
             Limits(model.cfg.vocab_size, config.max_prompt_len, config.max_model_len),
-            has_prefill=spec.has_prefill,
-            has_decode=spec.has_decode, local_prefill_below=config.local_prefill_below,
+            has_prefill=spec.has_prefill, has_decode=spec.has_decode,
+            local_prefill_below=config.local_prefill_below,
             has_local_prefill=spec.has_decode and not spec.colocated and (
                 config.local_prefill_below > 0 or not spec.has_prefill),
             cached_tokens=self._cached_tokens if self.caching else None,
@@ -96,7 +96,7 @@ class Engine:
             extend_below=config.prefix_extend_below)
         self._transfers = futures.ThreadPoolExecutor(4, thread_name_prefix="jaxpd-transfer")
         self.prefill_loop = self.local_loop = self.decode_loop = self.prefill_cache = None
-        self.decode_scheduler = None
+        self.decode_scheduler = self.decode_runner = None
         if spec.has_prefill and not (self.caching and spec.colocated):
             self._build_prefill()
         if spec.has_decode:
@@ -141,8 +141,7 @@ class Engine:
         return not (self._stop.is_set() or self._paused.is_set())
 
     def _params_on(self, mesh, fuse: bool):
-        """(params placed on `mesh`, its logical rules, whether the params are fused):
-        fused for the decode mesh only (`engine.placement`)."""
+        """(params on `mesh`, its logical rules, whether fused: `engine.placement`)."""
         return place_params(self.model.cfg, self.model.params, mesh, self.dtype, fuse=fuse)
 
     def _prefill_scheduler(self, buckets: list[int]) -> PrefillScheduler:
@@ -185,8 +184,7 @@ class Engine:
         sender = self.connector
         if c.kv_transfer_dtype is not None:
             sender = CompressingSender(sender, c.kv_transfer_dtype)
-        # Layer-wise transfer overlaps sending with computing; colocated, both run on
-        # the same devices in one loop, so there is nothing to overlap.
+        # Layer-wise sending overlaps computing; colocated, both share devices and a loop.
         groups = None if c.mesh.colocated else layer_groups(self.model.cfg.num_layers,
                                                              c.layerwise_parts)
         self.prefill_cache = PrefillCache(
@@ -243,16 +241,16 @@ class Engine:
                                       c.decode_context_step)
         if self.caching:
             every = self.requests.extends_all
-            self.decode_loop.extend = ExtendLoop(
+            loop = self.decode_loop.extend = ExtendLoop(
                 self.decode_runner, self.decode_scheduler, self.requests.extend_inbox,
                 self.counters, c.buckets, c.max_prefill_batch, c.max_prefill_tokens,
                 c.pages_per_slot, c.decode_context_step, self.decode_loop.take_ready,
                 expected_below=None if every else max(c.prefix_extend_below, c.local_prefill_below),
                 expects_fresh=every or c.local_prefill_below > 0)
+            self.requests.extend_ready = loop.ready_for
 
     def _prefix_root(self) -> bytes | None:
-        """Roots the prefix caches' page hashes: the model's shapes, the serving dtype
-        and the page size (one engine serves one set of weights)."""
+        """Roots the page hashes: model shapes, dtype, page size (one set of weights)."""
         if not (self.caching or self.prefill_caching):
             return None
         key = f"{self.model.cfg}|{self.config.dtype}|{self.config.page_size}".encode()
@@ -352,6 +350,8 @@ class Engine:
             self.plan.publish({"op": "stop"})
         self.requests.abort_all(reason)
         self.prepared_splits.clear()
+        for x in (self.prefill_cache, self.decode_runner):   # their background compiles
+            getattr(x, "close", lambda: None)()
         # Transfer threads still placing end within their connector's timeout.
         self._transfers.shutdown(wait=True, cancel_futures=True)
         self.connector.close()

@@ -51,6 +51,9 @@ class ExtendLoop:
         # in a bucket compiled on first use.)
         self.warm_buckets = buckets if expected_below is None else \
             [b for b in buckets if b < expected_below or b == self.bucket_for(expected_below)]
+        # Beside a prefill mesh, programs with a prefix compile on demand in the
+        # background (`ready_for`), and a request waits for them on the prefill mesh.
+        self.lazy = expected_below is not None
         self.max_batch, self.max_tokens = max_batch, max_tokens
         self.max_pages_per_slot, self.context_step = max_pages_per_slot, context_step
         self.on_ready, self.expects_fresh = on_ready, expects_fresh
@@ -86,6 +89,21 @@ class ExtendLoop:
         below = max([b for b in self.buckets if b < length], default=0)
         page_size = self.scheduler.page_size
         return max(0, (self.max_pages_per_slot * page_size - below - 1) // page_size)
+
+    def rows_for(self, length: int) -> list[int]:
+        """The row counts a call of `length` new tokens can have (the token budget)."""
+        shards = self.scheduler.num_shards
+        return [shards * b for b in self.batch_sizes
+                if shards * b * length <= self.max_tokens] or [shards]
+
+    def ready_for(self, new_tokens: int, cached_tokens: int) -> bool:
+        """Whether a request of `new_tokens` after `cached_tokens` cached would run on
+        compiled programs here (every row count of its shape); if not, they are asked
+        for in the background (`DecodeRunner.extend_ready`) and it goes elsewhere."""
+        length = self.bucket_for(new_tokens)
+        width = self.width(cached_tokens // self.scheduler.page_size)
+        return all([self.runner.extend_ready(rows, length, width)
+                    for rows in self.rows_for(length)])
 
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.buckets if num_tokens <= b)

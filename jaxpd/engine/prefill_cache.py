@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxpd.engine.background_compile import BackgroundCompiler
 from jaxpd.engine.page_allocator import CacheJournal, PageAllocator, page_hashes, pages_for
 from jaxpd.engine.penalties import prefill_context
 from jaxpd.engine.runner import CompileCounter
@@ -97,6 +98,43 @@ class PrefillCache:
                                out_shardings=(self._replicated, self._replicated, pages, pages))
         self._take = jax.jit(lambda k, v, ids: (k[:, ids], v[:, ids]),
                              out_shardings=(pages, pages))
+        # After warm-up (`start_background`), programs with a prefix compile on demand
+        # in the background; the loop serves a batch without its prefix meanwhile.
+        self.compiler: BackgroundCompiler | None = None
+
+    def start_background(self) -> None:
+        """From now on `ready` asks for a program with a prefix it lacks, compiled on a
+        thread of its own, instead of letting the batch compile it."""
+        self.compiler = BackgroundCompiler(f"{self.name}_background", self.counter)
+
+    def close(self) -> None:
+        if self.compiler is not None:
+            self.compiler.close()
+
+    def ready(self, rows: int, length: int, width: int) -> bool:
+        """Whether a batch of `rows` x `length` new tokens after `width` pages of prefix
+        runs without compiling first: always before `start_background` (it compiles
+        where it runs, as warm-up does) and for no prefix (warm-up compiled those); else
+        once the background compile is done (asked for here, the first time)."""
+        if self.compiler is None or width == 0:
+            return True
+        key = ((rows, length), (rows, width))
+        if self.compiler.get(key) is not None:
+            return True
+        self.compiler.request(key, lambda: self._lower(rows, length, width))
+        return False
+
+    def _lower(self, rows: int, length: int, width: int):
+        spec = lambda shape, sharding=self._replicated: jax.ShapeDtypeStruct(  # noqa: E731
+            shape, np.int32, sharding=sharding)
+        pool = jax.ShapeDtypeStruct(self.k_pool.shape, self.k_pool.dtype,
+                                    sharding=self.k_pool.sharding)
+        sampling = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                               sharding=self._replicated),
+                                SamplingArrays.empty(rows))
+        return self._extend.lower(self.params, pool, pool, spec((rows, length)), spec((rows,)),
+                                  spec((rows,)), spec((rows, width)),
+                                  spec((rows, pages_for(length, self.page_size))), sampling)
 
     def hashes(self, token_ids: list[int]) -> list[bytes]:
         return page_hashes(token_ids, self.page_size, self.root)
@@ -137,10 +175,14 @@ class PrefillCache:
         the pages of `new_tables` [B, T / page_size] (`Llama.extend`) -> (first tokens
         as numpy [B], their `Logprobs` as numpy when some row asks for them, else
         None)."""
-        self.counter.note(self.name, (tokens.shape, prefix_tables.shape))
+        key = (tokens.shape, prefix_tables.shape)
+        program = self.compiler.get(key) if self.compiler is not None else None
+        if program is None:
+            self.counter.note(self.name, key)
+            program = self._extend
         inputs = jax.device_put((tokens, starts, lengths, prefix_tables, new_tables, sampling),
                                 self._replicated)
-        first, logprobs, self.k_pool, self.v_pool = self._extend(
+        first, logprobs, self.k_pool, self.v_pool = program(
             self.params, self.k_pool, self.v_pool, *inputs)
         return (np.asarray(first), jax.device_get(logprobs) if sampling.wants_logprobs else None)
 

@@ -148,12 +148,17 @@ class PrefillLoop:
         """Prefill with context through the cache (`PrefillCache`): each row computes
         only the tokens after its cached prefix; its pages are cut from the pool. A
         batch whose new tokens still need the whole bucket computes all its tokens with
-        no prefix: its hits would save nothing and cost the prefix's attention."""
+        no prefix: its hits would save nothing and cost the prefix's attention. So does
+        a batch whose program with a prefix is still compiling (`PrefillCache.ready`)."""
         cache, page_size = self.cache, self.page_size
         admitted = cache.admit(live)
         length = next(t for t in cache.new_buckets(batch.length, self.scheduler.buckets)
                       if t >= max((r.num_tokens - c for r, (_, c, _) in zip(live, admitted)),
                                   default=1))
+        if length < batch.length and not cache.ready(batch.batch_size, length,
+                                                     cache.width(batch.length)):
+            length = batch.length              # its program compiles in the background
+            self.stats.add(prefill_cache_cold_batches=1)
         if length == batch.length and any(c for _, c, _ in admitted):
             cache.release([pages for pages, _, _ in admitted])
             admitted = cache.admit(live, share=False)

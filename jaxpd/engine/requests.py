@@ -66,6 +66,9 @@ class Requests:
         self._local_below = local_prefill_below
         self._cached_tokens, self._extend_below = cached_tokens, extend_below
         self.extends_all = extend_all
+        # Whether the decode mesh runs such a rest on compiled programs (`ExtendLoop.
+        # ready_for`): a rest whose program compiles in the background goes the long way.
+        self.extend_ready: Callable[[int, int], bool] = lambda new, cached: True
         self._page_size = page_size
         self.prefill_inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.local_inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
@@ -205,7 +208,8 @@ class Requests:
             # A prefix cached on the decode mesh: the rest prefilled there when short,
             # else on the prefill mesh, whose handoff then leaves the cached pages out.
             cached = self._cached_tokens(request)
-            if cached > 0 and request.num_tokens - cached < self._extend_below:
+            if cached > 0 and request.num_tokens - cached < self._extend_below and \
+                    self.extend_ready(request.num_tokens - cached, cached):
                 self.extend_inbox.put(request)
             else:
                 request.kv_skip_pages = 0 if request.kv_skip_missed else cached // self._page_size

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxpd.engine.background_compile import BackgroundCompiler
 from jaxpd.engine.penalties import SlotPenalties, count_sampled, prefill_context
 from jaxpd.engine.sampler import Logprobs, SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
@@ -259,6 +260,9 @@ class DecodeRunner:
             insert, mesh=mesh, axis_names={"dp"},
             in_specs=(pool, pool, pool, pool, slot), out_specs=(pool, pool)),
             donate_argnums=(0, 1))
+        # A decode mesh beside a prefill mesh compiles its programs with a prefix on
+        # demand, in the background (`start_background_extend`).
+        self.extend_compiler: BackgroundCompiler | None = None
         self._pad = jax.jit(self._pad_pages, static_argnums=(1,))
         self._take = jax.jit(lambda k_pool, v_pool, ids: (k_pool[:, ids], v_pool[:, ids]))
 
@@ -313,12 +317,49 @@ class DecodeRunner:
         `Llama.extend`); `row_slots`: each row's shard-local slot (whose penalty context
         its sampling reads). Returns each row's next token and its `Logprobs`, on
         device."""
-        self.counter.note("extend", (tokens.shape, prefix_tables.shape))
+        key = (tokens.shape, prefix_tables.shape)
+        program = self.extend_compiler.get(key) if self.extend_compiler is not None else None
+        if program is None:
+            self.counter.note("extend", key)
+            program = self._extend
         p = self.penalties
-        nxt, logprobs, self.k_pool, self.v_pool = self._extend(
+        nxt, logprobs, self.k_pool, self.v_pool = program(
             self.params, self.k_pool, self.v_pool, p.counts, p.prompt, tokens, starts,
             lengths, prefix_tables, new_tables, row_slots, sampling)
         return nxt, logprobs
+
+    def start_background_extend(self) -> None:
+        """From now on `extend_ready` asks for a program it lacks, compiled on a thread
+        of its own (`BackgroundCompiler`)."""
+        self.extend_compiler = BackgroundCompiler("extend_background", self.counter)
+
+    def extend_ready(self, rows: int, length: int, width: int) -> bool:
+        """Whether `extend` of `rows` x `length` new tokens after `width` prefix pages runs
+        without compiling first: always before `start_background_extend`; else once
+        its background compile (asked for here, the first time) is done."""
+        if self.extend_compiler is None:
+            return True
+        key = ((rows, length), (rows, width))
+        if self.extend_compiler.get(key) is not None:
+            return True
+        self.extend_compiler.request(key, lambda: self._lower_extend(rows, length, width))
+        return False
+
+    def _lower_extend(self, rows: int, length: int, width: int):
+        like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        rows_of = lambda *shape, dtype=np.int32: jax.ShapeDtypeStruct(  # noqa: E731
+            shape, dtype, sharding=self.slot_sharding)
+        sampling = jax.tree.map(lambda a: rows_of(*a.shape, dtype=a.dtype),
+                                SamplingArrays.empty(rows))
+        p = self.penalties
+        return self._extend.lower(
+            self.params, like(self.k_pool), like(self.v_pool), like(p.counts), like(p.prompt),
+            rows_of(rows, length), rows_of(rows), rows_of(rows), rows_of(rows, width),
+            rows_of(rows, -(-length // self.page_size)), rows_of(rows), sampling)
+
+    def close(self) -> None:
+        if self.extend_compiler is not None:
+            self.extend_compiler.close()
 
     @staticmethod
     def _pad_pages(x, m):

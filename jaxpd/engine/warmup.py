@@ -45,16 +45,20 @@ def _warm_prefill(loop, progress: Callable[[str], None]) -> None:
 
 def _warm_prefill_cached(loop, shapes, progress: Callable[[str], None]) -> None:
     """A cached prefill batch in bucket `t` runs one of `PrefillCache.shapes(t)` (new
-    tokens, prefix pages) (`PrefillLoop._run_cached`). Padding rows write the null page."""
+    tokens, prefix pages) (`PrefillLoop._run_cached`). Warm-up compiles those without a
+    prefix (what a batch computes when nothing it holds pays, as with the cache off);
+    those with one compile in the background on first demand (`start_background`).
+    Padding rows write the null page."""
     cache, page_size = loop.cache, loop.page_size
     shapes = sorted({(b, new, w) for b, t in shapes
-                     for new, w in cache.shapes(t, loop.scheduler.buckets)})
+                     for new, w in cache.shapes(t, loop.scheduler.buckets) if w == 0})
     for i, (b, t, w) in enumerate(shapes):
         progress(f"compiling {cache.name} {i + 1}/{len(shapes)}: batch {b} x {t} tokens, "
                  f"{w} pages of prefix")
         cache.run(np.zeros((b, t), np.int32), np.zeros(b, np.int32), np.ones(b, np.int32),
                   np.zeros((b, w), np.int32), np.zeros((b, pages_for(t, page_size)), np.int32),
                   SamplingArrays.empty(b))
+    cache.start_background()
 
 
 def _warm_decode(engine, progress: Callable[[str], None]) -> None:
@@ -88,12 +92,12 @@ def _warm_extend(engine, progress: Callable[[str], None]) -> None:
     token budget, and each width of cached prefix a row computing in that bucket can
     have (none included)."""
     loop, page_size = engine.decode_loop.extend, engine.config.page_size
-    shards = engine.decode_scheduler.num_shards
     shapes = set()
     for t in loop.warm_buckets:
-        rows = [b for b in loop.batch_sizes if shards * b * t <= loop.max_tokens] or [1]
         widths = loop.widths(loop.max_prefix_pages(t))
-        shapes |= {(shards * b, t, w) for b in rows for w in widths}
+        if loop.lazy:                    # those with a prefix compile on demand
+            widths = [w for w in widths if w == 0]
+        shapes |= {(rows, t, w) for rows in loop.rows_for(t) for w in widths}
     for i, (rows, t, w) in enumerate(sorted(shapes)):
         progress(f"compiling prefill with context {i + 1}/{len(shapes)}: {rows} x {t} tokens, "
                  f"{w} pages of prefix")
@@ -101,3 +105,5 @@ def _warm_extend(engine, progress: Callable[[str], None]) -> None:
                                     np.ones(rows, np.int32), np.zeros((rows, w), np.int32),
                                     np.zeros((rows, pages_for(t, page_size)), np.int32),
                                     np.zeros(rows, np.int32), SamplingArrays.empty(rows))
+    if loop.lazy:
+        engine.decode_runner.start_background_extend()

@@ -1,0 +1,98 @@
+"""`BackgroundCompiler`: programs compiled on a thread of their own while the engine
+serves (issue 15: the prefix cache's warm-up).
+
+A prefill with context is one program per (rows, new tokens, prefix width): with the
+prefix cache on, warming them all up took 4-5x the cache-off warm-up (BENCHMARKS.md
+section 10c) and mapped tens of thousands of regions of JIT code. After warm-up, a
+program the cache has not compiled yet is asked for here (`request`) and the loop
+serves its batch another way meanwhile (without the prefix: what the cache-off engine
+computes), so nothing waits for a compile and nothing is compiled that traffic never
+needs. `get` returns the compiled program once it is ready. A compile that fails is
+logged and remembered (`failed`): that shape keeps the fallback.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Hashable
+
+_log = logging.getLogger(__name__)
+
+
+class BackgroundCompiler:
+    """`name`: what the compiled programs are, for the log and `counter` (a
+    `CompileCounter`: each compiled key is noted under `name`)."""
+
+    def __init__(self, name: str, counter):
+        self.name, self.counter = name, counter
+        self._ready: dict[Hashable, object] = {}
+        self._asked: set[Hashable] = set()
+        self.failed: dict[Hashable, str] = {}
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable):
+        """The compiled program of `key`, or None if it is not ready."""
+        return self._ready.get(key)
+
+    def request(self, key: Hashable, lower: Callable[[], object]) -> None:
+        """Compile `lower()` (a `jax.stages.Lowered`) for `key` on the compile thread,
+        unless it is asked for already."""
+        with self._lock:
+            if key in self._asked:
+                return
+            self._asked.add(key)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name=f"jaxpd-compile-{self.name}")
+                self._thread.start()
+        self._queue.put((key, lower))
+
+    def close(self) -> None:
+        """Stop the compile thread after the compile in progress (what is queued is
+        dropped)."""
+        self._queue.put(None)
+
+    @property
+    def pending(self) -> int:
+        """Programs asked for and neither ready nor failed."""
+        with self._lock:
+            return len(self._asked) - len(self._ready) - len(self.failed)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            key, lower = item
+            try:
+                compiled = lower().compile()
+            except Exception as e:             # noqa: BLE001 -- the fallback serves on
+                _log.warning("compiling %s %s in the background failed: %s", self.name, key, e)
+                with self._lock:
+                    self.failed[key] = str(e)
+                continue
+            self.counter.note(self.name, key)
+            with self._lock:
+                self._ready[key] = compiled
+
+
+def compilers(engine) -> list[BackgroundCompiler]:
+    """The engine's background compilers that have started (none before warm-up)."""
+    cache, runner = engine.prefill_cache, engine.decode_runner
+    return [c for c in (cache and cache.compiler, runner and runner.extend_compiler)
+            if c is not None]
+
+
+def settle(engine, timeout_s: float = 300.0) -> dict:
+    """Wait until `engine` compiles nothing in the background (a benchmark's warm-up,
+    a test); returns the compiles that failed, by key. TimeoutError past `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while any(c.pending for c in compilers(engine)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"background compiles still pending after {timeout_s:g} s")
+        time.sleep(0.05)
+    return {k: v for c in compilers(engine) for k, v in c.failed.items()}
