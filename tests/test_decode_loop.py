@@ -279,6 +279,23 @@ def test_resubmitting_a_request_that_finished_meanwhile_is_a_no_op(pool):
     assert r.state is State.FINISHED and env.requests.prefill_inbox.empty()
 
 
+def test_a_request_sent_back_twice_at_once_goes_back_once(pool):
+    """`Engine.reprefill` (an RPC thread: the router says the KV will not come) and the
+    decode thread (refusing the same request's handoff) can both send it back to
+    prefill: the second finds it gone back already and does nothing, where CI saw an
+    illegal WAITING -> WAITING fail the engine and abort every request."""
+    env = make(pool)
+    r = prefilled(env, "a", 5, 100, 6)
+    assert r.state is State.TRANSFERRING
+    assert env.requests.resubmit(r)
+    assert not env.requests.resubmit(r)               # the other thread, just after
+    assert r.state is State.WAITING
+    assert env.requests.prefill_inbox.get_nowait() is r
+    assert env.requests.prefill_inbox.empty()         # routed once
+    r.abort("test over")
+    assert not env.requests.resubmit(r)               # nor is an aborted one
+
+
 def test_a_request_sent_back_to_prefill_while_its_pages_go_in_gives_its_slot_back(pool):
     """`Engine.reprefill` (an RPC thread: the router says the KV will not come) can send a
     request back to prefill after the decode thread saw its transfer finish and while it

@@ -37,6 +37,10 @@ class Limits:
     max_model_len: int
 
 
+# The states a request is sent back to prefill from (`Requests.resubmit`).
+_GOES_BACK = (State.PREFILLING, State.TRANSFERRING, State.DECODING)
+
+
 class Requests:
     """`has_decode` False: the decode side is another process (handoffs carry the wire
     form; a handed-off request is forgotten here). `local_prefill_below`: prompts
@@ -151,8 +155,10 @@ class Requests:
         """Preempted, or its transfer failed: prefill it again (prompt + output so far).
         False if it is final meanwhile: aborted, or finished (a request preempted by a
         step's plan can finish with the token of the step still in flight, read back
-        just after; only the decode thread finishes requests, and it is the caller)."""
-        if request.state is State.FINISHED or not request.transition(State.WAITING):
+        just after; only the decode thread finishes requests, and it is the caller), or
+        sent back already by another thread (`Engine.reprefill` on an RPC thread and the
+        decode thread refusing its handoff can race: one of them resubmits it)."""
+        if not request.transition_from(_GOES_BACK, State.WAITING):
             return False
         self._route(request)
         return True
