@@ -75,13 +75,14 @@ def test_a_short_handoff_leaves_before_the_next_long_prefill(tiny_hf_model, monk
         engine = llm.engine
         prefill_devices = set(engine.meshes.prefill.devices.flat)
         decode_devices = set(engine.meshes.decode.devices.flat)
-        run = engine.prefill_runner.run
+        prefill = engine.prefill_cache or engine.prefill_runner   # the cache, when on
+        run = prefill.run
 
         def spy_run(tokens, *args):
             events.append(("prefill", tokens.shape[1]))
             return run(tokens, *args)
 
-        monkeypatch.setattr(engine.prefill_runner, "run", spy_run)
+        monkeypatch.setattr(prefill, "run", spy_run)
         greedy = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)] * 2
         first = llm.submit(llm.make_request(prompt_token_ids=short, sampling_params=greedy[0]))
         while first.state.name == "WAITING":      # its prefill batch has been taken
@@ -137,13 +138,14 @@ def test_each_prefill_batch_first_waits_for_the_last_handoffs_pulls(tiny_hf_mode
     connector = PulledConnector(events, still_waiting)
     with LLM(path, mesh="prefill=1,decode=1", max_model_len=160, slots_per_shard=4,
              handoff_wait_ms=wait_ms, connector=connector) as llm:
-        run = llm.engine.prefill_runner.run
+        prefill = llm.engine.prefill_cache or llm.engine.prefill_runner
+        run = prefill.run
 
         def spy_run(tokens, *args):
             events.append(("prefill", tokens.shape[1]))
             return run(tokens, *args)
 
-        monkeypatch.setattr(llm.engine.prefill_runner, "run", spy_run)
+        monkeypatch.setattr(prefill, "run", spy_run)
         greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         first = llm.submit(llm.make_request(prompt_token_ids=short, sampling_params=greedy))
         while first.state.name == "WAITING":

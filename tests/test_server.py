@@ -118,8 +118,9 @@ def stub(channel):
 @contextlib.contextmanager
 def prefill_blocked(llm):
     """Hold every prefill until the block ends, so requests behind the first pile up
-    as WAITING. Yields an event set once the first prefill is being held."""
-    runner = llm.engine.prefill_runner
+    as WAITING. Yields an event set once the first prefill is being held. (The prefill
+    mesh's prefix cache runs its batches when it is on.)"""
+    runner = llm.engine.prefill_cache or llm.engine.prefill_runner
     run, entered, release = runner.run, threading.Event(), threading.Event()
 
     def held(*args, **kwargs):

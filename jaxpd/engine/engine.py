@@ -307,7 +307,8 @@ class Engine:
         return True
 
     def is_idle(self) -> bool:
-        return self.requests.all_final() and (self.decode_loop is None or self.decode_loop.idle)
+        return self.requests.all_final() and (self.decode_loop is None or self.decode_loop.idle) \
+            and not (self.prefill_loop and self.prefill_loop.busy)
 
     def stats(self) -> EngineStats:
         spec = self.config.mesh
@@ -337,8 +338,7 @@ class Engine:
         return follower.run(self.prefill_runner, stop)
 
     def shutdown(self, reason: str = "shutdown") -> None:
-        """Stop the threads, abort what is still in flight, join (a leader then tells
-        its followers to stop). Idempotent."""
+        """Stop the threads, abort what is in flight, join; a leader stops its followers."""
         with self.lifecycle_lock:     # not halfway through a re-split's swap
             self._stop.set()
         self.requests.wake.set()

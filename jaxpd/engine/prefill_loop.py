@@ -54,6 +54,7 @@ class PrefillLoop:
         self.layerwise_min_tokens = layerwise_min_tokens
         self.handoff_wait_s = handoff_wait_s
         self.cache = cache
+        self.busy = False                      # a batch is being run (its pages held)
         self._wait_pulled = getattr(sender, "wait_pulled", None) if handoff_wait_s > 0 else None
 
     def uses_layerwise(self, bucket: int) -> bool:
@@ -88,18 +89,22 @@ class PrefillLoop:
             # let that finish before a long prefill takes the devices (and cores).
             if self._wait_pulled(self.handoff_wait_s):
                 self.stats.add(handoff_waits_expired=1)
-        live = self._start(batch)
-        if self.cache is not None:
-            self._run_cached(live, batch)
+        self.busy = True
+        try:
+            live = self._start(batch)
+            if self.cache is not None:
+                self._run_cached(live, batch)
+                return True, 0.0
+            tokens, lengths, sampling = self._inputs(batch, live)
+            self.stats.add(prefill_batches=1, prefill_tokens=int(lengths[:len(live)].sum()),
+                           prefill_padded_tokens=tokens.size)
+            if self.uses_layerwise(batch.length):
+                self._run_layerwise(live, tokens, lengths, sampling)
+            else:
+                self._run_whole(live, tokens, lengths, sampling)
             return True, 0.0
-        tokens, lengths, sampling = self._inputs(batch, live)
-        self.stats.add(prefill_batches=1, prefill_tokens=int(lengths[:len(live)].sum()),
-                       prefill_padded_tokens=tokens.size)
-        if self.uses_layerwise(batch.length):
-            self._run_layerwise(live, tokens, lengths, sampling)
-        else:
-            self._run_whole(live, tokens, lengths, sampling)
-        return True, 0.0
+        finally:
+            self.busy = False
 
     def _start(self, batch: PrefillBatch) -> list[Request]:
         """The batch's requests that are still live, now PREFILLING."""
