@@ -38,6 +38,13 @@ class BackgroundCompiler:
         """The compiled program of `key`, or None if it is not ready."""
         return self._ready.get(key)
 
+    def ready(self, key: Hashable, lower: Callable[[], object]) -> bool:
+        """Whether `key` is compiled; if not, ask for it (`request`)."""
+        if self.get(key) is not None:
+            return True
+        self.request(key, lower)
+        return False
+
     def request(self, key: Hashable, lower: Callable[[], object]) -> None:
         """Compile `lower()` (a `jax.stages.Lowered`) for `key` on the compile thread,
         unless it is asked for already."""

@@ -118,11 +118,8 @@ class PrefillCache:
         once the background compile is done (asked for here, the first time)."""
         if self.compiler is None or width == 0:
             return True
-        key = ((rows, length), (rows, width))
-        if self.compiler.get(key) is not None:
-            return True
-        self.compiler.request(key, lambda: self._lower(rows, length, width))
-        return False
+        return self.compiler.ready(((rows, length), (rows, width)),
+                                   lambda: self._lower(rows, length, width))
 
     def _lower(self, rows: int, length: int, width: int):
         spec = lambda shape, sharding=self._replicated: jax.ShapeDtypeStruct(  # noqa: E731

@@ -339,11 +339,8 @@ class DecodeRunner:
         its background compile (asked for here, the first time) is done."""
         if self.extend_compiler is None:
             return True
-        key = ((rows, length), (rows, width))
-        if self.extend_compiler.get(key) is not None:
-            return True
-        self.extend_compiler.request(key, lambda: self._lower_extend(rows, length, width))
-        return False
+        return self.extend_compiler.ready(((rows, length), (rows, width)),
+                                          lambda: self._lower_extend(rows, length, width))
 
     def _lower_extend(self, rows: int, length: int, width: int):
         like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
