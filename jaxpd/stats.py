@@ -69,6 +69,9 @@ class EngineStats(collections.abc.Mapping):
     decode_steps: int = _counter("Decode steps run.")
     resplits: int = _counter("Elastic re-splits: devices moved between the prefill and decode "
                              "meshes.")
+    split_vetoes: int = _counter("Moves the elastic split controller wanted and its latency "
+                                 "model vetoed (the giving role would break its SLO, or the "
+                                 "receiving role would not gain enough).")
     resplit_moved_requests: int = _counter("Decoding requests whose KV a re-split moved to the "
                                            "new decode mesh (not recomputed).")
     preemptions: int = _counter("Requests preempted for lack of pages.")

@@ -186,8 +186,49 @@ def test_the_driver_logs_a_veto():
     windows = iter([scrapes.text() for _ in range(3)])
     driver = ElasticDriver(c, lambda: next(windows), calls.append, calls.append,
                            lambda: c.split, say=said.append, clock=iter(range(3)).__next__)
+    counted = []
+    driver = ElasticDriver(c, lambda: next(windows), calls.append, calls.append,
+                           lambda: c.split, say=said.append, clock=iter(range(3)).__next__,
+                           count=lambda **kw: counted.append(kw))
     assert [driver.tick() for _ in range(3)] == [None, None, None] and calls == []
     assert said and said[0].startswith("elastic: hold prefill=6,decode=2 (not prefill=7,")
+    assert counted == [{"split_vetoes": 1}] * len(said) and c.num_vetoes == len(said)
+
+
+# ---- efficiency learnt from moves -----------------------------------------------------
+
+def _after_move(model, t0, prefill_s, tpot_s, windows=4):
+    for t in range(t0, t0 + windows):      # 5 requests a window: 20 after 4 windows
+        model.observe(measured(t, 0.5, tpot_s, 0.4, queue=0.1, prefill=prefill_s, ttft=0.5))
+
+
+def test_a_move_teaches_the_model_how_each_role_scaled():
+    model = fed_model()                                   # prefill 0.3 s, TPOT 0.05 s
+    model.moved((4, 4), (2, 6))
+    # Prefill lost half its devices and took sqrt(2) longer; decode gained 1.5x and
+    # got 1.5 ** 0.5 faster: both scaled with efficiency 0.5.
+    _after_move(model, 10, 0.3 * 2 ** 0.5, 0.05 / 1.5 ** 0.5, windows=3)
+    assert model.learnt == [] and model.efficiency == 1.0  # 15 requests: not enough yet
+    _after_move(model, 13, 0.3 * 2 ** 0.5, 0.05 / 1.5 ** 0.5, windows=1)
+    assert sorted(model.learnt) == pytest.approx([0.5, 0.5], abs=0.02)
+    assert model.efficiency == pytest.approx((1 + 0.5 + 0.5) / 3, abs=0.02)
+    # A role that got no faster with more devices measures 0; one slower is clipped.
+    _after_move(model, 14, 0.3 * 2 ** 0.5, 0.05 / 1.5 ** 0.5, windows=100)   # settled
+    model.moved((2, 6), (1, 7))
+    _after_move(model, 114, 0.3 * 2 ** 0.5 * 0.9, 0.05 / 1.5 ** 0.5 * 1.2)
+    assert model.learnt[-2:] == [0.0, 0.0]
+    assert model.efficiency == pytest.approx((1 + 0.5 + 0.5) / 5, abs=0.02)
+
+
+def test_a_move_that_did_not_happen_teaches_nothing():
+    c = controller(Split(4, 4))
+    for t in range(10):
+        c.observe(measured(t, 0.5, 0.05, 0.4, queue=0.3, prefill=0.3, ttft=0.7))
+    c.model.moved((4, 4), (3, 5))
+    c.restore(Split(4, 4))                                # the re-split was refused
+    for t in range(10, 20):
+        c.observe(measured(t, 0.5, 0.2, 0.4, queue=0.3, prefill=0.9, ttft=1.3))
+    assert c.split == Split(4, 4) and c.model.learnt == [] and c.model.efficiency == 1.0
 
 
 # ---- from /metrics --------------------------------------------------------------------

@@ -145,6 +145,11 @@ class SplitController:
         self.vetoes: collections.deque[Veto] = collections.deque(maxlen=1000)
         self.num_vetoes = 0
 
+    def restore(self, split: Split) -> None:
+        """A decided move did not happen: the split is `split`, and nothing is learnt."""
+        self.split = split
+        self.model.moved((split.prefill, split.decode), (split.prefill, split.decode))
+
     def pressures(self, s: Signals) -> tuple[float | None, float]:
         """This observation's raw (prefill, decode) pressure. With no TTFT measured or
         predicted, prefill is 0 when nothing waits for it, else None: no news (a prefill
@@ -242,5 +247,6 @@ class SplitController:
             reason += f"; predicted {prediction}"
         decision = Decision(t, old, new, reason)
         self.split, self._last_switch_t, self._wanted = new, t, None
+        self.model.moved((old.prefill, old.decode), (new.prefill, new.decode))
         self.decisions.append(decision)
         return decision

@@ -10,7 +10,11 @@ What it assumes:
 - A role's time per unit of work scales with its devices as
   (devices now / devices after) ** efficiency. `efficiency` 1 is the planner's
   `--assume ideal` (tp divides every cost, dp divides per-request work); 0 would be
-  devices that change nothing. It is given, not measured.
+  devices that change nothing. It starts as given and is then learnt from each move
+  (`moved`): once `min_samples` requests have measured a role at its new size, its time
+  per unit of work (prefill: the mean batch time; decode: TPOT p90) after / before the
+  move gives log(after / before) / log(devices before / after), clipped to [0, 1];
+  `efficiency` is the mean of the given value and every one learnt (`learnt`).
 - Decode: TPOT p90 scales by that factor; slot and page occupancy by devices now /
   devices after exactly (slots and pages are per dp shard, and a decode device is a
   shard). The decode pressure after is the controller's formula on those.
@@ -72,9 +76,41 @@ class SplitModel:
         self.tpot_p90_s, self.slots, self.pages = average(), average(), average()
         self.queue_s, self.prefill_s, self.ttft_s = average(), average(), average()
         self.num_prefilled = self.num_tpot = 0
+        self._given, self.learnt = efficiency, []
+        self._smoothing_s = smoothing_s
+        # Since the last move, per role still learning: (devices before, after, time per
+        # unit before, its average since, requests measured since).
+        self._since_move: dict[str, list] = {}
+
+    def moved(self, before: tuple[int, int], after: tuple[int, int]) -> None:
+        """Devices moved from (prefill, decode) `before` to `after`: learn `efficiency`
+        from what each role measures next (a move still being learnt from is dropped)."""
+        self._since_move = {}
+        for role, was, now, unit in (("prefill", before[0], after[0], self.prefill_s.value),
+                                     ("decode", before[1], after[1], self.tpot_p90_s.value)):
+            if was != now and unit:
+                self._since_move[role] = [was, now, unit, _Average(self._smoothing_s), 0]
+
+    def _learn(self, role: str, t: float, unit: float | None, count: int) -> None:
+        pending = self._since_move.get(role)
+        if pending is None or unit is None:
+            return
+        was, now, before, average, seen = pending
+        average.add(t, unit)
+        pending[4] = seen = seen + count
+        if seen < self.min_samples:
+            return
+        del self._since_move[role]
+        if average.value > 0:
+            learnt = math.log(average.value / before) / math.log(was / now)
+            self.learnt.append(min(1.0, max(0.0, learnt)))
+            self.efficiency = (self._given + sum(self.learnt)) / (1 + len(self.learnt))
 
     def observe(self, s: Signals) -> None:
         """Learn from one observation (its window's measurements)."""
+        self._learn("decode", s.t, s.tpot_p90_s, s.num_tpot)
+        if None not in (s.queue_mean_s, s.prefill_mean_s, s.ttft_mean_s):
+            self._learn("prefill", s.t, s.prefill_mean_s, s.num_prefilled)
         self.tpot_p90_s.add(s.t, s.tpot_p90_s)
         self.slots.add(s.t, s.slot_occupancy)
         self.pages.add(s.t, s.page_occupancy)

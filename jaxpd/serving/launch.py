@@ -212,11 +212,12 @@ def _elastic_driver(fv: flags.FlagValues, llm, server):
 
     controller = SplitController(split(), fv.slo_ttft_ms / 1000, fv.slo_tpot_ms / 1000,
                                  step=fv.elastic_step, sustain_s=fv.elastic_sustain_s,
-                                 dwell_s=fv.elastic_dwell_s)
+                                 dwell_s=fv.elastic_dwell_s, efficiency=fv.elastic_efficiency)
     _say(f"jaxpd elastic: the split controller moves devices every >= {fv.elastic_dwell_s:g} s "
          f"(TTFT SLO {fv.slo_ttft_ms:g} ms, TPOT SLO {fv.slo_tpot_ms:g} ms)")
     return ElasticDriver(controller, server.render_metrics, llm.prepare_resplit, llm.resplit,
-                         split, fv.elastic_interval_s, say=_say).start()
+                         split, fv.elastic_interval_s, say=_say,
+                         count=llm.engine.counters.add).start()
 
 
 def _stop_on_signals() -> threading.Event:
@@ -322,12 +323,14 @@ def _router_elastic_driver(fv: flags.FlagValues, router, server):
     if min(split.prefill, split.decode) < 1:
         return None
     controller = SplitController(split, fv.slo_ttft_ms / 1000, fv.slo_tpot_ms / 1000,
-                                 sustain_s=fv.elastic_sustain_s, dwell_s=fv.elastic_dwell_s)
+                                 sustain_s=fv.elastic_sustain_s, dwell_s=fv.elastic_dwell_s,
+                                 efficiency=fv.elastic_efficiency)
     _say(f"jaxpd elastic: the split controller switches one worker's role at most every "
          f"{fv.elastic_dwell_s:g} s (workers now {split}; TTFT SLO {fv.slo_ttft_ms:g} ms, "
          f"TPOT SLO {fv.slo_tpot_ms:g} ms)")
     return ElasticDriver(controller, server.render_metrics, actuator.prepare, actuator.resplit,
-                         actuator.split, fv.elastic_interval_s, say=_say).start()
+                         actuator.split, fv.elastic_interval_s, say=_say,
+                         count=router.counters.add).start()
 
 
 def _run_once(fv: flags.FlagValues, llm_class) -> int:

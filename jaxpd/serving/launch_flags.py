@@ -106,6 +106,10 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                          "role (a router moves one worker).", lower_bound=1, flag_values=fv)
     flags.DEFINE_float("elastic_dwell_s", 120.0, "With --elastic: the least time between two "
                        "moves.", lower_bound=0, flag_values=fv)
+    flags.DEFINE_float("elastic_efficiency", 1.0, "With --elastic: the latency model's "
+                       "starting scaling, time per unit of work ~ (devices now / after) ** "
+                       "this, in [0, 1] (1: ideal); each move then measures it.",
+                       lower_bound=0, upper_bound=1, flag_values=fv)
     flags.DEFINE_integer("layerwise_min_tokens", 0, "Prefill buckets of at least this many "
                          "tokens send their KV layer group by layer group, each as soon as it "
                          "is computed, overlapping the transfer with the rest of the prefill; "

@@ -122,7 +122,7 @@ class Router(RequestFlow, Frontend):
         self.counters = StatsCounter(("requests_submitted", "finished", "aborted",
                                       "decode_failovers",
                                       "prefill_failovers", "decode_prefills", "workers_dropped",
-                                      "prefix_routed", "resplits"))
+                                      "prefix_routed", "resplits", "split_vetoes"))
         self.prefix = PrefixIndex(config.page_size) if config.prefix_routing else None
         for a in prefill:
             self.add_static_worker("prefill", a)
