@@ -70,6 +70,18 @@ def _check_native(kind: str, dtype: str) -> None:
                          f"{native_attention.unavailable_reason()}")
 
 
+def prefix_caching_by_default(config: "EngineConfig") -> bool:
+    """Whether `enable_prefix_caching=None` turns the cache on: for one process holding a
+    prefill mesh beside a decode mesh, where fresh prompts were measured as fast with it
+    as without (BENCHMARKS.md 10c), and repeated prefixes 2-4x faster to a first token.
+    Off elsewhere until measured: colocated meshes (whose every prefill runs with
+    context), single-role processes, and what the cache does not support (elastic,
+    layer-wise or compressed transfer)."""
+    mesh = config.mesh
+    return (mesh.has_prefill and mesh.has_decode and not mesh.colocated and not mesh.elastic
+            and config.layerwise_min_tokens == 0 and config.kv_transfer_dtype is None)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     mesh: str | MeshSpec = "prefill=4,decode=4"
@@ -101,8 +113,9 @@ class EngineConfig:
     # fewer than `prefix_extend_below` tokens to compute is prefilled on the decode
     # mesh; the others on the prefill mesh, which keeps its own cache of
     # `prefill_cache_pages` pages (`engine.prefill_cache`; default: pages_per_shard,
-    # at least what its largest batch needs).
-    enable_prefix_caching: bool = False
+    # at least what its largest batch needs). None: on where it is measured not to lose
+    # when nothing repeats (`prefix_caching_by_default`), else off.
+    enable_prefix_caching: bool | None = None
     prefix_extend_below: int = 256
     prefill_cache_pages: int | None = None
     # Decode attention core: "auto" (the backend's), "reference" (jnp), "native" (CPU,
@@ -149,6 +162,8 @@ class EngineConfig:
             raise ValueError(f"prefill_cache_pages must be >= 2, got {self.prefill_cache_pages}")
         if self.local_prefill_below < 0:
             raise ValueError(f"local_prefill_below must be >= 0, got {self.local_prefill_below}")
+        if self.enable_prefix_caching is None:
+            object.__setattr__(self, "enable_prefix_caching", prefix_caching_by_default(self))
         if self.mesh.elastic:
             # What a re-split does not move yet (`engine.elastic`): a prefix cache's pages,
             # compressed pages, and the decode mesh's own prefill.

@@ -298,6 +298,31 @@ def test_prefix_workloads_run_each_mesh_with_the_cache_off_and_on(tiny_dir, tmp_
     assert "greedy outputs identical with the cache on and off: True" in capsys.readouterr().out
 
 
+def test_settle_workers_waits_for_every_workers_background_compiles(monkeypatch):
+    from jaxpd.bench import prefix
+
+    class Router:                  # pending compiles on two workers: 2+1, then 1, then 0
+        def __init__(self):
+            self.answers = iter([(2, 1), (1, 0), (0, 0)])
+            self.asked = 0
+
+        def stats(self):
+            self.asked += 1
+            p, d = next(self.answers)
+            return {"workers": {"prefill": [{"compiles_pending": p}],
+                                "decode": [{"compiles_pending": d}, {}]}}
+
+    monkeypatch.setattr(prefix.time, "sleep", lambda s: None)
+    router = Router()
+    prefix.settle_workers(router)
+    assert router.asked == 3
+    router.answers = iter([(1, 0)] * 10**6)
+    clock = iter(range(10**6))
+    monkeypatch.setattr(prefix.time, "monotonic", lambda: next(clock))
+    with pytest.raises(TimeoutError, match="still compiling after 5 s"):
+        prefix.settle_workers(router, timeout_s=5)
+
+
 def test_prefix_workload_flags_are_checked(capsys):
     assert_flag_rejected(bench.parse_args, ["--workload", "chat"], "--workload", capsys)
     assert_flag_rejected(bench.parse_args, ["--think_s", "-1"], "--think_s", capsys)

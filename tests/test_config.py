@@ -44,3 +44,28 @@ def test_auto_mesh_refuses_bad_input_and_the_launcher_makes_its_devices():
     environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --other"}
     assert set_cpu_device_count("auto", environ) == 2
     assert environ["XLA_FLAGS"] == "--other --xla_force_host_platform_device_count=2"
+
+
+@pytest.mark.parametrize("mesh, options, on", [
+    ("prefill=1,decode=1", {}, True), ("prefill=4,decode=4", {}, True),
+    ("colocated=8", {}, False), ("prefill=4", {}, False), ("decode=2", {}, False),
+    ("elastic=8", {}, False),
+    ("prefill=1,decode=1", {"layerwise_min_tokens": 64}, False),
+    ("prefill=1,decode=1", {"kv_transfer_dtype": "int8"}, False),
+    ("prefill=1,decode=1", {"enable_prefix_caching": False}, False),
+    ("colocated=2", {"enable_prefix_caching": True}, True)])
+def test_prefix_caching_is_on_by_default_only_where_measured_not_to_lose(mesh, options, on):
+    # One process with a prefill mesh beside its decode mesh; an explicit choice stands.
+    assert EngineConfig(mesh=mesh, **options).enable_prefix_caching is on
+
+
+def test_the_launcher_leaves_prefix_caching_to_the_engine_unless_told():
+    from absl import flags
+
+    from jaxpd.serving import launch_flags
+    for argv, value in ((["prog"], None), (["prog", "--enable_prefix_caching"], True),
+                        (["prog", "--noenable_prefix_caching"], False)):
+        fv = flags.FlagValues()
+        launch_flags.define_flags(fv)
+        fv(argv)
+        assert fv.enable_prefix_caching is value

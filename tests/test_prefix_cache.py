@@ -589,6 +589,33 @@ def test_warmup_covers_every_prefill_with_context_a_colocated_chat_needs(tiny_hf
         _check_pool(llm)
 
 
+def test_a_background_compile_yields_the_cpu_and_close_waits_for_it():
+    import os
+    import threading
+
+    from jaxpd.engine.background_compile import BackgroundCompiler
+    from jaxpd.engine.runner import CompileCounter
+    started, release, seen = threading.Event(), threading.Event(), {}
+
+    class Lowered:                       # what `lower()` returns: compiled on the thread
+        def compile(self):
+            seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            started.set()
+            release.wait(10)
+            return "program"
+
+    compiler = BackgroundCompiler("probe", CompileCounter())
+    assert not compiler.ready("k", Lowered) and started.wait(10)
+    assert seen["nice"] == 19 and compiler.pending == 1
+    closing = threading.Thread(target=compiler.close)
+    closing.start()
+    closing.join(0.2)
+    assert closing.is_alive()            # waits for the compile in progress ...
+    release.set()
+    closing.join(10)
+    assert not closing.is_alive() and compiler.get("k") == "program"   # ... which lands
+
+
 # Beside a prefill mesh, programs with a prefix compile after warm-up, on demand.
 @pytest.mark.slow
 @pytest.mark.parametrize("extend_below", [0, 256])

@@ -68,7 +68,10 @@ def test_chats_across_processes_match_transformers_with_both_caches(tiny_hf_mode
     assert not errors, errors[0]
     prefill, decode = (RoleClient(procs.wait_line(w, r"worker on (\S+)").group(1))
                        for w in workers)
-    p, d = prefill.info(timeout=10)["counters"], decode.info(timeout=10)["counters"]
+    p_info, d_info = prefill.info(timeout=10), decode.info(timeout=10)
+    p, d = p_info["counters"], d_info["counters"]
+    # Without a warm-up nothing compiles in the background: first use compiles.
+    assert p_info["compiles_pending"] == d_info["compiles_pending"] == 0
     total = sum(prompt_tokens)
     assert p["prefill_cache_query_tokens"] == total
     assert 0 < p["prefill_cache_hit_tokens"] and p["prefill_tokens"] == (

@@ -150,15 +150,25 @@ class FrontendBackend:
         """Compiling every bucket (warmup=True) still leaves first-call costs (thread
         start, allocator paths, and the small programs keyed on a prompt's exact page
         count and its batch's padded shape: cutting its pages out of the batch, padding
-        them for insert). Real requests pay them here, outside the measurement."""
+        them for insert). Requests of the run's shapes pay them here, outside the
+        measurement. Their tokens are not the run's (each prompt reversed; distinct rows
+        of one batch): a prefix cache must not hold a timed prompt before it arrives."""
         if warmup_requests:
-            self.front.generate(prompt_token_ids=[list(r.prompt_ids) for r in warmup_requests],
-                                sampling_params=[_greedy(r.output_len) for r in warmup_requests])
+            self.front.generate(
+                prompt_token_ids=[list(reversed(r.prompt_ids)) for r in warmup_requests],
+                sampling_params=[_greedy(r.output_len) for r in warmup_requests])
+        rows = 0
         for n, size in self.prefill_shapes(warm_prompt_lens):
             # Submitted together, they wait (bucket_timeout_ms) and run as one batch.
-            self.front.generate(prompt_token_ids=[[_FIRST_ORDINARY_ID] * n] * size,
-                                sampling_params=_greedy(2))
+            prompts = [[_FIRST_ORDINARY_ID + (rows + j) % 97] + [_FIRST_ORDINARY_ID] * (n - 1)
+                       for j in range(size)]
+            rows += size
+            self.front.generate(prompt_token_ids=prompts, sampling_params=_greedy(2))
         self._wait_idle()
+        self.settle()
+
+    def settle(self) -> None:
+        """Wait for what the warm-up asked to compile in the background (none here)."""
 
     def prefill_shapes(self, prompt_lens: Sequence[int]) -> list[tuple[int, int]]:
         """(prompt length, batch size) pairs that cover every padded prefill batch the
@@ -243,6 +253,10 @@ class EngineBackend(FrontendBackend):
 
     def is_idle(self) -> bool:
         return self.llm.engine.is_idle()
+
+    def settle(self) -> None:
+        from jaxpd.engine.background_compile import settle
+        settle(self.llm.engine)
 
     def counters(self) -> dict:
         return self.llm.stats()

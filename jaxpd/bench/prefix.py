@@ -75,6 +75,17 @@ def worker_counters(router) -> dict:
     return total
 
 
+def settle_workers(router, timeout_s: float = 300.0) -> None:
+    """Wait until no worker of `router`'s deployment compiles in the background (the
+    prefix cache's programs its warm-up asked for: `engine.background_compile`)."""
+    deadline = time.monotonic() + timeout_s
+    while any(info.get("compiles_pending", 0) for workers in router.stats()["workers"].values()
+              for info in workers):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers still compiling after {timeout_s:g} s")
+        time.sleep(0.2)
+
+
 def serve(llm, chats: list[Chat], output_len: int, think_s: float, stats=None,
           slo: tuple[float, float] = (1.0, 0.1)) -> dict:
     """Run every chat (a thread each) against `llm` (an `LLM` or a `Router`); the run's
@@ -184,6 +195,7 @@ def _serve_deployment(args: argparse.Namespace, model_dir: str, chats: list[Chat
             stats = lambda: worker_counters(backend.front)
             if warm:
                 serve(backend.front, make_chats(_warm_args(args), vocab), output_len, 0.0, stats)
+                settle_workers(backend.front)
             run = serve(backend.front, chats, output_len, args.think_s, stats,
                         slo=(args.slo_ttft, args.slo_tpot))
         finally:

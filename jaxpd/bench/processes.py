@@ -154,6 +154,10 @@ class ProcessesBackend(FrontendBackend):
     def counters(self) -> dict:
         return self.front.stats()
 
+    def settle(self) -> None:
+        from jaxpd.bench.prefix import settle_workers
+        settle_workers(self.front)
+
     def counters_delta(self, before: dict, after: dict) -> dict:
         return {k: (v - before[k] if isinstance(v, int) and isinstance(before.get(k), int)
                     else v) for k, v in after.items()}

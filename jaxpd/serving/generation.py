@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 _SERVICE = jaxpd_pb2.DESCRIPTOR.services_by_name["Generation"]
 SERVICE_NAME = _SERVICE.full_name
 _CONTROL_METHODS = ("ModelInfo", "Stats")
+# A call cancelled with less than this left before its deadline ended by the deadline.
+DEADLINE_SLACK_S = 0.5
 
 
 class _Reject(Exception):
@@ -319,10 +321,13 @@ class GenerationServicer:
         def on_rpc_done():
             # Runs when the RPC ends for any reason: at once on a cancel or a passed
             # deadline (the handler may still be blocked waiting for the next token),
-            # and as a no-op after a normal end.
+            # and as a no-op after a normal end. A client ends its call at its own
+            # deadline, which is earlier than ours by the time its request took to reach
+            # us: a cancel that close to our deadline is the deadline.
+            left = context.time_remaining()
             if self._draining:
                 reason = "shutdown"
-            elif context.time_remaining() is not None and context.time_remaining() <= 0:
+            elif left is not None and left <= DEADLINE_SLACK_S:
                 reason = "deadline exceeded"
             else:
                 reason = "cancelled"

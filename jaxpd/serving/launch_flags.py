@@ -122,10 +122,12 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                         "load them on the next start ('none': off). Default: "
                         "$JAX_COMPILATION_CACHE_DIR, else $JAXPD_CACHE/xla (~/.cache/jaxpd/xla).",
                         flag_values=fv)
-    flags.DEFINE_bool("enable_prefix_caching", False, "Cache full KV pages by content on "
+    flags.DEFINE_bool("enable_prefix_caching", None, "Cache full KV pages by content on "
                       "the decode mesh and on the prefill mesh: a request sharing a cached "
                       "prefix computes only the rest (on the decode mesh when the rest is "
-                      "short) and its handoff carries only the pages the decode side lacks.",
+                      "short) and its handoff carries only the pages the decode side lacks. "
+                      "Default: on for one process with prefill and decode meshes, off "
+                      "elsewhere (--noenable_prefix_caching turns it off).",
                       flag_values=fv)
     flags.DEFINE_integer("prefix_extend_below", 256, "With prefix caching: a request whose "
                          "uncached rest is shorter than this is prefilled on the decode mesh.",

@@ -34,6 +34,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from jaxpd.auth import NO_AUTH, InternalAuth
+from jaxpd.engine.background_compile import compilers
 from jaxpd.engine.engine import Engine
 from jaxpd.errors import QueueFull
 from jaxpd.stats import COUNTERS
@@ -97,7 +98,8 @@ class RoleService:
                 "slots_total": s.slots_total, "pages_total": s.pages_total,
                 "layerwise_transfers": s.layerwise_transfers,
                 "transfer_failures": s.transfer_failures, "transfer_bytes": s.transfer_bytes,
-                "counters": {name: s[name] for name in COUNTERS}}
+                "counters": {name: s[name] for name in COUNTERS},
+                "compiles_pending": sum(c.pending for c in compilers(self.engine))}
 
     def Prefill(self, msg, context) -> dict:
         self._require("prefill", msg, context)
