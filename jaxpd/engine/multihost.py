@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Callable
 
+import ml_dtypes
 import msgpack
 import numpy as np
 
@@ -38,8 +39,9 @@ from jaxpd.engine.sampler import SamplingArrays
 
 BEAT_S = 0.5
 _PLAN, _BEAT = "jaxpd/plan/", "jaxpd/beat/"
-_DTYPES = {"int32": np.int32, "float32": np.float32}
-_MAX_ELEMENTS = 1 << 24          # a plan array larger than this is not one we send
+_DTYPES = {"int32": np.int32, "float32": np.float32, "bool": np.bool_,
+           "bfloat16": ml_dtypes.bfloat16}
+_MAX_ELEMENTS = 1 << 24   # a plan array larger than this is not one we send (pages: their own cap)
 
 
 class PlanError(ValueError):
@@ -93,7 +95,7 @@ def _pack_array(a: np.ndarray) -> list:
     return [a.dtype.name, list(a.shape), np.ascontiguousarray(a).tobytes()]
 
 
-def _unpack_array(value, name: str) -> np.ndarray:
+def _unpack_array(value, name: str, max_elements: int = _MAX_ELEMENTS) -> np.ndarray:
     if not (isinstance(value, list) and len(value) == 3):
         raise PlanError(f"plan field {name}: not an array")
     dtype, shape, data = value
@@ -101,7 +103,7 @@ def _unpack_array(value, name: str) -> np.ndarray:
             not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d for d in shape):
         raise PlanError(f"plan field {name}: bad dtype, shape or data")
     size = int(np.prod(shape, dtype=np.int64))
-    if size > _MAX_ELEMENTS or size * np.dtype(_DTYPES[dtype]).itemsize != len(data):
+    if size > max_elements or size * np.dtype(_DTYPES[dtype]).itemsize != len(data):
         raise PlanError(f"plan field {name}: {len(data)} bytes do not make {dtype}{shape}")
     return np.frombuffer(data, _DTYPES[dtype]).reshape(shape).copy()
 
@@ -119,6 +121,9 @@ class PlanChannel:
         self._kept_from = 0              # plans below this are deleted from the store
         self.sent_bytes = self.sent_messages = 0
         self.publish_s: list[float] = []
+        # The leader's answer to its engine failing (`Engine.fail`): a mesh across
+        # processes cannot go on once a program failed on it (set by the worker).
+        self.on_failure: Callable[[BaseException], None] | None = None
 
     def _mac(self, seq: int, body: bytes) -> bytes:
         if self._key is None:
@@ -324,33 +329,47 @@ class Follower:
     def close(self) -> None:
         self._done.set()
 
-    def run(self, runner, stop: threading.Event) -> str:
-        """Replay the plan on `runner` (a `PrefillRunner` built as the leader's is) until
-        the leader says stop ("stopped") or `stop` is set ("interrupted"). Raises
-        PlanError for a bad plan, and jax's runtime error when the coordinator is gone."""
-        import jax
-
-        kv = None
+    def run(self, replay: Callable[[dict], None], stop: threading.Event) -> str:
+        """Replay the plan (`replay(message)` for each: `PrefillReplay`, or
+        `multihost_decode.DecodeReplay`) until the leader says stop ("stopped") or
+        `stop` is set ("interrupted"). Raises PlanError for a bad plan, and jax's
+        runtime error when the coordinator is gone."""
         while True:
             msg = self.channel.receive(stop)
             if msg is None:
                 return "interrupted"
-            op = msg["op"]
-            if op == "stop":
+            if msg["op"] == "stop":
                 return "stopped"
-            if op == "run":
-                _, _, *kv = runner.run(*_batch(msg))
-            elif op == "take":
-                if kv is None:
-                    raise PlanError("plan take before any run")
-                rows = _pairs(msg.get("rows"), "rows", 3)
-                if any(n < 1 for _, _, n in rows):
-                    raise PlanError("plan field rows: a row takes at least one page")
-                jax.block_until_ready(runner.take_rows(*kv, rows))
-            elif op == "layerwise":
-                groups = _pairs(msg.get("groups"), "groups", 2)
-                rows = _pairs(msg.get("rows"), "rows", 3)
-                jax.block_until_ready(runner.run_layerwise(*_batch(msg), groups, rows))
-            else:
-                raise PlanError(f"plan op {op!r} is not one a leader sends")
+            replay(msg)
             self.acked = self.channel.seq - 1
+
+
+class PrefillReplay:
+    """A follower's replay of a `LeaderPrefillRunner`'s calls on `runner` (a
+    `PrefillRunner` built as the leader's is); `__call__` raises PlanError for a
+    message that is not one of them."""
+
+    OPS = ("run", "take", "layerwise")
+
+    def __init__(self, runner):
+        self.runner, self._kv = runner, None
+
+    def __call__(self, msg: dict) -> None:
+        import jax
+
+        op = msg["op"]
+        if op == "run":
+            _, _, *self._kv = self.runner.run(*_batch(msg))
+        elif op == "take":
+            if self._kv is None:
+                raise PlanError("plan take before any run")
+            rows = _pairs(msg.get("rows"), "rows", 3)
+            if any(n < 1 for _, _, n in rows):
+                raise PlanError("plan field rows: a row takes at least one page")
+            jax.block_until_ready(self.runner.take_rows(*self._kv, rows))
+        elif op == "layerwise":
+            groups = _pairs(msg.get("groups"), "groups", 2)
+            rows = _pairs(msg.get("rows"), "rows", 3)
+            jax.block_until_ready(self.runner.run_layerwise(*_batch(msg), groups, rows))
+        else:
+            raise PlanError(f"plan op {op!r} is not one a leader sends")

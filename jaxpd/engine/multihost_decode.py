@@ -1,0 +1,244 @@
+"""A decode role whose mesh spans processes (`engine.multihost`): what its leader
+publishes for each `DecodeRunner` call, and how a follower replays it.
+
+Plan ops (beside the decode mesh's own prefill, `multihost.PrefillReplay`):
+  step       a decode step's host inputs: tokens, fed_from_host, positions [B], block
+             tables [B, W], sampling rows; every process then also dispatches the
+             all-gather of its outputs (`_gathered`), the leader's only way to read
+             the sampled tokens of a dp shard on another process
+  insert     a request's pages into dp shard `shard` at page ids `ids`; the page
+             bytes ride along only when a follower holds a device of that shard
+  penalties  a slot's penalty context: its prompt and output token ids
+
+KV inserts: the connector hands the leader a request's pages; the leader places them
+on a device of its own (`LeaderDecodeRunner.shard_sharding`), copies them to the host
+and publishes them when they are bound for a follower's device. Every process then
+builds its own devices' part of the global pages array ([L, D*m, S, K, H], split over
+dp like the pool: the target shard's block holds the pages, the others zeros,
+`insert_from_host`) and dispatches the same insert program. The plan's store moves
+the bytes: no port of our own; `plan_traffic` measures what it costs.
+
+A follower checks every field (shape, dtype, range against its own engine's numbers)
+before it acts: a bad one is a PlanError (`multihost.Follower`).
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpd.engine.multihost import (LeaderPrefillRunner, PlanChannel, PlanError, PrefillReplay,
+                                    _pack_array, _unpack_array)
+from jaxpd.engine.runner import DecodeRunner
+from jaxpd.engine.sampler import SamplingArrays
+
+
+def _gathered(runner, tree):
+    """`tree` (a step's outputs, split over dp) replicated on every device: a collective
+    every process of the mesh dispatches. One jitted identity per runner."""
+    program = getattr(runner, "_replicate_program", None)
+    if program is None:
+        program = jax.jit(lambda x: x, out_shardings=NamedSharding(runner.mesh, P()))
+        runner._replicate_program = program
+    return program(tree)
+
+
+def _shard_processes(runner, shard: int) -> set[int]:
+    """The processes that hold a device of dp shard `shard`."""
+    return {d.process_index for d in runner.mesh.devices[shard].flat}
+
+
+def insert_from_host(runner, shard: int, page_ids: list[int], k: np.ndarray | None,
+                     v: np.ndarray | None) -> None:
+    """`DecodeRunner.insert` from host pages [L, n, S, K, H], on a mesh spanning
+    processes: each process builds only its own devices' blocks (k, v may be None on
+    a process holding no device of `shard`) and all dispatch the same program."""
+    n = len(page_ids)
+    m = 1 << (n - 1).bit_length()      # pad to a power of two: few programs
+    runner.counter.note("insert", m)
+    ids = np.zeros((runner.num_shards, m), np.int32)
+    ids[shard, :n] = page_ids           # padding rows write the null page 0
+    ids = jax.device_put(ids.reshape(-1), runner.slot_sharding)
+    pool = runner.k_pool
+    shape = (pool.shape[0], runner.num_shards * m) + pool.shape[2:]
+    sharding = NamedSharding(runner.mesh, runner.pool_spec)
+
+    def build(pages):
+        padded = None
+        if pages is not None:
+            padded = np.zeros((shape[0], m) + shape[2:], pool.dtype)
+            padded[:, :n] = pages
+
+        def block(index):
+            start = index[1].start or 0
+            if start // m != shard:
+                return np.zeros([len(range(*s.indices(d))) for s, d in zip(index, shape)],
+                                pool.dtype)
+            return padded[(index[0], slice(None)) + tuple(index[2:])]
+        return jax.make_array_from_callback(shape, sharding, block)
+
+    runner.k_pool, runner.v_pool = runner._insert(runner.k_pool, runner.v_pool, build(k),
+                                                  build(v), ids)
+
+
+class LeaderDecodeRunner:
+    """A `DecodeRunner` on a mesh spanning processes whose every program dispatch is
+    published first, so followers dispatch the same one. Pages arrive on a device of
+    this process (`shard_sharding`), whatever their shard; step outputs come back as
+    this process's copy of their all-gather. Anything else is the wrapped runner's."""
+
+    def __init__(self, runner, channel: PlanChannel):
+        self._runner, self.channel = runner, channel
+        mine = [d for d in runner.mesh.devices.flat if d.process_index == jax.process_index()]
+        self._arrival = NamedSharding(Mesh(np.array(mine[:1]).reshape(1, 1), ("dp", "tp")),
+                                      runner.page_spec)
+        self._remote = [_shard_processes(runner, s) - {jax.process_index()}
+                        for s in range(runner.num_shards)]
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def shard_sharding(self, shard: int) -> NamedSharding:
+        """Where a request's pages land before `insert`: this process, for every shard."""
+        return self._arrival
+
+    def step(self, host_tokens, fed_from_host, positions, block_tables,
+             sampling: SamplingArrays):
+        self.channel.publish({"op": "step", "tokens": _pack_array(host_tokens),
+                              "fed": _pack_array(fed_from_host),
+                              "positions": _pack_array(positions),
+                              "tables": _pack_array(block_tables),
+                              "floats": _pack_array(sampling.floats),
+                              "ints": _pack_array(sampling.ints)})
+        nxt, logprobs = self._runner.step(host_tokens, fed_from_host, positions, block_tables,
+                                          sampling)
+        out = _gathered(self._runner, (nxt, logprobs if sampling.wants_logprobs else None))
+        nxt, kept = jax.tree.map(lambda x: x.addressable_data(0), out)
+        return nxt, kept if sampling.wants_logprobs else logprobs
+
+    def insert(self, shard: int, page_ids: list[int], k_pages, v_pages) -> None:
+        k, v = np.asarray(k_pages), np.asarray(v_pages)
+        remote = bool(self._remote[shard])
+        self.channel.publish({"op": "insert", "shard": shard, "ids": list(map(int, page_ids)),
+                              "k": _pack_array(k) if remote else None,
+                              "v": _pack_array(v) if remote else None})
+        insert_from_host(self._runner, shard, page_ids, k, v)
+
+    def set_penalties(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
+        self.channel.publish({"op": "penalties", "slot": slot,
+                              "prompt": _pack_array(np.asarray(prompt_ids, np.int32)),
+                              "output": _pack_array(np.asarray(output_ids, np.int32))})
+        self._runner.set_penalties(slot, prompt_ids, output_ids)
+
+    def take(self, shard, page_ids):
+        raise RuntimeError("an elastic re-split is not supported on a mesh across processes")
+
+    def extend(self, *args, **kwargs):
+        raise RuntimeError("prefix caching is not supported on a mesh across processes")
+
+
+def _int(value, name: str, below: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < below:
+        raise PlanError(f"plan field {name}: expected an int in [0, {below})")
+    return value
+
+
+def _ints(msg: dict, name: str, shape: tuple, below: int, max_elements: int = 1 << 24
+          ) -> np.ndarray:
+    """An int32 array field of `shape` (-1: any length) whose values lie in [0, below)."""
+    a = _unpack_array(msg.get(name), name, max_elements)
+    if a.dtype != np.int32 or a.ndim != len(shape) or any(
+            want not in (-1, got) for want, got in zip(shape, a.shape)):
+        raise PlanError(f"plan field {name}: expected int32 {list(shape)}, got "
+                        f"{a.dtype.name}{list(a.shape)}")
+    if a.size and (a.min() < 0 or a.max() >= below):
+        raise PlanError(f"plan field {name}: values outside [0, {below})")
+    return a
+
+
+class DecodeReplay:
+    """A follower's replay of a `LeaderDecodeRunner`'s calls (and of the decode mesh's
+    own prefill, `local`, a `PrefillReplay`) on `runner`, built as the leader's is.
+    `config`: the engine's (`EngineConfig`), whose numbers bound every field."""
+
+    def __init__(self, runner, local: PrefillReplay | None, config, vocab: int):
+        self.runner, self.local = runner, local
+        self.num_slots = runner.prev_tokens.shape[0]
+        self.max_pages, self.vocab = config.pages_per_slot, vocab
+        self.max_len = config.max_model_len
+        self.max_position = config.pages_per_slot * config.page_size
+        self._mine = [jax.process_index() in _shard_processes(runner, s)
+                      for s in range(runner.num_shards)]
+
+    def __call__(self, msg: dict) -> None:
+        op = msg["op"]
+        if op == "step":
+            self._step(msg)
+        elif op == "insert":
+            self._insert(msg)
+        elif op == "penalties":
+            slot = _int(msg.get("slot"), "slot", self.num_slots)
+            prompt = _ints(msg, "prompt", (-1,), self.vocab, self.max_len)
+            output = _ints(msg, "output", (-1,), self.vocab, self.max_len)
+            self.runner.set_penalties(slot, prompt.tolist(), output.tolist())
+        elif self.local is not None and op in PrefillReplay.OPS:
+            self.local(msg)
+        else:
+            raise PlanError(f"plan op {op!r} is not one a decode leader sends")
+
+    def _step(self, msg: dict) -> None:
+        b, r = self.num_slots, self.runner
+        tokens = _ints(msg, "tokens", (b,), self.vocab)
+        positions = _ints(msg, "positions", (b,), self.max_position)
+        tables = _ints(msg, "tables", (b, -1), r.pages_per_shard)
+        fed = _unpack_array(msg.get("fed"), "fed")
+        floats = _unpack_array(msg.get("floats"), "floats")
+        ints = _unpack_array(msg.get("ints"), "ints")
+        if not 1 <= tables.shape[1] <= self.max_pages or fed.dtype != np.bool_ or \
+                fed.shape != (b,) or floats.shape != (b, 6) or floats.dtype != np.float32 or \
+                ints.shape != (b, 4) or ints.dtype != np.int32:
+            raise PlanError(f"plan step: tables [{b}, 1..{self.max_pages}], fed bool [{b}], "
+                            f"floats f32 [{b}, 6], ints i32 [{b}, 4]")
+        sampling = SamplingArrays(floats, ints)
+        nxt, logprobs = r.step(tokens, fed, positions, tables, sampling)
+        jax.block_until_ready(_gathered(r, (nxt, logprobs if sampling.wants_logprobs
+                                            else None)))
+
+    def _insert(self, msg: dict) -> None:
+        r = self.runner
+        shard = _int(msg.get("shard"), "shard", r.num_shards)
+        ids = msg.get("ids")
+        if not isinstance(ids, list) or not 1 <= len(ids) <= self.max_pages:
+            raise PlanError(f"plan field ids: expected 1 to {self.max_pages} page ids")
+        ids = [_int(i, "ids", r.pages_per_shard) for i in ids]
+        pool = r.k_pool
+        shape = (pool.shape[0], len(ids)) + pool.shape[2:]
+        pages = []
+        for name in ("k", "v"):
+            if not self._mine[shard]:
+                pages.append(None)          # none of this process's devices: not needed
+                continue
+            a = _unpack_array(msg.get(name), name, int(np.prod(shape)))
+            if a.shape != shape or a.dtype != pool.dtype:
+                raise PlanError(f"plan field {name}: expected {pool.dtype}{list(shape)}, got "
+                                f"{a.dtype.name}{list(a.shape)}")
+            pages.append(a)
+        insert_from_host(r, shard, ids, *pages)
+
+
+def lead(runner, plan: PlanChannel | None):
+    """`runner`, publishing every program it dispatches when this process leads a mesh
+    across processes (`plan` given, process 0); else `runner` itself."""
+    if plan is None or not plan.group.is_leader:
+        return runner
+    leader = LeaderDecodeRunner if isinstance(runner, DecodeRunner) else LeaderPrefillRunner
+    return leader(runner, plan)
+
+
+def replay_for(engine) -> PrefillReplay | DecodeReplay:
+    """What a follower of `engine`'s mesh replays the plan on."""
+    if engine.decode_runner is None:
+        return PrefillReplay(engine.prefill_runner)
+    local = engine.local_loop.runner if engine.local_loop is not None else None
+    return DecodeReplay(engine.decode_runner, local and PrefillReplay(local), engine.config,
+                        engine.model.cfg.vocab_size)

@@ -1,0 +1,108 @@
+"""A decode role whose mesh spans two processes (jax.distributed; gloo on CPU), behind
+the router, with a prefill role of one process: 2 processes x 1 virtual device = one
+dp=2 decode mesh, led by process 0 (`engine.multihost_decode`).
+
+Greedy tokens must equal transformers', the KV moved must be exactly the requests'
+pages, the decode leader's slots and pages must all come back, and a killed follower
+must stop the role at once, its requests aborted with a reason (no other decode
+worker here), none left waiting.
+"""
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+from jaxpd.engine.page_allocator import pages_for
+from jaxpd.serving.role_rpc import RoleClient
+from tests.engine_fixtures import mixed_prompts, reference
+from tests.test_multihost import _coordinator, _page_bytes
+from tests.test_router import COMMON, PATIENT_ROUTER, Procs, _free_port, _generate_all
+
+pytestmark = pytest.mark.slow
+NUM = 16
+
+
+@pytest.fixture
+def procs():
+    p = Procs()
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_hf_model):
+    path, hf = tiny_hf_model
+    prompts = mixed_prompts(NUM, 256, seed=13)
+    max_tokens = [3 + i % 6 for i in range(NUM)]
+    long_tokens = [min(40, 160 - len(p)) for p in prompts]
+    return (path, prompts, max_tokens, reference(hf, prompts, max_tokens), long_tokens,
+            reference(hf, prompts[:8], long_tokens[:8]))
+
+
+def _deployment(procs, path):
+    router_port = _free_port()
+    router = procs.start(["--role", "router", "--model", path, "--port", str(router_port),
+                          "--internal_port", "0"] + COMMON + PATIENT_ROUTER)
+    internal = procs.wait_line(router, r"internal plane on (\S+)").group(1)
+    common = COMMON + ["--kv_transport", "transfer_server", "--router", internal]
+    prefill = procs.start(["--role", "prefill", "--mesh", "prefill=1", "--model", path,
+                           "--port", "0"] + common)
+    group = ["--role", "decode", "--mesh", "decode=2", "--model", path, "--port", "0",
+             "--slots_per_shard", "4", "--num_processes", "2",
+             "--coordinator", _coordinator()] + common
+    leader = procs.start(group + ["--process_id", "0"])
+    follower = procs.start(group + ["--process_id", "1"])
+    procs.wait_line(follower, r"decode follower 1/2 of the mesh decode=2")
+    for w in (prefill, leader):
+        address = procs.wait_line(w, r"worker on (\S+)").group(1)
+        procs.wait_line(router, rf"worker {re.escape(address)} joined")
+    procs.wait_line(router, r"jaxpd serving")
+    return f"127.0.0.1:{router_port}", router, leader, follower
+
+
+def test_decode_mesh_of_two_processes_matches_transformers_then_stops_on_a_lost_follower(
+        model, procs):
+    path, prompts, max_tokens, expected, long_tokens, expected_long = model
+    addr, router, leader, follower = _deployment(procs, path)
+    decode = RoleClient(procs.wait_line(leader, r"decode worker on (\S+)").group(1))
+    before = decode.info(timeout=10)
+    outs = _generate_all(addr, prompts, max_tokens)
+    assert [list(o.token_ids) for o in outs] == expected, procs.tails()
+    after = decode.info(timeout=10)
+    assert after["transfers"] - before["transfers"] == NUM
+    moved = after["transfer_bytes"] - before["transfer_bytes"]
+    assert moved == sum(pages_for(len(p), 16) for p in prompts) * _page_bytes(path)
+    deadline = time.monotonic() + 30
+    while True:                       # every slot and page given back on the leader
+        info = decode.info(timeout=10)
+        if (info["free_slots"], info["free_pages"]) == (before["free_slots"], before["free_pages"]):
+            break
+        assert time.monotonic() < deadline, info
+        time.sleep(0.2)
+
+    # The follower dies mid-stream: the leader stops the role within seconds, saying
+    # why; with no other decode worker, the router aborts its requests with a reason.
+    holder = {}
+    t = threading.Thread(target=lambda: holder.update(
+        outs=_generate_all(addr, prompts[:8], long_tokens[:8])))
+    t.start()
+    while decode.info(timeout=10)["free_slots"] > before["free_slots"] - 2:
+        assert t.is_alive(), "requests finished before the follower was killed"
+        time.sleep(0.02)
+    follower.send_signal(signal.SIGKILL)
+    assert leader.wait(timeout=60) == 1
+    assert any(re.search(r"decode role stopped: follower process 1 has not answered", line)
+               for line in leader.lines), "".join(leader.lines)
+    t.join(180)
+    assert not t.is_alive()                   # nobody waits forever
+    outs = holder["outs"]
+    assert len(outs) == 8 and all(o is not None for o in outs)
+    aborted = [o for o in outs if o.finish_reason == "abort"]
+    assert aborted and all("no decode worker" in o.metrics.abort_reason for o in aborted)
+    for o, e in zip(outs, expected_long):     # any that finished first are still right
+        if o.finish_reason != "abort":
+            assert list(o.token_ids) == e
+    router.send_signal(signal.SIGTERM)
+    assert router.wait(timeout=60) == 0
