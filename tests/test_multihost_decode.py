@@ -41,7 +41,7 @@ def model(tiny_hf_model):
             reference(hf, prompts[:8], long_tokens[:8]))
 
 
-def _deployment(procs, path):
+def _deployment(procs, path, mesh="decode=2"):
     router_port = _free_port()
     router = procs.start(["--role", "router", "--model", path, "--port", str(router_port),
                           "--internal_port", "0"] + COMMON + PATIENT_ROUTER)
@@ -49,12 +49,12 @@ def _deployment(procs, path):
     common = COMMON + ["--kv_transport", "transfer_server", "--router", internal]
     prefill = procs.start(["--role", "prefill", "--mesh", "prefill=1", "--model", path,
                            "--port", "0"] + common)
-    group = ["--role", "decode", "--mesh", "decode=2", "--model", path, "--port", "0",
+    group = ["--role", "decode", "--mesh", mesh, "--model", path, "--port", "0",
              "--slots_per_shard", "4", "--num_processes", "2",
              "--coordinator", _coordinator()] + common
     leader = procs.start(group + ["--process_id", "0"])
     follower = procs.start(group + ["--process_id", "1"])
-    procs.wait_line(follower, r"decode follower 1/2 of the mesh decode=2")
+    procs.wait_line(follower, rf"decode follower 1/2 of the mesh {mesh}")
     for w in (prefill, leader):
         address = procs.wait_line(w, r"worker on (\S+)").group(1)
         procs.wait_line(router, rf"worker {re.escape(address)} joined")

@@ -81,6 +81,23 @@ def insert_from_host(runner, shard: int, page_ids: list[int], k: np.ndarray | No
                                                   build(v), ids)
 
 
+def step_message(host_tokens, fed_from_host, positions, block_tables,
+                 sampling: SamplingArrays) -> dict:
+    """The plan message of one decode step (`DecodeRunner.step`'s host inputs)."""
+    return {"op": "step", "tokens": _pack_array(host_tokens), "fed": _pack_array(fed_from_host),
+            "positions": _pack_array(positions), "tables": _pack_array(block_tables),
+            "floats": _pack_array(sampling.floats), "ints": _pack_array(sampling.ints)}
+
+
+def insert_message(shard: int, page_ids: list[int], k: np.ndarray, v: np.ndarray,
+                   with_pages: bool) -> dict:
+    """The plan message of one page insert: the pages' bytes only `with_pages` (a
+    follower holds a device of dp shard `shard`)."""
+    return {"op": "insert", "shard": shard, "ids": [int(i) for i in page_ids],
+            "k": _pack_array(k) if with_pages else None,
+            "v": _pack_array(v) if with_pages else None}
+
+
 class LeaderDecodeRunner:
     """A `DecodeRunner` on a mesh spanning processes whose every program dispatch is
     published first, so followers dispatch the same one. Pages arrive on a device of
@@ -89,10 +106,8 @@ class LeaderDecodeRunner:
 
     def __init__(self, runner, channel: PlanChannel):
         self._runner, self.channel = runner, channel
-        mine = [d for d in runner.mesh.devices.flat if d.process_index == jax.process_index()]
-        self._arrival = NamedSharding(Mesh(np.array(mine[:1]).reshape(1, 1), ("dp", "tp")),
-                                      runner.page_spec)
-        self._remote = [_shard_processes(runner, s) - {jax.process_index()}
+        self._arrival: NamedSharding | None = None
+        self._remote = [_shard_processes(runner, s) - {channel.group.process_id}
                         for s in range(runner.num_shards)]
 
     def __getattr__(self, name):
@@ -100,16 +115,17 @@ class LeaderDecodeRunner:
 
     def shard_sharding(self, shard: int) -> NamedSharding:
         """Where a request's pages land before `insert`: this process, for every shard."""
+        if self._arrival is None:
+            mine = [d for d in self._runner.mesh.devices.flat
+                    if d.process_index == jax.process_index()]
+            self._arrival = NamedSharding(Mesh(np.array(mine[:1]).reshape(1, 1), ("dp", "tp")),
+                                          self._runner.page_spec)
         return self._arrival
 
     def step(self, host_tokens, fed_from_host, positions, block_tables,
              sampling: SamplingArrays):
-        self.channel.publish({"op": "step", "tokens": _pack_array(host_tokens),
-                              "fed": _pack_array(fed_from_host),
-                              "positions": _pack_array(positions),
-                              "tables": _pack_array(block_tables),
-                              "floats": _pack_array(sampling.floats),
-                              "ints": _pack_array(sampling.ints)})
+        self.channel.publish(step_message(host_tokens, fed_from_host, positions, block_tables,
+                                          sampling))
         nxt, logprobs = self._runner.step(host_tokens, fed_from_host, positions, block_tables,
                                           sampling)
         out = _gathered(self._runner, (nxt, logprobs if sampling.wants_logprobs else None))
@@ -118,10 +134,7 @@ class LeaderDecodeRunner:
 
     def insert(self, shard: int, page_ids: list[int], k_pages, v_pages) -> None:
         k, v = np.asarray(k_pages), np.asarray(v_pages)
-        remote = bool(self._remote[shard])
-        self.channel.publish({"op": "insert", "shard": shard, "ids": list(map(int, page_ids)),
-                              "k": _pack_array(k) if remote else None,
-                              "v": _pack_array(v) if remote else None})
+        self.channel.publish(insert_message(shard, page_ids, k, v, bool(self._remote[shard])))
         insert_from_host(self._runner, shard, page_ids, k, v)
 
     def set_penalties(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
@@ -159,15 +172,18 @@ def _ints(msg: dict, name: str, shape: tuple, below: int, max_elements: int = 1 
 class DecodeReplay:
     """A follower's replay of a `LeaderDecodeRunner`'s calls (and of the decode mesh's
     own prefill, `local`, a `PrefillReplay`) on `runner`, built as the leader's is.
-    `config`: the engine's (`EngineConfig`), whose numbers bound every field."""
+    `config`: the engine's (`EngineConfig`), whose numbers bound every field;
+    `process`: this process's index (default: jax's)."""
 
-    def __init__(self, runner, local: PrefillReplay | None, config, vocab: int):
+    def __init__(self, runner, local: PrefillReplay | None, config, vocab: int,
+                 process: int | None = None):
         self.runner, self.local = runner, local
+        process = jax.process_index() if process is None else process
         self.num_slots = runner.prev_tokens.shape[0]
         self.max_pages, self.vocab = config.pages_per_slot, vocab
         self.max_len = config.max_model_len
         self.max_position = config.pages_per_slot * config.page_size
-        self._mine = [jax.process_index() in _shard_processes(runner, s)
+        self._mine = [process in _shard_processes(runner, s)
                       for s in range(runner.num_shards)]
 
     def __call__(self, msg: dict) -> None:
