@@ -24,6 +24,7 @@ service (hosted by the leader) is gone.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import hmac
@@ -38,6 +39,7 @@ import numpy as np
 from jaxpd.engine.sampler import SamplingArrays
 
 BEAT_S = 0.5
+KEPT_TIMES = 1 << 16
 _PLAN, _BEAT = "jaxpd/plan/", "jaxpd/beat/"
 _DTYPES = {"int32": np.int32, "float32": np.float32, "bool": np.bool_,
            "bfloat16": ml_dtypes.bfloat16}
@@ -120,7 +122,9 @@ class PlanChannel:
         self.seq = 0                     # the next message's number
         self._kept_from = 0              # plans below this are deleted from the store
         self.sent_bytes = self.sent_messages = 0
-        self.publish_s: list[float] = []
+        # Publish times: the latest `KEPT_TIMES` (a decode role publishes every step).
+        self.publish_s: collections.deque[float] = collections.deque(maxlen=KEPT_TIMES)
+        self.by_op: dict[str, list] = {}   # op -> [messages, bytes, publish times]
         # The leader's answer to its engine failing (`Engine.fail`): a mesh across
         # processes cannot go on once a program failed on it (set by the worker).
         self.on_failure: Callable[[BaseException], None] | None = None
@@ -144,6 +148,9 @@ class PlanChannel:
         self.sent_bytes += len(data)
         self.sent_messages += 1
         self.publish_s.append(time.perf_counter() - start)
+        counts = self.by_op.setdefault(message["op"], [0, 0, collections.deque(maxlen=KEPT_TIMES)])
+        counts[0], counts[1] = counts[0] + 1, counts[1] + len(data)
+        counts[2].append(self.publish_s[-1])
 
     def receive(self, stop: threading.Event, poll_ms: int = 500) -> dict | None:
         """The next message (checked), or None once `stop` is set. Raises PlanError for a
@@ -191,10 +198,13 @@ class PlanChannel:
     def summary(self) -> str:
         if not self.sent_messages:
             return "plan: no messages"
-        us = np.asarray(self.publish_s) * 1e6
-        return (f"plan: {self.sent_messages} messages, {self.sent_bytes} bytes "
-                f"({self.sent_bytes / self.sent_messages:.0f} per message), publish "
-                f"p50 {np.percentile(us, 50):.0f} us, p99 {np.percentile(us, 99):.0f} us")
+        def line(messages: int, sent: int, seconds) -> str:
+            us = np.asarray(seconds) * 1e6
+            return (f"{messages} messages, {sent} bytes ({sent / messages:.0f} per message), "
+                    f"publish p50 {np.percentile(us, 50):.0f} us, p99 "
+                    f"{np.percentile(us, 99):.0f} us")
+        ops = "; ".join(f"{op}: {line(*counts)}" for op, counts in sorted(self.by_op.items()))
+        return f"plan: {line(self.sent_messages, self.sent_bytes, self.publish_s)} ({ops})"
 
 
 class FollowerWatch:
