@@ -5,7 +5,8 @@ dp=2 decode mesh, led by process 0 (`engine.multihost_decode`).
 Greedy tokens must equal transformers', the KV moved must be exactly the requests'
 pages, the decode leader's slots and pages must all come back, and a killed follower
 must stop the role at once, its requests aborted with a reason (no other decode
-worker here), none left waiting.
+worker here), none left waiting. Without its prefill worker, the decode role prefills
+on its own mesh, still matching transformers.
 """
 import re
 import signal
@@ -59,13 +60,13 @@ def _deployment(procs, path, mesh="decode=2"):
         address = procs.wait_line(w, r"worker on (\S+)").group(1)
         procs.wait_line(router, rf"worker {re.escape(address)} joined")
     procs.wait_line(router, r"jaxpd serving")
-    return f"127.0.0.1:{router_port}", router, leader, follower
+    return f"127.0.0.1:{router_port}", router, prefill, leader, follower
 
 
 def test_decode_mesh_of_two_processes_matches_transformers_then_stops_on_a_lost_follower(
         model, procs):
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
-    addr, router, leader, follower = _deployment(procs, path)
+    addr, router, prefill, leader, follower = _deployment(procs, path)
     decode = RoleClient(procs.wait_line(leader, r"decode worker on (\S+)").group(1))
     before = decode.info(timeout=10)
     outs = _generate_all(addr, prompts, max_tokens)
@@ -81,6 +82,15 @@ def test_decode_mesh_of_two_processes_matches_transformers_then_stops_on_a_lost_
             break
         assert time.monotonic() < deadline, info
         time.sleep(0.2)
+
+    # The prefill worker dies: the router sends requests to the decode role, which
+    # prefills them on its own mesh (the decode mesh's prefill, led and replayed too).
+    prefill.send_signal(signal.SIGKILL)
+    outs = _generate_all(addr, prompts[:8], max_tokens[:8])
+    assert [list(o.token_ids) for o in outs] == expected[:8], procs.tails()
+    info = decode.info(timeout=10)
+    assert info["transfers"] == after["transfers"]                      # none arrived
+    assert info["counters"]["local_prefills"] - after["counters"]["local_prefills"] == 8
 
     # The follower dies mid-stream: the leader stops the role within seconds, saying
     # why; with no other decode worker, the router aborts its requests with a reason.
