@@ -6,7 +6,8 @@ must then dispatch the same programs, with the same inputs, in the same order. P
 router registration). Each **follower** builds the same runner on the same global mesh
 and replays the leader's runner calls, which the leader publishes as a numbered
 sequence of small messages (the *plan*: a prefill batch's tokens, lengths and sampling
-rows; which pages to cut) through the key-value store of the coordination service that
+rows; which pages to cut; a decode role's steps, page inserts and penalty contexts,
+`multihost_decode`) through the key-value store of the coordination service that
 `jax.distributed` already runs. No port or protocol of our own, and the store's blocking
 get is exactly a follower's wait for its next step.
 
