@@ -27,12 +27,13 @@ class Device:
 
 
 class Runner:
-    """A 2-shard decode runner (shard 0 on process 0, shard 1 on process 1) that
-    records what it is asked to run."""
+    """A 2-shard decode runner that records what it is asked to run. `processes`: each
+    shard's devices' processes (default: shard 0 on process 0, shard 1 on process 1)."""
 
-    def __init__(self):
+    def __init__(self, processes=((0,), (1,))):
         self.calls = []
-        self.mesh = types.SimpleNamespace(devices=np.array([[Device(0)], [Device(1)]]))
+        self.mesh = types.SimpleNamespace(
+            devices=np.array([[Device(p) for p in shard] for shard in processes]))
         self.num_shards, self.pages_per_shard = 2, PAGES
         self.prev_tokens = np.zeros(SLOTS, np.int32)
         self.k_pool = np.zeros(POOL, np.float32)
@@ -50,7 +51,9 @@ class Runner:
 def inserts(monkeypatch):
     """The host inserts made, instead of a device program; step outputs ungathered."""
     made = []
-    monkeypatch.setattr(multihost_decode, "insert_from_host", lambda runner, *a: made.append(a))
+    monkeypatch.setattr(multihost_decode, "insert_from_host",
+                        lambda runner, shard, ids, k, v, src=None: made.append(
+                            (shard, ids, k, v, src)))
     monkeypatch.setattr(multihost_decode, "_gathered",
                         lambda runner, tree: jax.tree.map(jax.numpy.asarray, tree))
     return made
@@ -70,34 +73,51 @@ def _pages(n):
     return np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
 
 
-def test_follower_replays_steps_inserts_and_penalties_and_gets_bytes_only_for_its_shard(
-        inserts):
+def test_follower_replays_steps_inserts_and_penalties_and_pages_come_by_all_gather(inserts):
+    """Each dp shard within one process: every insert's pages sit on the leader's shard
+    0 and move by an all-gather; the plan carries only page ids."""
     store = Store()
     leader_ch, follower_ch = _pair(store)
     lead = LeaderDecodeRunner(Runner(), leader_ch)
     lead.step(*_step_args())
-    before = leader_ch.sent_bytes
-    lead.insert(0, [1, 2], _pages(2), _pages(2) + 1)     # the leader's own shard
-    own_shard_bytes = leader_ch.sent_bytes - before
-    lead.insert(1, [7], _pages(1), _pages(1) + 1)        # the follower's: bytes ride along
-    assert leader_ch.sent_bytes - before - own_shard_bytes > 2 * _pages(1).nbytes
-    assert own_shard_bytes < 100
+    lead.insert(1, [7], _pages(1), _pages(1) + 1)        # the follower's shard
+    lead.insert(0, [1, 2], _pages(2), _pages(2) + 1)     # the leader's
+    assert leader_ch.sent_bytes < 1000
     lead.set_penalties(3, [4, 5], [6])
     leader_ch.publish({"op": "stop"})
     replay = DecodeReplay(Runner(), None, CONFIG, VOCAB, process=1)
-    follower = Follower(follower_ch)
-    assert follower.run(replay, threading.Event()) == "stopped"
+    assert Follower(follower_ch).run(replay, threading.Event()) == "stopped"
     tokens, fed, positions, tables, sampling = _step_args()
     assert replay.runner.calls == [
         ("step", tokens.tolist(), fed.tolist(), positions.tolist(), tables.tolist(),
          sampling.floats.tolist()),
         ("penalties", 3, [4, 5], [6])]
-    (shard0, ids0, k0, v0), (shard1, ids1, k1, v1) = inserts[2:]   # the leader's come first
-    assert (shard0, ids0, k0, v0) == (0, [1, 2], None, None)
-    assert (shard1, ids1) == (1, [7])
-    np.testing.assert_array_equal(k1, _pages(1))
-    np.testing.assert_array_equal(v1, _pages(1) + 1)
-    assert follower.acked == 3
+    leader_inserts, follower_inserts = inserts[:2], inserts[2:]
+    assert [(a[0], a[1], a[4]) for a in leader_inserts] == [(1, [7], 0), (0, [1, 2], 0)]
+    np.testing.assert_array_equal(leader_inserts[0][2], _pages(1))
+    assert follower_inserts == [(1, [7], None, None, 0), (0, [1, 2], None, None, 0)]
+
+
+def test_pages_for_a_shard_spanning_processes_travel_in_the_plan(inserts):
+    """decode=1x2 across 2 processes (tp over them): no shard is the leader's alone, so
+    the pages ride along in the plan to the follower, which holds half of the shard."""
+    store = Store()
+    leader_ch, follower_ch = _pair(store)
+    both = ((0, 1), (0, 1))
+    lead = LeaderDecodeRunner(Runner(both), leader_ch)
+    lead.insert(0, [1, 2], _pages(2), _pages(2) + 1)
+    lead.insert(1, [7], _pages(1), _pages(1) + 1)
+    assert leader_ch.sent_bytes > 2 * _pages(3).nbytes      # every page, k and v
+    leader_ch.publish({"op": "stop"})
+    replay = DecodeReplay(Runner(both), None, CONFIG, VOCAB, process=1)
+    follower = Follower(follower_ch)
+    assert follower.run(replay, threading.Event()) == "stopped"
+    for shard, ids, k, v, src in inserts[2:]:            # the leader's come first
+        assert src is None
+        np.testing.assert_array_equal(k, _pages(len(ids)))
+        np.testing.assert_array_equal(v, _pages(len(ids)) + 1)
+    assert [(a[0], a[1]) for a in inserts[2:]] == [(0, [1, 2]), (1, [7])]
+    assert follower.acked == 1                           # plans 0 and 1 done
 
 
 def _packed(a):
@@ -143,6 +163,9 @@ def _insert(**fields):
     (_insert(ids=[1, -1]), "plan field ids"),
     (_insert(ids="12"), "plan field ids"),
     (_insert(k=None), "plan field k: not an array"),
+    (_insert(src=1, k=None, v=None), "plan field src: the leader's shard"),  # its own
+    (_insert(src=2, k=None, v=None), "plan field src"),
+    (_insert(src=0), "plan field src: the leader's shard, and no pages with it"),
     (_insert(v=_packed(_pages(3))), "plan field v"),
     (_insert(k=_packed(_pages(2).reshape(2, 2, 2, 2, 2))), "plan field k: expected float32"),
     (_insert(k=_packed(_pages(2).astype(np.int32))), "plan field k: expected float32"),
@@ -166,7 +189,8 @@ def test_malformed_decode_plan_is_refused_by_name(message, match, inserts):
 
 def test_insert_from_host_writes_exactly_the_pages_on_their_shard(tiny_hf_model):
     """Single process, decode=2x2 (kv heads split over tp where they divide): each
-    device's block is cut from the host pages, the other shard's left as it was."""
+    device's block is cut from the host pages, the other shard's left as it was; the
+    same when the pages sit on shard 0 and an all-gather moves them (`src`)."""
     from jaxpd.llm import LLM
 
     llm = LLM(tiny_hf_model[0], mesh="prefill=1,decode=2x2", max_model_len=64,
@@ -183,3 +207,8 @@ def test_insert_from_host_writes_exactly_the_pages_on_their_shard(tiny_hf_model)
     np.testing.assert_array_equal(got_v, v)
     assert not np.asarray(runner.take(0, [5, 6, 2])[0]).any()
     assert not np.asarray(runner.take(1, [1, 3, 4])[0]).any()
+    insert_from_host(runner, 1, [3, 4], k[:, :2], v[:, :2], src=0)
+    got_k, got_v = jax.device_get(runner.take(1, [5, 6, 2, 3, 4]))
+    np.testing.assert_array_equal(got_k, np.concatenate([k, k[:, :2]], axis=1))
+    np.testing.assert_array_equal(got_v, np.concatenate([v, v[:, :2]], axis=1))
+    assert not np.asarray(runner.take(0, [3, 4, 5, 6, 2])[0]).any()

@@ -6,17 +6,24 @@ Plan ops (beside the decode mesh's own prefill, `multihost.PrefillReplay`):
              tables [B, W], sampling rows; every process then also dispatches the
              all-gather of its outputs (`_gathered`), the leader's only way to read
              the sampled tokens of a dp shard on another process
-  insert     a request's pages into dp shard `shard` at page ids `ids`; the page
-             bytes ride along only when a follower holds a device of that shard
+  insert     a request's pages into dp shard `shard` at page ids `ids`: from the
+             leader's shard `src` by an all-gather, or with the page bytes
   penalties  a slot's penalty context: its prompt and output token ids
 
 KV inserts: the connector hands the leader a request's pages; the leader places them
-on a device of its own (`LeaderDecodeRunner.shard_sharding`), copies them to the host
-and publishes them when they are bound for a follower's device. Every process then
-builds its own devices' part of the global pages array ([L, D*m, S, K, H], split over
-dp like the pool: the target shard's block holds the pages, the others zeros,
-`insert_from_host`) and dispatches the same insert program. The plan's store moves
-the bytes: no port of our own; `plan_traffic` measures what it costs.
+on a device of its own (`LeaderDecodeRunner.shard_sharding`) and copies them to the
+host. Every process then builds its own devices' blocks of a global pages array
+([L, D*m, S, K, H], split over dp like the pool, zeros where it has no pages:
+`insert_from_host`) and all dispatch the same insert program. Two routes:
+  all-gather  every dp shard lies within one process (decode=D, or DxT with T devices
+              per process): the leader's first shard `src` holds the pages, and the
+              program all-gathers the blocks over dp and writes block `src` into the
+              target shard (`_gather_insert`). The plan carries only page ids, and
+              the collectives (gloo, ICI, NCCL) move the bytes, asynchronously.
+  plan bytes  a shard spans processes (decode=1x2: tp across them): the page bytes
+              ride along in the plan when a follower holds a device of the target
+              shard, and its block holds them on every process.
+`plan_traffic` measures what the plan costs.
 
 A follower checks every field (shape, dtype, range against its own engine's numbers)
 before it acts: a bad one is a PlanError (`multihost.Follower`).
@@ -31,6 +38,7 @@ from jaxpd.engine.multihost import (LeaderPrefillRunner, PlanChannel, PlanError,
                                     _pack_array, _unpack_array)
 from jaxpd.engine.runner import DecodeRunner
 from jaxpd.engine.sampler import SamplingArrays
+from jaxpd.sharding.compat import shard_map
 
 
 def _gathered(runner, tree):
@@ -48,14 +56,44 @@ def _shard_processes(runner, shard: int) -> set[int]:
     return {d.process_index for d in runner.mesh.devices[shard].flat}
 
 
+def _gather_insert(runner):
+    """The insert program whose pages come from dp shard `src` (an input): each shard
+    all-gathers the pages blocks over dp and writes block `src` at its page ids (the
+    null page 0 on every shard but the target). One program per page count."""
+    program = getattr(runner, "_gather_insert_program", None)
+    if program is None:
+        def insert(k_pool, v_pool, k_new, v_new, src, page_ids):
+            pick = lambda x: jax.lax.all_gather(x, "dp")[src[0]]  # noqa: E731
+            return (k_pool.at[:, page_ids].set(pick(k_new)),
+                    v_pool.at[:, page_ids].set(pick(v_new)))
+        pool, slot = P(None, "dp"), P("dp")
+        program = jax.jit(shard_map(insert, mesh=runner.mesh, axis_names={"dp"},
+                                    in_specs=(pool, pool, pool, pool, P(), slot),
+                                    out_specs=(pool, pool)), donate_argnums=(0, 1))
+        runner._gather_insert_program = program
+    return program
+
+
+def gather_source(runner, leader: int = 0) -> int | None:
+    """The dp shard that can serve every insert's pages by an all-gather: the first
+    held wholly by the leader, when no shard spans processes; else None (the pages
+    then travel in the plan to the followers that hold the target shard)."""
+    owners = [_shard_processes(runner, s) for s in range(runner.num_shards)]
+    if any(len(o) > 1 for o in owners):
+        return None
+    return next((s for s, o in enumerate(owners) if o == {leader}), None)
+
+
 def insert_from_host(runner, shard: int, page_ids: list[int], k: np.ndarray | None,
-                     v: np.ndarray | None) -> None:
+                     v: np.ndarray | None, src: int | None = None) -> None:
     """`DecodeRunner.insert` from host pages [L, n, S, K, H], on a mesh spanning
-    processes: each process builds only its own devices' blocks (k, v may be None on
-    a process holding no device of `shard`) and all dispatch the same program."""
+    processes: each process builds only its own devices' blocks and all dispatch the
+    same program. `src` None: the target `shard`'s block holds the pages (k, v may be
+    None on a process holding no device of it); else shard `src`'s does (the leader's)
+    and an all-gather over dp moves them to `shard` (`_gather_insert`)."""
     n = len(page_ids)
     m = 1 << (n - 1).bit_length()      # pad to a power of two: few programs
-    runner.counter.note("insert", m)
+    runner.counter.note("insert" if src is None else "insert_gather", m)
     ids = np.zeros((runner.num_shards, m), np.int32)
     ids[shard, :n] = page_ids           # padding rows write the null page 0
     ids = jax.device_put(ids.reshape(-1), runner.slot_sharding)
@@ -71,14 +109,18 @@ def insert_from_host(runner, shard: int, page_ids: list[int], k: np.ndarray | No
 
         def block(index):
             start = index[1].start or 0
-            if start // m != shard:
+            if start // m != (shard if src is None else src):
                 return np.zeros([len(range(*s.indices(d))) for s, d in zip(index, shape)],
                                 pool.dtype)
             return padded[(index[0], slice(None)) + tuple(index[2:])]
         return jax.make_array_from_callback(shape, sharding, block)
 
-    runner.k_pool, runner.v_pool = runner._insert(runner.k_pool, runner.v_pool, build(k),
-                                                  build(v), ids)
+    if src is None:
+        runner.k_pool, runner.v_pool = runner._insert(runner.k_pool, runner.v_pool, build(k),
+                                                      build(v), ids)
+    else:
+        runner.k_pool, runner.v_pool = _gather_insert(runner)(
+            runner.k_pool, runner.v_pool, build(k), build(v), np.array([src], np.int32), ids)
 
 
 def step_message(host_tokens, fed_from_host, positions, block_tables,
@@ -90,10 +132,11 @@ def step_message(host_tokens, fed_from_host, positions, block_tables,
 
 
 def insert_message(shard: int, page_ids: list[int], k: np.ndarray, v: np.ndarray,
-                   with_pages: bool) -> dict:
+                   with_pages: bool, src: int | None = None) -> dict:
     """The plan message of one page insert: the pages' bytes only `with_pages` (a
-    follower holds a device of dp shard `shard`)."""
-    return {"op": "insert", "shard": shard, "ids": [int(i) for i in page_ids],
+    follower holds a device of dp shard `shard` and they do not move by an all-gather
+    from the leader's shard `src`)."""
+    return {"op": "insert", "shard": shard, "ids": [int(i) for i in page_ids], "src": src,
             "k": _pack_array(k) if with_pages else None,
             "v": _pack_array(v) if with_pages else None}
 
@@ -109,6 +152,7 @@ class LeaderDecodeRunner:
         self._arrival: NamedSharding | None = None
         self._remote = [_shard_processes(runner, s) - {channel.group.process_id}
                         for s in range(runner.num_shards)]
+        self._src = gather_source(runner, channel.group.process_id)
 
     def __getattr__(self, name):
         return getattr(self._runner, name)
@@ -134,8 +178,9 @@ class LeaderDecodeRunner:
 
     def insert(self, shard: int, page_ids: list[int], k_pages, v_pages) -> None:
         k, v = np.asarray(k_pages), np.asarray(v_pages)
-        self.channel.publish(insert_message(shard, page_ids, k, v, bool(self._remote[shard])))
-        insert_from_host(self._runner, shard, page_ids, k, v)
+        remote = bool(self._remote[shard]) and self._src is None
+        self.channel.publish(insert_message(shard, page_ids, k, v, remote, self._src))
+        insert_from_host(self._runner, shard, page_ids, k, v, self._src)
 
     def set_penalties(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         self.channel.publish({"op": "penalties", "slot": slot,
@@ -227,6 +272,13 @@ class DecodeReplay:
         if not isinstance(ids, list) or not 1 <= len(ids) <= self.max_pages:
             raise PlanError(f"plan field ids: expected 1 to {self.max_pages} page ids")
         ids = [_int(i, "ids", r.pages_per_shard) for i in ids]
+        src = msg.get("src")
+        if src is not None:                 # the pages come from the leader's shard
+            if self._mine[_int(src, "src", r.num_shards)] or \
+                    msg.get("k") is not None or msg.get("v") is not None:
+                raise PlanError("plan field src: the leader's shard, and no pages with it")
+            insert_from_host(r, shard, ids, None, None, src)
+            return
         pool = r.k_pool
         shape = (pool.shape[0], len(ids)) + pool.shape[2:]
         pages = []
