@@ -13,9 +13,11 @@ import signal
 import threading
 import time
 
+import grpc
 import pytest
 
 from jaxpd.engine.page_allocator import pages_for
+from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
 from jaxpd.serving.role_rpc import RoleClient
 from tests.engine_fixtures import mixed_prompts, reference
 from tests.test_multihost import _coordinator, _page_bytes
@@ -63,6 +65,16 @@ def _deployment(procs, path, mesh="decode=2"):
     return f"127.0.0.1:{router_port}", router, prefill, leader, follower
 
 
+def _with_logprobs(addr, prompts, max_tokens):
+    """Greedy completions asking for 2 top log-probabilities, all at once."""
+    with grpc.insecure_channel(addr) as channel:
+        stub = jaxpd_pb2_grpc.GenerationStub(channel)
+        calls = [stub.Complete.future(jaxpd_pb2.GenerateRequest(
+            token_ids=jaxpd_pb2.TokenIds(ids=p), max_tokens=n, temperature=0.0,
+            ignore_eos=True, logprobs=2), timeout=120) for p, n in zip(prompts, max_tokens)]
+        return [c.result() for c in calls]
+
+
 def test_decode_mesh_of_two_processes_matches_transformers_then_stops_on_a_lost_follower(
         model, procs):
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
@@ -71,10 +83,17 @@ def test_decode_mesh_of_two_processes_matches_transformers_then_stops_on_a_lost_
     before = decode.info(timeout=10)
     outs = _generate_all(addr, prompts, max_tokens)
     assert [list(o.token_ids) for o in outs] == expected, procs.tails()
+    # Log-probabilities come back through the steps' all-gather too: greedy, each
+    # token is its own most likely one.
+    for i, out in enumerate(_with_logprobs(addr, prompts[:3], max_tokens[:3])):
+        assert list(out.token_ids) == expected[i]
+        assert [t.top[0].token_id for t in out.logprobs] == expected[i]
+        assert all(t.logprob == t.top[0].logprob <= 0 for t in out.logprobs)
     after = decode.info(timeout=10)
-    assert after["transfers"] - before["transfers"] == NUM
+    assert after["transfers"] - before["transfers"] == NUM + 3
     moved = after["transfer_bytes"] - before["transfer_bytes"]
-    assert moved == sum(pages_for(len(p), 16) for p in prompts) * _page_bytes(path)
+    assert moved == sum(pages_for(len(p), 16) for p in prompts + prompts[:3]) * \
+        _page_bytes(path)
     deadline = time.monotonic() + 30
     while True:                       # every slot and page given back on the leader
         info = decode.info(timeout=10)
