@@ -108,22 +108,18 @@ def test_prefill_mesh_of_two_processes_matches_transformers_then_survives_a_lost
     assert router.wait(timeout=60) == 0
 
 
-@pytest.mark.parametrize("role,mesh,compiling", [
-    ("prefill", "prefill=4", "compiling prefill 2/"),
-    ("decode", "decode=2", "compiling local_prefill 2/")])    # engine.multihost_decode
-def test_sigterm_to_the_whole_role_while_it_compiles_stops_every_process_cleanly(
-        model, procs, role, mesh, compiling):
+def test_sigterm_to_the_whole_role_while_it_compiles_stops_every_process_cleanly(model, procs):
     """The usual way a role is stopped: every process at once, here mid warm-up (the
     leader stops between two compiled steps and tells its follower)."""
     path = model[0]
-    group = ["--role", role, "--mesh", mesh, "--model", path, "--port", "0",
+    group = ["--role", "prefill", "--mesh", "prefill=4", "--model", path, "--port", "0",
              "--num_processes", "2", "--coordinator", _coordinator(), "--max_model_len",
              "160", "--host", "127.0.0.1"]
     leader = procs.start(group + ["--process_id", "0"])
     follower = procs.start(group + ["--process_id", "1"])
-    procs.wait_line(leader, compiling)
+    procs.wait_line(leader, r"compiling prefill 2/")
     for p in (leader, follower):
         p.send_signal(signal.SIGTERM)
     assert leader.wait(timeout=60) == 0, "".join(leader.lines)
     assert follower.wait(timeout=60) == 0, "".join(follower.lines)
-    assert any(f"{role} follower 1 stopped" in line for line in follower.lines)
+    assert any("prefill follower 1 stopped" in line for line in follower.lines)

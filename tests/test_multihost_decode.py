@@ -135,3 +135,23 @@ def test_decode_mesh_of_two_processes_matches_transformers_then_stops_on_a_lost_
             assert list(o.token_ids) == e
     router.send_signal(signal.SIGTERM)
     assert router.wait(timeout=60) == 0
+
+
+def test_warmed_up_decode_role_stops_cleanly_on_sigterm(model, procs):
+    """Warm-up replays every program on the follower (inserts padded past a slot's
+    pages included: 3 pages a slot, inserts of 4), then SIGTERM to both processes
+    stops them, the leader telling its follower."""
+    group = ["--role", "decode", "--mesh", "decode=2", "--model", model[0], "--port", "0",
+             "--num_processes", "2", "--coordinator", _coordinator(), "--max_model_len",
+             "48", "--max_prefill_batch", "1", "--host", "127.0.0.1"]
+    leader = procs.start(group + ["--process_id", "0"])
+    follower = procs.start(group + ["--process_id", "1"])
+    procs.wait_line(leader, r"decode worker on", timeout=300)
+    assert any("compiling page insert for 4 pages" in line for line in leader.lines)
+    for p in (leader, follower):
+        p.send_signal(signal.SIGTERM)
+    assert leader.wait(timeout=60) == 0, "".join(leader.lines)
+    assert follower.wait(timeout=60) == 0, "".join(follower.lines)
+    assert any("decode follower 1 stopped" in line for line in follower.lines)
+    assert any(re.search(r"decode leader plan: .*\binsert: 3 messages", line)
+               for line in leader.lines), "".join(leader.lines)
