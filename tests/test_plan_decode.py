@@ -212,3 +212,16 @@ def test_insert_from_host_writes_exactly_the_pages_on_their_shard(tiny_hf_model)
     np.testing.assert_array_equal(got_k, np.concatenate([k, k[:, :2]], axis=1))
     np.testing.assert_array_equal(got_v, np.concatenate([v, v[:, :2]], axis=1))
     assert not np.asarray(runner.take(0, [3, 4, 5, 6, 2])[0]).any()
+
+
+def test_a_failed_program_on_a_leader_stops_the_role_with_its_first_line():
+    """`PlanChannel.on_failure` on a leader (`serving.follower.mesh_failed`): after
+    giving the follower watch its time to name a dead follower, the role stops with
+    the error (here `lost` records instead of ending the process)."""
+    from jaxpd.serving.follower import mesh_failed
+
+    lost = []
+    mesh_failed(lost.append, 0.0)(RuntimeError("Gloo AllGather failed: reset\ntraceback"))
+    mesh_failed(lost.append, 0.0)(RuntimeError())
+    assert lost == ["a program on its mesh failed (Gloo AllGather failed: reset)",
+                    "a program on its mesh failed (RuntimeError())"]

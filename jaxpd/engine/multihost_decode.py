@@ -96,7 +96,10 @@ def insert_from_host(runner, shard: int, page_ids: list[int], k: np.ndarray | No
     runner.counter.note("insert" if src is None else "insert_gather", m)
     ids = np.zeros((runner.num_shards, m), np.int32)
     ids[shard, :n] = page_ids           # padding rows write the null page 0
-    ids = jax.device_put(ids.reshape(-1), runner.slot_sharding)
+    # Each process its own part (a device_put of host data onto a mesh spanning
+    # processes would first all-gather it to check that every process passed the same).
+    ids = ids.reshape(-1)
+    ids = jax.make_array_from_callback(ids.shape, runner.slot_sharding, lambda i: ids[i])
     pool = runner.k_pool
     shape = (pool.shape[0], runner.num_shards * m) + pool.shape[2:]
     sharding = NamedSharding(runner.mesh, runner.pool_spec)

@@ -28,7 +28,8 @@ def mesh_failed(lost, wait_s: float):
     not aborted here: the router fails them over when the worker goes."""
     def failed(error: BaseException) -> None:
         time.sleep(wait_s)
-        lost(f"a program on its mesh failed ({str(error).splitlines()[0][:300]})")
+        first = next(iter(str(error).splitlines()), repr(error))
+        lost(f"a program on its mesh failed ({first[:300]})")
     return failed
 
 
