@@ -44,12 +44,12 @@ def model(tiny_hf_model):
             reference(hf, prompts[:8], long_tokens[:8]))
 
 
-def _deployment(procs, path, mesh="decode=2"):
+def _deployment(procs, path, mesh="decode=2", transport="transfer_server"):
     router_port = _free_port()
     router = procs.start(["--role", "router", "--model", path, "--port", str(router_port),
                           "--internal_port", "0"] + COMMON + PATIENT_ROUTER)
     internal = procs.wait_line(router, r"internal plane on (\S+)").group(1)
-    common = COMMON + ["--kv_transport", "transfer_server", "--router", internal]
+    common = COMMON + ["--kv_transport", transport, "--router", internal]
     prefill = procs.start(["--role", "prefill", "--mesh", "prefill=1", "--model", path,
                            "--port", "0"] + common)
     group = ["--role", "decode", "--mesh", mesh, "--model", path, "--port", "0",
