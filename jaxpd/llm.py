@@ -8,7 +8,7 @@ import jax
 from jaxpd.config import EngineConfig, resolve_dtype
 from jaxpd.engine import elastic
 from jaxpd.engine.engine import Engine
-from jaxpd.engine.placement import prefill_shardings
+from jaxpd.engine.placement import role_shardings
 from jaxpd import xla_cache
 from jaxpd.frontend import Frontend
 from jaxpd.model_registry import resolve_model
@@ -33,7 +33,7 @@ class LLM(Frontend):
     in-process `DevicePutConnector`; a cross-process sender or receiver for single-role
     meshes "prefill=P" / "decode=D"). compilation_cache_dir: keep compiled programs
     there and load them next time (`jaxpd.xla_cache`; None leaves jax as configured,
-    e.g. by $JAX_COMPILATION_CACHE_DIR). plan: a prefill role's mesh spans processes
+    e.g. by $JAX_COMPILATION_CACHE_DIR). plan: a prefill or decode role's mesh spans processes
     (`engine.multihost.PlanChannel`; `python -m jaxpd.launch --num_processes` sets it
     up). Other keyword arguments go to `EngineConfig` (page_size, max_model_len,
     slots_per_shard, ...).
@@ -47,9 +47,9 @@ class LLM(Frontend):
         xla_cache.enable(compilation_cache_dir)
         if mesh == AUTO:
             mesh = auto_mesh(jax.devices()[0].platform, jax.device_count())
-        # A prefill mesh across processes: each process reads only the weight shards
-        # its devices hold, straight onto the mesh.
-        shardings = None if plan is None else lambda cfg: prefill_shardings(cfg, mesh)
+        # A mesh across processes: each process reads only the weight shards its
+        # devices hold, straight onto the mesh.
+        shardings = None if plan is None else lambda cfg: role_shardings(cfg, mesh)
         loaded = checkpoint.load(resolve_model(model), dtype="float32", shardings=shardings)
         self.weights_read = loaded.weights_read
         engine_options.setdefault("max_model_len", min(loaded.cfg.max_position_embeddings, 1024))

@@ -6,6 +6,7 @@ every run is counted, attainment is a fraction, the same prompts go to every bac
 """
 import json
 
+import numpy as np
 import pytest
 
 from jaxpd.bench import cli as bench
@@ -351,7 +352,19 @@ def test_plan_traffic_bench_measures_each_message_shape(tmp_path, capsys):
     assert set(rows) == {(b, t, op) for b, t in plan_traffic.SHAPES for op in ("run", "take")}
     # A run message carries its tokens (4 bytes each, msgpack and signature around them).
     assert all(rows[b, t, "run"]["bytes"] > 4 * b * t for b, t in plan_traffic.SHAPES)
-    assert all(r["latency_us_p50"] > 0 and r["publish_us_p50"] > 0 for r in out["rows"])
+    assert all(r["latency_us_p50"] > 0 and r["publish_us_p50"] > 0
+               for r in out["rows"] + out["decode_rows"])
+    # A decode role's: a step per (slots, width), an insert per page shape and count,
+    # which carries its pages' bytes (k and v).
+    steps = {(r["slots"], r["width"]): r for r in out["decode_rows"] if r["op"] == "step"}
+    assert set(steps) == set(plan_traffic.STEPS)
+    assert all(steps[b, w]["bytes"] > 4 * b * w for b, w in plan_traffic.STEPS)
+    inserts = {(r["model"], r["pages"]): r for r in out["decode_rows"] if r["op"] == "insert"}
+    page_bytes = {name: 2 * np.prod(shape) * (2 if dtype == "bfloat16" else 4)
+                  for name, shape, dtype, _ in plan_traffic.PAGES}
+    assert set(inserts) == {(name, n) for name, _, _, counts in plan_traffic.PAGES
+                            for n in counts}
+    assert all(r["bytes"] > page_bytes[name] * n for (name, n), r in inserts.items())
     assert "to follower p50/p99 us" in capsys.readouterr().out
 
 

@@ -11,7 +11,7 @@ import pytest
 from absl import flags
 
 from jaxpd.engine.multihost import (Follower, FollowerWatch, LeaderPrefillRunner, PlanChannel,
-                                    PlanError, ProcessGroup)
+                                    PlanError, PrefillReplay, ProcessGroup)
 from jaxpd.engine.sampler import SamplingArrays
 from jaxpd.serving.launch_flags import define_flags, multihost_error
 
@@ -93,7 +93,7 @@ def test_follower_replays_the_leaders_calls_in_order_and_stops_when_told():
     assert lead.take_rows(k, v, []) == []                 # nothing to cut: nothing sent
     leader_ch.publish({"op": "stop"})
     follower = Follower(follower_ch)
-    assert follower.run(follower_runner, threading.Event()) == "stopped"
+    assert follower.run(PrefillReplay(follower_runner), threading.Event()) == "stopped"
     assert follower_runner.calls == [
         ("run", tokens.tolist(), lengths.tolist(), sampling.floats.tolist()),
         ("take", "k", "v", [(1, 1, 2), (0, 0, 3)])]
@@ -137,7 +137,7 @@ def test_malformed_plan_is_refused_by_name(message, match):
     leader_ch, follower_ch = _pair(store)
     leader_ch.publish(message)
     with pytest.raises(PlanError, match=match):
-        Follower(follower_ch).run(Recorder(), threading.Event())
+        Follower(follower_ch).run(PrefillReplay(Recorder()), threading.Event())
 
 
 @pytest.mark.parametrize("rows,match", [([[0, 0]], "lists of 3"), ([[0, -1, 1]], "lists of 3"),
@@ -149,7 +149,7 @@ def test_malformed_take_after_a_run_is_refused_by_name(rows, match):
     LeaderPrefillRunner(Recorder(), leader_ch).run(*_batch())
     leader_ch.publish({"op": "take", "rows": rows})
     with pytest.raises(PlanError, match=match):
-        Follower(follower_ch).run(Recorder(), threading.Event())
+        Follower(follower_ch).run(PrefillReplay(Recorder()), threading.Event())
 
 
 def test_undecodable_plan_is_refused():
@@ -225,7 +225,20 @@ def fv():
 
 @pytest.mark.parametrize("args,match", [
     ({"process_id": 1}, "--process_id needs --num_processes > 1"),
-    ({"num_processes": 2, "role": "decode"}, "only a prefill role spans processes"),
+    ({"num_processes": 2, "role": ""}, "only a prefill or decode role spans processes"),
+    ({"num_processes": 2, "role": "decode", "mesh": "prefill=2", "coordinator": "127.0.0.1:9"},
+     "a decode role across processes has one mesh"),
+    ({"num_processes": 2, "role": "decode", "mesh": "elastic=4", "coordinator": "127.0.0.1:9"},
+     "a decode role across processes has one mesh"),
+    ({"num_processes": 2, "role": "prefill", "mesh": "colocated=2",
+      "coordinator": "127.0.0.1:9"}, "a prefill role across processes has one mesh"),
+    ({"num_processes": 2, "role": "decode", "coordinator": "127.0.0.1:9"},
+     "needs an explicit --mesh decode=D or decode=DxT"),
+    ({"num_processes": 2, "role": "decode", "mesh": "decode=3", "coordinator": "127.0.0.1:9"},
+     "cannot share equally"),
+    ({"num_processes": 2, "role": "decode", "mesh": "decode=2", "coordinator": "127.0.0.1:9",
+      "enable_prefix_caching": True}, "--enable_prefix_caching is not supported yet on a "
+     "decode role"),
     ({"num_processes": 2, "role": "prefill", "process_id": 2, "coordinator": "127.0.0.1:9"},
      "--process_id must be below"),
     ({"num_processes": 2, "role": "prefill", "mesh": "prefill=4"},

@@ -27,7 +27,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpd.config import EngineConfig, resolve_attention_impl
 from jaxpd.engine.decode_loop import DecodeLoop
 from jaxpd.engine.extend_loop import ExtendLoop
-from jaxpd.engine.multihost import Follower, LeaderPrefillRunner, PlanChannel
+from jaxpd.engine.multihost import Follower, PlanChannel
+from jaxpd.engine.multihost_decode import lead, replay_for
 from jaxpd.engine.page_allocator import CacheJournal
 from jaxpd.engine.prefill_cache import PrefillCache, cache_pages
 from jaxpd.engine.prefill_loop import PrefillLoop
@@ -57,25 +58,21 @@ class Engine:
                  connector: Connector | KVSender | KVReceiver | None = None,
                  warmup: bool = False, progress: Callable[[str], None] | None = None,
                  plan: PlanChannel | None = None):
-        """`plan`: this prefill-only mesh spans processes (`engine.multihost`). On its
-        leader the engine runs as usual and publishes every prefill program it
-        dispatches; on a follower it starts no thread: `follow` replays the plan."""
+        """`plan`: this one-role mesh spans processes (`engine.multihost`): its leader
+        publishes every program it dispatches; a follower starts no thread (`follow`)."""
         self.model, self.config = model, config
         spec = config.mesh
-        if plan is not None and spec.has_decode:
-            raise ValueError("a mesh across processes is a prefill role for now "
-                             "(--role prefill); decode meshes are one process each")
+        if plan is not None and (spec.has_prefill == spec.has_decode or
+                                 config.enable_prefix_caching):
+            raise ValueError("a mesh across processes is one role's (prefill=P or decode=DxT), "
+                             "without prefix caching (not supported there yet)")
         self.plan, self._told_followers = plan, False
         self.is_follower = plan is not None and not plan.group.is_leader
-        # The decode pool caches prefixes; the decode mesh prefills with context what
-        # it finds there (`ExtendLoop`). A prefill mesh of its own keeps its own cache
-        # (`PrefillCache`).
+        # The decode pool caches prefixes; the decode mesh prefills with context what it
+        # finds there (`ExtendLoop`). A prefill mesh keeps its own (`PrefillCache`).
         self.caching = config.enable_prefix_caching and spec.has_decode
         self.prefill_caching = (config.enable_prefix_caching and spec.has_prefill
                                 and not spec.colocated)
-        if self.prefill_caching and plan is not None:
-            raise ValueError("enable_prefix_caching is not supported yet on a prefill mesh "
-                             "across processes (--num_processes > 1)")
         self.prefix_root = self._prefix_root()
         # What this engine's caches hold, for the router (a worker's heartbeat).
         self.cache_journal = CacheJournal(self.prefix_root) if self.prefix_root else None
@@ -178,8 +175,7 @@ class Engine:
         self.prefill_runner = PrefillRunner(self.model.cfg, params, mesh, rules, c.page_size,
                                             self.counter, self.dtype, fused=fused,
                                             gather_pages=self.plan is not None)
-        if self.plan is not None and not self.is_follower:
-            self.prefill_runner = LeaderPrefillRunner(self.prefill_runner, self.plan)
+        self.prefill_runner = lead(self.prefill_runner, self.plan)
         self.prefill_scheduler = self._prefill_scheduler(c.buckets)
         sender = self.connector
         if c.kv_transfer_dtype is not None:
@@ -201,16 +197,14 @@ class Engine:
     def _build_decode(self) -> None:
         c, mesh, spec = self.config, self.meshes.decode, self.config.mesh
         params, rules, fused = self._params_on(mesh, fuse=True)
-        num_shards = spec.decode_dp
         attention = resolve_attention_impl(c.attention_impl, mesh.devices.flat[0].platform,
                                            c.attention_interpret, c.dtype)
-        self.decode_runner = DecodeRunner(self.model.cfg, params, mesh, rules,
-                                          num_shards * c.slots_per_shard, c.pages_per_shard,
-                                          c.page_size, self.counter, self.dtype, fused=fused,
-                                          attention_impl=attention,
-                                          attention_interpret=c.attention_interpret)
+        self.decode_runner = lead(DecodeRunner(
+            self.model.cfg, params, mesh, rules, spec.decode_dp * c.slots_per_shard,
+            c.pages_per_shard, c.page_size, self.counter, self.dtype, fused=fused,
+            attention_impl=attention, attention_interpret=c.attention_interpret), self.plan)
         self.decode_scheduler = DecodeScheduler(
-            num_shards, c.slots_per_shard, c.pages_per_shard, c.page_size,
+            spec.decode_dp, c.slots_per_shard, c.pages_per_shard, c.page_size,
             self.prefix_root if self.caching else None, self.cache_journal)
         receiver = self.connector
         handoffs = self._handoff_spec(compressed=False)
@@ -228,8 +222,9 @@ class Engine:
             pipe = DevicePutConnector()
             queues.append(InboundQueue(pipe, self._transfers, c.kv_part_timeout_s, handoffs,
                                        counted=False))
-            runner = PrefillRunner(self.model.cfg, params, mesh, rules, c.page_size,
-                                   self.counter, self.dtype, name="local_prefill", fused=fused)
+            runner = lead(PrefillRunner(
+                self.model.cfg, params, mesh, rules, c.page_size, self.counter, self.dtype,
+                name="local_prefill", fused=fused, gather_pages=self.plan is not None), self.plan)
             buckets = ([b for b in c.buckets if b < c.local_prefill_below] or c.buckets[:1]
                        if spec.has_prefill else c.buckets)
             self.local_scheduler = self._prefill_scheduler(buckets)
@@ -332,10 +327,10 @@ class Engine:
             decode_devices=spec.decode_dp * spec.decode_tp)
 
     def follow(self, follower: Follower, stop: threading.Event) -> str:
-        """A follower's life: replay the leader's prefill programs (`multihost.Follower`)."""
+        """A follower's life: replay the leader's programs (`multihost.Follower`)."""
         if not self.is_follower:
             raise RuntimeError("follow() is for a follower process of a multi-process mesh")
-        return follower.run(self.prefill_runner, stop)
+        return follower.run(replay_for(self), stop)
 
     def shutdown(self, reason: str = "shutdown") -> None:
         """Stop the threads, abort what is in flight, join; a leader stops its followers."""
@@ -367,7 +362,10 @@ class Engine:
                               threading.current_thread().name)
 
     def fail(self, error: BaseException) -> None:
-        """The engine cannot serve: stop, and abort every live request with `error`."""
+        """The engine cannot serve: stop, and abort every live request with `error` (a
+        mesh across processes: its `plan.on_failure` first, which may end the process)."""
+        if self.plan is not None and self.plan.on_failure is not None:
+            self.plan.on_failure(error)
         self._error = error
         self._stop.set()
         self.requests.abort_all(f"failed: {error!r}")

@@ -6,7 +6,8 @@ must then dispatch the same programs, with the same inputs, in the same order. P
 router registration). Each **follower** builds the same runner on the same global mesh
 and replays the leader's runner calls, which the leader publishes as a numbered
 sequence of small messages (the *plan*: a prefill batch's tokens, lengths and sampling
-rows; which pages to cut) through the key-value store of the coordination service that
+rows; which pages to cut; a decode role's steps, page inserts and penalty contexts,
+`multihost_decode`) through the key-value store of the coordination service that
 `jax.distributed` already runs. No port or protocol of our own, and the store's blocking
 get is exactly a follower's wait for its next step.
 
@@ -24,6 +25,7 @@ service (hosted by the leader) is gone.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import hmac
@@ -31,15 +33,18 @@ import threading
 import time
 from typing import Callable
 
+import ml_dtypes
 import msgpack
 import numpy as np
 
 from jaxpd.engine.sampler import SamplingArrays
 
 BEAT_S = 0.5
+KEPT_TIMES = 1 << 16
 _PLAN, _BEAT = "jaxpd/plan/", "jaxpd/beat/"
-_DTYPES = {"int32": np.int32, "float32": np.float32}
-_MAX_ELEMENTS = 1 << 24          # a plan array larger than this is not one we send
+_DTYPES = {"int32": np.int32, "float32": np.float32, "bool": np.bool_,
+           "bfloat16": ml_dtypes.bfloat16}
+_MAX_ELEMENTS = 1 << 24   # a plan array larger than this is not one we send (pages: their own cap)
 
 
 class PlanError(ValueError):
@@ -93,7 +98,7 @@ def _pack_array(a: np.ndarray) -> list:
     return [a.dtype.name, list(a.shape), np.ascontiguousarray(a).tobytes()]
 
 
-def _unpack_array(value, name: str) -> np.ndarray:
+def _unpack_array(value, name: str, max_elements: int = _MAX_ELEMENTS) -> np.ndarray:
     if not (isinstance(value, list) and len(value) == 3):
         raise PlanError(f"plan field {name}: not an array")
     dtype, shape, data = value
@@ -101,7 +106,7 @@ def _unpack_array(value, name: str) -> np.ndarray:
             not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d for d in shape):
         raise PlanError(f"plan field {name}: bad dtype, shape or data")
     size = int(np.prod(shape, dtype=np.int64))
-    if size > _MAX_ELEMENTS or size * np.dtype(_DTYPES[dtype]).itemsize != len(data):
+    if size > max_elements or size * np.dtype(_DTYPES[dtype]).itemsize != len(data):
         raise PlanError(f"plan field {name}: {len(data)} bytes do not make {dtype}{shape}")
     return np.frombuffer(data, _DTYPES[dtype]).reshape(shape).copy()
 
@@ -118,7 +123,12 @@ class PlanChannel:
         self.seq = 0                     # the next message's number
         self._kept_from = 0              # plans below this are deleted from the store
         self.sent_bytes = self.sent_messages = 0
-        self.publish_s: list[float] = []
+        # Publish times: the latest `KEPT_TIMES` (a decode role publishes every step).
+        self.publish_s: collections.deque[float] = collections.deque(maxlen=KEPT_TIMES)
+        self.by_op: dict[str, list] = {}   # op -> [messages, bytes, publish times]
+        # The leader's answer to its engine failing (`Engine.fail`): a mesh across
+        # processes cannot go on once a program failed on it (set by the worker).
+        self.on_failure: Callable[[BaseException], None] | None = None
 
     def _mac(self, seq: int, body: bytes) -> bytes:
         if self._key is None:
@@ -139,6 +149,9 @@ class PlanChannel:
         self.sent_bytes += len(data)
         self.sent_messages += 1
         self.publish_s.append(time.perf_counter() - start)
+        counts = self.by_op.setdefault(message["op"], [0, 0, collections.deque(maxlen=KEPT_TIMES)])
+        counts[0], counts[1] = counts[0] + 1, counts[1] + len(data)
+        counts[2].append(self.publish_s[-1])
 
     def receive(self, stop: threading.Event, poll_ms: int = 500) -> dict | None:
         """The next message (checked), or None once `stop` is set. Raises PlanError for a
@@ -186,10 +199,13 @@ class PlanChannel:
     def summary(self) -> str:
         if not self.sent_messages:
             return "plan: no messages"
-        us = np.asarray(self.publish_s) * 1e6
-        return (f"plan: {self.sent_messages} messages, {self.sent_bytes} bytes "
-                f"({self.sent_bytes / self.sent_messages:.0f} per message), publish "
-                f"p50 {np.percentile(us, 50):.0f} us, p99 {np.percentile(us, 99):.0f} us")
+        def line(messages: int, sent: int, seconds) -> str:
+            us = np.asarray(seconds) * 1e6
+            return (f"{messages} messages, {sent} bytes ({sent / messages:.0f} per message), "
+                    f"publish p50 {np.percentile(us, 50):.0f} us, p99 "
+                    f"{np.percentile(us, 99):.0f} us")
+        ops = "; ".join(f"{op}: {line(*counts)}" for op, counts in sorted(self.by_op.items()))
+        return f"plan: {line(self.sent_messages, self.sent_bytes, self.publish_s)} ({ops})"
 
 
 class FollowerWatch:
@@ -324,33 +340,47 @@ class Follower:
     def close(self) -> None:
         self._done.set()
 
-    def run(self, runner, stop: threading.Event) -> str:
-        """Replay the plan on `runner` (a `PrefillRunner` built as the leader's is) until
-        the leader says stop ("stopped") or `stop` is set ("interrupted"). Raises
-        PlanError for a bad plan, and jax's runtime error when the coordinator is gone."""
-        import jax
-
-        kv = None
+    def run(self, replay: Callable[[dict], None], stop: threading.Event) -> str:
+        """Replay the plan (`replay(message)` for each: `PrefillReplay`, or
+        `multihost_decode.DecodeReplay`) until the leader says stop ("stopped") or
+        `stop` is set ("interrupted"). Raises PlanError for a bad plan, and jax's
+        runtime error when the coordinator is gone."""
         while True:
             msg = self.channel.receive(stop)
             if msg is None:
                 return "interrupted"
-            op = msg["op"]
-            if op == "stop":
+            if msg["op"] == "stop":
                 return "stopped"
-            if op == "run":
-                _, _, *kv = runner.run(*_batch(msg))
-            elif op == "take":
-                if kv is None:
-                    raise PlanError("plan take before any run")
-                rows = _pairs(msg.get("rows"), "rows", 3)
-                if any(n < 1 for _, _, n in rows):
-                    raise PlanError("plan field rows: a row takes at least one page")
-                jax.block_until_ready(runner.take_rows(*kv, rows))
-            elif op == "layerwise":
-                groups = _pairs(msg.get("groups"), "groups", 2)
-                rows = _pairs(msg.get("rows"), "rows", 3)
-                jax.block_until_ready(runner.run_layerwise(*_batch(msg), groups, rows))
-            else:
-                raise PlanError(f"plan op {op!r} is not one a leader sends")
+            replay(msg)
             self.acked = self.channel.seq - 1
+
+
+class PrefillReplay:
+    """A follower's replay of a `LeaderPrefillRunner`'s calls on `runner` (a
+    `PrefillRunner` built as the leader's is); `__call__` raises PlanError for a
+    message that is not one of them."""
+
+    OPS = ("run", "take", "layerwise")
+
+    def __init__(self, runner):
+        self.runner, self._kv = runner, None
+
+    def __call__(self, msg: dict) -> None:
+        import jax
+
+        op = msg["op"]
+        if op == "run":
+            _, _, *self._kv = self.runner.run(*_batch(msg))
+        elif op == "take":
+            if self._kv is None:
+                raise PlanError("plan take before any run")
+            rows = _pairs(msg.get("rows"), "rows", 3)
+            if any(n < 1 for _, _, n in rows):
+                raise PlanError("plan field rows: a row takes at least one page")
+            jax.block_until_ready(self.runner.take_rows(*self._kv, rows))
+        elif op == "layerwise":
+            groups = _pairs(msg.get("groups"), "groups", 2)
+            rows = _pairs(msg.get("rows"), "rows", 3)
+            jax.block_until_ready(self.runner.run_layerwise(*_batch(msg), groups, rows))
+        else:
+            raise PlanError(f"plan op {op!r} is not one a leader sends")

@@ -26,12 +26,14 @@ def checkpoint_shardings(cfg: ModelConfig, mesh):
     return named_shardings(logical, mesh, rules)
 
 
-def prefill_shardings(cfg: ModelConfig, mesh_spec):
-    """`checkpoint_shardings` of the prefill mesh of `mesh_spec` (a prefill-only mesh
-    spanning processes: `jax.devices()` is every process's)."""
+def role_shardings(cfg: ModelConfig, mesh_spec):
+    """`checkpoint_shardings` of the one mesh of `mesh_spec` (a prefill-only or
+    decode-only mesh spanning processes: `jax.devices()` is every process's)."""
     from jaxpd.sharding import build_meshes
 
-    return checkpoint_shardings(cfg, build_meshes(mesh_spec).prefill)
+    meshes = build_meshes(mesh_spec)
+    return checkpoint_shardings(
+        cfg, meshes.prefill if meshes.prefill is not None else meshes.decode)
 
 
 def place_params(cfg: ModelConfig, params, mesh, dtype, *, fuse: bool):

@@ -179,9 +179,10 @@ def _define_role_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_float("stall_timeout_s", 5.0, "router role: a decode stream that sends "
                        "nothing (workers send a keepalive each second) for this long is a "
                        "lost worker: its request fails over.", lower_bound=0.01, flag_values=fv)
-    flags.DEFINE_integer("num_processes", 1, "prefill role: processes (one per host) that "
-                         "form its --mesh together (jax.distributed); process 0 leads, the "
-                         "others replay its programs.", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("num_processes", 1, "prefill or decode role: processes (one per "
+                         "host) that form its --mesh together (jax.distributed); process 0 "
+                         "leads, the others replay its programs.", lower_bound=1,
+                         flag_values=fv)
     flags.DEFINE_integer("process_id", 0, "This process's place among --num_processes.",
                          lower_bound=0, flag_values=fv)
     flags.DEFINE_string("coordinator", None, "With --num_processes > 1: host:port of the "
@@ -265,22 +266,28 @@ def multihost_error(fv: flags.FlagValues) -> str | None:
 
     if fv.num_processes == 1:
         return "--process_id needs --num_processes > 1" if fv.process_id else None
-    if fv.role != "prefill":
-        return "--num_processes > 1: only a prefill role spans processes so far (--role prefill)"
+    if fv.role not in ("prefill", "decode"):
+        return ("--num_processes > 1: only a prefill or decode role spans processes "
+                "(--role prefill or --role decode)")
     if fv.process_id >= fv.num_processes:
         return f"--process_id must be below --num_processes ({fv.num_processes})"
     if fv.enable_prefix_caching:
-        return ("--enable_prefix_caching is not supported yet on a prefill role across "
-                "processes (--num_processes > 1)")
+        return (f"--enable_prefix_caching is not supported yet on a {fv.role} role across "
+                f"processes (--num_processes > 1)")
+    example = "prefill=P" if fv.role == "prefill" else "decode=D or decode=DxT"
     if fv.mesh == "auto":
-        return "--num_processes > 1 needs an explicit --mesh prefill=P (P devices in all)"
+        return f"--num_processes > 1 needs an explicit --mesh {example} (devices in all)"
     host, _, port = (fv.coordinator or "").rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         return f"--coordinator must be host:port, got {fv.coordinator!r}"
     try:
-        num = parse_mesh_spec(fv.mesh).num_devices
+        spec = parse_mesh_spec(fv.mesh)
     except ValueError as e:
         return f"--mesh: {e}"
+    if (spec.has_prefill, spec.has_decode) != (fv.role == "prefill", fv.role == "decode"):
+        return (f"--mesh {fv.mesh}: a {fv.role} role across processes has one mesh, "
+                f"--mesh {example} (no elastic, colocated or second mesh)")
+    num = spec.num_devices
     if num % fv.num_processes:
         return (f"--mesh {fv.mesh} has {num} devices, which {fv.num_processes} processes "
                 f"cannot share equally")

@@ -21,7 +21,7 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
     """Run a prefill or decode worker process until `stop` is set; 1 if the router
     refused it, or its engine failed. `http_port` >= 0: GET /health and /metrics there
     (0: a free port, printed), as on the router and a single process. `group`: this
-    process's place in a prefill mesh spanning processes (`engine.multihost`): process 0
+    process's place in a prefill or decode mesh spanning processes (`engine.multihost`): process 0
     serves as the worker, the others follow it."""
     from jaxpd.llm import LLM
 
@@ -31,14 +31,15 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
         from jaxpd.serving.follower import follow_leader
         plan = PlanChannel(group, auth.token.encode() if auth.token else None)
         if not group.is_leader:
-            return follow_leader(model, plan, stop, say, llm_options)
+            return follow_leader(role, model, plan, stop, say, llm_options)
     auth.check_bind(host, f"the {role} worker")
     connector, kv_address = make_connector(role, transport, host, auth)
     watch = None
     if plan is not None:
-        from jaxpd.engine.multihost import FollowerWatch
-        from jaxpd.serving.follower import role_lost
+        from jaxpd.engine.multihost import BEAT_S, FollowerWatch
+        from jaxpd.serving.follower import mesh_failed, role_lost
         watch = FollowerWatch(plan, role_lost(role), dead_s=follower_timeout_s)
+        plan.on_failure = mesh_failed(role_lost(role), follower_timeout_s + 4 * BEAT_S)
     def progress(message: str) -> None:
         if stop.is_set():            # stopped while loading or compiling: stop between steps
             raise _Interrupted
@@ -47,7 +48,7 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
         llm = LLM(model, connector=connector, progress=progress, plan=plan, **llm_options)
         if plan is not None:
             from jaxpd.serving.follower import weights_note
-            say(f"jaxpd prefill leader 0/{plan.group.num_processes} of the mesh "
+            say(f"jaxpd {role} leader 0/{plan.group.num_processes} of the mesh "
                 f"{llm.config.mesh}{weights_note(llm)}")
     except _Interrupted:
         say(f"jaxpd {role} worker stopped while starting")

@@ -1,0 +1,157 @@
+"""A decode role whose mesh spans two processes (jax.distributed; gloo on CPU), behind
+the router, with a prefill role of one process: 2 processes x 1 virtual device = one
+dp=2 decode mesh, led by process 0 (`engine.multihost_decode`).
+
+Greedy tokens must equal transformers', the KV moved must be exactly the requests'
+pages, the decode leader's slots and pages must all come back, and a killed follower
+must stop the role at once, its requests aborted with a reason (no other decode
+worker here), none left waiting. Without its prefill worker, the decode role prefills
+on its own mesh, still matching transformers.
+"""
+import re
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from jaxpd.engine.page_allocator import pages_for
+from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
+from jaxpd.serving.role_rpc import RoleClient
+from tests.engine_fixtures import mixed_prompts, reference
+from tests.test_multihost import _coordinator, _page_bytes
+from tests.test_router import COMMON, PATIENT_ROUTER, Procs, _free_port, _generate_all
+
+pytestmark = pytest.mark.slow
+NUM = 16
+
+
+@pytest.fixture
+def procs():
+    p = Procs()
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_hf_model):
+    path, hf = tiny_hf_model
+    prompts = mixed_prompts(NUM, 256, seed=13)
+    max_tokens = [3 + i % 6 for i in range(NUM)]
+    long_tokens = [min(40, 160 - len(p)) for p in prompts]
+    return (path, prompts, max_tokens, reference(hf, prompts, max_tokens), long_tokens,
+            reference(hf, prompts[:8], long_tokens[:8]))
+
+
+def _deployment(procs, path, mesh="decode=2", transport="transfer_server"):
+    router_port = _free_port()
+    router = procs.start(["--role", "router", "--model", path, "--port", str(router_port),
+                          "--internal_port", "0"] + COMMON + PATIENT_ROUTER)
+    internal = procs.wait_line(router, r"internal plane on (\S+)").group(1)
+    common = COMMON + ["--kv_transport", transport, "--router", internal]
+    prefill = procs.start(["--role", "prefill", "--mesh", "prefill=1", "--model", path,
+                           "--port", "0"] + common)
+    group = ["--role", "decode", "--mesh", mesh, "--model", path, "--port", "0",
+             "--slots_per_shard", "4", "--num_processes", "2",
+             "--coordinator", _coordinator()] + common
+    leader = procs.start(group + ["--process_id", "0"])
+    follower = procs.start(group + ["--process_id", "1"])
+    procs.wait_line(follower, rf"decode follower 1/2 of the mesh {mesh}")
+    for w in (prefill, leader):
+        address = procs.wait_line(w, r"worker on (\S+)").group(1)
+        procs.wait_line(router, rf"worker {re.escape(address)} joined")
+    procs.wait_line(router, r"jaxpd serving")
+    return f"127.0.0.1:{router_port}", router, prefill, leader, follower
+
+
+def _with_logprobs(addr, prompts, max_tokens):
+    """Greedy completions asking for 2 top log-probabilities, all at once."""
+    with grpc.insecure_channel(addr) as channel:
+        stub = jaxpd_pb2_grpc.GenerationStub(channel)
+        calls = [stub.Complete.future(jaxpd_pb2.GenerateRequest(
+            token_ids=jaxpd_pb2.TokenIds(ids=p), max_tokens=n, temperature=0.0,
+            ignore_eos=True, logprobs=2), timeout=120) for p, n in zip(prompts, max_tokens)]
+        return [c.result() for c in calls]
+
+
+def test_decode_mesh_of_two_processes_matches_transformers_then_stops_on_a_lost_follower(
+        model, procs):
+    path, prompts, max_tokens, expected, long_tokens, expected_long = model
+    addr, router, prefill, leader, follower = _deployment(procs, path)
+    decode = RoleClient(procs.wait_line(leader, r"decode worker on (\S+)").group(1))
+    before = decode.info(timeout=10)
+    outs = _generate_all(addr, prompts, max_tokens)
+    assert [list(o.token_ids) for o in outs] == expected, procs.tails()
+    # Log-probabilities come back through the steps' all-gather too: greedy, each
+    # token is its own most likely one.
+    for i, out in enumerate(_with_logprobs(addr, prompts[:3], max_tokens[:3])):
+        assert list(out.token_ids) == expected[i]
+        assert [t.top[0].token_id for t in out.logprobs] == expected[i]
+        assert all(t.logprob == t.top[0].logprob <= 0 for t in out.logprobs)
+    after = decode.info(timeout=10)
+    assert after["transfers"] - before["transfers"] == NUM + 3
+    moved = after["transfer_bytes"] - before["transfer_bytes"]
+    assert moved == sum(pages_for(len(p), 16) for p in prompts + prompts[:3]) * \
+        _page_bytes(path)
+    deadline = time.monotonic() + 30
+    while True:                       # every slot and page given back on the leader
+        info = decode.info(timeout=10)
+        if (info["free_slots"], info["free_pages"]) == (before["free_slots"], before["free_pages"]):
+            break
+        assert time.monotonic() < deadline, info
+        time.sleep(0.2)
+
+    # The prefill worker dies: the router sends requests to the decode role, which
+    # prefills them on its own mesh (the decode mesh's prefill, led and replayed too).
+    prefill.send_signal(signal.SIGKILL)
+    outs = _generate_all(addr, prompts[:8], max_tokens[:8])
+    assert [list(o.token_ids) for o in outs] == expected[:8], procs.tails()
+    info = decode.info(timeout=10)
+    assert info["transfers"] == after["transfers"]                      # none arrived
+    assert info["counters"]["local_prefills"] - after["counters"]["local_prefills"] == 8
+
+    # The follower dies mid-stream: the leader stops the role within seconds, saying
+    # why; with no other decode worker, the router aborts its requests with a reason.
+    holder = {}
+    t = threading.Thread(target=lambda: holder.update(
+        outs=_generate_all(addr, prompts[:8], long_tokens[:8])))
+    t.start()
+    while decode.info(timeout=10)["free_slots"] > before["free_slots"] - 2:
+        assert t.is_alive(), "requests finished before the follower was killed"
+        time.sleep(0.02)
+    follower.send_signal(signal.SIGKILL)
+    assert leader.wait(timeout=60) == 1
+    assert any(re.search(r"decode role stopped: follower process 1 has not answered", line)
+               for line in leader.lines), "".join(leader.lines)
+    t.join(180)
+    assert not t.is_alive()                   # nobody waits forever
+    outs = holder["outs"]
+    assert len(outs) == 8 and all(o is not None for o in outs)
+    aborted = [o for o in outs if o.finish_reason == "abort"]
+    assert aborted and all("no decode worker" in o.metrics.abort_reason for o in aborted)
+    for o, e in zip(outs, expected_long):     # any that finished first are still right
+        if o.finish_reason != "abort":
+            assert list(o.token_ids) == e
+    router.send_signal(signal.SIGTERM)
+    assert router.wait(timeout=60) == 0
+
+
+def test_warmed_up_decode_role_stops_cleanly_on_sigterm(model, procs):
+    """Warm-up replays every program on the follower (inserts padded past a slot's
+    pages included: 3 pages a slot, inserts of 4), then SIGTERM to both processes
+    stops them, the leader telling its follower."""
+    group = ["--role", "decode", "--mesh", "decode=2", "--model", model[0], "--port", "0",
+             "--num_processes", "2", "--coordinator", _coordinator(), "--max_model_len",
+             "48", "--max_prefill_batch", "1", "--host", "127.0.0.1"]
+    leader = procs.start(group + ["--process_id", "0"])
+    follower = procs.start(group + ["--process_id", "1"])
+    procs.wait_line(leader, r"decode worker on", timeout=300)
+    assert any("compiling page insert for 4 pages" in line for line in leader.lines)
+    for p in (leader, follower):
+        p.send_signal(signal.SIGTERM)
+    assert leader.wait(timeout=60) == 0, "".join(leader.lines)
+    assert follower.wait(timeout=60) == 0, "".join(follower.lines)
+    assert any("decode follower 1 stopped" in line for line in follower.lines)
+    assert any(re.search(r"decode leader plan: .*\binsert: 3 messages", line)
+               for line in leader.lines), "".join(leader.lines)
