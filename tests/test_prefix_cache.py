@@ -589,24 +589,22 @@ def test_warmup_covers_every_prefill_with_context_a_colocated_chat_needs(tiny_hf
         _check_pool(llm)
 
 
-def test_a_background_compile_yields_the_cpu_and_close_waits_for_it():
-    import os
+def test_closing_a_background_compiler_waits_for_the_compile_in_progress():
     import threading
 
     from jaxpd.engine.background_compile import BackgroundCompiler
     from jaxpd.engine.runner import CompileCounter
-    started, release, seen = threading.Event(), threading.Event(), {}
+    started, release = threading.Event(), threading.Event()
 
     class Lowered:                       # what `lower()` returns: compiled on the thread
         def compile(self):
-            seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
             started.set()
             release.wait(10)
             return "program"
 
     compiler = BackgroundCompiler("probe", CompileCounter())
     assert not compiler.ready("k", Lowered) and started.wait(10)
-    assert seen["nice"] == 19 and compiler.pending == 1
+    assert compiler.pending == 1
     closing = threading.Thread(target=compiler.close)
     closing.start()
     closing.join(0.2)

@@ -9,11 +9,16 @@ serves its batch another way meanwhile (without the prefix: what the cache-off e
 computes), so nothing waits for a compile and nothing is compiled that traffic never
 needs. `get` returns the compiled program once it is ready. A compile that fails is
 logged and remembered (`failed`): that shape keeps the fallback.
+
+A compile competes with serving while it runs: on 2 cores a tiny model's decode ran
+about 2x slower during one (BENCHMARKS.md section 10d). The lowest CPU priority for
+this thread made it worse (the thread holding the GIL was preempted while the serving
+thread waited for it), and a shorter GIL switch interval did not help, so neither is
+used: it is a one-off per program shape, and a benchmark settles it (`settle`).
 """
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -76,7 +81,6 @@ class BackgroundCompiler:
             return len(self._asked) - len(self._ready) - len(self.failed)
 
     def _run(self) -> None:
-        _yield_cpu()
         while True:
             item = self._queue.get()
             if item is None:
@@ -92,17 +96,6 @@ class BackgroundCompiler:
             self.counter.note(self.name, key)
             with self._lock:
                 self._ready[key] = compiled
-
-
-def _yield_cpu() -> None:
-    """Lowest CPU priority for this thread (Linux: a nice value is per thread, and
-    threads it starts inherit it): a compile then takes only the cycles serving leaves,
-    instead of slowing every decode step while it runs (on 2 cores a tiny model's
-    decode step was 5x slower during one)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):      # not Linux, or not permitted: compile as is
-        pass
 
 
 def compilers(engine) -> list[BackgroundCompiler]:
