@@ -43,7 +43,7 @@ def test_bench_runs_meshes_processes_and_hf_on_the_same_requests(tiny_dir, tmp_p
                                 "--compare", "colocated=2,hf", "--deployment", "processes",
                                 "--prefill_cpus", "0", "--decode_cpus", "1",
                                 "--warmup_requests", "0",      # no compile-ahead: a smoke run
-                                "--json", str(out)))
+                                "--prefix_caching", "off", "--json", str(out)))
     printed = capsys.readouterr().out
     processes = "processes(prefill=1@cpu0,decode=1@cpu1)"
     for name in ("prefill=1,decode=1", "colocated=2", processes, "hf"):
@@ -69,6 +69,9 @@ def test_bench_runs_meshes_processes_and_hf_on_the_same_requests(tiny_dir, tmp_p
         stats = run["engine_stats"]
         assert stats["finished"] == NUM_REQUESTS and stats["aborted"] == 0
     assert engine_runs[0]["engine_stats"]["transfers"] == NUM_REQUESTS
+    # --prefix_caching off: the cache the disaggregated mesh has by default stays off.
+    assert engine_runs[0]["engine_options"]["enable_prefix_caching"] is False
+    assert engine_runs[0]["engine_stats"]["prefix_query_tokens"] == 0
     router = doc["runs"][2]["engine_stats"]
     assert router["finished"] == NUM_REQUESTS and router["aborted"] == 0
     assert [len(router["workers"][role]) for role in ("prefill", "decode")] == [1, 1]
@@ -328,6 +331,10 @@ def test_prefix_workload_flags_are_checked(capsys):
     assert_flag_rejected(bench.parse_args, ["--workload", "chat"], "--workload", capsys)
     assert_flag_rejected(bench.parse_args, ["--think_s", "-1"], "--think_s", capsys)
     assert_flag_rejected(bench.parse_args, ["--turns", "0"], "--turns", capsys)
+    assert_flag_rejected(bench.parse_args, ["--workload", "multiturn", "--prefix_caching", "on"],
+                         "--prefix_caching", capsys)
+    assert_flag_rejected(bench.parse_args, ["--prefix_caching", "maybe"], "--prefix_caching",
+                         capsys)
 
 
 def test_prefix_repetition_chats_reuse_each_prefix():

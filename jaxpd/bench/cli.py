@@ -92,6 +92,10 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
                    help="engine prompts per prefill batch")
     s.add_argument("--attention_impl", default="auto", choices=ATTENTION_IMPLS,
                    help="engine decode attention core")
+    s.add_argument("--prefix_caching", default="default", choices=("default", "on", "off"),
+                   help="the engines' prefix cache: each mesh's default (on beside a prefill "
+                        "mesh in one process), or on / off for all (the prefix workloads "
+                        "compare off and on themselves)")
     add_elastic_flags(s)
     s.add_argument("--hf_batch", type=positive_int, default=8,
                    help="largest static batch of the hf baseline")
@@ -157,6 +161,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     elif args.prefill_cpus is not None or args.decode_cpus is not None:
         parser.error("--prefill_cpus/--decode_cpus need --deployment processes")
     check_meshes(args, parser.error)
+    if args.prefix_caching != "default" and args.workload not in ("poisson", "shift"):
+        parser.error(f"--prefix_caching: --workload {args.workload} runs every mesh with the "
+                     f"cache off and on already")
     if args.goodput_max_rate is not None and args.goodput_max_rate < args.goodput_min_rate:
         parser.error(f"--goodput_max_rate={args.goodput_max_rate} is below "
                      f"--goodput_min_rate={args.goodput_min_rate}")
@@ -192,6 +199,8 @@ class Benchmark:
                                    attention_impl=args.attention_impl)
         if args.handoff_wait_ms is not None:
             self.engine_options["handoff_wait_ms"] = args.handoff_wait_ms
+        if args.prefix_caching != "default":
+            self.engine_options["enable_prefix_caching"] = args.prefix_caching == "on"
         self.warmup = self._warmup_requests(min(prompts), max(prompts), min(max(outputs), 8))
         self.reports: list[dict] = []
         self.timelines: dict[str, list] = {}
