@@ -46,3 +46,13 @@ def hf_models(tmp_path_factory):
 def tiny_hf_model(hf_models):
     """`(path, torch model)` of the default `llama_gqa` model most engine tests serve."""
     return hf_models("llama_gqa")
+
+
+@pytest.fixture
+def procs():
+    """`tests.test_router.Procs`: launcher processes a test starts, stopped after it."""
+    from tests.test_router import Procs
+
+    p = Procs()
+    yield p
+    p.close()

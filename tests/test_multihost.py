@@ -17,17 +17,10 @@ from jaxpd.engine.page_allocator import pages_for
 from jaxpd.models.source import model_config_and_tokenizer
 from jaxpd.serving.role_rpc import RoleClient
 from tests.engine_fixtures import mixed_prompts, reference
-from tests.test_router import COMMON, PATIENT_ROUTER, Procs, _free_port, _generate_all
+from tests.test_router import COMMON, PATIENT_ROUTER, _free_port, _generate_all
 
 pytestmark = pytest.mark.slow
 NUM = 16
-
-
-@pytest.fixture
-def procs():
-    p = Procs()
-    yield p
-    p.close()
 
 
 @pytest.fixture(scope="module")

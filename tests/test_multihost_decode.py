@@ -21,17 +21,10 @@ from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
 from jaxpd.serving.role_rpc import RoleClient
 from tests.engine_fixtures import mixed_prompts, reference
 from tests.test_multihost import _coordinator, _page_bytes
-from tests.test_router import COMMON, PATIENT_ROUTER, Procs, _free_port, _generate_all
+from tests.test_router import COMMON, PATIENT_ROUTER, _free_port, _generate_all
 
 pytestmark = pytest.mark.slow
 NUM = 16
-
-
-@pytest.fixture
-def procs():
-    p = Procs()
-    yield p
-    p.close()
 
 
 @pytest.fixture(scope="module")

@@ -13,17 +13,10 @@ from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
 from jaxpd.serving.role_rpc import RoleClient
 from tests.hf_fixtures import hf_greedy
 from tests.test_prefix_cache import _conversation
-from tests.test_router import Procs, _deployment
+from tests.test_router import _deployment
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 6
-
-
-@pytest.fixture
-def procs():
-    p = Procs()
-    yield p
-    p.close()
 
 
 def _complete(stub, ids) -> list[int]:

@@ -93,13 +93,6 @@ class Procs:
                 p.kill()
 
 
-@pytest.fixture
-def procs():
-    p = Procs()
-    yield p
-    p.close()
-
-
 def _deployment(procs, path, num_decode=1, prefill_fault=None, transport="transfer_server",
                 extra=(), router_extra=(), env=None):
     """Router first (it needs no jax: up at once), then workers that register on its

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from jaxpd.serving.role_rpc import RoleClient
-from tests.test_router import (LAYERWISE, PATIENT_ROUTER, Procs, _deployment, _generate_all,
+from tests.test_router import (LAYERWISE, PATIENT_ROUTER, _deployment, _generate_all,
                                router_model)
 
 pytestmark = pytest.mark.slow
@@ -20,13 +20,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def model(tiny_hf_model):
     return router_model(tiny_hf_model)
-
-
-@pytest.fixture
-def procs():
-    p = Procs()
-    yield p
-    p.close()
 
 
 # Fault points x transports, each once (a CI minute each): before the first part is

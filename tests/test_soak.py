@@ -19,7 +19,7 @@ import pytest
 from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
 from jaxpd.serving.role_rpc import RoleClient
 from jaxpd.auth import InternalAuth
-from tests.test_router import COMMON, _deployment, model, procs  # noqa: F401 (fixtures)
+from tests.test_router import COMMON, _deployment, model  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow
 
