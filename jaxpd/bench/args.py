@@ -214,6 +214,23 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
                         "pages the decode side lacks)")
 
 
+def add_deployment_flags(s) -> None:
+    """`--deployment processes` and its workers (`bench/processes.py`)."""
+    s.add_argument("--deployment", choices=["none", "processes"], default="none",
+                   help="processes: also run a router in front of a prefill and a decode "
+                        "worker process pinned to separate CPUs (bench/processes.py)")
+    s.add_argument("--process_mesh", default="prefill=1,decode=1",
+                   help="--deployment processes: the workers' meshes")
+    s.add_argument("--prefill_cpus", default=None,
+                   help="--deployment processes: the prefill worker's CPUs, e.g. '0' or '0-3' "
+                        "(default: the first half of this process's CPUs)")
+    s.add_argument("--decode_cpus", default=None,
+                   help="--deployment processes: the decode worker's CPUs (default: the rest)")
+    s.add_argument("--process_kv_transport", choices=["transfer_server", "grpc"],
+                   default="transfer_server",
+                   help="--deployment processes: how KV pages move between the workers")
+
+
 def meshes_of(args: argparse.Namespace) -> list[str]:
     """The engine meshes to run, the one under test first."""
     return [args.mesh] + [c for c in args.compare if c != HF]

@@ -25,10 +25,10 @@ import json
 import sys
 from typing import Callable, Sequence
 
-from jaxpd.bench.args import (HF, add_workload_flags, backends_of, compare_flag,  # noqa: F401
-                              describe_devices, mesh_flag, meshes_of, nonnegative_int,
-                              num_devices_needed, positive_float, positive_int,
-                              resolve_model, whole_numbers)
+from jaxpd.bench.args import (HF, add_deployment_flags, add_workload_flags,  # noqa: F401
+                              backends_of, compare_flag, describe_devices, mesh_flag,
+                              meshes_of, nonnegative_int, num_devices_needed, positive_float,
+                              positive_int, resolve_model, whole_numbers)
 from jaxpd.bench.elastic import add_elastic_flags, format_decisions
 from jaxpd.bench.driver import (Backend, BenchRequest, EngineBackend, Progress, RunResult,
                                 ensure_cpu_devices, make_bench_requests)
@@ -64,19 +64,7 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--compare", type=compare_flag, default=["colocated=8"],
                    help="comma-separated baselines run on the same requests: meshes "
                         "(colocated=N, prefill=P,decode=D) and/or 'hf'; 'none' for none")
-    s.add_argument("--deployment", choices=["none", "processes"], default="none",
-                   help="processes: also run a router in front of a prefill and a decode "
-                        "worker process pinned to separate CPUs (bench/processes.py)")
-    s.add_argument("--process_mesh", default="prefill=1,decode=1",
-                   help="--deployment processes: the workers' meshes")
-    s.add_argument("--prefill_cpus", default=None,
-                   help="--deployment processes: the prefill worker's CPUs, e.g. '0' or '0-3' "
-                        "(default: the first half of this process's CPUs)")
-    s.add_argument("--decode_cpus", default=None,
-                   help="--deployment processes: the decode worker's CPUs (default: the rest)")
-    s.add_argument("--process_kv_transport", choices=["transfer_server", "grpc"],
-                   default="transfer_server",
-                   help="--deployment processes: how KV pages move between the workers")
+    add_deployment_flags(s)
     s.add_argument("--handoff_wait_ms", type=float, default=None,
                    help="engine handoff_wait_ms (the prefill side's wait for the transfer "
                         "server's pulls before its next batch; default: the engine's)")
