@@ -239,6 +239,10 @@ def test_process_deployment_splits_the_cpus_and_names_them():
     assert decode[decode.index("--slots_per_shard") + 1] == "4"
     assert "--enable_prefix_caching" in decode and "--max_prefill_batch" not in decode
     assert decode[decode.index("--kv_transport") + 1] == "transfer_server"
+    off = worker_flags(d, "/m", dict(max_model_len=64, enable_prefix_caching=False))
+    assert all("--noenable_prefix_caching" in flags for flags in off)
+    unset = worker_flags(d, "/m", dict(max_model_len=64))    # each worker's default
+    assert not any("prefix_caching" in f for flags in unset for f in flags)
     grpc = make_deployment("prefill=1,decode=1", "0", "1", allowed=[0, 1], kv_transport="grpc")
     assert grpc.name == "processes(prefill=1@cpu0,decode=1@cpu1,grpc)"
 

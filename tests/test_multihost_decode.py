@@ -37,7 +37,7 @@ def model(tiny_hf_model):
             reference(hf, prompts[:8], long_tokens[:8]))
 
 
-def _deployment(procs, path, mesh="decode=2", transport="transfer_server"):
+def _deployment(procs, path, mesh="decode=2", transport="transfer_server", other_decode=False):
     router_port = _free_port()
     router = procs.start(["--role", "router", "--model", path, "--port", str(router_port),
                           "--internal_port", "0"] + COMMON + PATIENT_ROUTER)
@@ -51,11 +51,15 @@ def _deployment(procs, path, mesh="decode=2", transport="transfer_server"):
     leader = procs.start(group + ["--process_id", "0"])
     follower = procs.start(group + ["--process_id", "1"])
     procs.wait_line(follower, rf"decode follower 1/2 of the mesh {mesh}")
-    for w in (prefill, leader):
+    workers = [prefill, leader]
+    if other_decode:                  # a one-process decode worker beside the role
+        workers.append(procs.start(["--role", "decode", "--mesh", "decode=1", "--model", path,
+                                    "--port", "0", "--slots_per_shard", "4"] + common))
+    for w in workers:
         address = procs.wait_line(w, r"worker on (\S+)").group(1)
         procs.wait_line(router, rf"worker {re.escape(address)} joined")
     procs.wait_line(router, r"jaxpd serving")
-    return f"127.0.0.1:{router_port}", router, prefill, leader, follower
+    return f"127.0.0.1:{router_port}", router, prefill, leader, follower, workers[2:]
 
 
 def _with_logprobs(addr, prompts, max_tokens):
@@ -71,7 +75,7 @@ def _with_logprobs(addr, prompts, max_tokens):
 def test_decode_mesh_of_two_processes_matches_transformers_then_stops_on_a_lost_follower(
         model, procs):
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
-    addr, router, prefill, leader, follower = _deployment(procs, path)
+    addr, router, prefill, leader, follower, _ = _deployment(procs, path)
     decode = RoleClient(procs.wait_line(leader, r"decode worker on (\S+)").group(1))
     before = decode.info(timeout=10)
     outs = _generate_all(addr, prompts, max_tokens)
@@ -126,6 +130,47 @@ def test_decode_mesh_of_two_processes_matches_transformers_then_stops_on_a_lost_
     for o, e in zip(outs, expected_long):     # any that finished first are still right
         if o.finish_reason != "abort":
             assert list(o.token_ids) == e
+    router.send_signal(signal.SIGTERM)
+    assert router.wait(timeout=60) == 0
+
+
+def test_decode_mesh_2x2_over_two_processes_fails_over_to_another_decode_worker(model, procs):
+    """dp=2 x tp=2 over 2 processes x 2 devices beside a one-process decode worker:
+    greedy tokens equal transformers'; when the role's follower dies mid-stream, the
+    router sends the role's requests to the other decode worker (prefilled again), so
+    every request finishes with the right tokens and that worker gives back every slot
+    and page."""
+    path, prompts, max_tokens, expected, long_tokens, expected_long = model
+    addr, router, prefill, leader, follower, (other,) = _deployment(
+        procs, path, mesh="decode=2x2", other_decode=True)
+    role = RoleClient(procs.wait_line(leader, r"decode worker on (\S+)").group(1))
+    spare = RoleClient(procs.wait_line(other, r"decode worker on (\S+)").group(1))
+    idle = spare.info(timeout=10)
+    outs = _generate_all(addr, prompts, max_tokens)
+    assert [list(o.token_ids) for o in outs] == expected, procs.tails()
+    assert role.info(timeout=10)["transfers"] > 0          # the role served its share
+
+    empty, holder = role.info(timeout=10)["free_slots"], {}
+    t = threading.Thread(target=lambda: holder.update(
+        outs=_generate_all(addr, prompts[:8], long_tokens[:8], timeout=180)))
+    t.start()
+    while role.info(timeout=10)["free_slots"] > empty - 2:  # two decoding on the role
+        assert t.is_alive(), "requests finished before the follower was killed"
+        time.sleep(0.02)
+    follower.send_signal(signal.SIGKILL)
+    assert leader.wait(timeout=60) == 1
+    t.join(240)
+    assert not t.is_alive()                   # nobody waits forever
+    outs = holder["outs"]
+    assert [o.finish_reason for o in outs] == ["length"] * 8, procs.tails()
+    assert [list(o.token_ids) for o in outs] == expected_long
+    deadline = time.monotonic() + 30
+    while True:                               # the survivor leaks nothing
+        info = spare.info(timeout=10)
+        if (info["free_slots"], info["free_pages"]) == (idle["free_slots"], idle["free_pages"]):
+            break
+        assert time.monotonic() < deadline, info
+        time.sleep(0.2)
     router.send_signal(signal.SIGTERM)
     assert router.wait(timeout=60) == 0
 

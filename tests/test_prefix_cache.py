@@ -378,12 +378,22 @@ def test_penalties_and_logprobs_through_the_cache_equal_the_uncached_path(tiny_h
 
 # ---- across processes' interfaces: the router's prefix-aware routing -----------------
 
+def _empty_advert(seq=1):
+    return {"root": ROOT, "seq": seq, "full": True, "add": [], "drop": []}
+
+
 def test_prefix_index_records_per_worker_and_forgets_a_dropped_one():
+    """Beliefs per worker, bounded; none about a worker that never advertised (its
+    cache is off: the router routes to it by load alone)."""
     from jaxpd.serving.prefix_index import PrefixIndex
     index = PrefixIndex(page_size=4, max_pages=3)
     ids = list(range(3, 23))                              # 5 full pages
-    index.record("a", ids[:12])
     query = index.query(ids)
+    index.record("a", ids[:12])
+    assert index.cached_tokens("a", query) == 0           # no cache advertised
+    for worker in ("a", "b"):
+        assert index.advertise(worker, _empty_advert())
+    index.record("a", ids[:12])
     assert index.cached_tokens("a", query) == 12 and index.cached_tokens("b", query) == 0
     index.record("a", ids)                                # bounded: the oldest pages go
     assert index.cached_tokens("a", query) == 0           # page 0 forgotten: no prefix
@@ -499,7 +509,11 @@ def test_router_prefers_the_prefill_worker_holding_the_prompt_unless_it_is_busie
     r = Request("r", ids, SamplingParams(max_tokens=1))
     query = flow.prefix.query(ids)
     assert flow._prefill_order(r, query) == [a, b]         # nothing cached: in order
-    flow.prefix.record("b", ids[:48])                      # b holds 3 pages of it
+    flow.prefix.record("b", ids[:48])                      # b holds 3 pages of it ...
+    assert flow._prefill_order(r, query) == [a, b]         # ... but has no cache on
+    for worker in ("a", "b"):
+        assert flow.prefix.advertise(worker, _empty_advert())
+    flow.prefix.record("b", ids[:48])                      # with its cache on
     assert flow._prefill_order(r, query) == [b, a]
     b.load["queue"] = 1                                    # ... but has one queued
     assert flow._prefill_order(r, query) == [a, b]

@@ -103,8 +103,9 @@ def worker_flags(deployment: Deployment, model_dir: str, options: dict,
                 "handoff_wait_ms", "attention_impl"):
         if key in options:
             common += [f"--{key}", str(options[key])]
-    if options.get("enable_prefix_caching"):
-        common.append("--enable_prefix_caching")
+    cache = options.get("enable_prefix_caching")
+    if cache is not None:               # else each worker's default
+        common.append("--enable_prefix_caching" if cache else "--noenable_prefix_caching")
     return [common + ["--role", "prefill", "--mesh", deployment.prefill_mesh,
                       "--cpus", deployment.prefill_cpus],
             common + ["--role", "decode", "--mesh", deployment.decode_mesh,
@@ -127,7 +128,6 @@ class ProcessesBackend(FrontendBackend):
         try:
             config = RouterConfig(
                 max_model_len=self.options["max_model_len"],
-                prefix_routing=bool(self.options.get("enable_prefix_caching")),
                 prefix_extend_below=self.options.get("prefix_extend_below", 256))
             self.front = Router(model_dir, config, prefill=(prefill,), decode=(decode,))
             self._wait_ready()

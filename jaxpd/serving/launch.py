@@ -248,7 +248,7 @@ def _run_router(fv: flags.FlagValues) -> int:
                               dtype=fv.dtype, page_size=fv.page_size,
                               heartbeat_s=fv.heartbeat_s, lease_s=fv.lease_s,
                               stall_timeout_s=fv.stall_timeout_s,
-                              prefix_routing=bool(fv.enable_prefix_caching),
+                              prefix_routing=fv.enable_prefix_caching is not False,
                               prefix_extend_below=fv.prefix_extend_below)
         router = Router(model, config, tuple(fv.prefill_workers), tuple(fv.decode_workers),
                         auth=auth)

@@ -127,7 +127,9 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                       "prefix computes only the rest (on the decode mesh when the rest is "
                       "short) and its handoff carries only the pages the decode side lacks. "
                       "Default: on for one process with prefill and decode meshes, off "
-                      "elsewhere (--noenable_prefix_caching turns it off).",
+                      "elsewhere (--noenable_prefix_caching turns it off). On a router: "
+                      "route by the prefixes the workers' caches advertise unless "
+                      "--noenable_prefix_caching.",
                       flag_values=fv)
     flags.DEFINE_integer("prefix_extend_below", 256, "With prefix caching: a request whose "
                          "uncached rest is shorter than this is prefilled on the decode mesh.",

@@ -19,6 +19,12 @@ What a worker holds, the router learns two ways:
   worker advertises, a belief lasts two of its advertisements (by then the worker has
   said whether it holds those pages), then only the advertised set counts.
 
+Only a worker that has advertised counts: one whose cache is off never advertises, so
+the router believes it holds nothing and routes to it by load alone. That is why the
+router can keep prefix routing on by default (`RouterConfig.prefix_routing`): it
+follows the workers' own choice. A worker with the cache on advertises with its first
+registration, before any request can be routed to it.
+
 Either can be stale or wrong (a worker may evict a page meanwhile, a peer may lie):
 that is safe, because the worker decides what it really shares, and a page it does not
 hold is computed, never read. An advertisement is a peer's word: `advertise` checks
@@ -144,8 +150,8 @@ class PrefixIndex:
         """Tokens of the longest prefix of `query` that `worker` is believed to hold."""
         with self._lock:
             held = self._held.get(worker)
-            if held is None:
-                return 0
+            if held is None or not held.adverts:
+                return 0                          # no cache we know of
             root = held.root
         keys = query.keys(root)
         with self._lock:
