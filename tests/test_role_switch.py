@@ -36,11 +36,11 @@ def test_the_other_role_takes_the_same_devices():
             other_mesh(mesh, role)
 
 
-def _start(path, router_address, auth, role):
+def _start(path, router_address, auth, role, cache=False):
     """An in-process worker of `role` that can switch roles (as `serve_role` builds it)."""
     from jaxpd.serving.role_server import RoleServer, RoleService, make_connector
     from jaxpd.serving.role_switch import RoleSwitch
-    options = dict(max_model_len=MAX_MODEL_LEN, slots_per_shard=4)
+    options = dict(max_model_len=MAX_MODEL_LEN, slots_per_shard=4, enable_prefix_caching=cache)
     connector, kv_address = make_connector(role, "grpc", "127.0.0.1", auth)
     llms = [LLM(path, mesh=f"{role}=1", connector=connector, **options)]
     service = RoleService(llms[0].engine, kv_address, "grpc")
@@ -77,7 +77,11 @@ def _driver(router, actuator):
 
 
 @pytest.mark.slow
-def test_a_decode_worker_becomes_a_prefill_worker_while_requests_stream(tiny_hf_model):
+@pytest.mark.parametrize("cache", [False, True], ids=["cache_off", "cache_on"])
+def test_a_decode_worker_becomes_a_prefill_worker_while_requests_stream(tiny_hf_model, cache):
+    """With prefix caching on every worker too: the switched worker's new engine starts
+    with an empty cache and advertises it, the repeated prompts after the switch hit
+    the caches, and the page accounting holds with cached pages kept."""
     from jaxpd.auth import InternalAuth
     from jaxpd.serving.role_rpc import RoleClient
     from jaxpd.serving.router import Router, RouterConfig
@@ -95,7 +99,7 @@ def test_a_decode_worker_becomes_a_prefill_worker_while_requests_stream(tiny_hf_
     try:
         address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
         for role in ("prefill", "decode", "decode"):
-            workers.append(_start(path, address, auth, role))
+            workers.append(_start(path, address, auth, role, cache))
         deadline = time.monotonic() + 30
         while len(router.live_workers()) < 3:
             assert time.monotonic() < deadline, "workers did not register"
@@ -129,6 +133,9 @@ def test_a_decode_worker_becomes_a_prefill_worker_while_requests_stream(tiny_hf_
         more = router.generate(prompt_token_ids=prompts[:4],
                                sampling_params=[_greedy(n) for n in max_tokens[:4]])
         assert [o.token_ids for o in more] == expected[:4]
+        hits = sum(llms[-1].stats().get("prefill_cache_hit_tokens", 0) +
+                   llms[-1].stats().get("prefix_hit_tokens", 0) for _, llms in workers)
+        assert (hits > 0) == cache               # the repeats hit only with the cache on
         switched = workers[index][1][-1]
         assert switched.stats()["prefill_batches"] > 0 or \
             workers[0][1][-1].stats()["prefill_batches"] > 0
