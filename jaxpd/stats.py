@@ -48,6 +48,8 @@ class EngineStats(collections.abc.Mapping):
                                       "request here, or contradicting this side's pages, "
                                       "limits or vocabulary.")
     offers_reclaimed: int = _counter("KV offers ended by the sender because nobody pulled them.")
+    kv_pieces_pulled: int = _counter("KV pieces pulled, each from the process of a prefill mesh "
+                                     "spanning processes that holds those kv heads.")
     prefix_query_tokens: int = _counter("Tokens looked up in the prefix cache (decode side).")
     prefix_hit_tokens: int = _counter("Tokens whose KV came from the prefix cache (not computed "
                                       "or not inserted).")

@@ -245,6 +245,20 @@ def test_process_deployment_splits_the_cpus_and_names_them():
     assert not any("prefix_caching" in f for flags in unset for f in flags)
     grpc = make_deployment("prefill=1,decode=1", "0", "1", allowed=[0, 1], kv_transport="grpc")
     assert grpc.name == "processes(prefill=1@cpu0,decode=1@cpu1,grpc)"
+    # A prefill role spanning processes: one argument list per process, the leader first,
+    # all with the same coordinator and --kv_offers; followers serve no address.
+    from jaxpd.bench.processes import Deployment
+    from jaxpd.bench.workers import LaunchedWorker
+    spread = Deployment("prefill=4", "decode=1", "0", "1", prefill_processes=2,
+                        kv_offers="gather")
+    assert spread.name == "processes(prefill=4 over 2 processes, kv gather@cpu0,decode=1@cpu1)"
+    leader, follower, decode = worker_flags(spread, "/m", dict(max_model_len=64))
+    value = lambda flags, name: flags[flags.index(name) + 1]
+    assert [value(f, "--process_id") for f in (leader, follower)] == ["0", "1"]
+    assert value(leader, "--coordinator") == value(follower, "--coordinator")
+    assert value(follower, "--kv_offers") == "gather" and "--process_id" not in decode
+    assert [LaunchedWorker.is_follower.fget(type("W", (), {"args": f})())
+            for f in (leader, follower, decode)] == [False, True, False]
 
 
 def test_missing_model_is_a_clear_error(tmp_path):

@@ -24,8 +24,9 @@ NUM = 16
 
 
 @pytest.fixture(scope="module")
-def model(tiny_hf_model):
-    path, hf = tiny_hf_model
+def model(hf_models):
+    # Four kv heads over tp=4: each process holds two of them and offers them itself.
+    path, hf = hf_models("llama_tied")
     prompts = mixed_prompts(NUM, 256, seed=11)
     max_tokens = [3 + i % 6 for i in range(NUM)]
     return path, prompts, max_tokens, reference(hf, prompts, max_tokens)
@@ -43,8 +44,10 @@ def _deployment(procs, path, transport):
                           "--internal_port", "0"] + COMMON + PATIENT_ROUTER)
     internal = procs.wait_line(router, r"internal plane on (\S+)").group(1)
     common = COMMON + ["--kv_transport", transport, "--router", internal]
+    # Prompts of 128+ tokens go layer-wise, in two parts (each offered as pieces too).
     group = ["--role", "prefill", "--mesh", "prefill=4", "--model", path, "--port", "0",
-             "--num_processes", "2", "--coordinator", _coordinator()] + common
+             "--num_processes", "2", "--coordinator", _coordinator(), "--layerwise_parts", "2",
+             "--layerwise_min_tokens", "128"] + common
     leader = procs.start(group + ["--process_id", "0"])
     follower = procs.start(group + ["--process_id", "1"])
     decode = procs.start(["--role", "decode", "--mesh", "decode=2", "--model", path,
@@ -66,7 +69,9 @@ def _page_bytes(path, page_size=16):
     return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * 4
 
 
-@pytest.mark.parametrize("transport", ["transfer_server"])
+# The transfer server: each process offers its own kv heads; the gRPC stream: the
+# leader gathers them and sends the whole KV.
+@pytest.mark.parametrize("transport", ["transfer_server", "grpc"])
 def test_prefill_mesh_of_two_processes_matches_transformers_then_survives_a_lost_follower(
         model, procs, transport):
     path, prompts, max_tokens, expected = model
@@ -79,6 +84,12 @@ def test_prefill_mesh_of_two_processes_matches_transformers_then_survives_a_lost
     assert after["transfers"] - before["transfers"] == NUM
     moved = after["transfer_bytes"] - before["transfer_bytes"]
     assert moved == sum(pages_for(len(p), 16) for p in prompts) * _page_bytes(path)
+    # Each handoff (a layer-wise one: each of its two parts) came as two pieces, each
+    # process's own kv heads from that process.
+    layerwise = after["layerwise_transfers"] - before["layerwise_transfers"]
+    assert 0 < layerwise < NUM
+    pieces = after["counters"]["kv_pieces_pulled"] - before["counters"]["kv_pieces_pulled"]
+    assert pieces == (2 * (NUM + layerwise) if transport == "transfer_server" else 0)
 
     # A follower dies: the leader stops the role within seconds, saying why; the
     # router fails the requests over (here: prefilled on the decode worker).

@@ -49,6 +49,70 @@ class BackpressureError(TransferError):
     """The receiving side's queue stayed full: it cannot take another handoff now."""
 
 
+MAX_PIECES = 64      # kv-head ranges of one Offer (a tp wider than this is not one we serve)
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Some kv heads of an Offer's pages, waiting in one process's transfer server under
+    `uuid`: a prefill mesh spanning processes offers each process's own shards
+    (`engine.shard_offers`). The pull is `k` then `v`, one array per range of `heads`
+    ([start, stop) in order), each [L, P, S, stop - start, H]; `k_checksums[i]` are the
+    crc32s of `k[i]`'s pages (None: the sender has checksums off)."""
+    transfer_address: str
+    uuid: int
+    heads: tuple[tuple[int, int], ...]
+    k: tuple[ArrayLayout, ...]
+    v: tuple[ArrayLayout, ...]
+    k_checksums: tuple[tuple[int, ...], ...] | None = None
+    v_checksums: tuple[tuple[int, ...], ...] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        sums = lambda s: None if s is None else [list(x) for x in s]
+        return {"transfer_address": self.transfer_address, "uuid": self.uuid,
+                "heads": [list(h) for h in self.heads], "k": [x.to_dict() for x in self.k],
+                "v": [x.to_dict() for x in self.v], "k_checksums": sums(self.k_checksums),
+                "v_checksums": sums(self.v_checksums)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Piece:
+        heads = d["heads"]
+        if not isinstance(heads, list) or not 0 < len(heads) <= MAX_PIECES or not all(
+                isinstance(h, list) and len(h) == 2 and all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in h) for h in heads):
+            raise ValueError("piece heads must be 1 to 64 [start, stop] pairs of ints")
+        def layouts(name: str) -> tuple[ArrayLayout, ...]:
+            value = d[name]
+            if not isinstance(value, list) or len(value) != len(heads):
+                raise ValueError(f"piece {name}: one layout per head range")
+            return tuple(ArrayLayout.from_dict(x) for x in value)
+        def sums(name: str):
+            value = d.get(name)
+            if value is None:
+                return None
+            if not isinstance(value, list) or len(value) != len(heads):
+                raise ValueError(f"piece {name}: one checksum list per head range")
+            return tuple(_checksums(x, name) for x in value)
+        return cls(transfer_address=str(d["transfer_address"]), uuid=int(d["uuid"]),
+                   heads=tuple((h[0], h[1]) for h in heads), k=layouts("k"), v=layouts("v"),
+                   k_checksums=sums("k_checksums"), v_checksums=sums("v_checksums"))
+
+    def check(self, k: ArrayLayout, v: ArrayLayout) -> None:
+        """Raise ValueError unless every array is a head range of `k` / `v` (the whole
+        arrays the Offer announces), with checksums for each of its pages."""
+        for name, whole, parts, sums in (("k", k, self.k, self.k_checksums),
+                                         ("v", v, self.v, self.v_checksums)):
+            for (start, stop), part in zip(self.heads, parts):
+                if len(whole.shape) != 5 or not 0 <= start < stop <= whole.shape[3] or \
+                        part.shape != (*whole.shape[:3], stop - start, whole.shape[4]) or \
+                        part.dtype != whole.dtype:
+                    raise ValueError(f"piece {self.uuid}: {name} heads [{start}, {stop}) "
+                                     f"{list(part.shape)} {part.dtype} is not a head range of "
+                                     f"{list(whole.shape)} {whole.dtype}")
+            if sums is not None and any(len(s) != whole.shape[1] for s in sums):
+                raise ValueError(f"piece {self.uuid}: {name}_checksums need one value per page")
+
+
 @dataclasses.dataclass(frozen=True)
 class Offer:
     """Prefill → decode: a finished prefill whose KV waits on `transfer_address`.
@@ -57,6 +121,10 @@ class Offer:
     `k_checksums`/`v_checksums`: the crc32 of each page (`transfer.checksum`; None when
     the sender does not compute them); they travel with `first_token` on the
     authenticated control plane and bind the data plane's bytes to it.
+    `pieces` (a prefill mesh spanning processes, `engine.shard_offers`): the pages wait
+    in several transfer servers, each piece some kv heads; `k` and `v` then describe
+    the whole arrays, `uuid` names the Offer (and the sender's own piece), and the
+    pieces' heads cover every kv head exactly once.
     """
     uuid: int
     request_id: str
@@ -71,10 +139,12 @@ class Offer:
     k_checksums: tuple[int, ...] | None = None
     v_checksums: tuple[int, ...] | None = None
     first_page: int = 0
+    pieces: tuple[Piece, ...] = ()
     wire_version: int = WIRE_VERSION
 
     def to_dict(self) -> dict[str, Any]:
         return {"wire_version": self.wire_version, "part": self.part and self.part.to_dict(),
+            "pieces": [p.to_dict() for p in self.pieces],
             "uuid": self.uuid,
             "request_id": self.request_id, "num_tokens": self.num_tokens,
             "first_token": self.first_token, "k": self.k.to_dict(), "v": self.v.to_dict(),
@@ -95,13 +165,30 @@ class Offer:
                     part=KVPart.from_dict(d.get("part")),
                     k_checksums=_checksums(d.get("k_checksums"), "k_checksums"),
                     v_checksums=_checksums(d.get("v_checksums"), "v_checksums"),
-                    first_page=int(d.get("first_page", 0)))
+                    first_page=int(d.get("first_page", 0)),
+                    pieces=_pieces(d.get("pieces")))
+        if offer.pieces:
+            for piece in offer.pieces:
+                piece.check(offer.k, offer.v)
+            heads = sorted(h for piece in offer.pieces for h in piece.heads)
+            if [h[0] for h in heads] != [0] + [h[1] for h in heads[:-1]] or \
+                    heads[-1][1] != offer.k.shape[3]:
+                raise ValueError(f"pieces' kv heads {heads} do not cover [0, "
+                                 f"{offer.k.shape[3]}) exactly once")
         for name, sums, layout in (("k", offer.k_checksums, offer.k),
                                    ("v", offer.v_checksums, offer.v)):
             if sums is not None and (len(layout.shape) < 2 or len(sums) != layout.shape[1]):
                 raise ValueError(f"{name}_checksums: {len(sums)} values for the pages of "
                                  f"{name} {list(layout.shape)}")
         return offer
+
+
+def _pieces(value: Any) -> tuple[Piece, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_PIECES:
+        raise ValueError(f"pieces must be a list of at most {MAX_PIECES}")
+    return tuple(Piece.from_dict(p) for p in value)
 
 
 def _plain(sums: tuple[int, ...] | None) -> list[int] | None:
@@ -120,18 +207,26 @@ def _checksums(value: Any, field: str) -> tuple[int, ...] | None:
 
 @dataclasses.dataclass(frozen=True)
 class Ack:
-    """Decode → prefill: the pull of `uuid` is over; `error` is empty when it succeeded."""
+    """Decode → prefill: the pull of `uuid` is over; `error` is empty when it succeeded.
+    `pulled`: of a pieces Offer that failed, the pieces whose pull completed (the sender
+    ends the others)."""
     uuid: int
     error: str = ""
+    pulled: tuple[int, ...] = ()
     wire_version: int = WIRE_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        return {"wire_version": self.wire_version, "uuid": self.uuid, "error": self.error}
+        return {"wire_version": self.wire_version, "uuid": self.uuid, "error": self.error,
+                "pulled": list(self.pulled)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Ack:
         check_wire_version(d.get("wire_version"), "Ack")
-        return cls(uuid=int(d["uuid"]), error=str(d.get("error", "")))
+        pulled = d.get("pulled", [])
+        if not isinstance(pulled, list) or len(pulled) > MAX_PIECES:
+            raise ValueError(f"pulled must be a list of at most {MAX_PIECES} uuids")
+        return cls(uuid=int(d["uuid"]), error=str(d.get("error", "")),
+                   pulled=tuple(int(u) for u in pulled))
 
 
 OfferHandler = Callable[[Offer, float | None, str], None]
@@ -246,6 +341,11 @@ def _ips_of(host: str) -> frozenset[str]:
         return frozenset(a[4][0] for a in socket.getaddrinfo(host, None))
     except OSError:
         return frozenset()
+
+
+def address_on_any(address: str, hosts: tuple[str, ...]) -> bool:
+    """`address` is on one of `hosts` (names or IPs)."""
+    return any(address_is_on(address, ip) for host in hosts for ip in _ips_of(host))
 
 
 def address_is_on(address: str, ip: str | None) -> bool:

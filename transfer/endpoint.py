@@ -48,6 +48,8 @@ class TransferServerOptions:
     check_offer_addresses: an Offer may only name transfer and ack addresses on the
       host it came from (a peer with the cluster token still cannot point the decode
       side at a third machine); off for senders behind address translation.
+    offer_hosts: the hosts an Offer's pieces may also come from (a prefill mesh spanning
+      hosts offers each host's own shards, `engine.shard_offers`): its other hosts.
     """
     transfer_address: str = "127.0.0.1:0"
     transport_addresses: tuple[str, ...] = ("127.0.0.1:0",)
@@ -61,6 +63,7 @@ class TransferServerOptions:
     reclaim_timeout_s: float = 5.0
     verify_checksums: bool | None = None
     check_offer_addresses: bool = True
+    offer_hosts: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.transport_addresses:

@@ -86,17 +86,21 @@ _log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class _Pending:
-    """Arrays offered and not yet acked; referenced so nothing frees them early."""
-    k: jax.Array
-    v: jax.Array
+    """Arrays offered and not yet acked; referenced so nothing frees them early.
+    `remote`: the uuids of the other processes' pieces of a pieces Offer, which
+    `board` ends when nobody pulled them."""
+    arrays: tuple[jax.Array, ...]
     expires_at: float
-
+    remote: tuple[int, ...] = ()
+    board: object = None
 
 
 class TransferServerSender(Endpoint):
     """`KVSender` to decode sides in other processes or hosts: offers go to each
     handoff's `destination` (a `TransferServerReceiver.control_address`), or to
-    `decode_control_address` when it has none."""
+    `decode_control_address` when it has none. A handoff whose k and v are
+    `engine.shard_offers.ShardedPages` (the leader of a prefill mesh spanning
+    processes) is offered as pieces: this process's shards, and the followers'."""
 
     def __init__(self, *, control_address: str = "127.0.0.1:0",
                  decode_control_address: str | None = None,
@@ -114,32 +118,45 @@ class TransferServerSender(Endpoint):
         """Offer the handoff's pages and tell the decode side; blocks while
         `max_pending` offers await their ack."""
         self._check_open()
-        if not isinstance(handoff.k, jax.Array) or not isinstance(handoff.v, jax.Array):
-            raise TypeError("send needs k and v as jax.Array on this process's devices")
         uuid = secrets.randbits(63)
-        sums = ((page_checksums(handoff.k), page_checksums(handoff.v))
-                if self.options.checksums_on() else (None, None))
-        offer = Offer(uuid=uuid, request_id=handoff.request_id,
+        fields = dict(uuid=uuid, request_id=handoff.request_id,
                       num_tokens=handoff.num_tokens, first_token=handoff.first_token,
-                      k=describe(handoff.k), v=describe(handoff.v),
                       transfer_address=self.transfer_address,
                       ack_address=self.control_address, payload=handoff.payload,
-                      part=handoff.part, k_checksums=sums[0], v_checksums=sums[1],
-                      first_page=handoff.first_page)
+                      part=handoff.part, first_page=handoff.first_page)
+        remote, board = (), None
+        if hasattr(handoff.k, "board"):           # ShardedPages: offered as pieces
+            board = handoff.k.board
+            remote = tuple(u for _, u in handoff.k.remote)
+            try:
+                offer, arrays = self._pieces_offer(handoff, fields)
+            except TransferError:
+                board.reclaim(remote)
+                raise
+        elif isinstance(handoff.k, jax.Array) and isinstance(handoff.v, jax.Array):
+            sums = ((page_checksums(handoff.k), page_checksums(handoff.v))
+                    if self.options.checksums_on() else (None, None))
+            offer = Offer(k=describe(handoff.k), v=describe(handoff.v), k_checksums=sums[0],
+                          v_checksums=sums[1], **fields)
+            arrays = [handoff.k, handoff.v]
+        else:
+            raise TypeError("send needs k and v as jax.Array on this process's devices")
         try:
             pack(offer.to_dict())
         except (TypeError, ValueError) as e:
+            if board is not None:
+                board.reclaim(remote)
             raise TypeError(f"payload of {handoff.request_id!r} must be msgpack-able "
                             f"(dicts, lists, str, numbers, bytes): {e}") from e
         self._wait_for_room()
         ttl = self.options.offer_ttl_s
         if self._server_expires_offers:
-            self._server.await_pull(uuid, [handoff.k, handoff.v], timeout=(
+            self._server.await_pull(uuid, arrays, timeout=(
                 datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=ttl)))
         else:
-            self._server.await_pull(uuid, [handoff.k, handoff.v])
+            self._server.await_pull(uuid, arrays)
         with self._lock:
-            self._pending[uuid] = _Pending(handoff.k, handoff.v, time.monotonic() + ttl)
+            self._pending[uuid] = _Pending(tuple(arrays), time.monotonic() + ttl, remote, board)
         try:
             client = self._client(self._destination(handoff))
             client.offer(offer, timeout=self.options.rpc_timeout_s)
@@ -147,6 +164,20 @@ class TransferServerSender(Endpoint):
             # Nobody will pull it: end the offer now rather than at its TTL.
             self._release(uuid, reclaim=True)
             raise
+
+    def _pieces_offer(self, handoff: KVHandoff, fields: dict) -> tuple[Offer, list]:
+        """The Offer of a handoff of `ShardedPages`: this process's piece (offered under
+        the Offer's uuid) and each follower's, as it described it; and our arrays."""
+        from jaxpd.engine.shard_offers import make_piece, whole_layout
+        k, v = handoff.k.array, handoff.v.array
+        whole = whole_layout(k), whole_layout(v)
+        own, arrays = make_piece(self.transfer_address, fields["uuid"], k, v,
+                                 self.options.checksums_on())
+        pieces = [own] if own.heads else []
+        pieces += [handoff.k.board.read(p, u, *whole) for p, u in handoff.k.remote]
+        if not own.heads:         # this process owns no range (not how meshes are laid out)
+            raise TransferError("the leader holds no kv-head range of its own to offer")
+        return Offer(k=whole[0], v=whole[1], pieces=tuple(pieces), **fields), arrays
 
     def _destination(self, handoff: KVHandoff) -> str:
         address = handoff.destination or self._default_destination
@@ -197,15 +228,21 @@ class TransferServerSender(Endpoint):
             if not self._server_expires_offers:
                 self._reclaim_later(uuid, expired)
 
-    def _release(self, uuid: int, reclaim: bool = False) -> None:
-        """Forget an offer; `reclaim`: nobody pulled it, so also end it in the server
-        (which otherwise holds the pages until the offer's timeout, or for good on
-        jax < 0.10.1)."""
+    def _release(self, uuid: int, reclaim: bool = False, pulled: tuple[int, ...] = ()) -> None:
+        """Forget an offer; `reclaim`: nobody pulled it (of a pieces Offer: none but the
+        pieces in `pulled`), so also end it in the server (which otherwise holds the
+        pages until the offer's timeout, or for good on jax < 0.10.1), and have the
+        followers end theirs."""
         with self._lock:
             pending = self._pending.pop(uuid, None)
             self._lock.notify_all()
-            if reclaim and pending is not None:
-                self._reclaim_later(uuid, pending)
+        if not reclaim or pending is None:
+            return
+        if uuid not in pulled:
+            self._reclaim_later(uuid, pending)
+        remote = [u for u in pending.remote if u not in pulled]
+        if remote and not self._closed:
+            self._reclaimer.submit(pending.board.reclaim, remote)
 
     def _reclaim_later(self, uuid: int, pending: _Pending) -> None:
         if not self._closed:
@@ -216,12 +253,12 @@ class TransferServerSender(Endpoint):
         can be pulled once); the copy is dropped at once. Under a short watchdog: if
         a peer's pull of it is stuck mid-way, we give up and say so."""
         specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
-                 for a in (pending.k, pending.v)]
+                 for a in pending.arrays]
         try:
             connection = self._server.connect(self._server.address())
             arrays = connection.pull(uuid, specs)
             wait_ready(arrays, connection, self.options.reclaim_timeout_s,
-                        f"reclaim of offer {uuid}")
+                       f"reclaim of offer {uuid}")
             jax.block_until_ready(arrays)
             self.reclaimed += 1
         except Exception as e:  # noqa: BLE001 -- best effort: a peer may have pulled it after all
@@ -233,7 +270,8 @@ class TransferServerSender(Endpoint):
             _log.warning("decode side failed to take offer %d: %s", ack.uuid, ack.error)
         # Pulled (even if the pages were then refused): the server has let go. Not
         # pulled (discarded, or the peer's pull failed): end the offer in the server too.
-        self._release(ack.uuid, reclaim=bool(ack.error) and not ack.error.startswith(PULLED))
+        self._release(ack.uuid, reclaim=bool(ack.error) and not ack.error.startswith(PULLED),
+                      pulled=ack.pulled)
 
     def close(self) -> None:
         """Also drop the arrays of offers not yet acked."""

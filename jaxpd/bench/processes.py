@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import time
 from typing import Sequence
 
@@ -33,11 +34,17 @@ class Deployment:
     prefill_cpus: str = "0"
     decode_cpus: str = "1"
     kv_transport: str = "transfer_server"
+    # A prefill role spanning this many processes (`engine.multihost`), and how its
+    # KV leaves it (`--kv_offers`).
+    prefill_processes: int = 1
+    kv_offers: str = "shards"
 
     @property
     def name(self) -> str:
         via = "" if self.kv_transport == "transfer_server" else f",{self.kv_transport}"
-        return (f"processes({self.prefill_mesh}@cpu{self.prefill_cpus},"
+        spread = (f" over {self.prefill_processes} processes, kv {self.kv_offers}"
+                  if self.prefill_processes > 1 else "")
+        return (f"processes({self.prefill_mesh}{spread}@cpu{self.prefill_cpus},"
                 f"{self.decode_mesh}@cpu{self.decode_cpus}{via})")
 
 
@@ -106,10 +113,18 @@ def worker_flags(deployment: Deployment, model_dir: str, options: dict,
     cache = options.get("enable_prefix_caching")
     if cache is not None:               # else each worker's default
         common.append("--enable_prefix_caching" if cache else "--noenable_prefix_caching")
-    return [common + ["--role", "prefill", "--mesh", deployment.prefill_mesh,
-                      "--cpus", deployment.prefill_cpus],
-            common + ["--role", "decode", "--mesh", deployment.decode_mesh,
-                      "--cpus", deployment.decode_cpus]]
+    prefill = common + ["--role", "prefill", "--mesh", deployment.prefill_mesh,
+                        "--cpus", deployment.prefill_cpus]
+    n = deployment.prefill_processes
+    if n > 1:                  # the leader first: its address is the prefill worker's
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+        prefill += ["--num_processes", str(n), "--coordinator", coordinator,
+                    "--kv_offers", deployment.kv_offers]
+    prefills = [prefill + ["--process_id", str(i)] for i in range(n)] if n > 1 else [prefill]
+    return prefills + [common + ["--role", "decode", "--mesh", deployment.decode_mesh,
+                                 "--cpus", deployment.decode_cpus]]
 
 
 class ProcessesBackend(FrontendBackend):
@@ -123,8 +138,9 @@ class ProcessesBackend(FrontendBackend):
         self.name = deployment.name
         self.options = dict(engine_options)
         self.front = None
-        self.children, (prefill, decode) = start_all(
+        self.children, addresses = start_all(
             worker_flags(deployment, model_dir, self.options, compile_ahead))
+        prefill, decode = [a for a in addresses if a is not None]
         try:
             config = RouterConfig(
                 max_model_len=self.options["max_model_len"],

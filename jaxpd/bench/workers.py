@@ -26,15 +26,23 @@ class LaunchedWorker:
         threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True,
                          name="jaxpd-bench-worker-output").start()
 
-    def address(self, timeout: float = START_TIMEOUT_S) -> str:
-        """host:port it serves on, once it says so (after its warm-up). RuntimeError with
-        its last output if it exits first, TimeoutError if it says nothing in time."""
+    @property
+    def is_follower(self) -> bool:
+        """A follower process of a role spanning processes: it serves no address."""
+        a = self.args
+        return "--process_id" in a and a[a.index("--process_id") + 1] != "0"
+
+    def address(self, timeout: float = START_TIMEOUT_S) -> str | None:
+        """host:port it serves on, once it says so (after its warm-up); a follower's
+        None once it has joined its mesh. RuntimeError with its last output if it exits
+        first, TimeoutError if it says nothing in time."""
         deadline = time.monotonic() + timeout
+        pattern = r"follower \d+/\d+ of the mesh" if self.is_follower else r"worker on (\S+)"
         while time.monotonic() < deadline:
             for line in list(self.lines):
-                m = re.search(r"worker on (\S+)", line)
+                m = re.search(pattern, line)
                 if m:
-                    return m.group(1)
+                    return m.group(1) if m.groups() else None
             if self.proc.poll() is not None:
                 raise RuntimeError("worker exited:\n" + "".join(self.lines[-30:]))
             time.sleep(0.1)
@@ -50,9 +58,9 @@ class LaunchedWorker:
                 self.proc.wait()
 
 
-def start_all(arg_lists: list[list[str]]) -> tuple[list[LaunchedWorker], list[str]]:
+def start_all(arg_lists: list[list[str]]) -> tuple[list[LaunchedWorker], list[str | None]]:
     """Start one worker per argument list (they warm up concurrently); their
-    addresses in the same order. Every child is stopped if any fails to come up."""
+    addresses in the same order (None for a follower). Every child is stopped if any fails to come up."""
     workers = [LaunchedWorker(args) for args in arg_lists]
     try:
         return workers, [w.address() for w in workers]

@@ -174,7 +174,7 @@ class Engine:
         params, rules, fused = self._params_on(mesh, fuse=False)
         self.prefill_runner = PrefillRunner(self.model.cfg, params, mesh, rules, c.page_size,
                                             self.counter, self.dtype, fused=fused,
-                                            gather_pages=self.plan is not None)
+                                            gather_pages=bool(self.plan and not self.plan.offers))
         self.prefill_runner = lead(self.prefill_runner, self.plan)
         self.prefill_scheduler = self._prefill_scheduler(c.buckets)
         sender = self.connector

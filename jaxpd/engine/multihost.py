@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import hashlib
 import hmac
+import secrets
 import threading
 import time
 from typing import Callable
@@ -118,8 +119,9 @@ class PlanChannel:
     WINDOW = 64          # plans kept in the store behind the slowest follower's ack
 
     def __init__(self, group: ProcessGroup, key: bytes | None, client=None):
-        self.group, self._client = group, client or _client()
+        self.group, self.client = group, client or _client()
         self._key = hashlib.sha256(b"jaxpd-plan|" + key).digest() if key else None
+        self._lock = threading.Lock()    # publish: the prefill loop, and acks (reclaims)
         self.seq = 0                     # the next message's number
         self._kept_from = 0              # plans below this are deleted from the store
         self.sent_bytes = self.sent_messages = 0
@@ -129,21 +131,42 @@ class PlanChannel:
         # The leader's answer to its engine failing (`Engine.fail`): a mesh across
         # processes cannot go on once a program failed on it (set by the worker).
         self.on_failure: Callable[[BaseException], None] | None = None
+        # A prefill role's per-shard KV offers (`engine.shard_offers`): the leader's
+        # `Board`, a follower's `Offerer`; None: the leader sends gathered pages.
+        self.offers = None
 
-    def _mac(self, seq: int, body: bytes) -> bytes:
+    def _mac(self, seq: int, body: bytes, domain: bytes = b"") -> bytes:
         if self._key is None:
             return b""
-        return hmac.new(self._key, seq.to_bytes(8, "little") + body, hashlib.sha256).digest()
+        return hmac.new(self._key, domain + seq.to_bytes(8, "little") + body,
+                        hashlib.sha256).digest()
+
+    def seal(self, domain: bytes, n: int, body: bytes) -> bytes:
+        """`body` signed (as plans are) for `open` on another process of the role."""
+        return self._mac(n, body, domain + b"|") + body
+
+    def open(self, domain: bytes, n: int, data: bytes) -> bytes:
+        """The body of what `seal(domain, n, body)` made; PlanError if it is not signed
+        with this role's cluster token."""
+        size = 32 if self._key is not None else 0
+        mac, body = data[:size], data[size:]
+        if not hmac.compare_digest(mac, self._mac(n, body, domain + b"|")):
+            raise PlanError(f"{domain.decode()} {n} is not signed with this role's cluster token")
+        return body
 
     def publish(self, message: dict) -> None:
+        with self._lock:
+            self._publish(message)
+
+    def _publish(self, message: dict) -> None:
         start = time.perf_counter()
         body = msgpack.packb(message, use_bin_type=True)
         data = self._mac(self.seq, body) + body
-        self._client.key_value_set_bytes(f"{_PLAN}{self.seq}", data)
+        self.client.key_value_set_bytes(f"{_PLAN}{self.seq}", data)
         if self.seq and self.seq % self.WINDOW == 0:    # what every follower has done
             upto = min(min(self.acked().values(), default=-1) + 1, self.seq - self.WINDOW)
             for old in range(self._kept_from, upto):
-                self._client.key_value_delete(f"{_PLAN}{old}")
+                self.client.key_value_delete(f"{_PLAN}{old}")
             self._kept_from = max(self._kept_from, upto)
         self.seq += 1
         self.sent_bytes += len(data)
@@ -158,7 +181,7 @@ class PlanChannel:
         forged or malformed one, and jax's runtime error when the coordinator is gone."""
         while not stop.is_set():
             try:
-                data = self._client.blocking_key_value_get_bytes(f"{_PLAN}{self.seq}", poll_ms)
+                data = self.client.blocking_key_value_get_bytes(f"{_PLAN}{self.seq}", poll_ms)
             except Exception as e:            # jax's runtime error type moved across versions
                 if "DEADLINE_EXCEEDED" in str(e):
                     continue
@@ -179,15 +202,15 @@ class PlanChannel:
 
     # ---- liveness -------------------------------------------------------------------
     def beat(self, count: int, acked: int) -> None:
-        self._client.key_value_set_bytes(f"{_BEAT}{self.group.process_id}",
-                                         f"{count} {acked}".encode(), allow_overwrite=True)
+        self.client.key_value_set_bytes(f"{_BEAT}{self.group.process_id}",
+                                        f"{count} {acked}".encode(), allow_overwrite=True)
 
     def beats(self) -> dict[int, tuple[int, int]]:
         """Each follower's last (beat, acked plan); (-1, -1) before its first beat."""
         out = {}
         for pid in range(1, self.group.num_processes):
             try:
-                count, acked = self._client.key_value_try_get_bytes(f"{_BEAT}{pid}").split()
+                count, acked = self.client.key_value_try_get_bytes(f"{_BEAT}{pid}").split()
                 out[pid] = (int(count), int(acked))
             except Exception:                 # not written yet
                 out[pid] = (-1, -1)
@@ -250,13 +273,16 @@ class FollowerWatch:
 
 
 class LeaderPrefillRunner:
-    """A `PrefillRunner` (built with `gather_pages=True`) whose every program dispatch
-    is published first, so followers dispatch the same one. Pages come back as this
-    process's own copy (the gathered, replicated array's local shard): what the
-    connector sends. Anything else is the wrapped runner's."""
+    """A `PrefillRunner` whose every program dispatch is published first, so followers
+    dispatch the same one. Pages come back, for the connector to send, as this
+    process's own copy of the gathered, replicated array (built with
+    `gather_pages=True`), or, with per-shard offers (`channel.offers`, a
+    `shard_offers.Board`), where they were computed (`ShardedPages`): each process
+    then offers its own shards. Anything else is the wrapped runner's."""
 
     def __init__(self, runner, channel: PlanChannel):
         self._runner, self.channel = runner, channel
+        self.board = channel.offers
 
     def __getattr__(self, name):
         return getattr(self._runner, name)
@@ -271,15 +297,19 @@ class LeaderPrefillRunner:
     def take_rows(self, k, v, rows: list[tuple[int, int, int]]):
         if not rows:
             return []
-        self.channel.publish({"op": "take", "rows": [list(r) for r in rows]})
-        return [(_local(k_pages), _local(v_pages))
-                for k_pages, v_pages in self._runner.take_rows(k, v, rows)]
+        base = secrets.randbits(63)
+        self.channel.publish({"op": "take", "rows": [list(r) for r in rows], "base": base})
+        pages = self._runner.take_rows(k, v, rows)
+        if self.board is not None:
+            return self.board.wrap(base, 0, pages)
+        return [(_local(k_pages), _local(v_pages)) for k_pages, v_pages in pages]
 
     def take_pages(self, k, v, row: int, num_pages: int, first_page: int = 0):
         return self.take_rows(k, v, [(row, first_page, num_pages)])[0]
 
     def run_layerwise(self, tokens, lengths, sampling, groups, rows):
-        self.channel.publish({"op": "layerwise", "tokens": _pack_array(tokens),
+        base = secrets.randbits(63)
+        self.channel.publish({"op": "layerwise", "base": base, "tokens": _pack_array(tokens),
                               "lengths": _pack_array(lengths),
                               "floats": _pack_array(sampling.floats),
                               "ints": _pack_array(sampling.ints),
@@ -287,6 +317,9 @@ class LeaderPrefillRunner:
                               "rows": [list(r) for r in rows]})
         first, logprobs, parts = self._runner.run_layerwise(tokens, lengths, sampling, groups,
                                                             rows)
+        if self.board is not None:
+            return first, logprobs, [self.board.wrap(base, g, group)
+                                     for g, group in enumerate(parts)]
         return first, logprobs, [[(_local(k), _local(v)) for k, v in group] for group in parts]
 
 
@@ -313,6 +346,13 @@ def _pairs(value, name: str, width: int) -> list[tuple[int, ...]]:
             for p in value):
         raise PlanError(f"plan field {name}: expected lists of {width} non-negative ints")
     return [tuple(p) for p in value]
+
+
+def _base(msg: dict) -> int:
+    base = msg.get("base")
+    if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base < 1 << 63:
+        raise PlanError("plan field base: expected an int in [0, 2**63)")
+    return base
 
 
 class Follower:
@@ -357,13 +397,15 @@ class Follower:
 
 class PrefillReplay:
     """A follower's replay of a `LeaderPrefillRunner`'s calls on `runner` (a
-    `PrefillRunner` built as the leader's is); `__call__` raises PlanError for a
+    `PrefillRunner` built as the leader's is); with per-shard offers (`offers`, a
+    `shard_offers.Offerer`) it also offers this process's pieces of every row cut,
+    and ends those the leader says nobody pulled. `__call__` raises PlanError for a
     message that is not one of them."""
 
-    OPS = ("run", "take", "layerwise")
+    OPS = ("run", "take", "layerwise", "reclaim")
 
-    def __init__(self, runner):
-        self.runner, self._kv = runner, None
+    def __init__(self, runner, offers=None):
+        self.runner, self.offers, self._kv = runner, offers, None
 
     def __call__(self, msg: dict) -> None:
         import jax
@@ -377,10 +419,24 @@ class PrefillReplay:
             rows = _pairs(msg.get("rows"), "rows", 3)
             if any(n < 1 for _, _, n in rows):
                 raise PlanError("plan field rows: a row takes at least one page")
-            jax.block_until_ready(self.runner.take_rows(*self._kv, rows))
+            pages = jax.block_until_ready(self.runner.take_rows(*self._kv, rows))
+            if self.offers is not None:
+                self.offers.offer(_base(msg), 0, pages)
         elif op == "layerwise":
             groups = _pairs(msg.get("groups"), "groups", 2)
             rows = _pairs(msg.get("rows"), "rows", 3)
-            jax.block_until_ready(self.runner.run_layerwise(*_batch(msg), groups, rows))
+            *_, parts = self.runner.run_layerwise(*_batch(msg), groups, rows)
+            base = _base(msg) if self.offers is not None else None
+            for g, group in enumerate(parts):     # each group's as soon as it is computed
+                jax.block_until_ready(group)
+                if base is not None:
+                    self.offers.offer(base, g, group)
+        elif op == "reclaim" and self.offers is not None:
+            uuids = msg.get("uuids")
+            if not isinstance(uuids, list) or len(uuids) > 4096 or not all(
+                    isinstance(u, int) and not isinstance(u, bool) and 0 <= u < 1 << 63
+                    for u in uuids):
+                raise PlanError("plan field uuids: expected a list of uuids")
+            self.offers.reclaim(uuids)
         else:
             raise PlanError(f"plan op {op!r} is not one a leader sends")

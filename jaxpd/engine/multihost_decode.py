@@ -310,7 +310,7 @@ def lead(runner, plan: PlanChannel | None):
 def replay_for(engine) -> PrefillReplay | DecodeReplay:
     """What a follower of `engine`'s mesh replays the plan on."""
     if engine.decode_runner is None:
-        return PrefillReplay(engine.prefill_runner)
+        return PrefillReplay(engine.prefill_runner, engine.plan.offers)
     local = engine.local_loop.runner if engine.local_loop is not None else None
     return DecodeReplay(engine.decode_runner, local and PrefillReplay(local), engine.config,
                         engine.model.cfg.vocab_size)

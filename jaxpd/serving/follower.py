@@ -71,7 +71,8 @@ def follow_leader(role: str, model: str | None, plan, stop: threading.Event, say
         os._exit(1)
     finally:
         follower.close()
-    say(f"jaxpd {role} follower {group.process_id} {outcome}")
+    offers = f" ({plan.offers.summary()})" if plan.offers is not None else ""
+    say(f"jaxpd {role} follower {group.process_id} {outcome}{offers}")
     if outcome != "stopped":       # the leader still runs: no shutdown barrier to meet
         sys.stdout.flush()
         os._exit(0)

@@ -91,7 +91,8 @@ def _run_role(fv: flags.FlagValues, stop: threading.Event, group=None) -> int:
         return serve_role(fv.role, fv.model, fv.host, fv.port, fv.router, fv.kv_transport,
                           stop, _say, options, auth=auth, heartbeat_s=fv.heartbeat_s,
                           http_port=fv.http_port if fv["http_port"].present else -1,
-                          group=group, follower_timeout_s=fv.follower_timeout_s)
+                          group=group, follower_timeout_s=fv.follower_timeout_s,
+                          kv_offer_hosts=tuple(fv.kv_offer_hosts), kv_offers=fv.kv_offers)
     except (OSError, ValueError, TransferServerUnavailable) as e:
         print(f"cannot start the {fv.role} worker: {e}", file=sys.stderr)
         return 1

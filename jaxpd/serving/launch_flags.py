@@ -172,6 +172,15 @@ def _define_role_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_enum("kv_transport", "transfer_server", ["transfer_server", "grpc"],
                       "prefill/decode roles: how KV pages cross processes (the JAX transfer "
                       "server, or a gRPC byte stream where it is unavailable).", flag_values=fv)
+    flags.DEFINE_enum("kv_offers", "shards", ["shards", "gather"], "prefill role whose mesh "
+                      "spans processes, transfer server: each process offers its own kv-head "
+                      "shards (the decode side pulls each from its owner), or the leader "
+                      "gathers them all and offers the whole KV (give every process the same "
+                      "value).", flag_values=fv)
+    flags.DEFINE_list("kv_offer_hosts", [], "decode role, transfer server: hosts (other than "
+                      "the prefill leader's) its KV may also be pulled from -- the other hosts "
+                      "of a prefill mesh spanning hosts, each offering its own shards.",
+                      flag_values=fv)
     flags.DEFINE_float("heartbeat_s", 1.0, "Workers heartbeat the router this often (the "
                        "router probes --prefill_workers/--decode_workers as often).",
                        lower_bound=0.01, flag_values=fv)

@@ -337,12 +337,20 @@ class RoleServer:
         self._health_pool.shutdown(wait=True)
 
 
-def make_connector(role: str, transport: str, host: str, auth: InternalAuth = NO_AUTH):
-    """The cross-process connector of a worker, and the address its peers use."""
+def kv_options(host: str, offer_hosts: tuple[str, ...] = ()):
+    """A worker's transfer-server options: its data plane on `host`."""
+    from jaxpd.transfer.endpoint import TransferServerOptions
+    return TransferServerOptions(transfer_address=f"{host}:0",
+                                 transport_addresses=(f"{host}:0",), offer_hosts=offer_hosts)
+
+
+def make_connector(role: str, transport: str, host: str, auth: InternalAuth = NO_AUTH,
+                   offer_hosts: tuple[str, ...] = ()):
+    """The cross-process connector of a worker, and the address its peers use.
+    `offer_hosts`: a decode worker's `TransferServerOptions.offer_hosts`."""
     if transport == "transfer_server":
         from jaxpd.transfer import transfer_server as ts
-        options = ts.TransferServerOptions(transfer_address=f"{host}:0",
-                                           transport_addresses=(f"{host}:0",))
+        options = kv_options(host, offer_hosts)
         kind = ts.TransferServerSender if role == "prefill" else ts.TransferServerReceiver
         conn = kind(control_address=f"{host}:0", options=options, auth=auth)
         return conn, conn.control_address

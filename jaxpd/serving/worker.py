@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 from jaxpd.auth import NO_AUTH, InternalAuth
-from jaxpd.serving.role_server import RoleServer, RoleService, make_connector
+from jaxpd.serving.role_server import RoleServer, RoleService, kv_options, make_connector
 from jaxpd.serving.role_switch import RoleSwitch, other_mesh
 
 
@@ -17,23 +17,33 @@ class _Interrupted(Exception):
 def serve_role(role: str, model: str | None, host: str, port: int, router: str | None,
                transport: str, stop: threading.Event, say, llm_options: dict,
                auth: InternalAuth = NO_AUTH, heartbeat_s: float = 1.0,
-               http_port: int = -1, group=None, follower_timeout_s: float = 5.0) -> int:
+               http_port: int = -1, group=None, follower_timeout_s: float = 5.0,
+               kv_offer_hosts: tuple[str, ...] = (), kv_offers: str = "shards") -> int:
     """Run a prefill or decode worker process until `stop` is set; 1 if the router
     refused it, or its engine failed. `http_port` >= 0: GET /health and /metrics there
     (0: a free port, printed), as on the router and a single process. `group`: this
     process's place in a prefill or decode mesh spanning processes (`engine.multihost`): process 0
-    serves as the worker, the others follow it."""
+    serves as the worker, the others follow it (a prefill role's offer their own KV shards,
+    `engine.shard_offers`, unless `kv_offers` is "gather"). `kv_offer_hosts`:
+    `TransferServerOptions.offer_hosts`."""
     from jaxpd.llm import LLM
 
     plan = None
     if group is not None and group.multi:
+        from jaxpd.engine import shard_offers
         from jaxpd.engine.multihost import PlanChannel
         from jaxpd.serving.follower import follow_leader
         plan = PlanChannel(group, auth.token.encode() if auth.token else None)
+        if role == "prefill" and kv_offers == "shards" and shard_offers.applies(
+                transport, llm_options.get("kv_transfer_dtype")):
+            if not group.is_leader:
+                auth.check_bind(host, f"the {role} follower's KV transfer server")
+            plan.offers = shard_offers.Board(plan) if group.is_leader else \
+                shard_offers.Offerer(plan, kv_options(host))
         if not group.is_leader:
             return follow_leader(role, model, plan, stop, say, llm_options)
     auth.check_bind(host, f"the {role} worker")
-    connector, kv_address = make_connector(role, transport, host, auth)
+    connector, kv_address = make_connector(role, transport, host, auth, kv_offer_hosts)
     watch = None
     if plan is not None:
         from jaxpd.engine.multihost import BEAT_S, FollowerWatch
@@ -62,7 +72,7 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
 
     def rebuild(new_role: str):
         """The engine of `new_role` on this process's devices (`RoleSwitch`)."""
-        conn, address = make_connector(new_role, transport, host, auth)
+        conn, address = make_connector(new_role, transport, host, auth, kv_offer_hosts)
         options = dict(llm_options, mesh=other_mesh(str(current[0].config.mesh), new_role))
         new = LLM(model, connector=conn, progress=say, **options)
         current[0] = new
