@@ -1,6 +1,6 @@
 """A decode role whose mesh spans two processes (jax.distributed; gloo on CPU), behind
-the router, with a prefill role of one process: 2 processes x 1 virtual device = one
-dp=2 decode mesh, led by process 0 (`engine.multihost_decode`).
+the router, with a prefill role of one process (of two, for `decode=2x2`): 2 processes
+x 1 virtual device = one dp=2 decode mesh, led by process 0 (`engine.multihost_decode`).
 
 Greedy tokens must equal transformers', the KV moved must be exactly the requests'
 pages, the decode leader's slots and pages must all come back, and a killed follower
@@ -37,14 +37,22 @@ def model(tiny_hf_model):
             reference(hf, prompts[:8], long_tokens[:8]))
 
 
-def _deployment(procs, path, mesh="decode=2", transport="transfer_server", other_decode=False):
+def _deployment(procs, path, mesh="decode=2", transport="transfer_server", other_decode=False,
+                prefill_processes=1):
     router_port = _free_port()
     router = procs.start(["--role", "router", "--model", path, "--port", str(router_port),
                           "--internal_port", "0"] + COMMON + PATIENT_ROUTER)
     internal = procs.wait_line(router, r"internal plane on (\S+)").group(1)
     common = COMMON + ["--kv_transport", transport, "--router", internal]
-    prefill = procs.start(["--role", "prefill", "--mesh", "prefill=1", "--model", path,
-                           "--port", "0"] + common)
+    prefill_group = ["--role", "prefill", "--model", path, "--port", "0"] + common
+    if prefill_processes == 1:
+        prefill = procs.start(prefill_group + ["--mesh", "prefill=1"])
+    else:                             # tp over the processes, one device each
+        prefill_group += ["--mesh", f"prefill={prefill_processes}", "--num_processes",
+                          str(prefill_processes), "--coordinator", _coordinator()]
+        prefill = procs.start(prefill_group + ["--process_id", "0"])
+        for i in range(1, prefill_processes):
+            procs.start(prefill_group + ["--process_id", str(i)])
     group = ["--role", "decode", "--mesh", mesh, "--model", path, "--port", "0",
              "--slots_per_shard", "4", "--num_processes", "2",
              "--coordinator", _coordinator()] + common
@@ -135,20 +143,26 @@ def test_decode_mesh_of_two_processes_matches_transformers_then_stops_on_a_lost_
 
 
 def test_decode_mesh_2x2_over_two_processes_fails_over_to_another_decode_worker(model, procs):
-    """dp=2 x tp=2 over 2 processes x 2 devices beside a one-process decode worker:
+    """dp=2 x tp=2 over 2 processes x 2 devices beside a one-process decode worker, fed
+    by a prefill role of 2 processes (tp=2, one kv head each, offered by its owner):
     greedy tokens equal transformers'; when the role's follower dies mid-stream, the
     router sends the role's requests to the other decode worker (prefilled again), so
     every request finishes with the right tokens and that worker gives back every slot
     and page."""
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
     addr, router, prefill, leader, follower, (other,) = _deployment(
-        procs, path, mesh="decode=2x2", other_decode=True)
+        procs, path, mesh="decode=2x2", other_decode=True, prefill_processes=2)
     role = RoleClient(procs.wait_line(leader, r"decode worker on (\S+)").group(1))
     spare = RoleClient(procs.wait_line(other, r"decode worker on (\S+)").group(1))
     idle = spare.info(timeout=10)
     outs = _generate_all(addr, prompts, max_tokens)
     assert [list(o.token_ids) for o in outs] == expected, procs.tails()
-    assert role.info(timeout=10)["transfers"] > 0          # the role served its share
+    served = [w.info(timeout=10) for w in (role, spare)]
+    assert served[0]["transfers"] > 0                      # the role served its share
+    # Every handoff, to either decode worker, came in two pieces: each prefill
+    # process's own kv head.
+    assert sum(i["counters"]["kv_pieces_pulled"] for i in served) == 2 * sum(
+        i["transfers"] for i in served) == 2 * NUM
 
     empty, holder = role.info(timeout=10)["free_slots"], {}
     t = threading.Thread(target=lambda: holder.update(

@@ -96,7 +96,7 @@ def start_transfer_server(options: TransferServerOptions):
     from jax.experimental import transfer as jax_transfer
     try:
         return jax_transfer.start_transfer_server(
-            jax.devices()[0].client, options.transfer_address,
+            jax.local_devices()[0].client, options.transfer_address,
             list(options.transport_addresses),
             max_num_parallel_copies=options.max_num_parallel_copies,
             transfer_size=options.transfer_size)

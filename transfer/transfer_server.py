@@ -19,6 +19,13 @@ Decode side (`TransferServerReceiver`):
   pulls exactly the sender's layout onto this process's first N devices, under a
   watchdog, reshards onto `sharding` with `jax.device_put`, and acks.
 
+Pieces (the leader of a prefill mesh spanning processes, `engine.shard_offers`): the
+Offer lists where each range of kv heads waits -- this process's own shards under the
+Offer's uuid, each follower's under its own -- and `k`/`v` describe the whole arrays.
+The receiver pulls every piece from its owner at once, checks each, joins them along
+the kv heads, and acks to the leader with the uuids it did pull (`Ack.pulled`); the
+leader ends its own unpulled piece as above and has each follower end its own.
+
 Why the pull is not onto `sharding` directly: the transfer server moves per-device
 buffers; a pull in any other layout returns wrong numbers without an error
 (see `transfer.layout`).
