@@ -48,14 +48,15 @@ def test_auto_mesh_refuses_bad_input_and_the_launcher_makes_its_devices():
 
 @pytest.mark.parametrize("mesh, options, on", [
     ("prefill=1,decode=1", {}, True), ("prefill=4,decode=4", {}, True),
-    ("colocated=8", {}, False), ("prefill=4", {}, False), ("decode=2", {}, False),
+    ("colocated=8", {}, False), ("prefill=4", {}, True), ("decode=2", {}, True),
     ("elastic=8", {}, False),
     ("prefill=1,decode=1", {"layerwise_min_tokens": 64}, False),
     ("prefill=1,decode=1", {"kv_transfer_dtype": "int8"}, False),
     ("prefill=1,decode=1", {"enable_prefix_caching": False}, False),
     ("colocated=2", {"enable_prefix_caching": True}, True)])
 def test_prefix_caching_is_on_by_default_only_where_measured_not_to_lose(mesh, options, on):
-    # One process with a prefill mesh beside its decode mesh; an explicit choice stands.
+    # Disaggregated meshes: one process with a prefill mesh beside its decode mesh, and
+    # the role processes' own meshes; an explicit choice stands.
     assert EngineConfig(mesh=mesh, **options).enable_prefix_caching is on
 
 
@@ -69,3 +70,8 @@ def test_the_launcher_leaves_prefix_caching_to_the_engine_unless_told():
         launch_flags.define_flags(fv)
         fv(argv)
         assert fv.enable_prefix_caching is value
+    # ... but a role spanning processes, which does not support it yet, resolves off.
+    fv = flags.FlagValues()
+    launch_flags.define_flags(fv)
+    fv(["prog", "--role", "prefill", "--num_processes", "2", "--coordinator", "127.0.0.1:1"])
+    assert launch_flags.engine_options(fv)["enable_prefix_caching"] is False

@@ -126,8 +126,10 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                       "the decode mesh and on the prefill mesh: a request sharing a cached "
                       "prefix computes only the rest (on the decode mesh when the rest is "
                       "short) and its handoff carries only the pages the decode side lacks. "
-                      "Default: on for one process with prefill and decode meshes, off "
-                      "elsewhere (--noenable_prefix_caching turns it off). On a router: "
+                      "Default: on for disaggregated meshes (one process with prefill and "
+                      "decode meshes, and prefill or decode role processes), off for "
+                      "colocated, elastic, layer-wise, compressed and multi-process roles "
+                      "(--noenable_prefix_caching turns it off). On a router: "
                       "route by the prefixes the workers' caches advertise unless "
                       "--noenable_prefix_caching.",
                       flag_values=fv)
@@ -366,7 +368,10 @@ def engine_options(fv: flags.FlagValues) -> dict:
                    layerwise_min_tokens=fv.layerwise_min_tokens,
                    layerwise_parts=fv.layerwise_parts, kv_transfer_dtype=fv.kv_transfer_dtype,
                    local_prefill_below=fv.local_prefill_below,
-                   enable_prefix_caching=fv.enable_prefix_caching,
+                   # Unset on a role spanning processes: off (not supported there yet).
+                   enable_prefix_caching=(False if fv.num_processes > 1 and
+                                          fv.enable_prefix_caching is None
+                                          else fv.enable_prefix_caching),
                    prefix_extend_below=fv.prefix_extend_below,
                    decode_context_step=fv.decode_context_step,
                    attention_impl=fv.attention_impl, handoff_wait_ms=fv.handoff_wait_ms)
