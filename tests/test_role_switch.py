@@ -91,10 +91,12 @@ def test_a_decode_worker_becomes_a_prefill_worker_while_requests_stream(tiny_hf_
     prompts = [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(5, 60, 10)]
     max_tokens = [int(n) for n in rng.integers(30, 60, 10)]
     expected = [hf_greedy(hf_model, p, n) for p, n in zip(prompts, max_tokens)]
-    # A long lease: on a loaded machine compiles can hold up heartbeats for seconds, and
-    # this test is not about losing workers.
-    router = Router(path, RouterConfig(max_model_len=MAX_MODEL_LEN, heartbeat_s=0.5, lease_s=30),
-                    auth=auth)
+    # A long lease and stall timeout: on a loaded machine the switching worker's compiles
+    # can hold up heartbeats and the other workers' streams for seconds (CI once saw a
+    # decode stream silent for 5 s, taken for a lost worker), and this test is not about
+    # losing workers.
+    router = Router(path, RouterConfig(max_model_len=MAX_MODEL_LEN, heartbeat_s=0.5, lease_s=30,
+                                       stall_timeout_s=60), auth=auth)
     workers = []
     try:
         address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
