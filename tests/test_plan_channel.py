@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from absl import flags
 
-from jaxpd.engine.multihost import (Follower, FollowerWatch, LeaderPrefillRunner, PlanChannel,
-                                    PlanError, PrefillReplay, ProcessGroup)
+from jaxpd.engine.multihost import Follower, FollowerWatch, PlanChannel, PlanError, ProcessGroup
+from jaxpd.engine.multihost_prefill import LeaderPrefillRunner, PrefillReplay
 from jaxpd.engine.sampler import SamplingArrays
 from jaxpd.serving.launch_flags import define_flags, multihost_error
 

@@ -12,7 +12,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpd.engine import shard_offers
-from jaxpd.engine.multihost import PlanChannel, PlanError, PrefillReplay, ProcessGroup, _base
+from jaxpd.engine.multihost import PlanChannel, PlanError, ProcessGroup
+from jaxpd.engine.multihost_prefill import PrefillReplay, _base
 from jaxpd.transfer import jax_compat
 from jaxpd.transfer.checksum import ChecksumMismatchError, page_checksums
 from jaxpd.transfer.connector import KVHandoff

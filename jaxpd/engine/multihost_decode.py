@@ -1,7 +1,7 @@
 """A decode role whose mesh spans processes (`engine.multihost`): what its leader
 publishes for each `DecodeRunner` call, and how a follower replays it.
 
-Plan ops (beside the decode mesh's own prefill, `multihost.PrefillReplay`):
+Plan ops (beside the decode mesh's own prefill, `multihost_prefill.PrefillReplay`):
   step       a decode step's host inputs: tokens, fed_from_host, positions [B], block
              tables [B, W], sampling rows; every process then also dispatches the
              all-gather of its outputs (`_gathered`), the leader's only way to read
@@ -34,8 +34,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpd.engine.multihost import (LeaderPrefillRunner, PlanChannel, PlanError, PrefillReplay,
-                                    _pack_array, _unpack_array)
+from jaxpd.engine.multihost import PlanChannel, PlanError, _pack_array, _unpack_array
+from jaxpd.engine.multihost_prefill import LeaderPrefillRunner, PrefillReplay
 from jaxpd.engine.runner import DecodeRunner
 from jaxpd.engine.sampler import SamplingArrays
 from jaxpd.sharding.compat import shard_map
