@@ -6,6 +6,7 @@ on a pull (`wait_ready`). The sender is `transfer.transfer_server`, the receiver
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import threading
 import time
 
@@ -165,3 +166,23 @@ def wait_ready(arrays: list[jax.Array], connection, timeout: float, what: str) -
                 f"made, or the sender is gone")
         time.sleep(delay)
         delay = min(delay * 2, 5e-3)
+
+
+def offer_arrays(server, uuid: int, arrays: list, ttl_s: float, expires: bool) -> None:
+    """Offer `arrays` under `uuid` in `server`; `expires`: the server drops the offer
+    itself after `ttl_s` (jax >= 0.10.1, `jax_compat.await_pull_takes_timeout`)."""
+    if expires:
+        server.await_pull(uuid, arrays, timeout=datetime.datetime.now(datetime.timezone.utc)
+                          + datetime.timedelta(seconds=ttl_s))
+    else:
+        server.await_pull(uuid, arrays)
+
+
+def reclaim_offer(server, uuid: int, specs: list, timeout_s: float) -> None:
+    """End an offer nobody pulled by pulling it from our own `server` in its exact
+    layout (`specs`; a uuid can be pulled once) and dropping the copy, under a
+    watchdog; raises when a peer pulled it after all, or it expired."""
+    connection = server.connect(server.address())
+    arrays = connection.pull(uuid, specs)
+    wait_ready(arrays, connection, timeout_s, f"reclaim of offer {uuid}")
+    jax.block_until_ready(arrays)

@@ -67,7 +67,6 @@ exits, so `close()` only stops the control plane.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import secrets
 import time
@@ -82,7 +81,8 @@ from jaxpd.transfer.connector import KVHandoff
 from jaxpd.transfer.control import Ack, Offer
 from jaxpd.transfer.endpoint import (MiB, PULLED, Endpoint, PullTimeoutError,  # noqa: F401
                                      TransferServerOptions, TransferServerUnavailable,
-                                     start_transfer_server, wait_ready)
+                                     offer_arrays, reclaim_offer, start_transfer_server,
+                                     wait_ready)
 from jaxpd.transfer.layout import describe
 from jaxpd.transfer.transfer_receiver import (RemoteKVHandoff,  # noqa: F401 (re-exported)
                                               TransferServerReceiver)
@@ -157,11 +157,7 @@ class TransferServerSender(Endpoint):
                             f"(dicts, lists, str, numbers, bytes): {e}") from e
         self._wait_for_room()
         ttl = self.options.offer_ttl_s
-        if self._server_expires_offers:
-            self._server.await_pull(uuid, arrays, timeout=(
-                datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=ttl)))
-        else:
-            self._server.await_pull(uuid, arrays)
+        offer_arrays(self._server, uuid, arrays, ttl, self._server_expires_offers)
         with self._lock:
             self._pending[uuid] = _Pending(tuple(arrays), time.monotonic() + ttl, remote, board)
         try:
@@ -262,11 +258,7 @@ class TransferServerSender(Endpoint):
         specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
                  for a in pending.arrays]
         try:
-            connection = self._server.connect(self._server.address())
-            arrays = connection.pull(uuid, specs)
-            wait_ready(arrays, connection, self.options.reclaim_timeout_s,
-                       f"reclaim of offer {uuid}")
-            jax.block_until_ready(arrays)
+            reclaim_offer(self._server, uuid, specs, self.options.reclaim_timeout_s)
             self.reclaimed += 1
         except Exception as e:  # noqa: BLE001 -- best effort: a peer may have pulled it after all
             _log.warning("could not end offer %d in the transfer server (%s); its pages stay "

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import datetime
 import hashlib
 import time
 
@@ -41,6 +40,7 @@ import msgpack
 
 from jaxpd.transfer.checksum import page_checksums
 from jaxpd.transfer.control import Piece
+from jaxpd.transfer.endpoint import advertised, offer_arrays, reclaim_offer, start_transfer_server
 from jaxpd.transfer.layout import ArrayLayout, describe
 from jaxpd.transfer.wire import TransferError
 
@@ -184,7 +184,6 @@ class Offerer:
     (`reclaim`)."""
 
     def __init__(self, channel, options):
-        from jaxpd.transfer.endpoint import advertised, start_transfer_server
         self.channel, self.options = channel, options
         self._server = start_transfer_server(options)
         self.address = advertised(self._server.address(), options.advertise_host)
@@ -203,8 +202,7 @@ class Offerer:
             uuid = piece_uuid(base, group, row, me)
             piece, arrays = make_piece(self.address, uuid, k, v, self.options.checksums_on())
             ttl = self.options.offer_ttl_s
-            self._server.await_pull(uuid, arrays, timeout=datetime.datetime.now(
-                datetime.timezone.utc) + datetime.timedelta(seconds=ttl))
+            offer_arrays(self._server, uuid, arrays, ttl, expires=True)   # see `applies`
             self._offered[uuid] = (time.monotonic() + ttl, [
                 jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays])
             body = msgpack.packb(piece.to_dict(), use_bin_type=True)
@@ -216,17 +214,12 @@ class Offerer:
     def reclaim(self, uuids: list[int]) -> None:
         """End these offers by pulling them from our own server (a uuid can be pulled
         once), under a short watchdog; best effort."""
-        from jaxpd.transfer.endpoint import wait_ready
         for uuid in uuids:
             entry = self._offered.pop(uuid, None)
             if entry is None:
                 continue
             try:
-                connection = self._server.connect(self._server.address())
-                arrays = connection.pull(uuid, entry[1])
-                wait_ready(arrays, connection, self.options.reclaim_timeout_s,
-                           f"reclaim of piece {uuid}")
-                jax.block_until_ready(arrays)
+                reclaim_offer(self._server, uuid, entry[1], self.options.reclaim_timeout_s)
                 self.reclaimed += 1
             except Exception:        # noqa: BLE001 -- pulled after all, or expired
                 pass
