@@ -59,8 +59,9 @@ def _compiler() -> str | None:
         shutil.which("clang++")
 
 
-def _build() -> Path:
-    """The compiled library's path, building it if this machine has none yet."""
+def _build(extra_flags: tuple[str, ...] = ()) -> Path:
+    """The compiled library's path, building it if this machine has none yet
+    (`extra_flags`: e.g. `-mno-avx512f` for the portable body, as a test builds it)."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
@@ -68,7 +69,7 @@ def _build() -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout.splitlines()[:1]
     key = hashlib.sha256("\0".join([
-        _SOURCE.read_text(), jaxlib.__version__, compiler, *version, *_FLAGS,
+        _SOURCE.read_text(), jaxlib.__version__, compiler, *version, *_FLAGS, *extra_flags,
         _cpu_identity()]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"paged_attention-{key}.so"
     if out.exists():
@@ -78,8 +79,9 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *_FLAGS, "-I", jax.ffi.include_dir(), str(_SOURCE),
-                               "-o", tmp], capture_output=True, text=True, timeout=300)
+        command = [compiler, *_FLAGS, *extra_flags, "-I", jax.ffi.include_dir(), str(_SOURCE),
+                   "-o", tmp]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[:2000]}")
         os.replace(tmp, out)

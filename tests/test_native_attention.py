@@ -1,6 +1,9 @@
 """The native (C++, jax.ffi) paged decode attention against the `jnp` reference: the
 kernel alone, inside the engine on dp and dp x tp decode meshes, its build and cache,
 page ids outside the pool, and the `attention_impl` choice around it."""
+import ctypes
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,9 +32,35 @@ def _pools(seed, *, layers=3, num_pages=13, page_size=4, kh=2, h=16):
             jnp.asarray(rng.standard_normal(shape), jnp.float32))
 
 
+@functools.cache
+def _portable_kernel():
+    """The kernel built without AVX-512 (its portable body), under its own FFI target;
+    None where this CPU has no AVX-512 (the default build is then that body already)."""
+    if "avx512f" not in native_attention._cpu_identity().split():
+        return None
+    library = ctypes.cdll.LoadLibrary(str(native_attention._build(("-mno-avx512f",))))
+    jax.ffi.register_ffi_target("jaxpd_paged_decode_f32_portable",
+                                jax.ffi.pycapsule(library.JaxpdPagedDecodeF32), platform="cpu")
+
+    def call(q, k_pool, v_pool, layer, tables, lengths):
+        fn = jax.ffi.ffi_call("jaxpd_paged_decode_f32_portable",
+                              jax.ShapeDtypeStruct(q.shape, jnp.float32))
+        return fn(q, k_pool, v_pool, tables, lengths, layer=layer)
+    return call
+
+
+@pytest.mark.parametrize("body", ["built", "portable"])
 @pytest.mark.parametrize("kh,g,h,page_size", [(2, 2, 16, 4), (1, 4, 32, 16), (4, 1, 8, 2),
-                                              (3, 3, 64, 8), (2, 2, 128, 4)])
-def test_kernel_equals_reference_on_every_layer(kh, g, h, page_size):
+                                              (3, 3, 64, 8), (2, 2, 128, 4), (2, 2, 32, 32),
+                                              (4, 2, 32, 16)])
+def test_kernel_equals_reference_on_every_layer(kh, g, h, page_size, body):
+    """Both bodies of the kernel (the AVX-512 one where this CPU has it, and the portable
+    one) against the reference: head dims 8-128, pages of 2-32 tokens, grouped heads."""
+    kernel = paged_attention_native
+    if body == "portable":
+        kernel = _portable_kernel()
+        if kernel is None:
+            pytest.skip("no AVX-512 here: the built kernel is the portable body")
     rng = np.random.default_rng(kh * 100 + g)
     b, width, num_pages = 7, 5, 17
     k, v = _pools(g, num_pages=num_pages, page_size=page_size, kh=kh, h=h)
@@ -43,7 +72,7 @@ def test_kernel_equals_reference_on_every_layer(kh, g, h, page_size):
     lengths[:3] = 1, width * page_size, 2 * page_size
     lengths[3] = width * page_size + 9                     # past the table: all keys count
     tables, lengths = jnp.asarray(tables, jnp.int32), jnp.asarray(lengths, jnp.int32)
-    native = jax.jit(paged_attention_native, static_argnums=3)
+    native = jax.jit(kernel, static_argnums=3)
     for layer in range(k.shape[0]):
         expected = paged_attention(q, k[layer], v[layer], tables, lengths)
         np.testing.assert_allclose(native(q, k, v, layer, tables, lengths), expected,

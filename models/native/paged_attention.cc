@@ -10,6 +10,12 @@
 // masked; float32 scores and softmax; a page id outside the pool is read as jnp's
 // gather reads it (a negative one counted from the end, then clamped into the pool), so
 // the kernel never reads outside the pool and always agrees with the reference.
+//
+// Two bodies: on a CPU with AVX-512 (head dims 32/64/128), one pass per slot with an
+// online softmax and 16 scores summed at once (AttendSlots512); elsewhere, scores, then
+// softmax, then values, in loops the compiler vectorizes (AttendSlotsT). Both ask for the
+// next page row by row while computing this one (tests/test_native_attention.py builds
+// the portable body on an AVX-512 machine too).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -20,16 +26,20 @@
 #include <string>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// Asks for the next page while this one is computed: the hardware prefetcher stops at
-// the page's end, and the next page is anywhere in the pool.
-inline void Prefetch(const float* pool, int32_t page, int64_t floats) {
-  const char* p = reinterpret_cast<const char*>(pool + static_cast<int64_t>(page) * floats);
+// The lines of one row of floats: a page's next row is asked for while this one is
+// computed, spread over the page, where a burst of requests at a page's start would stall.
+inline void PrefetchRow(const float* row, int64_t floats) {
+  const char* p = reinterpret_cast<const char*>(row);
   for (int64_t i = 0; i < floats * 4; i += 64) __builtin_prefetch(p + i);
 }
 
@@ -60,9 +70,11 @@ inline void WalkContext(const float* pool, const int32_t* table, int64_t len,
                         int64_t page_size, int64_t K, int64_t G, int64_t H, Visit&& visit) {
   for (int64_t t0 = 0; t0 < len; t0 += page_size) {
     const float* page = pool + static_cast<int64_t>(table[t0 / page_size]) * page_size * K * H;
-    if (t0 + page_size < len) Prefetch(pool, table[t0 / page_size + 1], page_size * K * H);
+    const float* next = t0 + page_size < len
+        ? pool + static_cast<int64_t>(table[t0 / page_size + 1]) * page_size * K * H : nullptr;
     for (int64_t t = t0; t < std::min(len, t0 + page_size); ++t) {
       const float* rows = page + (t - t0) * K * H;
+      if (next != nullptr) PrefetchRow(next + (t - t0) * K * H, K * H);
       for (int64_t k = 0; k < K; ++k)
         for (int64_t g = 0; g < G; ++g) visit(t, k * G + g, rows + k * H);
     }
@@ -139,13 +151,175 @@ void AttendSlotsT(const Problem& pr, int64_t begin, int64_t end) {
   }
 }
 
+#if defined(__AVX512F__)
+// Sixteen 16-lane vectors in, one out: the sum of each input's lanes, token t's at lane
+// lanes[t] (TokenLanes). A transpose-and-add tree: 15 adds and 30 shuffles, where 16
+// horizontal sums take about 64 of each.
+inline __m512 SumEach16(__m512 p[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)       // [p0[0:8] + p0[8:16], p1[0:8] + p1[8:16]]
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)       // four tokens, four partial sums each
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)       // eight tokens, two partial sums each
+    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]),
+                         _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
+  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xEE));
+}
+
+// idx[t] = the lane where SumEach16 leaves input t's sum, found by running it once.
+inline __m512i TokenLanes() {
+  __m512 p[16];
+  for (int t = 0; t < 16; ++t) p[t] = _mm512_set1_ps(static_cast<float>(t));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, SumEach16(p));
+  alignas(64) int32_t idx[16];
+  for (int j = 0; j < 16; ++j) idx[static_cast<int>(lanes[j]) / 16] = j;
+  return _mm512_load_si512(idx);
+}
+
+inline __m512 Exp16(__m512 x) {   // ExpNonPositive on 16 lanes
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 y = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// AVX-512: one pass over the context, 16 tokens at a time, a page's keys and values
+// together: 16 scores per head by SumEach16, an online softmax (a running max and sum per
+// head, the accumulator rescaled when the max grows), values added into per-head
+// accumulators held as kH / 16 vectors. The next page is asked for a slice per head, so
+// the requests spread over the page's work (BENCHMARKS.md section 14b: 2.4x on the kernel
+// at 32 x 512 on this project's CPU, most of it the spread requests).
+template <int64_t kH>
+void AttendSlots512(const Problem& pr, int64_t begin, int64_t end) {
+  constexpr int64_t V = kH / 16;
+  const int64_t N = pr.N, page_size = pr.page_size, K = pr.K, W = pr.W, G = N / K;
+  const int64_t T = W * page_size, KH = K * kH;
+  static const __m512i lanes = TokenLanes();
+  std::vector<__m512> q(static_cast<size_t>(N * V)), acc(static_cast<size_t>(N * V));
+  std::vector<float> m(N), l(N);
+  std::vector<float> wts(static_cast<size_t>(N * 16));
+  std::vector<int32_t> table(static_cast<size_t>(W));
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t len = std::min<int64_t>(pr.lengths[b], T);
+    float* o = pr.out + b * N * kH;
+    if (len <= 0) {
+      std::fill(o, o + N * kH, 0.0f);
+      continue;
+    }
+    for (int64_t p = 0; p < W; ++p) {
+      const int64_t id = pr.tables[b * W + p];
+      table[p] = static_cast<int32_t>(std::clamp<int64_t>(id < 0 ? id + pr.P : id, 0,
+                                                           pr.P - 1));
+    }
+    const __m512 scale = _mm512_set1_ps(pr.scale);
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t j = 0; j < V; ++j) {
+        q[n * V + j] = _mm512_mul_ps(_mm512_loadu_ps(pr.q + (b * N + n) * kH + 16 * j), scale);
+        acc[n * V + j] = _mm512_setzero_ps();
+      }
+      m[n] = -INFINITY;
+      l[n] = 0.0f;
+    }
+    for (int64_t t0 = 0; t0 < len; t0 += page_size) {
+      const int64_t page_off = static_cast<int64_t>(table[t0 / page_size]) * page_size * KH;
+      const char* next_k = nullptr;
+      const char* next_v = nullptr;
+      if (t0 + page_size < len) {
+        const int64_t next = static_cast<int64_t>(table[t0 / page_size + 1]) * page_size * KH;
+        next_k = reinterpret_cast<const char*>(pr.k + next);
+        next_v = reinterpret_cast<const char*>(pr.v + next);
+      }
+      const int64_t page_bytes = page_size * KH * 4;
+      const int64_t chunks = (page_size + 15) / 16;
+      const int64_t step_bytes = ((page_bytes + chunks * N - 1) / (chunks * N) + 63) / 64 * 64;
+      int64_t fetched = 0;
+      for (int64_t c0 = 0; c0 < page_size && t0 + c0 < len; c0 += 16) {
+        const int64_t c = std::min<int64_t>({16, page_size - c0, len - t0 - c0});
+        const float* keys = pr.k + page_off + c0 * KH;
+        const float* vals = pr.v + page_off + c0 * KH;
+        const __mmask16 live = static_cast<__mmask16>((1u << c) - 1u);
+        for (int64_t n = 0; n < N; ++n) {
+          const float* kn = keys + (n / G) * kH;
+          if (next_k != nullptr) {
+            for (int64_t i = fetched; i < std::min(page_bytes, fetched + step_bytes); i += 64) {
+              __builtin_prefetch(next_k + i);
+              __builtin_prefetch(next_v + i);
+            }
+            fetched += step_bytes;
+          }
+          __m512 part[16];
+          for (int64_t t = 0; t < 16; ++t) {
+            if (t >= c) { part[t] = _mm512_setzero_ps(); continue; }
+            __m512 s = _mm512_mul_ps(q[n * V], _mm512_loadu_ps(kn + t * KH));
+            for (int64_t j = 1; j < V; ++j)
+              s = _mm512_fmadd_ps(q[n * V + j], _mm512_loadu_ps(kn + t * KH + 16 * j), s);
+            part[t] = s;
+          }
+          const __m512 s = _mm512_mask_blend_ps(
+              live, neg_inf, _mm512_permutexvar_ps(lanes, SumEach16(part)));
+          const float m_new = std::max(m[n], _mm512_reduce_max_ps(s));
+          const float corr = ExpNonPositive(m[n] - m_new);
+          const __m512 pw =
+              _mm512_maskz_mov_ps(live, Exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+          l[n] = l[n] * corr + _mm512_reduce_add_ps(pw);
+          m[n] = m_new;
+          _mm512_storeu_ps(wts.data() + n * 16, pw);
+          const __m512 cv = _mm512_set1_ps(corr);
+          for (int64_t j = 0; j < V; ++j) acc[n * V + j] = _mm512_mul_ps(acc[n * V + j], cv);
+        }
+        for (int64_t n = 0; n < N; ++n) {
+          const float* vn = vals + (n / G) * kH;
+          const float* wn = wts.data() + n * 16;
+          __m512 a[V];
+          for (int64_t j = 0; j < V; ++j) a[j] = acc[n * V + j];
+          for (int64_t t = 0; t < c; ++t) {
+            const __m512 wt = _mm512_set1_ps(wn[t]);
+            for (int64_t j = 0; j < V; ++j)
+              a[j] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(vn + t * KH + 16 * j), a[j]);
+          }
+          for (int64_t j = 0; j < V; ++j) acc[n * V + j] = a[j];
+        }
+      }
+    }
+    for (int64_t n = 0; n < N; ++n) {
+      const __m512 inv = _mm512_set1_ps(1.0f / l[n]);
+      for (int64_t j = 0; j < V; ++j)
+        _mm512_storeu_ps(o + n * kH + 16 * j, _mm512_mul_ps(acc[n * V + j], inv));
+    }
+  }
+}
+#endif
+
 // The head dims of common models known at compile time, so the inner loops unroll
-// (12% on the kernel at H = 32); any other H runs the general loop.
+// (12% on the portable kernel at H = 32); any other H runs the portable general loop.
 void AttendSlots(const Problem& pr, int64_t begin, int64_t end) {
   switch (pr.H) {
+#if defined(__AVX512F__)
+    case 32: return AttendSlots512<32>(pr, begin, end);
+    case 64: return AttendSlots512<64>(pr, begin, end);
+    case 128: return AttendSlots512<128>(pr, begin, end);
+#else
     case 32: return AttendSlotsT<32>(pr, begin, end);
     case 64: return AttendSlotsT<64>(pr, begin, end);
     case 128: return AttendSlotsT<128>(pr, begin, end);
+#endif
     default: return AttendSlotsT<0>(pr, begin, end);
   }
 }
