@@ -138,6 +138,9 @@ class Llama(nn.Module):
     # The decode step's attention core: the reference or a Pallas kernel
     # (`models/pallas_attention.decode_attention`), all with the reference's signature.
     decode_attention: Callable = paged_attention
+    # A prompt's causal attention without a cached prefix: the reference or the native
+    # kernel (`engine.runner.prefill_attention`), (q, k, v) -> out as the reference.
+    prefill_attention: Callable = causal_attention
 
     def setup(self):
         c = self.cfg
@@ -169,7 +172,7 @@ class Llama(nn.Module):
         ks, vs = [], []
         for layer in self.layers:
             q, k, v = layer.qkv(x, positions, self.inv_freq)
-            x = layer.finish(x, causal_attention(q, k, v))
+            x = layer.finish(x, self.prefill_attention(q, k, v))
             ks.append(k)
             vs.append(v)
         return x, jnp.stack(ks), jnp.stack(vs)
@@ -234,15 +237,19 @@ class Llama(nn.Module):
                           gather_pages(v_pool_LPSKH[i], prefix_tables_BW), starts_B)
             k_pool_LPSKH = write_prompt_pages(k_pool_LPSKH, i, k, new_tables_BN, offsets, valid)
             v_pool_LPSKH = write_prompt_pages(v_pool_LPSKH, i, v, new_tables_BN, offsets, valid)
-            x = layer.finish(x, causal_attention(q, k, v, prefix))
+            # No row has a prefix: a plain prompt's attention (the native kernel where used).
+            attn = (causal_attention(q, k, v, prefix) if prefix is not None
+                    else self.prefill_attention(q, k, v))
+            x = layer.finish(x, attn)
         last = x[jnp.arange(x.shape[0]), lengths_B - 1]
         return self._logits(last), k_pool_LPSKH, v_pool_LPSKH
 
 
-def prefill_blocks(cfg: ModelConfig, dtype, layer_params: Sequence, x_BTD, fused: bool = False):
+def prefill_blocks(cfg: ModelConfig, dtype, layer_params: Sequence, x_BTD, fused: bool = False,
+                   attention: Callable = causal_attention):
     """Layer-wise prefill, middle programs: decoder layers over x, one per entry of
     `layer_params` (each a `layers_i` params dict, in order, fused or not as `fused`
-    says). Returns (x, k [G,B,T,K,H], v [G,B,T,K,H]) for the G layers. The params are
+    says), `attention` as `Llama.prefill_attention`. Returns (x, k [G,B,T,K,H], v [G,B,T,K,H]) for the G layers. The params are
     arguments, not names, so one compiled program serves every group of the same size."""
     block = Block(cfg, dtype, fused)
     b, t = x_BTD.shape[:2]
@@ -251,7 +258,7 @@ def prefill_blocks(cfg: ModelConfig, dtype, layer_params: Sequence, x_BTD, fused
     ks, vs = [], []
     for p in layer_params:
         q, k, v = block.apply({"params": p}, x_BTD, positions, inv_freq, method=Block.qkv)
-        x_BTD = block.apply({"params": p}, x_BTD, causal_attention(q, k, v), method=Block.finish)
+        x_BTD = block.apply({"params": p}, x_BTD, attention(q, k, v), method=Block.finish)
         ks.append(k)
         vs.append(v)
     return x_BTD, jnp.stack(ks), jnp.stack(vs)

@@ -1,9 +1,11 @@
-"""A native paged decode attention kernel for XLA:CPU (`attention_impl="native"`).
+"""Native attention kernels for XLA:CPU (`attention_impl="native"`): paged decode
+attention (`native/paged_attention.cc`) and, on CPUs with AVX-512, the causal attention
+of a prompt (`native/causal_prefill.cc`; elsewhere prefill stays on the jnp reference).
 
-`native/paged_attention.cc` is compiled with the system's C++ compiler the first time it
+The sources are compiled into one library with the system's C++ compiler the first time it
 is needed, against the XLA FFI headers of the *installed* jaxlib (so the handler always
 matches the runtime it registers with), and cached in `~/.cache/jaxpd/native`
-(`JAXPD_CACHE_DIR` moves it) under a name that hashes the source, the jaxlib version, the
+(`JAXPD_CACHE_DIR` moves it) under a name that hashes the sources, the jaxlib version, the
 compiler and this CPU. No compiler, or a failed build: `available()` is False with the
 reason in `unavailable_reason()`, and "auto" stays on the jnp reference. Measured before
 it became CPU's default: BENCHMARKS.md section 14.
@@ -23,12 +25,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-_SOURCE = Path(__file__).parent / "native" / "paged_attention.cc"
+_NATIVE = Path(__file__).parent / "native"
+_SOURCES = (_NATIVE / "paged_attention.cc", _NATIVE / "causal_prefill.cc")
+_HEADERS = (_NATIVE / "common.h",)
 # The oldest jaxlib it has served with. With jaxlib 0.6.0 (`.ci/min_versions`) it built
 # but a decode worker process failed its requests, not yet understood: older ones use
 # the reference.
 MIN_JAXLIB = (0, 10)
 _TARGET = "jaxpd_paged_decode_f32"
+_PREFILL_TARGET = "jaxpd_causal_prefill_f32"
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17",
           "-shared", "-fPIC", "-w")
 
@@ -69,7 +74,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout.splitlines()[:1]
     key = hashlib.sha256("\0".join([
-        _SOURCE.read_text(), jaxlib.__version__, compiler, *version, *_FLAGS, *extra_flags,
+        *(f.read_text() for f in (*_SOURCES, *_HEADERS)), jaxlib.__version__, compiler, *version, *_FLAGS, *extra_flags,
         _cpu_identity()]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"paged_attention-{key}.so"
     if out.exists():
@@ -79,8 +84,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        command = [compiler, *_FLAGS, *extra_flags, "-I", jax.ffi.include_dir(), str(_SOURCE),
-                   "-o", tmp]
+        command = [compiler, *_FLAGS, *extra_flags, "-I", jax.ffi.include_dir(),
+                   *map(str, _SOURCES), "-o", tmp]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[:2000]}")
@@ -101,6 +106,8 @@ def version_refusal(version: str) -> str | None:
 
 @functools.cache
 def _load() -> tuple[bool, str]:
+    """(whether the kernels are built and registered, why not); registers the prefill
+    kernel too where the library has it (`prefill_available`)."""
     import jaxlib
     refusal = version_refusal(jaxlib.__version__)
     if refusal is not None:
@@ -109,9 +116,17 @@ def _load() -> tuple[bool, str]:
         library = ctypes.cdll.LoadLibrary(str(_build()))
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.JaxpdPagedDecodeF32),
                                     platform="cpu")
+        if hasattr(library, "JaxpdCausalPrefillF32"):      # built where AVX-512 is
+            jax.ffi.register_ffi_target(_PREFILL_TARGET,
+                                        jax.ffi.pycapsule(library.JaxpdCausalPrefillF32),
+                                        platform="cpu")
+            _prefill_registered.append(True)
     except Exception as e:   # noqa: BLE001 - any failure means: use the reference
         return False, f"{type(e).__name__}: {e}"
     return True, ""
+
+
+_prefill_registered: list[bool] = []
 
 
 def available() -> bool:
@@ -138,3 +153,23 @@ def paged_attention_native(q_BNH: jnp.ndarray, k_pool_LPSKH: jnp.ndarray,
 
 # The decode model passes this kernel the whole pools and the layer (`Llama.decode`).
 paged_attention_native.whole_pool = True
+
+# Head dims the prefill kernel is written for (register tiles of 16 floats).
+PREFILL_HEAD_DIMS = (32, 64, 128)
+
+
+def prefill_available(head_dim: int) -> bool:
+    """Whether `causal_attention_native` serves prompts of this head dim here: the
+    library built, with its AVX-512 prefill kernel (this CPU has AVX-512)."""
+    return available() and bool(_prefill_registered) and head_dim in PREFILL_HEAD_DIMS
+
+
+def causal_attention_native(q_BTNH: jnp.ndarray, k_BTKH: jnp.ndarray,
+                            v_BTKH: jnp.ndarray) -> jnp.ndarray:
+    """`attention.causal_attention` without a prefix: q [B, T, N, H], k, v [B, T, K, H]
+    float32 -> [B, T, N, H]."""
+    if not prefill_available(q_BTNH.shape[-1]):
+        raise RuntimeError("the native prefill kernel is not available here (it needs "
+                           "AVX-512 and head dim 32, 64 or 128)")
+    call = jax.ffi.ffi_call(_PREFILL_TARGET, jax.ShapeDtypeStruct(q_BTNH.shape, jnp.float32))
+    return call(q_BTNH, k_BTKH, v_BTKH)

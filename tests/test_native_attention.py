@@ -12,7 +12,8 @@ import pytest
 from jaxpd import LLM, SamplingParams
 from jaxpd.config import resolve_attention_impl
 from jaxpd.models import native_attention
-from jaxpd.models.attention import paged_attention
+from jaxpd.engine.kernels import prefill_attention
+from jaxpd.models.attention import causal_attention, paged_attention
 from jaxpd.models.native_attention import paged_attention_native
 from tests.engine_fixtures import assert_all_pages_free
 
@@ -77,6 +78,35 @@ def test_kernel_equals_reference_on_every_layer(kh, g, h, page_size, body):
         expected = paged_attention(q, k[layer], v[layer], tables, lengths)
         np.testing.assert_allclose(native(q, k, v, layer, tables, lengths), expected,
                                    atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("b,t,kh,g,h", [(1, 100, 4, 2, 32), (3, 33, 2, 2, 64), (2, 256, 3, 3, 64),
+                                         (1, 40, 1, 4, 128), (2, 17, 4, 1, 32), (1, 1, 2, 2, 32)])
+def test_prefill_kernel_equals_reference(b, t, kh, g, h):
+    """The native causal attention of a prompt against `causal_attention` (query blocks of
+    the reference, tiles of 4 or 2 rows and key blocks of 16 in the kernel): prompts that
+    are no multiple of either, batches, grouped heads, head dims 32-128."""
+    if not native_attention.prefill_available(h):
+        pytest.skip("no AVX-512 here: prefill stays on the reference")
+    rng = np.random.default_rng(t)
+    q = jnp.asarray(rng.standard_normal((b, t, kh * g, h)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((b, t, kh, h)), jnp.float32) for _ in range(2))
+    got = jax.jit(native_attention.causal_attention_native)(q, k, v)
+    np.testing.assert_allclose(got, causal_attention(q, k, v), atol=2e-6, rtol=2e-5)
+
+
+def test_prefill_attention_choice():
+    """The engine's prefill runs the native kernel only for "native" and a head dim it
+    is written for (on a CPU with AVX-512); everything else gets the reference."""
+    from jax.sharding import Mesh
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    assert prefill_attention("reference", mesh, (), 32) is causal_attention
+    assert prefill_attention("pallas_gpu", mesh, (), 32) is causal_attention
+    assert prefill_attention("native", mesh, (), 16) is causal_attention
+    native = prefill_attention("native", mesh, (), 32)
+    assert (native is causal_attention) == (not native_attention.prefill_available(32))
+    with pytest.raises(RuntimeError, match="needs AVX-512 and head dim 32, 64 or 128"):
+        native_attention.causal_attention_native(*(jnp.zeros((1, 4, 2, 16)),) * 3)
 
 
 def test_a_page_id_outside_the_pool_is_read_as_the_reference_reads_it():

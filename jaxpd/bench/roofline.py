@@ -123,11 +123,18 @@ def _row(kind: str, shape: dict, flops: float, nbytes: float, seconds: float,
             "achieved_flops_per_s": flops / seconds, "achieved_bytes_per_s": nbytes / seconds}
 
 
-def time_prefill(cfg, params, length: int, repeats: int) -> float:
+def time_prefill(cfg, params, length: int, repeats: int,
+                 attention_impl: str = "reference") -> float:
+    """Best time of one prompt's prefill, its attention as the engine's prefill runs it
+    on one device for a resolved `attention_impl` (`engine.kernels.prefill_attention`)."""
     import jax
     import jax.numpy as jnp
+    from jax.sharding import Mesh
+    from jaxpd.engine.kernels import prefill_attention
     from jaxpd.models.llama import Llama
-    model = Llama(cfg)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    model = Llama(cfg, prefill_attention=prefill_attention(attention_impl, mesh, (),
+                                                           cfg.head_dim))
     fn = jax.jit(lambda p, t, n: model.apply({"params": p}, t, n, method=Llama.prefill))
     tokens = jnp.full((1, length), 3, jnp.int32)
     lengths = jnp.array([length], jnp.int32)
@@ -178,7 +185,8 @@ def format_roofline(machine: dict, rows: list[dict]) -> str:
                      f"{r['achieved_bytes_per_s'] / 1e9:>7.1f}"
                      f"{100 * r['fraction_of_roofline']:>12.1f}%")
     lines.append("(tokens: prompt bucket for prefill, context length for decode; decode "
-                 f"attention: {machine['decode_attention']})")
+                 f"attention: {machine['decode_attention']}; prefill attention: "
+                 f"{machine['prefill_attention']})")
     return "\n".join(lines)
 
 
@@ -197,16 +205,19 @@ def run_roofline(model_dir: str, args: argparse.Namespace) -> dict:
     fused = jax.device_put(fuse_params(cfg, loaded.params), device)   # as decode meshes run
     bandwidth = measure_bandwidth(args.roofline_repeats)
     matmul = measure_matmul(min(args.roofline_repeats, 3))
-    # Decode steps run the attention core the engine would serve with here.
+    # Decode steps and prefills run the attention cores the engine would serve with here.
     attention = resolve_attention_impl(args.attention_impl, device.platform)
+    from jaxpd.models import native_attention
+    native_prefill = attention == "native" and native_attention.prefill_available(cfg.head_dim)
     machine = {**bandwidth, "flops_per_s": matmul["flops_per_s"], "matmul_n": matmul["n"],
-               "decode_attention": attention}
+               "decode_attention": attention,
+               "prefill_attention": "native" if native_prefill else "reference"}
     rows = []
     max_len = min(args.roofline_max_len, cfg.max_position_embeddings)
     for length in length_buckets(max_len):
         if length > cfg.max_position_embeddings:
             break
-        seconds = time_prefill(cfg, params, length, args.roofline_repeats)
+        seconds = time_prefill(cfg, params, length, args.roofline_repeats, attention)
         rows.append(_row("prefill", {"batch": 1, "length": length},
                          *prefill_cost(cfg, 1, length), seconds, machine))
     for batch in args.roofline_batches:

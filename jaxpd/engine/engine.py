@@ -15,7 +15,6 @@ connector's bounded handoff queue (prefill -> decode: backpressure on prefill).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -29,7 +28,7 @@ from jaxpd.engine.decode_loop import DecodeLoop
 from jaxpd.engine.extend_loop import ExtendLoop
 from jaxpd.engine.multihost import Follower, PlanChannel
 from jaxpd.engine.multihost_decode import lead, replay_for
-from jaxpd.engine.page_allocator import CacheJournal
+from jaxpd.engine.page_allocator import CacheJournal, prefix_root
 from jaxpd.engine.prefill_cache import PrefillCache, cache_pages
 from jaxpd.engine.prefill_loop import PrefillLoop
 from jaxpd.engine.requests import Limits, Requests
@@ -138,8 +137,12 @@ class Engine:
         return not (self._stop.is_set() or self._paused.is_set())
 
     def _params_on(self, mesh, fuse: bool):
-        """(params on `mesh`, its logical rules, whether fused: `engine.placement`)."""
-        return place_params(self.model.cfg, self.model.params, mesh, self.dtype, fuse=fuse)
+        """(params on `mesh`, its logical rules, whether fused: `engine.placement`; the
+        attention kernels for its devices: `resolve_attention_impl`)."""
+        c = self.config
+        return (*place_params(self.model.cfg, self.model.params, mesh, self.dtype, fuse=fuse),
+                resolve_attention_impl(c.attention_impl, mesh.devices.flat[0].platform,
+                                       c.attention_interpret, c.dtype))
 
     def _prefill_scheduler(self, buckets: list[int]) -> PrefillScheduler:
         c = self.config
@@ -161,9 +164,8 @@ class Engine:
 
     def _staging_sharding(self) -> NamedSharding:
         """Where a `DevicePutConnector` copies each handoff's pages in `send`, before the
-        prefill loop dispatches its next batch (`transfer.device_put`): dp shard 0 of
-        the decode mesh, in the layout the pages travel in (packed bytes are replicated
-        over the shard's devices, see `CompressingReceiver.place`)."""
+        next prefill batch (`transfer.device_put`): dp shard 0 of the decode mesh, in the
+        layout pages travel in (packed bytes replicated: `CompressingReceiver.place`)."""
         pages = self.decode_runner.shard_sharding(0)
         if self.config.kv_transfer_dtype is not None:
             return NamedSharding(pages.mesh, PartitionSpec())
@@ -171,10 +173,11 @@ class Engine:
 
     def _build_prefill(self) -> None:
         c, mesh = self.config, self.meshes.prefill
-        params, rules, fused = self._params_on(mesh, fuse=False)
+        params, rules, fused, attention = self._params_on(mesh, fuse=False)
         self.prefill_runner = PrefillRunner(self.model.cfg, params, mesh, rules, c.page_size,
                                             self.counter, self.dtype, fused=fused,
-                                            gather_pages=bool(self.plan and not self.plan.offers))
+                                            gather_pages=bool(self.plan and not self.plan.offers),
+                                            attention_impl=attention)
         self.prefill_runner = lead(self.prefill_runner, self.plan)
         self.prefill_scheduler = self._prefill_scheduler(c.buckets)
         sender = self.connector
@@ -186,7 +189,8 @@ class Engine:
         self.prefill_cache = PrefillCache(
             self.model.cfg, params, mesh, rules, cache_pages(c, self.prefill_scheduler),
             c.page_size, c.pages_per_slot, self.prefix_root, self.counter, self.dtype,
-            fused=fused, journal=self.cache_journal) if self.prefill_caching else None
+            fused=fused, journal=self.cache_journal, attention_impl=attention
+        ) if self.prefill_caching else None
         self.prefill_loop = PrefillLoop(self.prefill_runner, self.prefill_scheduler, sender,
                                         self.requests, self.requests.prefill_inbox, c.page_size,
                                         self.counters, layerwise=groups,
@@ -196,9 +200,7 @@ class Engine:
 
     def _build_decode(self) -> None:
         c, mesh, spec = self.config, self.meshes.decode, self.config.mesh
-        params, rules, fused = self._params_on(mesh, fuse=True)
-        attention = resolve_attention_impl(c.attention_impl, mesh.devices.flat[0].platform,
-                                           c.attention_interpret, c.dtype)
+        params, rules, fused, attention = self._params_on(mesh, fuse=True)
         self.decode_runner = lead(DecodeRunner(
             self.model.cfg, params, mesh, rules, spec.decode_dp * c.slots_per_shard,
             c.pages_per_shard, c.page_size, self.counter, self.dtype, fused=fused,
@@ -224,7 +226,8 @@ class Engine:
                                        counted=False))
             runner = lead(PrefillRunner(
                 self.model.cfg, params, mesh, rules, c.page_size, self.counter, self.dtype,
-                name="local_prefill", fused=fused, gather_pages=self.plan is not None), self.plan)
+                name="local_prefill", fused=fused, gather_pages=self.plan is not None,
+                attention_impl=attention), self.plan)
             buckets = ([b for b in c.buckets if b < c.local_prefill_below] or c.buckets[:1]
                        if spec.has_prefill else c.buckets)
             self.local_scheduler = self._prefill_scheduler(buckets)
@@ -245,11 +248,10 @@ class Engine:
             self.requests.extend_ready = loop.ready_for
 
     def _prefix_root(self) -> bytes | None:
-        """Roots the page hashes: model shapes, dtype, page size (one set of weights)."""
+        """Roots the page hashes (`page_allocator.prefix_root`); None with no cache."""
         if not (self.caching or self.prefill_caching):
             return None
-        key = f"{self.model.cfg}|{self.config.dtype}|{self.config.page_size}".encode()
-        return hashlib.blake2b(key, digest_size=16).digest()
+        return prefix_root(self.model.cfg, self.config.dtype, self.config.page_size)
 
     def _cached_tokens(self, request: Request) -> int:
         """Tokens of `request` cached on its best decode shard (a hint: read from the

@@ -35,6 +35,12 @@ class OutOfPages(Exception):
     pass
 
 
+def prefix_root(model_cfg, dtype: str, page_size: int) -> bytes:
+    """Roots the page hashes: model shapes, dtype, page size (one set of weights)."""
+    key = f"{model_cfg}|{dtype}|{page_size}".encode()
+    return hashlib.blake2b(key, digest_size=16).digest()
+
+
 def page_hashes(token_ids: list[int], page_size: int, root: bytes) -> list[bytes]:
     """The chained hash of each *full* page of `token_ids`: page i's hash covers
     (page i-1's hash, page i's tokens), page 0's parent is `root` (the model, dtype and

@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpd.engine.background_compile import BackgroundCompiler
+from jaxpd.engine.kernels import prefill_attention
 from jaxpd.engine.page_allocator import CacheJournal, PageAllocator, page_hashes, pages_for
 from jaxpd.engine.penalties import prefill_context
 from jaxpd.engine.runner import CompileCounter
@@ -69,7 +70,7 @@ class PrefillCache:
     def __init__(self, cfg: ModelConfig, params, mesh: Mesh, rules, num_pages: int,
                  page_size: int, max_pages: int, root: bytes, counter: CompileCounter,
                  dtype=jnp.float32, fused: bool = False, name: str = "prefill_cached",
-                 journal: CacheJournal | None = None):
+                 journal: CacheJournal | None = None, attention_impl: str = "reference"):
         self.cfg, self.params, self.page_size, self.max_pages = cfg, params, page_size, max_pages
         self.root, self.counter, self.name = root, counter, name
         self.allocator = PageAllocator(num_pages, journal)
@@ -79,7 +80,9 @@ class PrefillCache:
         shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pages)
         self.k_pool, self.v_pool = zeros(), zeros()
-        model = Llama(cfg, dtype, fused)
+        model = Llama(cfg, dtype, fused,
+                      prefill_attention=prefill_attention(attention_impl, mesh, rules,
+                                                          cfg.head_dim))
 
         def extend(params, k_pool, v_pool, tokens, starts, lengths, prefix_tables, new_tables,
                    sampling):

@@ -16,7 +16,6 @@
 """
 from __future__ import annotations
 
-import functools
 import threading
 
 import flax.linen as nn
@@ -29,6 +28,7 @@ from jaxpd.engine.background_compile import BackgroundCompiler
 from jaxpd.engine.penalties import SlotPenalties, count_sampled, prefill_context
 from jaxpd.engine.sampler import Logprobs, SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
+from jaxpd.engine.kernels import kernel_per_tp_shard, prefill_attention
 from jaxpd.models.llama import Llama, prefill_blocks
 from jaxpd.models.pallas_attention import decode_attention
 from jaxpd.sharding.compat import shard_map
@@ -62,10 +62,12 @@ class PrefillRunner:
 
     def __init__(self, cfg: ModelConfig, params, mesh: Mesh, rules, page_size: int,
                  counter: CompileCounter, dtype=jnp.float32, name: str = "prefill",
-                 fused: bool = False, gather_pages: bool = False):
+                 fused: bool = False, gather_pages: bool = False,
+                 attention_impl: str = "reference"):
         self.cfg, self.params, self.mesh, self.page_size = cfg, params, mesh, page_size
         self.counter, self.name = counter, name
-        model = Llama(cfg, dtype, fused)
+        attention = prefill_attention(attention_impl, mesh, rules, cfg.head_dim)
+        model = Llama(cfg, dtype, fused, prefill_attention=attention)
         replicated = NamedSharding(mesh, P())
 
         def first_token(logits, tokens, lengths, sampling):
@@ -86,7 +88,7 @@ class PrefillRunner:
 
         def blocks(layer_params, x):
             with nn.logical_axis_rules(rules):
-                return prefill_blocks(cfg, dtype, layer_params, x, fused)
+                return prefill_blocks(cfg, dtype, layer_params, x, fused, attention)
 
         def head(params, x, tokens, lengths, sampling):
             with nn.logical_axis_rules(rules):
@@ -160,37 +162,6 @@ class PrefillRunner:
         return cut(k), cut(v)
 
 
-def _kernel_per_tp_shard(attention, kv_axis: str | None):
-    """`attention` (a Pallas or native kernel) run on each tp shard's own kv heads. A kernel is
-    opaque to GSPMD, which would gather a kv-head-sharded pool onto every device for
-    it, and to jax's varying-axes check (`check_vma`), which cannot type its output
-    (so the step that calls it runs without the check too). Each shard already holds
-    the query heads of its kv heads (N and K split alike); with kv heads replicated
-    (`kv_axis` None), every shard computes them all. Called inside the step's dp
-    shard_map, so the mesh is that body's (dp already manual)."""
-    heads, pool, whole = P(None, kv_axis, None), P(None, None, kv_axis, None), P()
-    if getattr(attention, "whole_pool", False):      # (q, pools [L, ...], layer, tables, lengths)
-        layers = P(None, None, None, kv_axis, None)
-
-        def per_shard_layer(q, k_pool, v_pool, layer, *rest):
-            return shard_map(functools.partial(_at_layer, attention, layer),
-                             mesh=jax.sharding.get_abstract_mesh(), axis_names={"tp"},
-                             check_vma=False, in_specs=(heads, layers, layers, whole, whole),
-                             out_specs=heads)(q, k_pool, v_pool, *rest)
-        per_shard_layer.whole_pool = True
-        return per_shard_layer
-
-    def per_shard(*args):
-        return shard_map(attention, mesh=jax.sharding.get_abstract_mesh(), axis_names={"tp"},
-                         check_vma=False, in_specs=(heads, pool, pool, whole, whole),
-                         out_specs=heads)(*args)
-    return per_shard
-
-
-def _at_layer(attention, layer, q, k_pool, v_pool, block_tables, lengths):
-    return attention(q, k_pool, v_pool, layer, block_tables, lengths)
-
-
 class DecodeRunner:
     """`fused`: `params` are `fuse_params`'s tree (`place_params` says which)."""
 
@@ -218,7 +189,7 @@ class DecodeRunner:
         self._zeros_cache: dict = {}
         attention = decode_attention(attention_impl, attention_interpret)
         if attention_impl != "reference":
-            attention = _kernel_per_tp_shard(attention, kv_axis)
+            attention = kernel_per_tp_shard(attention, kv_axis)
         model = Llama(cfg, dtype, fused, attention)
 
         def step(params, k_pool, v_pool, counts, prompt, prev, host_tokens, fed_from_host,

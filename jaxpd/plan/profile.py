@@ -50,10 +50,13 @@ class MeshProfiler:
         self.counter = CompileCounter()
 
     def _place(self, mesh, fuse: bool):
-        """(params, rules, fused) on `mesh`, laid out as the engine places them."""
+        """(params, rules, fused) on `mesh`, laid out as the engine places them, and the
+        attention kernels the engine's default serves with on its devices."""
         import jax.numpy as jnp
+        from jaxpd.config import resolve_attention_impl
         from jaxpd.engine.placement import place_params
-        return place_params(self.cfg, self.params, mesh, jnp.float32, fuse=fuse)
+        attention = resolve_attention_impl("auto", mesh.devices.flat[0].platform)
+        return (*place_params(self.cfg, self.params, mesh, jnp.float32, fuse=fuse), attention)
 
     @staticmethod
     def _devices(n: int) -> list:
@@ -72,9 +75,9 @@ class MeshProfiler:
         from jaxpd.engine.runner import PrefillRunner, SamplingArrays
 
         mesh = Mesh(np.array(self._devices(tp)), ("tp",))
-        params, rules, fused = self._place(mesh, fuse=False)
+        params, rules, fused, attention = self._place(mesh, fuse=False)
         runner = PrefillRunner(self.cfg, params, mesh, rules, self.page_size, self.counter,
-                               fused=fused)
+                               fused=fused, attention_impl=attention)
         samples = []
         for length in lengths:
             for batch in batches:
@@ -95,12 +98,12 @@ class MeshProfiler:
         from jaxpd.engine.runner import DecodeRunner, SamplingArrays
 
         mesh = Mesh(np.array(self._devices(dp * tp)).reshape(dp, tp), ("dp", "tp"))
-        params, rules, fused = self._place(mesh, fuse=True)
+        params, rules, fused, attention = self._place(mesh, fuse=True)
         num_slots = dp * slots_per_shard
         pages_per_slot = -(-(max(contexts) + 1) // self.page_size)
         runner = DecodeRunner(self.cfg, params, mesh, rules, num_slots,
                               slots_per_shard * pages_per_slot + 1, self.page_size, self.counter,
-                              fused=fused)
+                              fused=fused, attention_impl=attention)
         samples = []
         for context in contexts:
             num_pages = -(-(context + 1) // self.page_size)

@@ -17,49 +17,21 @@
 // next page row by row while computing this one (tests/test_native_attention.py builds
 // the portable body on an AVX-512 machine too).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
-#include <memory>
-#include <mutex>
-#include <string>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "common.h"
 
 namespace {
+
+using namespace jaxpd_native;  // NOLINT: this file's helpers
 
 // The lines of one row of floats: a page's next row is asked for while this one is
 // computed, spread over the page, where a burst of requests at a page's start would stall.
 inline void PrefetchRow(const float* row, int64_t floats) {
   const char* p = reinterpret_cast<const char*>(row);
   for (int64_t i = 0; i < floats * 4; i += 64) __builtin_prefetch(p + i);
-}
-
-// e^x for x <= 0 (a softmax after subtracting its max), written so that the compiler
-// vectorizes the loop calling it (libm's expf is a call per element): x = n ln2 + y with
-// |y| <= ln2/2 (ln2 split in two for accuracy), e^y by its Taylor series to y^6
-// (relative error below 3e-7), times 2^n from its exponent bits. Below -87, where 2^n
-// would leave the normal floats, it returns e^-87 (~1.6e-38): nil beside the max's 1.
-inline float ExpNonPositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float y = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.0f / 720.0f;
-  p = p * y + 1.0f / 120.0f;
-  p = p * y + 1.0f / 24.0f;
-  p = p * y + 1.0f / 6.0f;
-  p = p * y + 0.5f;
-  p = p * y + 1.0f;
-  p = p * y + 1.0f;
-  return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
 }
 
 // Calls visit(t, n, row) for every token t < len and query head n, `row` being the H
@@ -178,25 +150,6 @@ inline __m512i TokenLanes() {
   alignas(64) int32_t idx[16];
   for (int j = 0; j < 16; ++j) idx[static_cast<int>(lanes[j]) / 16] = j;
   return _mm512_load_si512(idx);
-}
-
-inline __m512 Exp16(__m512 x) {   // ExpNonPositive on 16 lanes
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 y = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
-                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
 // AVX-512: one pass over the context, 16 tokens at a time, a page's keys and values
@@ -324,28 +277,6 @@ void AttendSlots(const Problem& pr, int64_t begin, int64_t end) {
   }
 }
 
-// Chunks of slots claimed from a shared counter by the calling thread and by helpers
-// scheduled on XLA's intra-op pool. The caller works too and waits only for chunks that
-// were claimed, so it never waits on a helper that has not started (the pool may be
-// busy running this very program on other devices); a helper that starts late finds no
-// chunk left and only drops its reference to the shared state.
-struct Work {
-  Problem pr;
-  int64_t num_slots, chunk, num_chunks;
-  std::atomic<int64_t> next{0};
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t done = 0;            // guarded by mu
-
-  void Run() {
-    for (int64_t c; (c = next.fetch_add(1)) < num_chunks;) {
-      AttendSlots(pr, c * chunk, std::min(num_slots, (c + 1) * chunk));
-      std::lock_guard<std::mutex> lock(mu);
-      if (++done == num_chunks) cv.notify_all();
-    }
-  }
-};
-
 ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_BNH,
                        ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
                        ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> lengths,
@@ -362,35 +293,29 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_BNH,
       P < 1 || page_size < 1 || layer < 0 || layer >= L ||
       !std::equal(pd.begin(), pd.end(), v_pool.dimensions().begin(), v_pool.dimensions().end()))
     return ffi::Error::InvalidArgument("paged_decode: inconsistent shapes or layer");
-  auto work = std::make_shared<Work>();
   const int64_t layer_size = P * page_size * K * H;
-  work->pr = Problem{q_BNH.typed_data(), k_pool.typed_data() + layer * layer_size,
-                     v_pool.typed_data() + layer * layer_size, block_tables.typed_data(),
-                     lengths.typed_data(), out_BNH->typed_data(), N, H, P, page_size, K, td[1],
-                     1.0f / std::sqrt(static_cast<float>(H))};
+  const Problem pr{q_BNH.typed_data(), k_pool.typed_data() + layer * layer_size,
+                   v_pool.typed_data() + layer * layer_size, block_tables.typed_data(),
+                   lengths.typed_data(), out_BNH->typed_data(), N, H, P, page_size, K, td[1],
+                   1.0f / std::sqrt(static_cast<float>(H))};
+  // Two chunks of slots per thread: a thread that finishes early takes another.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  work->num_slots = B;
-  work->chunk = std::max<int64_t>(1, (B + 2 * threads - 1) / (2 * threads));
-  work->num_chunks = B == 0 ? 0 : (B + work->chunk - 1) / work->chunk;
-  for (int64_t i = 1; i < std::min(threads, work->num_chunks); ++i)
-    pool.Schedule([work] { work->Run(); });
-  work->Run();
-  {
-    std::unique_lock<std::mutex> lock(work->mu);
-    work->cv.wait(lock, [&] { return work->done == work->num_chunks; });
-  }
+  const int64_t chunk = std::max<int64_t>(1, (B + 2 * threads - 1) / (2 * threads));
+  RunTasks(pool, B == 0 ? 0 : (B + chunk - 1) / chunk, [pr, chunk, B](int64_t c) {
+    AttendSlots(pr, c * chunk, std::min(B, (c + 1) * chunk));
+  });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpdPagedDecodeF32, PagedDecode,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [B, N, H]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k pool [L, P, S, K, H]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v pool
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // block tables [B, W]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // lengths [B]
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // q [B, N, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // k pool [L,P,S,K,H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // v pool
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // block tables [B,W]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // lengths [B]
                                   .Attr<int64_t>("layer")
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [B, N, H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // out [B, N, H]

@@ -1,0 +1,65 @@
+"""Attention kernels placed on a role's mesh: a Pallas or native kernel is opaque to
+GSPMD (which would gather a sharded operand onto every device for it), so each runs
+under `shard_map` on each device's own heads."""
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxpd.models.attention import causal_attention
+from jaxpd.sharding.compat import shard_map
+
+
+def prefill_attention(impl: str, mesh: Mesh, rules, head_dim: int):
+    """A prompt's causal attention for a resolved `attention_impl` on `mesh`: the native
+    kernel where it serves this head dim here (`native_attention.prefill_available`:
+    AVX-512), run on each device's own kv heads (and their query heads); else the
+    reference. Opaque to GSPMD like the decode kernels (`kernel_per_tp_shard`): every
+    mesh axis is manual, the heads split over kv heads' axis as the rules split them
+    (replicated when they do not divide tp), the rest of the prompt replicated, as a
+    prefill's activations are."""
+    if impl != "native":
+        return causal_attention
+    from jaxpd.models import native_attention
+    if not native_attention.prefill_available(head_dim):
+        return causal_attention
+    heads = P(None, None, dict(rules).get("kv_heads"), None)       # [B, T, N or K, H]
+
+    def per_shard(q, k, v):
+        return shard_map(native_attention.causal_attention_native, mesh=mesh,
+                         in_specs=(heads, heads, heads), out_specs=heads,
+                         axis_names=set(mesh.axis_names), check_vma=False)(q, k, v)
+    return per_shard
+
+
+def kernel_per_tp_shard(attention, kv_axis: str | None):
+    """`attention` (a Pallas or native kernel) run on each tp shard's own kv heads. A kernel is
+    opaque to GSPMD, which would gather a kv-head-sharded pool onto every device for
+    it, and to jax's varying-axes check (`check_vma`), which cannot type its output
+    (so the step that calls it runs without the check too). Each shard already holds
+    the query heads of its kv heads (N and K split alike); with kv heads replicated
+    (`kv_axis` None), every shard computes them all. Called inside the step's dp
+    shard_map, so the mesh is that body's (dp already manual)."""
+    heads, pool, whole = P(None, kv_axis, None), P(None, None, kv_axis, None), P()
+    if getattr(attention, "whole_pool", False):      # (q, pools [L, ...], layer, tables, lengths)
+        layers = P(None, None, None, kv_axis, None)
+
+        def per_shard_layer(q, k_pool, v_pool, layer, *rest):
+            return shard_map(functools.partial(_at_layer, attention, layer),
+                             mesh=jax.sharding.get_abstract_mesh(), axis_names={"tp"},
+                             check_vma=False, in_specs=(heads, layers, layers, whole, whole),
+                             out_specs=heads)(q, k_pool, v_pool, *rest)
+        per_shard_layer.whole_pool = True
+        return per_shard_layer
+
+    def per_shard(*args):
+        return shard_map(attention, mesh=jax.sharding.get_abstract_mesh(), axis_names={"tp"},
+                         check_vma=False, in_specs=(heads, pool, pool, whole, whole),
+                         out_specs=heads)(*args)
+    return per_shard
+
+
+def _at_layer(attention, layer, q, k_pool, v_pool, block_tables, lengths):
+    return attention(q, k_pool, v_pool, layer, block_tables, lengths)
