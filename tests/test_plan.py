@@ -57,8 +57,8 @@ def tiny_dir(tiny_hf_model):
     return tiny_hf_model[0]     # the session's tiny llama_gqa checkpoint (read only)
 
 
-def _planner(tiny_dir, assume="measured"):
-    return plan.Planner(MeshProfiler(tiny_dir, repeats=2), assume, RATE, NUM_REQUESTS, PROMPTS,
+def _planner(tiny_dir, assume="measured", repeats=2):
+    return plan.Planner(MeshProfiler(tiny_dir, repeats=repeats), assume, RATE, NUM_REQUESTS, PROMPTS,
                         OUTPUTS, SEED, slo_ttft=10.0, slo_tpot=1.0, max_prefill_batch=4,
                         profile_batches=(1, 4))
 
@@ -82,8 +82,10 @@ def test_ideal_assumption_scales_one_device_profile(tiny_dir):
 
 @pytest.mark.slow
 def test_real_run_keeps_the_planner_ranking(tiny_dir):
-    """REAL RUN: the planner's best split beats its worst when both serve for real."""
-    planner = _planner(tiny_dir)
+    """REAL RUN: the planner's best split beats its worst when both serve for real.
+    (Best of 4 per profiled shape: alone the prediction separates them 6.6x, but CI runs
+    another test file beside this one, and best of 2 once caught it in a spike.)"""
+    planner = _planner(tiny_dir, repeats=4)
     ranking = planner.rank(CANDIDATES, SLOTS_PER_SHARD)
     assert sorted(p.mesh for p in ranking) == sorted(CANDIDATES)
     best, worst = ranking[0], ranking[-1]
