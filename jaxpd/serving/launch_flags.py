@@ -145,8 +145,9 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                          flag_values=fv)
     flags.DEFINE_enum("attention_impl", "auto",
                       ["auto", "reference", "native", "pallas_gpu", "pallas_tpu"],
-                      "Decode attention core: 'auto' is 'native' on CPU (a C++ kernel built "
-                      "on first use; the jnp reference where it cannot be built) and the jnp "
+                      "Attention core: 'auto' is 'native' on CPU (C++ kernels built on first "
+                      "use, for decode, and for prefill where the CPU has AVX-512; the jnp "
+                      "reference where they cannot be built) and the jnp "
                       "reference elsewhere (the Pallas kernels are opt-in until checked on a "
                       "device).", flag_values=fv)
 
