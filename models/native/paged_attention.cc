@@ -156,8 +156,8 @@ inline __m512i TokenLanes() {
 // together: 16 scores per head by SumEach16, an online softmax (a running max and sum per
 // head, the accumulator rescaled when the max grows), values added into per-head
 // accumulators held as kH / 16 vectors. The next page is asked for a slice per head, so
-// the requests spread over the page's work (BENCHMARKS.md section 14b: 2.4x on the kernel
-// at 32 x 512 on this project's CPU, most of it the spread requests).
+// the requests spread over the page's work (BENCHMARKS.md section 14b: 2.3-2.8x on the
+// kernel at 32 x 512, most of it the spread requests).
 template <int64_t kH>
 void AttendSlots512(const Problem& pr, int64_t begin, int64_t end) {
   constexpr int64_t V = kH / 16;
