@@ -139,7 +139,7 @@ class Llama(nn.Module):
     # (`models/pallas_attention.decode_attention`), all with the reference's signature.
     decode_attention: Callable = paged_attention
     # A prompt's causal attention without a cached prefix: the reference or the native
-    # kernel (`engine.runner.prefill_attention`), (q, k, v) -> out as the reference.
+    # kernel (`engine.kernels.prefill_attention`), (q, k, v) -> out as the reference.
     prefill_attention: Callable = causal_attention
 
     def setup(self):
@@ -237,7 +237,7 @@ class Llama(nn.Module):
                           gather_pages(v_pool_LPSKH[i], prefix_tables_BW), starts_B)
             k_pool_LPSKH = write_prompt_pages(k_pool_LPSKH, i, k, new_tables_BN, offsets, valid)
             v_pool_LPSKH = write_prompt_pages(v_pool_LPSKH, i, v, new_tables_BN, offsets, valid)
-            # No row has a prefix: a plain prompt's attention (the native kernel where used).
+            # With no prefix in the batch, a plain prompt's (the native kernel where used).
             attn = (causal_attention(q, k, v, prefix) if prefix is not None
                     else self.prefill_attention(q, k, v))
             x = layer.finish(x, attn)
@@ -249,8 +249,9 @@ def prefill_blocks(cfg: ModelConfig, dtype, layer_params: Sequence, x_BTD, fused
                    attention: Callable = causal_attention):
     """Layer-wise prefill, middle programs: decoder layers over x, one per entry of
     `layer_params` (each a `layers_i` params dict, in order, fused or not as `fused`
-    says), `attention` as `Llama.prefill_attention`. Returns (x, k [G,B,T,K,H], v [G,B,T,K,H]) for the G layers. The params are
-    arguments, not names, so one compiled program serves every group of the same size."""
+    says), `attention` as `Llama.prefill_attention`. Returns (x, k [G,B,T,K,H],
+    v [G,B,T,K,H]) for the G layers. The params are arguments, not names, so one compiled
+    program serves every group of the same size."""
     block = Block(cfg, dtype, fused)
     b, t = x_BTD.shape[:2]
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))

@@ -74,8 +74,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout.splitlines()[:1]
     key = hashlib.sha256("\0".join([
-        *(f.read_text() for f in (*_SOURCES, *_HEADERS)), jaxlib.__version__, compiler, *version, *_FLAGS, *extra_flags,
-        _cpu_identity()]).encode()).hexdigest()[:16]
+        *(f.read_text() for f in (*_SOURCES, *_HEADERS)), jaxlib.__version__, compiler,
+        *version, *_FLAGS, *extra_flags, _cpu_identity()]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"paged_attention-{key}.so"
     if out.exists():
         return out

@@ -58,8 +58,8 @@ def tiny_dir(tiny_hf_model):
 
 
 def _planner(tiny_dir, assume="measured", repeats=2):
-    return plan.Planner(MeshProfiler(tiny_dir, repeats=repeats), assume, RATE, NUM_REQUESTS, PROMPTS,
-                        OUTPUTS, SEED, slo_ttft=10.0, slo_tpot=1.0, max_prefill_batch=4,
+    return plan.Planner(MeshProfiler(tiny_dir, repeats=repeats), assume, RATE, NUM_REQUESTS,
+                        PROMPTS, OUTPUTS, SEED, slo_ttft=10.0, slo_tpot=1.0, max_prefill_batch=4,
                         profile_batches=(1, 4))
 
 
