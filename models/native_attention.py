@@ -34,6 +34,7 @@ _HEADERS = (_NATIVE / "common.h",)
 MIN_JAXLIB = (0, 10)
 _TARGET = "jaxpd_paged_decode_f32"
 _PREFILL_TARGET = "jaxpd_causal_prefill_f32"
+_prefill_registered = False     # set by `_load` where the library has the prefill kernel
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17",
           "-shared", "-fPIC", "-w")
 
@@ -108,6 +109,7 @@ def version_refusal(version: str) -> str | None:
 def _load() -> tuple[bool, str]:
     """(whether the kernels are built and registered, why not); registers the prefill
     kernel too where the library has it (`prefill_available`)."""
+    global _prefill_registered
     import jaxlib
     refusal = version_refusal(jaxlib.__version__)
     if refusal is not None:
@@ -120,13 +122,10 @@ def _load() -> tuple[bool, str]:
             jax.ffi.register_ffi_target(_PREFILL_TARGET,
                                         jax.ffi.pycapsule(library.JaxpdCausalPrefillF32),
                                         platform="cpu")
-            _prefill_registered.append(True)
+            _prefill_registered = True
     except Exception as e:   # noqa: BLE001 - any failure means: use the reference
         return False, f"{type(e).__name__}: {e}"
     return True, ""
-
-
-_prefill_registered: list[bool] = []
 
 
 def available() -> bool:
@@ -161,7 +160,7 @@ PREFILL_HEAD_DIMS = (32, 64, 128)
 def prefill_available(head_dim: int) -> bool:
     """Whether `causal_attention_native` serves prompts of this head dim here: the
     library built, with its AVX-512 prefill kernel (this CPU has AVX-512)."""
-    return available() and bool(_prefill_registered) and head_dim in PREFILL_HEAD_DIMS
+    return available() and _prefill_registered and head_dim in PREFILL_HEAD_DIMS
 
 
 def causal_attention_native(q_BTNH: jnp.ndarray, k_BTKH: jnp.ndarray,
