@@ -5,6 +5,7 @@ import time
 import pytest
 
 from jaxpd import LLM, SamplingParams
+from jaxpd.engine.background_compile import settle
 from tests.engine_fixtures import (assert_all_pages_free, build_hf_model, mixed_prompts,
                                    reference)
 
@@ -215,15 +216,18 @@ def test_warmup_compiles_everything_a_workload_needs(tiny):
     short = [i for i, p in enumerate(prompts) if len(p) + max_tokens[i] <= 64]
     with LLM(path, mesh="prefill=2,decode=2", max_model_len=64, slots_per_shard=4,
              max_prefill_batch=4, warmup=True, progress=messages.append) as llm:
+        assert settle(llm.engine, 300) == {}     # what warm-up left to the background
         before = llm.stats()["compiled_programs"]
         outs = llm.generate(prompt_token_ids=[prompts[i] for i in short],
                             sampling_params=[_greedy(max_tokens[i]) for i in short])
         after = llm.stats()["compiled_programs"]
         assert len(short) >= 10
         assert [o.token_ids for o in outs] == [expected[i] for i in short]
-        # Page slicing for the connector compiles lazily per (bucket, pages), as do the
-        # prefix cache's programs with a prefix, in the background; nothing else.
-        lazy = ("take_pages", "_take", "_background")
+        # Page slicing out of a prefill batch compiles lazily per (bucket, pages) (here
+        # only for layer-wise or cache-off prefill), the prefix cache's programs with a
+        # prefix in the background on demand; nothing else (the cache's take and the
+        # insert's pads were compiled in the background after warm-up: settled above).
+        lazy = ("take_pages", "_background")
         assert {k: v for k, v in after.items() if not k.endswith(lazy)} == \
             {k: v for k, v in before.items() if not k.endswith(lazy)}
         assert any("prefill" in m for m in messages) and any("decode" in m for m in messages)
@@ -290,4 +294,30 @@ def test_duplicate_handoff_of_a_request_is_dropped(tiny, monkeypatch):
                             sampling_params=[_greedy(n) for n in max_tokens[:6]])
         assert [o.token_ids for o in outs] == expected[:6]
         assert llm.stats()["transfers"] == 6
+        assert_all_pages_free(llm)
+
+
+@pytest.mark.slow
+def test_no_handoff_program_compiles_on_a_serving_thread_once_settled(tiny):
+    """A handoff carries exactly its pages, so cutting them out of the prefill cache and
+    padding them for the insert are one program per page count. After warm-up they
+    compile in the background (`settle` waits for them); then prompts of every page
+    count run none of them on a serving thread, with transformers' greedy tokens."""
+    path, prompts, max_tokens, expected = tiny
+    with LLM(path, mesh="prefill=1,decode=1", max_model_len=160, slots_per_shard=4,
+             warmup=True) as llm:
+        assert llm.engine.prefill_cache is not None        # the cache is on by default
+        assert settle(llm.engine, 300) == {}
+        counts = llm.engine.counter.counts()
+        max_pages = llm.config.pages_per_slot
+        assert counts["prefill_cached_take_background"] == max_pages
+        assert counts["insert_pad_background"] == sum(
+            n & (n - 1) != 0 for n in range(1, max_pages + 1))         # not powers of two
+        pages = {-(-len(p) // 16) for p in prompts}
+        assert len(pages) >= 5, pages
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=[
+            _greedy(n) for n in max_tokens])
+        assert [o.token_ids for o in outs] == expected
+        after = llm.engine.counter.counts()
+        assert "prefill_cached_take" not in after and "insert_pad" not in after, after
         assert_all_pages_free(llm)

@@ -104,15 +104,25 @@ class PrefillCache:
         # After warm-up (`start_background`), programs with a prefix compile on demand
         # in the background; the loop serves a batch without its prefix meanwhile.
         self.compiler: BackgroundCompiler | None = None
+        # The take of every page count, compiled in the background after warm-up.
+        self.take_compiler: BackgroundCompiler | None = None
 
     def start_background(self) -> None:
         """From now on `ready` asks for a program with a prefix it lacks, compiled on a
-        thread of its own, instead of letting the batch compile it."""
+        thread of its own, instead of letting the batch compile it; and the take of
+        every page count a handoff can carry compiles on another (`take`)."""
         self.compiler = BackgroundCompiler(f"{self.name}_background", self.counter)
+        self.take_compiler = BackgroundCompiler(f"{self.name}_take_background", self.counter)
+        pool = jax.ShapeDtypeStruct(self.k_pool.shape, self.k_pool.dtype,
+                                    sharding=self.k_pool.sharding)
+        for n in range(1, self.max_pages + 1):
+            ids = jax.ShapeDtypeStruct((n,), np.int32, sharding=self._replicated)
+            self.take_compiler.request(n, lambda ids=ids: self._take.lower(pool, pool, ids))
 
     def close(self) -> None:
-        if self.compiler is not None:
-            self.compiler.close()
+        for compiler in (self.compiler, self.take_compiler):
+            if compiler is not None:
+                compiler.close()
 
     def ready(self, rows: int, length: int, width: int) -> bool:
         """Whether a batch of `rows` x `length` new tokens after `width` pages of prefix
@@ -194,9 +204,16 @@ class PrefillCache:
             self.allocator.publish(pages[i], hashes[i])
 
     def take(self, page_ids: list[int]):
-        """The K and V of these pages, [L, n, S, K, H] each, for the connector."""
-        self.counter.note(f"{self.name}_take", len(page_ids))
+        """The K and V of these pages, [L, n, S, K, H] each, for the connector: exactly
+        its pages, so one program per page count. Each compiles in the background after
+        warm-up (`start_background`); one not ready yet compiles here, on the prefill
+        thread, holding the next batch (50-150 ms on 2 cores), once."""
+        n = len(page_ids)
         ids = jax.device_put(np.asarray(page_ids, np.int32), self._replicated)
+        compiled = self.take_compiler and self.take_compiler.get(n)
+        if compiled is not None:
+            return compiled(self.k_pool, self.v_pool, ids)
+        self.counter.note(f"{self.name}_take", n)
         return self._take(self.k_pool, self.v_pool, ids)
 
     def new_buckets(self, length: int, buckets: list[int]) -> list[int]:

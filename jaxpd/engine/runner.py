@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -234,6 +235,9 @@ class DecodeRunner:
         # A decode mesh beside a prefill mesh compiles its programs with a prefix on
         # demand, in the background (`start_background_extend`).
         self.extend_compiler: BackgroundCompiler | None = None
+        # After warm-up, the pad of every page count compiles in the background
+        # (`start_background_pads`); until one is ready, `insert` compiles it itself.
+        self.pad_compiler: BackgroundCompiler | None = None
         self._pad = jax.jit(self._pad_pages, static_argnums=(1,))
         self._take = jax.jit(lambda k_pool, v_pool, ids: (k_pool[:, ids], v_pool[:, ids]))
 
@@ -247,13 +251,46 @@ class DecodeRunner:
         m = 1 << (n - 1).bit_length()      # pad to a power of two: few programs
         self.counter.note("insert", m)
         if m != n:
-            k_pages, v_pages = self._pad(k_pages, m), self._pad(v_pages, m)
+            pad = self._pad_program(shard, n, k_pages)
+            k_pages, v_pages = pad(k_pages), pad(v_pages)
         ids = np.zeros((self.num_shards, m), np.int32)
         ids[shard, :n] = page_ids           # padding rows write the null page 0
         ids = jax.device_put(ids.reshape(-1), self.slot_sharding)
         k_new = self._assemble(shard, k_pages)
         v_new = self._assemble(shard, v_pages)
         self.k_pool, self.v_pool = self._insert(self.k_pool, self.v_pool, k_new, v_new, ids)
+
+    def _pad_program(self, shard: int, n: int, pages) -> Callable:
+        """The pad of `n` pages on `shard` to the insert's power of two: the one compiled
+        in the background, or (not ready yet, or other pages) the jitted one, which
+        compiles here the first time."""
+        m = 1 << (n - 1).bit_length()
+        compiled = self.pad_compiler and self.pad_compiler.get((shard, n))
+        if compiled is not None and pages.shape == self._pages_shape(n) and \
+                pages.dtype == self.k_pool.dtype and pages.sharding == self.shard_sharding(shard):
+            return compiled
+        self.counter.note("insert_pad", (shard, n))
+        return lambda x: self._pad(x, m)
+
+    def _pages_shape(self, n: int) -> tuple[int, ...]:
+        return (self.k_pool.shape[0], n) + self.k_pool.shape[2:]
+
+    def start_background_pads(self, max_pages: int) -> None:
+        """Compile the insert's pad for every page count up to `max_pages` (those not a
+        power of two) and every dp shard, on a thread of its own, shard 0 first. A
+        handoff carries exactly its pages (`transfer`), so each prompt length in pages
+        has its own pad program: left to first use, each compiled on the decode thread
+        and held every decoding request's next token for it (50-110 ms on 2 cores),
+        once per page count and shard."""
+        self.pad_compiler = BackgroundCompiler("insert_pad_background", self.counter)
+        for shard in range(self.num_shards):
+            for n in range(1, max_pages + 1):
+                m = 1 << (n - 1).bit_length()
+                if m != n:
+                    pages = jax.ShapeDtypeStruct(self._pages_shape(n), self.k_pool.dtype,
+                                                 sharding=self.shard_sharding(shard))
+                    self.pad_compiler.request((shard, n),
+                                              lambda x=pages, m=m: self._pad.lower(x, m))
 
     def take(self, shard: int, page_ids: list[int]) -> tuple[jax.Array, jax.Array]:
         """Copies of `shard`'s [L, n, S, K, H] pages at `page_ids` (an elastic re-split
@@ -326,8 +363,9 @@ class DecodeRunner:
             rows_of(rows, -(-length // self.page_size)), rows_of(rows), sampling)
 
     def close(self) -> None:
-        if self.extend_compiler is not None:
-            self.extend_compiler.close()
+        for compiler in (self.extend_compiler, self.pad_compiler):
+            if compiler is not None:
+                compiler.close()
 
     @staticmethod
     def _pad_pages(x, m):

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpd.engine.runner import DecodeRunner
 from jaxpd.engine.sampler import SamplingArrays
 from jaxpd.engine.page_allocator import pages_for
 from jaxpd.engine.scheduler import context_widths
@@ -79,6 +80,12 @@ def _warm_decode(engine, progress: Callable[[str], None]) -> None:
         shape = (model.num_layers, m, cfg.page_size, model.num_kv_heads, model.head_dim)
         pages = jax.device_put(jnp.zeros(shape, DTYPES[cfg.dtype]), runner.shard_sharding(0))
         runner.insert(0, [0] * m, pages, pages)
+    # A handoff carries exactly its pages: their pad to the insert's size is one
+    # program per page count, compiled in the background from here on. Not for an
+    # elastic mesh (its runners are replaced by a re-split) nor a mesh across processes
+    # (its leader inserts from the host: `engine.multihost_decode`).
+    if isinstance(runner, DecodeRunner) and not cfg.mesh.elastic:
+        runner.start_background_pads(cfg.pages_per_slot)
     if cfg.mesh.elastic:
         # A re-split cuts each decoding request's pages out of the pool (`engine.elastic`).
         for n in range(1, cfg.pages_per_slot + 1):
@@ -107,3 +114,4 @@ def _warm_extend(engine, progress: Callable[[str], None]) -> None:
                                     np.zeros(rows, np.int32), SamplingArrays.empty(rows))
     if loop.lazy:
         engine.decode_runner.start_background_extend()
+
