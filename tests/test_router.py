@@ -260,8 +260,12 @@ def test_sigstop_decode_worker_calls_end_then_it_rejoins(model, procs):
     after SIGCONT it heartbeats again, rejoins and serves."""
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
     liveness = ["--heartbeat_s", "0.3", "--stall_timeout_s", "2"]
+    # Routing by load alone: with prefix routing the survivor holds every prompt of the
+    # stream it took over, and the rejoined worker's "serves again" check would see the
+    # repeats all sent to the holder (CI once: no transfer to the rejoined worker).
     addr, router, workers = _deployment(procs, path, num_decode=2, transport="grpc",
-                                        extra=liveness, router_extra=liveness)
+                                        extra=liveness,
+                                        router_extra=liveness + ["--noenable_prefix_caching"])
     clients = [RoleClient(procs.wait_line(w, r"decode worker on (\S+)").group(1))
                for w in workers[1:]]
     holder = {}
