@@ -41,7 +41,11 @@ def _deployment(procs, path, mesh="decode=2", transport="transfer_server", other
                 prefill_processes=1):
     router_port = _free_port()
     router = procs.start(["--role", "router", "--model", path, "--port", str(router_port),
-                          "--internal_port", "0"] + COMMON + PATIENT_ROUTER)
+                          "--internal_port", "0"] + COMMON + PATIENT_ROUTER
+                         # By load alone: with prefix routing a repeated prompt goes to
+                         # the one-process worker that holds it (the role's own cache is
+                         # off), and the failover test never saw the role decoding.
+                         + (["--noenable_prefix_caching"] if other_decode else []))
     internal = procs.wait_line(router, r"internal plane on (\S+)").group(1)
     common = COMMON + ["--kv_transport", transport, "--router", internal]
     prefill_group = ["--role", "prefill", "--model", path, "--port", "0"] + common
