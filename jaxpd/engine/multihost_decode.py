@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpd.engine.multihost import PlanChannel, PlanError, _pack_array, _unpack_array
 from jaxpd.engine.multihost_prefill import LeaderPrefillRunner, PrefillReplay
-from jaxpd.engine.runner import DecodeRunner
+from jaxpd.engine.runner import DecodeRunner, insert_width
 from jaxpd.engine.sampler import SamplingArrays
 from jaxpd.sharding.compat import shard_map
 
@@ -92,7 +92,7 @@ def insert_from_host(runner, shard: int, page_ids: list[int], k: np.ndarray | No
     None on a process holding no device of it); else shard `src`'s does (the leader's)
     and an all-gather over dp moves them to `shard` (`_gather_insert`)."""
     n = len(page_ids)
-    m = 1 << (n - 1).bit_length()      # pad to a power of two: few programs
+    m = insert_width(n)
     runner.counter.note("insert" if src is None else "insert_gather", m)
     ids = np.zeros((runner.num_shards, m), np.int32)
     ids[shard, :n] = page_ids           # padding rows write the null page 0
@@ -272,7 +272,7 @@ class DecodeReplay:
         r = self.runner
         shard = _int(msg.get("shard"), "shard", r.num_shards)
         ids = msg.get("ids")
-        most = 1 << (self.max_pages - 1).bit_length()   # warm-up inserts padded counts
+        most = insert_width(self.max_pages)     # warm-up inserts padded counts
         if not isinstance(ids, list) or not 1 <= len(ids) <= most:
             raise PlanError(f"plan field ids: expected 1 to {most} page ids")
         ids = [_int(i, "ids", r.pages_per_shard) for i in ids]

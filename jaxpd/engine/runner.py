@@ -35,6 +35,12 @@ from jaxpd.models.pallas_attention import decode_attention
 from jaxpd.sharding.compat import shard_map
 
 
+def insert_width(n: int) -> int:
+    """The page count an insert of `n` pages is padded to: the next power of two, so a
+    slot's inserts need few programs (`DecodeRunner.insert`)."""
+    return 1 << (n - 1).bit_length()
+
+
 class CompileCounter:
     """Counts distinct compiled shapes per program (thread-safe), to prove steady state."""
 
@@ -248,7 +254,7 @@ class DecodeRunner:
     def insert(self, shard: int, page_ids: list[int], k_pages, v_pages) -> None:
         """Write [L, n, S, K, H] pages (already on `shard_sharding(shard)`) at `page_ids`."""
         n = len(page_ids)
-        m = 1 << (n - 1).bit_length()      # pad to a power of two: few programs
+        m = insert_width(n)
         self.counter.note("insert", m)
         if m != n:
             pad = self._pad_program(shard, n, k_pages)
@@ -264,7 +270,7 @@ class DecodeRunner:
         """The pad of `n` pages on `shard` to the insert's power of two: the one compiled
         in the background, or (not ready yet, or other pages) the jitted one, which
         compiles here the first time."""
-        m = 1 << (n - 1).bit_length()
+        m = insert_width(n)
         compiled = self.pad_compiler and self.pad_compiler.get((shard, n))
         if compiled is not None and pages.shape == self._pages_shape(n) and \
                 pages.dtype == self.k_pool.dtype and pages.sharding == self.shard_sharding(shard):
@@ -285,7 +291,7 @@ class DecodeRunner:
         self.pad_compiler = BackgroundCompiler("insert_pad_background", self.counter)
         for shard in range(self.num_shards):
             for n in range(1, max_pages + 1):
-                m = 1 << (n - 1).bit_length()
+                m = insert_width(n)
                 if m != n:
                     pages = jax.ShapeDtypeStruct(self._pages_shape(n), self.k_pool.dtype,
                                                  sharding=self.shard_sharding(shard))

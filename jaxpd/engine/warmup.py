@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpd.engine.runner import DecodeRunner
+from jaxpd.engine.runner import DecodeRunner, insert_width
 from jaxpd.engine.sampler import SamplingArrays
 from jaxpd.engine.page_allocator import pages_for
 from jaxpd.engine.scheduler import context_widths
@@ -74,8 +74,7 @@ def _warm_decode(engine, progress: Callable[[str], None]) -> None:
     progress("compiling the penalty context update")
     runner.set_penalties(0, [], [])       # zeros: read only after an insert rewrites them
     model = engine.model.cfg
-    # Inserts pad their page count to a power of two (`DecodeRunner.insert`).
-    for m in sorted({1 << (n - 1).bit_length() for n in range(1, cfg.pages_per_slot + 1)}):
+    for m in sorted({insert_width(n) for n in range(1, cfg.pages_per_slot + 1)}):
         progress(f"compiling page insert for {m} pages")
         shape = (model.num_layers, m, cfg.page_size, model.num_kv_heads, model.head_dim)
         pages = jax.device_put(jnp.zeros(shape, DTYPES[cfg.dtype]), runner.shard_sharding(0))
