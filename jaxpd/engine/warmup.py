@@ -113,4 +113,3 @@ def _warm_extend(engine, progress: Callable[[str], None]) -> None:
                                     np.zeros(rows, np.int32), SamplingArrays.empty(rows))
     if loop.lazy:
         engine.decode_runner.start_background_extend()
-
