@@ -92,6 +92,10 @@ class EngineConfig:
     max_model_len: int = 1024          # prompt + generated tokens, per request
     max_prompt_len: int | None = None  # default: max_model_len - 1
     max_prefill_batch: int = 8
+    # A prefill mesh beside a decode mesh prefills a prompt longer than this in chunks
+    # of this many tokens, each attending to the pages of the ones before it, so its
+    # programs stop at this length whatever max_model_len is (a power of two).
+    prefill_chunk_tokens: int = 2048
     max_prefill_tokens: int | None = None  # default: max(8 * 256, largest bucket)
     bucket_timeout_ms: float = 5.0
     min_prefill_batch: int = 1
@@ -142,6 +146,10 @@ class EngineConfig:
                      "decode_context_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_chunk_tokens < self.min_bucket or \
+                self.prefill_chunk_tokens & (self.prefill_chunk_tokens - 1):
+            raise ValueError(f"prefill_chunk_tokens must be a power of two >= {self.min_bucket}, "
+                             f"got {self.prefill_chunk_tokens}")
         if self.bucket_timeout_ms < 0:
             raise ValueError(f"bucket_timeout_ms must be >= 0, got {self.bucket_timeout_ms}")
         if self.kv_transfer_dtype not in (None, "int8", "fp8"):

@@ -24,7 +24,7 @@ CONFIGS = {
 
 
 def build_hf_model(name: str, path: str, vocab_size: int = 256, hidden_size: int = 64,
-                   num_layers: int = 2, seed: int = 0):
+                   num_layers: int = 2, seed: int = 0, max_position_embeddings: int = 512):
     """Create, save (`save_pretrained`) and return a tiny random HF model."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -34,7 +34,7 @@ def build_hf_model(name: str, path: str, vocab_size: int = 256, hidden_size: int
     cfg = AutoConfig.for_model(
         model_type, vocab_size=vocab_size, hidden_size=hidden_size,
         intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-        max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+        max_position_embeddings=max_position_embeddings, bos_token_id=1, eos_token_id=2,
         # Larger than the usual 0.02 so greedy argmaxes are decisive (no float near-ties).
         initializer_range=0.15, **spec)
     torch.manual_seed(seed)

@@ -3,7 +3,8 @@ import pytest
 
 from jaxpd.request import Request, State
 from jaxpd.sampling_params import SamplingParams
-from jaxpd.engine.scheduler import (DecodeScheduler, PrefillScheduler, batch_buckets, context_width,
+from jaxpd.engine.scheduler import (DecodeScheduler, PrefillScheduler, batch_buckets, coarse_ceil,
+                                    context_width,
                                     context_widths, length_buckets)
 
 
@@ -137,10 +138,27 @@ def test_slot_still_receiving_kv_is_neither_stepped_nor_preempted():
     assert [e.request for e in d.plan_step().entries] == [arriving]
 
 
-def test_decode_context_width_is_the_next_multiple_of_the_step():
+def test_coarse_ceil_wastes_at_most_a_quarter_in_logarithmically_many_sizes():
+    assert [coarse_ceil(n) for n in range(1, 18)] == \
+        [1, 2, 3, 4, 5, 6, 7, 8, 10, 10, 12, 12, 14, 14, 16, 16, 20]
+    sizes = {coarse_ceil(n) for n in range(1, 513)}
+    assert len(sizes) == 32 and max(sizes) == 512
+    assert all(n <= coarse_ceil(n) <= 1.25 * n for n in range(1, 5000))
+    assert all(coarse_ceil(coarse_ceil(n)) == coarse_ceil(n) for n in range(1, 5000))
+    with pytest.raises(ValueError, match="positive"):
+        coarse_ceil(0)
+
+
+def test_decode_context_width_is_within_a_quarter_of_the_context_in_steps():
     assert [context_width(n, 4, 64) for n in (1, 4, 5, 8, 9, 33, 63, 64)] == \
-        [4, 4, 8, 8, 12, 36, 64, 64]
+        [4, 4, 8, 8, 12, 40, 64, 64]
     assert context_width(7, 4, 6) == 6                 # capped by the slot's pages
-    assert context_width(5, 1, 64) == 5                # step 1: exactly the context
+    assert context_width(5, 1, 64) == 5                # step 1, small: exactly the context
     assert context_widths(4, 10) == [4, 8, 10]
+    assert len(context_widths(8, 512)) == 20           # 8,192 tokens in pages of 16
+
+
+def test_a_kernel_that_reads_up_to_each_length_needs_one_decode_width():
+    assert {context_width(n, 8, 512, by_length=True) for n in range(1, 513)} == {512}
+    assert context_widths(8, 512, by_length=True) == [512]
     assert all(context_width(n, 4, 10) in context_widths(4, 10) for n in range(1, 11))

@@ -61,8 +61,11 @@ class DecodeLoop:
 
     def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler,
                  inbound: list[InboundQueue], requests: Requests, stats: StatsCounter,
-                 max_pages_per_slot: int, context_step: int = 8, max_prefetch: int = 8):
+                 max_pages_per_slot: int, context_step: int = 8, max_prefetch: int = 8,
+                 by_length: bool = False):
         self.runner, self.scheduler, self.inbound = runner, scheduler, inbound
+        # The attention core reads each slot only up to its length: one context width.
+        self.by_length = by_length
         self.max_prefetch = max_prefetch
         self.requests, self.stats = requests, stats
         self.max_pages_per_slot, self.context_step = max_pages_per_slot, context_step
@@ -353,7 +356,8 @@ class DecodeLoop:
         first token from the host (`fed_from_host`). Returns its tokens and, when some
         row asks for them, their `Logprobs` (both on device)."""
         n = len(self.scheduler.slots)
-        width = context_width(plan.max_pages, self.context_step, self.max_pages_per_slot)
+        width = context_width(plan.max_pages, self.context_step, self.max_pages_per_slot,
+                              self.by_length)
         host_tokens = np.zeros(n, np.int32)
         fed_from_host = np.ones(n, bool)
         positions = np.zeros(n, np.int32)

@@ -144,10 +144,20 @@ class Engine:
                 resolve_attention_impl(c.attention_impl, mesh.devices.flat[0].platform,
                                        c.attention_interpret, c.dtype))
 
-    def _prefill_scheduler(self, buckets: list[int]) -> PrefillScheduler:
+    def _prefill_scheduler(self, buckets: list[int], chunked: bool = False) -> PrefillScheduler:
         c = self.config
         return PrefillScheduler(buckets, c.max_prefill_batch, max(c.max_prefill_tokens, buckets[-1]),
-                                c.bucket_timeout_ms / 1000, c.min_prefill_batch)
+                                c.bucket_timeout_ms / 1000, c.min_prefill_batch, chunked)
+
+    def _pages_prefill(self) -> bool:
+        """Whether the prefill mesh computes into a paged pool of its own (`PrefillCache`,
+        reused when prefix caching is on): a mesh of its own in one process, not
+        elastic, without layer-wise transfer (which sends from the dense bucket). Its
+        programs then take the pages a handoff carries in the background, and it
+        prefills long prompts in chunks."""
+        c = self.config
+        return (not c.mesh.colocated and not c.mesh.elastic and self.plan is None
+                and c.layerwise_min_tokens == 0)
 
     def _page_shape(self) -> tuple[int, int, int]:
         return (self.config.page_size, self.model.cfg.num_kv_heads, self.model.cfg.head_dim)
@@ -179,7 +189,10 @@ class Engine:
                                             gather_pages=bool(self.plan and not self.plan.offers),
                                             attention_impl=attention)
         self.prefill_runner = lead(self.prefill_runner, self.plan)
-        self.prefill_scheduler = self._prefill_scheduler(c.buckets)
+        paged = self.prefill_caching or self._pages_prefill()
+        chunked = paged and c.buckets[-1] > c.prefill_chunk_tokens
+        buckets = [b for b in c.buckets if b <= c.prefill_chunk_tokens] if chunked else c.buckets
+        self.prefill_scheduler = self._prefill_scheduler(buckets, chunked)
         sender = self.connector
         if c.kv_transfer_dtype is not None:
             sender = CompressingSender(sender, c.kv_transfer_dtype)
@@ -187,16 +200,19 @@ class Engine:
         groups = None if c.mesh.colocated else layer_groups(self.model.cfg.num_layers,
                                                              c.layerwise_parts)
         self.prefill_cache = PrefillCache(
-            self.model.cfg, params, mesh, rules, cache_pages(c, self.prefill_scheduler),
-            c.page_size, c.pages_per_slot, self.prefix_root, self.counter, self.dtype,
-            fused=fused, journal=self.cache_journal, attention_impl=attention
-        ) if self.prefill_caching else None
+            self.model.cfg, params, mesh, rules, cache_pages(c, self.prefill_scheduler, chunked,
+                                                      self.prefill_caching),
+            c.page_size, c.pages_per_slot, self.prefix_root if self.prefill_caching else None,
+            self.counter, self.dtype, fused=fused, journal=self.cache_journal,
+            attention_impl=attention
+        ) if paged else None
         self.prefill_loop = PrefillLoop(self.prefill_runner, self.prefill_scheduler, sender,
                                         self.requests, self.requests.prefill_inbox, c.page_size,
                                         self.counters, layerwise=groups,
                                         layerwise_min_tokens=c.layerwise_min_tokens,
                                         handoff_wait_s=c.handoff_wait_ms / 1000,
-                                        cache=self.prefill_cache)
+                                        cache=self.prefill_cache,
+                                        chunk_tokens=c.prefill_chunk_tokens if chunked else None)
 
     def _build_decode(self) -> None:
         c, mesh, spec = self.config, self.meshes.decode, self.config.mesh
@@ -236,7 +252,8 @@ class Engine:
                                           on_decode_mesh=True)
         self.decode_loop = DecodeLoop(self.decode_runner, self.decode_scheduler, queues,
                                       self.requests, self.counters, c.pages_per_slot,
-                                      c.decode_context_step)
+                                      c.decode_context_step,
+                                      by_length=attention != "reference")
         if self.caching:
             every = self.requests.extends_all
             loop = self.decode_loop.extend = ExtendLoop(

@@ -45,15 +45,20 @@ from jaxpd.models.llama import Llama
 from jaxpd.request import Request
 
 
-def cache_pages(config, scheduler) -> int:
+def cache_pages(config, scheduler, chunked: bool = False, reuse: bool = True) -> int:
     """Pages (with the null page) of the prefill mesh's cache: `prefill_cache_pages`,
-    by default a decode shard's count; never fewer than admit any batch `scheduler`
-    forms (references never outlive a batch), else a ValueError naming the field."""
+    by default a decode shard's count when it `reuse`s pages (else just what it must
+    hold); never fewer than admit any batch `scheduler`
+    forms (references never outlive a batch) and, when long prompts are prefilled in
+    chunks (`chunked`), one longest request beside it (its pages live across batches);
+    else a ValueError naming the field."""
     c = config
     needed = 1 + max(scheduler.batch_cap(b) * min(pages_for(b, c.page_size), c.pages_per_slot)
                      for b in scheduler.buckets)
+    if chunked:
+        needed += c.pages_per_slot
     if c.prefill_cache_pages is None:
-        return max(c.pages_per_shard, needed)
+        return max(c.pages_per_shard, needed) if reuse else needed
     if c.prefill_cache_pages < needed:
         raise ValueError(f"prefill_cache_pages={c.prefill_cache_pages} cannot hold the largest "
                          f"prefill batch ({needed} pages with the null page; lower "
@@ -61,11 +66,33 @@ def cache_pages(config, scheduler) -> int:
     return c.prefill_cache_pages
 
 
+def chunk_widths(chunk_pages: int, max_pages: int) -> list[int]:
+    """Prefix widths (pages) of the chunk programs: `chunk_pages` times powers of two,
+    the last capped at `max_pages`. A chunk after `p` pages of prefix gathers the
+    first width >= p (`chunk_width`): at most twice its prefix, in a number of
+    programs that grows with the logarithm of the context."""
+    widths, w = [], chunk_pages
+    while True:
+        widths.append(min(w, max_pages))
+        if w >= max_pages:
+            return widths
+        w *= 2
+
+
+def chunk_width(prefix_pages: int, chunk_pages: int, max_pages: int) -> int:
+    """The width a chunk after `prefix_pages` pages of prefix gathers (0: none)."""
+    if prefix_pages == 0:
+        return 0
+    return next(w for w in chunk_widths(chunk_pages, max_pages) if w >= prefix_pages)
+
+
 class PrefillCache:
     """`num_pages` pages of [L, P, S, K, H] K and V on the prefill `mesh`;
     `max_pages`: pages of the longest request (a block table's width is at most this);
     `root`: the hash chain's root (`Engine._prefix_root`); `journal`: where publishes
-    and evictions are noted for the router."""
+    and evictions are noted for the router. `root` None: a pool without reuse (prefix
+    caching off), which only holds the pages of long prompts prefilled in chunks
+    (`run_chunk`): nothing is shared or published."""
 
     def __init__(self, cfg: ModelConfig, params, mesh: Mesh, rules, num_pages: int,
                  page_size: int, max_pages: int, root: bytes, counter: CompileCounter,
@@ -73,6 +100,7 @@ class PrefillCache:
                  journal: CacheJournal | None = None, attention_impl: str = "reference"):
         self.cfg, self.params, self.page_size, self.max_pages = cfg, params, page_size, max_pages
         self.root, self.counter, self.name = root, counter, name
+        self.reuse = root is not None
         self.allocator = PageAllocator(num_pages, journal)
         kv_axis = dict(rules).get("kv_heads")
         pages = NamedSharding(mesh, P(None, None, None, kv_axis, None))
@@ -99,6 +127,23 @@ class PrefillCache:
 
         self._extend = jax.jit(extend, donate_argnums=(1, 2),
                                out_shardings=(self._replicated, self._replicated, pages, pages))
+
+        def extend_chunk(params, k_pool, v_pool, tokens, starts, lengths, prefix_tables,
+                         new_tables, sampling, context_tokens, context_lengths):
+            # One chunk of a long prompt: the first token (sampled after the last chunk)
+            # is penalised by the whole prompt, not by this chunk's tokens alone.
+            with nn.logical_axis_rules(rules):
+                logits, k_pool, v_pool = model.apply(
+                    {"params": params}, tokens, starts, lengths, k_pool, v_pool, prefix_tables,
+                    new_tables, method=Llama.extend)
+            context = lambda: prefill_context(context_tokens, context_lengths,
+                                              sampling.prompt_len, logits.shape[-1])
+            first, logprobs = sample(logits, sampling, starts + lengths, context)
+            return first, logprobs, k_pool, v_pool
+
+        self._extend_chunk = jax.jit(extend_chunk, donate_argnums=(1, 2),
+                                     out_shardings=(self._replicated, self._replicated, pages,
+                                                    pages))
         self._take = jax.jit(lambda k, v, ids: (k[:, ids], v[:, ids]),
                              out_shardings=(pages, pages))
         # After warm-up (`start_background`), programs with a prefix compile on demand
@@ -147,7 +192,7 @@ class PrefillCache:
                                   spec((rows, pages_for(length, self.page_size))), sampling)
 
     def hashes(self, token_ids: list[int]) -> list[bytes]:
-        return page_hashes(token_ids, self.page_size, self.root)
+        return page_hashes(token_ids, self.page_size, self.root) if self.reuse else []
 
     def admit(self, requests: list[Request], share: bool = True
               ) -> list[tuple[list[int], int, list[bytes]]]:
@@ -163,7 +208,7 @@ class PrefillCache:
                 ids = r.prefill_ids
                 n = len(ids)
                 hashes = self.hashes(ids)
-                shared = [] if r.params.has_penalties or not share else \
+                shared = [] if r.params.has_penalties or not share or not self.reuse else \
                     self.allocator.cached_prefix(hashes[:(n - 1) // self.page_size])
                 self.allocator.share(shared)
                 admitted.append((shared, 0, hashes))
@@ -195,6 +240,28 @@ class PrefillCache:
         first, logprobs, self.k_pool, self.v_pool = program(
             self.params, self.k_pool, self.v_pool, *inputs)
         return (np.asarray(first), jax.device_get(logprobs) if sampling.wants_logprobs else None)
+
+    def run_chunk(self, tokens: np.ndarray, start: int, length: int, prefix_table: np.ndarray,
+                  new_table: np.ndarray, sampling: SamplingArrays, context: np.ndarray):
+        """One chunk of one long prompt: `length` new tokens (`tokens` [1, T], padded)
+        at positions from `start`, after the prefix in the pages of `prefix_table`
+        [1, W] (W may be 0), into the pages of `new_table` [1, T / page_size];
+        `context` [1, max_pages * page_size]: the whole prompt (padded), which the
+        first token's penalties read. Returns what `run` returns; only the last chunk's
+        first token means anything."""
+        key = (tokens.shape, prefix_table.shape)
+        self.counter.note(f"{self.name}_chunk", key)
+        starts, lengths = np.array([start], np.int32), np.array([length], np.int32)
+        context_lengths = np.array([start + length], np.int32)
+        inputs = jax.device_put((tokens, starts, lengths, prefix_table, new_table, sampling,
+                                 context, context_lengths), self._replicated)
+        first, logprobs, self.k_pool, self.v_pool = self._extend_chunk(
+            self.params, self.k_pool, self.v_pool, *inputs)
+        return (np.asarray(first), jax.device_get(logprobs) if sampling.wants_logprobs else None)
+
+    def context_width(self) -> int:
+        """Tokens of `run_chunk`'s `context`: the longest request's pages."""
+        return self.max_pages * self.page_size
 
     def publish(self, pages: list[int], hashes: list[bytes], start: int) -> None:
         """The full pages from index `start` on were just written: make them findable.

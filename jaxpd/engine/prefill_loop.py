@@ -7,6 +7,7 @@ through a `KVSender`, in the form `Requests.payload_of` gives.
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import secrets
 import time
@@ -15,7 +16,7 @@ import jax
 import numpy as np
 
 from jaxpd.engine.page_allocator import pages_for
-from jaxpd.engine.prefill_cache import PrefillCache
+from jaxpd.engine.prefill_cache import PrefillCache, chunk_width
 from jaxpd.engine.requests import Requests
 from jaxpd.engine.runner import PrefillRunner
 from jaxpd.engine.sampler import Logprobs, SamplingArrays
@@ -37,15 +38,22 @@ class PrefillLoop:
     bucket is at least `layerwise_min_tokens` long; each group's pages are sent as a
     `KVPart` as soon as they are computed, overlapping the transfer with the next
     groups' compute. Shorter buckets (or `layerwise=None`) send the whole KV at once.
-    `cache`: this mesh's prefix cache (`PrefillCache`); every batch then computes only
-    its requests' uncached tokens, and sends the whole KV at once.
+    `cache`: this mesh's paged pool (`PrefillCache`); every batch then computes into
+    its pages (only its requests' uncached tokens, when the pool reuses pages: prefix
+    caching), and sends the whole KV at once.
+    `chunk_tokens`: a prompt longer than the scheduler's largest bucket (the scheduler
+    is `chunked`) is prefilled into `cache`'s pages in chunks of this many tokens, each
+    attending to the pages of the chunks before it; one chunk per `run_once`, taking
+    turns with the other batches, so a long prompt never holds the short ones for
+    its whole prefill. Its KV leaves once the last chunk has sampled its first token.
     """
 
     def __init__(self, runner: PrefillRunner, scheduler: PrefillScheduler, sender: KVSender,
                  requests: Requests, inbox: queue.SimpleQueue, page_size: int,
                  stats: StatsCounter, *, on_decode_mesh: bool = False,
                  layerwise: list[tuple[int, int]] | None = None, layerwise_min_tokens: int = 0,
-                 handoff_wait_s: float = 0.0, cache: PrefillCache | None = None):
+                 handoff_wait_s: float = 0.0, cache: PrefillCache | None = None,
+                 chunk_tokens: int | None = None):
         self.runner, self.scheduler, self.sender = runner, scheduler, sender
         self.requests, self.inbox = requests, inbox
         self.page_size, self.stats = page_size, stats
@@ -54,8 +62,18 @@ class PrefillLoop:
         self.layerwise_min_tokens = layerwise_min_tokens
         self.handoff_wait_s = handoff_wait_s
         self.cache = cache
-        self.busy = False                      # a batch is being run (its pages held)
+        self.chunk_tokens = chunk_tokens
+        if scheduler.chunked and (cache is None or chunk_tokens is None):
+            raise ValueError("a chunked prefill scheduler needs a paged pool and chunk_tokens")
+        self._running = False                  # a batch is being run (its pages held)
+        self._chunking: _Chunking | None = None
+        self._chunk_turn = False               # the long prompt's next chunk goes next
         self._wait_pulled = getattr(sender, "wait_pulled", None) if handoff_wait_s > 0 else None
+
+    @property
+    def busy(self) -> bool:
+        """A batch is running, or a long prompt holds pages between its chunks."""
+        return self._running or self._chunking is not None
 
     def uses_layerwise(self, bucket: int) -> bool:
         return (self.layerwise is not None and self.cache is None and self.layerwise_min_tokens > 0
@@ -79,19 +97,28 @@ class PrefillLoop:
                     self.stats.add(aborted=1)
 
     def run_once(self, now: float) -> tuple[bool, float | None]:
-        """Run one batch if one is due. Returns (ran, seconds until one may be due)."""
+        """Run one batch (or one chunk of a long prompt) if one is due. Returns (ran,
+        seconds until one may be due)."""
         self.take_queued()
-        batch, wait = self.scheduler.schedule(now)
+        if self._chunking is not None and self._chunk_turn:
+            return self._chunk_step()
+        batch, wait = self.scheduler.schedule(now, long_ok=self._chunking is None)
         if batch is None:
-            return False, wait
+            return self._chunk_step() if self._chunking is not None else (False, wait)
         if self._wait_pulled is not None:
             # The last batch's pages are pulled by the decode side from this process:
             # let that finish before a long prefill takes the devices (and cores).
             if self._wait_pulled(self.handoff_wait_s):
                 self.stats.add(handoff_waits_expired=1)
-        self.busy = True
+        self._running = True
         try:
             live = self._start(batch)
+            if batch.chunked:
+                if live:
+                    self._start_chunking(live[0])
+                    return self._chunk_step()
+                return True, 0.0
+            self._chunk_turn = self._chunking is not None
             if self.cache is not None:
                 self._run_cached(live, batch)
                 return True, 0.0
@@ -104,7 +131,70 @@ class PrefillLoop:
                 self._run_whole(live, tokens, lengths, sampling)
             return True, 0.0
         finally:
-            self.busy = False
+            self._running = False
+
+    def _start_chunking(self, r: Request) -> None:
+        """Take pages for all of `r`'s tokens (sharing its cached prefix, when the pool
+        reuses pages); its chunks compute the rest (`_chunk_step`)."""
+        [(pages, cached, hashes)] = self.cache.admit([r])
+        self._chunking = _Chunking(r, pages, cached, hashes, cached)
+
+    def _end_chunking(self) -> None:
+        c, self._chunking = self._chunking, None
+        if c is not None:
+            self.cache.release([c.pages])
+
+    def _chunk_step(self) -> tuple[bool, float | None]:
+        """The next chunk of the long prompt in progress; after its last, the first
+        token and the handoff. An aborted request's pages are freed here, unused."""
+        c, cache, page_size = self._chunking, self.cache, self.page_size
+        self._chunk_turn = False
+        r = c.request
+        if r.is_final:
+            self._end_chunking()
+            return True, 0.0
+        self._running = True
+        try:
+            ids = r.prefill_ids
+            n, start = len(ids), c.done
+            new = min(self.chunk_tokens, n - start)
+            length = next(t for t in cache.new_buckets(self.chunk_tokens, self.scheduler.buckets)
+                          if t >= new)
+            width = chunk_width(start // page_size, self.chunk_tokens // page_size,
+                                cache.max_pages)
+            tokens = np.zeros((1, length), np.int32)
+            tokens[0, :new] = ids[start:start + new]
+            prefix = np.zeros((1, width), np.int32)
+            prefix[0, :start // page_size] = c.pages[:start // page_size]
+            own = c.pages[start // page_size:start // page_size + pages_for(new, page_size)]
+            new_table = np.zeros((1, pages_for(length, page_size)), np.int32)
+            new_table[0, :len(own)] = own
+            sampling = SamplingArrays.empty(1)
+            sampling.set_row(0, r)
+            context = np.zeros((1, cache.context_width()), np.int32)
+            context[0, :n] = ids
+            first, logprobs = cache.run_chunk(tokens, start, new, prefix, new_table, sampling,
+                                              context)
+            c.done += new
+            self.stats.add(prefill_tokens=new, prefill_padded_tokens=tokens.size)
+            if c.done < n:
+                return True, 0.0
+            self.stats.add(prefill_batches=1, prefill_cache_query_tokens=n if cache.reuse else 0,
+                           prefill_cache_hit_tokens=c.cached)
+            cache.publish(c.pages, c.hashes, c.cached // page_size)
+            if not self._first_token(r, 0, int(first[0]), logprobs, time.perf_counter()):
+                skip = self._skip_pages(r, n)
+                k_pages, v_pages = cache.take(c.pages[skip:])
+                if r.transition(State.TRANSFERRING) and \
+                        self._send(r, n, int(first[0]), k_pages, v_pages, first_page=skip):
+                    self.requests.handed_off(r)
+            self._end_chunking()
+            return True, 0.0
+        except BaseException:
+            self._end_chunking()
+            raise
+        finally:
+            self._running = False
 
     def _start(self, batch: PrefillBatch) -> list[Request]:
         """The batch's requests that are still live, now PREFILLING."""
@@ -186,7 +276,8 @@ class PrefillLoop:
                 sampling.set_row(i, r)
             self.stats.add(prefill_batches=1, prefill_tokens=int(lengths[:len(live)].sum()),
                            prefill_padded_tokens=tokens.size,
-                           prefill_cache_query_tokens=sum(r.num_tokens for r in live),
+                           prefill_cache_query_tokens=sum(r.num_tokens for r in live)
+                           if cache.reuse else 0,
                            prefill_cache_hit_tokens=sum(c for _, c, _ in admitted))
             first, logprobs = cache.run(tokens, starts, lengths, prefix_tables, new_tables,
                                         sampling)
@@ -271,3 +362,14 @@ class PrefillLoop:
             # router can retry it elsewhere; the loop keeps serving.
             self.stats.add(transfer_failures=1, aborted=int(r.abort(f"failed: transfer: {e}")))
             return False
+
+
+@dataclasses.dataclass
+class _Chunking:
+    """A long prompt between its chunks: its pages, hashes and cached prefix
+    (`PrefillCache.admit`), and how many of its tokens have KV so far."""
+    request: Request
+    pages: list[int]
+    cached: int
+    hashes: list[bytes]
+    done: int

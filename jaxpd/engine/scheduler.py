@@ -30,17 +30,34 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-def context_width(num_pages: int, step: int, max_pages: int) -> int:
+def coarse_ceil(n: int) -> int:
+    """`n` rounded up to the next of 1..8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...: four
+    steps per power of two, so a size padded to it wastes at most a quarter of itself
+    while the number of distinct sizes grows with the logarithm of the largest."""
+    if n < 1:
+        raise ValueError(f"coarse_ceil needs a positive count, got {n}")
+    step = 1 << max(n.bit_length() - 3, 0)
+    return -(-n // step) * step
+
+
+def context_width(num_pages: int, step: int, max_pages: int, by_length: bool = False) -> int:
     """Pages of context one decode step computes when its longest slot holds
-    `num_pages`: the next multiple of `step` pages, at most `max_pages`. Small steps
-    keep the work close to the real context (a power of two would compute up to twice
-    it); each width is one compiled program."""
-    return min(-(-max(num_pages, 1) // step) * step, max_pages)
+    `num_pages`; each width is one compiled program.
+
+    `by_length`: the attention core reads each slot's pages only up to its own length
+    (the native and Pallas kernels), so the block table's width costs nothing and one
+    width, `max_pages`, serves every step. Otherwise (the jnp reference gathers the
+    whole width) the width is `step` times `coarse_ceil` of the context in steps, at
+    most `max_pages`: within a quarter of the real context, in few programs."""
+    if by_length:
+        return max_pages
+    steps = -(-max(num_pages, 1) // step)
+    return min(coarse_ceil(steps) * step, max_pages)
 
 
-def context_widths(step: int, max_pages: int) -> list[int]:
+def context_widths(step: int, max_pages: int, by_length: bool = False) -> list[int]:
     """Every width `context_width` can return (what warm-up compiles)."""
-    return sorted({context_width(n, step, max_pages) for n in range(1, max_pages + 1)})
+    return sorted({context_width(n, step, max_pages, by_length) for n in range(1, max_pages + 1)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +65,7 @@ class PrefillBatch:
     requests: list[Request]
     batch_size: int      # padded B
     length: int          # padded T (the bucket)
+    chunked: bool = False  # one prompt longer than every bucket, prefilled in chunks
 
 
 class PrefillScheduler:
@@ -58,10 +76,15 @@ class PrefillScheduler:
     the oldest request anywhere runs at most one timeout (plus the running batch)
     after arrival: no starvation. Below `min_batch` after the timeout, requests of
     shorter buckets may ride along, padded to this bucket.
+
+    `chunked`: a request longer than the largest bucket waits in a lane of its own and
+    leaves alone, as a `PrefillBatch` with `chunked` set, in its turn by age like a
+    bucket; `schedule(long_ok=False)` holds that lane while one is still being
+    prefilled chunk by chunk. Without it such a request is refused by `add`.
     """
 
     def __init__(self, buckets: list[int], max_batch: int, max_tokens: int,
-                 bucket_timeout_s: float = 0.005, min_batch: int = 1):
+                 bucket_timeout_s: float = 0.005, min_batch: int = 1, chunked: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_prefill_batch must be >= 1, got {max_batch}")
         if max_tokens < buckets[-1]:
@@ -74,6 +97,8 @@ class PrefillScheduler:
         self.min_batch = min_batch
         self.batch_sizes = batch_buckets(max_batch)
         self._waiting: dict[int, collections.deque[Request]] = {b: collections.deque() for b in buckets}
+        self.chunked = chunked
+        self._long: collections.deque[Request] = collections.deque()
 
     def bucket_for(self, num_tokens: int) -> int:
         for b in self.buckets:
@@ -83,15 +108,21 @@ class PrefillScheduler:
                          f"prefill bucket {self.buckets[-1]}")
 
     def add(self, request: Request) -> None:
+        if self.chunked and request.num_tokens > self.buckets[-1]:
+            self._long.append(request)
+            return
         self._waiting[self.bucket_for(request.num_tokens)].append(request)
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self._waiting.values())
+        return sum(len(q) for q in self._queues())
+
+    def _queues(self) -> list[collections.deque[Request]]:
+        return [*self._waiting.values(), self._long]
 
     def drop_final(self) -> list[Request]:
         """Remove requests that were aborted while waiting; returns them."""
         dropped = []
-        for q in self._waiting.values():
+        for q in self._queues():
             keep = [r for r in q if not r.is_final]
             dropped += [r for r in q if r.is_final]
             q.clear()
@@ -101,9 +132,8 @@ class PrefillScheduler:
     def take_all(self) -> list[Request]:
         """Every waiting request, oldest first; the scheduler is left empty (an elastic
         re-split hands them to the new prefill mesh's scheduler)."""
-        taken = sorted((r for q in self._waiting.values() for r in q),
-                       key=lambda r: r.timings.arrival)
-        for q in self._waiting.values():
+        taken = sorted((r for q in self._queues() for r in q), key=lambda r: r.timings.arrival)
+        for q in self._queues():
             q.clear()
         return taken
 
@@ -115,10 +145,19 @@ class PrefillScheduler:
         cap = self.batch_cap(bucket)
         return min(next(s for s in self.batch_sizes if s >= n), cap) if n <= cap else cap
 
-    def schedule(self, now: float) -> tuple[PrefillBatch | None, float | None]:
-        """The batch to run now, or (None, seconds until one may become due)."""
+    def schedule(self, now: float, long_ok: bool = True
+                 ) -> tuple[PrefillBatch | None, float | None]:
+        """The batch to run now, or (None, seconds until one may become due). A long
+        request (`chunked`) is due at once in its turn; `long_ok` False passes it by."""
         self.drop_final()
         order = sorted((q[0].timings.arrival, b) for b, q in self._waiting.items() if q)
+        if self._long and long_ok:
+            oldest = self._long[0].timings.arrival
+            if not order or oldest <= order[0][0] or all(
+                    len(self._waiting[b]) < self.batch_cap(b) and now - t < self.bucket_timeout_s
+                    for t, b in order):
+                r = self._long.popleft()
+                return PrefillBatch([r], 1, self.buckets[-1], chunked=True), 0.0
         if not order:
             return None, None
         for oldest, bucket in order:

@@ -11,6 +11,7 @@ import numpy as np
 from jaxpd.engine.runner import DecodeRunner, insert_width
 from jaxpd.engine.sampler import SamplingArrays
 from jaxpd.engine.page_allocator import pages_for
+from jaxpd.engine.prefill_cache import chunk_widths
 from jaxpd.engine.scheduler import context_widths
 from jaxpd.models.hf_io import DTYPES
 
@@ -32,6 +33,8 @@ def _warm_prefill(loop, progress: Callable[[str], None]) -> None:
     sched = loop.scheduler
     shapes = sorted({(sched.padded_batch(b, t), t) for t in sched.buckets
                      for b in sched.batch_sizes})
+    if loop.chunk_tokens is not None:
+        _warm_chunks(loop, progress)
     if loop.cache is not None:
         _warm_prefill_cached(loop, shapes, progress)
         return
@@ -42,6 +45,22 @@ def _warm_prefill(loop, progress: Callable[[str], None]) -> None:
             jax.block_until_ready(loop.runner.run_layerwise(*args, loop.layerwise, []))
         else:
             loop.runner.run(*args)
+
+
+def _warm_chunks(loop, progress: Callable[[str], None]) -> None:
+    """A long prompt's chunks (`PrefillLoop._chunk_step`): the first, of a whole chunk
+    without a prefix, and each new-token bucket after each prefix width."""
+    cache, page_size, chunk = loop.cache, loop.page_size, loop.chunk_tokens
+    widths = chunk_widths(chunk // page_size, cache.max_pages)
+    shapes = [(chunk, 0)] + [(t, w) for t in cache.new_buckets(chunk, loop.scheduler.buckets)
+                             for w in widths]
+    context = np.zeros((1, cache.context_width()), np.int32)
+    for i, (t, w) in enumerate(shapes):
+        progress(f"compiling {cache.name} chunk {i + 1}/{len(shapes)}: {t} tokens, "
+                 f"{w} pages of prefix")
+        cache.run_chunk(np.zeros((1, t), np.int32), 0, 1, np.zeros((1, w), np.int32),
+                        np.zeros((1, pages_for(t, page_size)), np.int32),
+                        SamplingArrays.empty(1), context)
 
 
 def _warm_prefill_cached(loop, shapes, progress: Callable[[str], None]) -> None:
@@ -65,7 +84,8 @@ def _warm_prefill_cached(loop, shapes, progress: Callable[[str], None]) -> None:
 def _warm_decode(engine, progress: Callable[[str], None]) -> None:
     cfg, runner = engine.config, engine.decode_runner
     num_slots = len(engine.decode_scheduler.slots)
-    widths = context_widths(cfg.decode_context_step, cfg.pages_per_slot)
+    widths = context_widths(cfg.decode_context_step, cfg.pages_per_slot,
+                            engine.decode_loop.by_length)
     for i, w in enumerate(widths):
         progress(f"compiling decode step {i + 1}/{len(widths)}: {w} pages of context")
         runner.step(np.zeros(num_slots, np.int32), np.ones(num_slots, bool),

@@ -107,7 +107,8 @@ class MeshProfiler:
         samples = []
         for context in contexts:
             num_pages = -(-(context + 1) // self.page_size)
-            width = context_width(num_pages, EngineConfig.decode_context_step, pages_per_slot)
+            width = context_width(num_pages, EngineConfig.decode_context_step, pages_per_slot,
+                                  attention != "reference")
             for batch in sorted({min(b, num_slots) for b in batches}):
                 positions = np.zeros(num_slots, np.int32)
                 tables = np.zeros((num_slots, width), np.int32)
