@@ -8,6 +8,7 @@ import re
 import sys
 
 from absl import flags
+from jaxpd.config import EngineConfig
 
 
 def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
@@ -84,6 +85,10 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                          lower_bound=1, flag_values=fv)
     flags.DEFINE_integer("max_prefill_batch", 8, "Most requests in one prefill batch.",
                          lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("prefill_chunk_tokens", EngineConfig.prefill_chunk_tokens,
+                         "A prefill mesh prefills a prompt longer than this (a power of two) "
+                         "in chunks of this many tokens, each attending to the earlier ones.",
+                         lower_bound=16, flag_values=fv)
     flags.DEFINE_float("bucket_timeout_ms", 5.0, "Longest wait for a prefill batch to fill.",
                        lower_bound=0, flag_values=fv)
     flags.DEFINE_integer("max_queued", 1024, "Requests waiting for prefill before new ones "
@@ -365,6 +370,7 @@ def engine_options(fv: flags.FlagValues) -> dict:
     """`LLM` keyword arguments from the flags (unset ones keep the LLM's defaults)."""
     options = dict(mesh=fv.mesh, dtype=fv.dtype, page_size=fv.page_size,
                    slots_per_shard=fv.slots_per_shard, max_prefill_batch=fv.max_prefill_batch,
+                   prefill_chunk_tokens=fv.prefill_chunk_tokens,
                    bucket_timeout_ms=fv.bucket_timeout_ms, max_queued=fv.max_queued,
                    layerwise_min_tokens=fv.layerwise_min_tokens,
                    layerwise_parts=fv.layerwise_parts, kv_transfer_dtype=fv.kv_transfer_dtype,
