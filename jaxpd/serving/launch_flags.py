@@ -8,6 +8,7 @@ import re
 import sys
 
 from absl import flags
+
 from jaxpd.config import EngineConfig
 
 
