@@ -84,6 +84,42 @@ def prefix_caching_by_default(config: "EngineConfig") -> bool:
             and config.kv_transfer_dtype is None)
 
 
+CPU_KV_CACHE_BYTES = 4 << 30      # a pool's default budget on CPU, as vLLM's CPU backend
+ACCELERATOR_KV_FRACTION = 0.5      # of a device's memory, where it reports its size
+
+
+def kv_page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
+                  dtype: str) -> int:
+    """Bytes of one page of K and V over every layer."""
+    width = 2 if dtype == "bfloat16" else 4
+    return 2 * num_layers * page_size * num_kv_heads * head_dim * width
+
+
+def fit_context(max_position_embeddings: int, page_bytes: int, page_size: int,
+                kv_cache_memory: int, slots_per_shard: int, max_model_len: int | None = None,
+                ) -> tuple[int, int]:
+    """(max_model_len, pages_per_shard) for a KV budget of `kv_cache_memory` bytes per
+    pool (each decode dp shard's, and the prefill mesh's): `max_model_len` None means
+    the model's own context; every slot can reach it when the budget holds that
+    (`slots_per_shard` x its pages), else the pool is what the budget holds and slots
+    share it (a shard that runs out preempts its youngest). A context the budget
+    cannot hold once is cut to what it holds, or refused when it was asked for
+    (ValueError naming both fields)."""
+    pages = kv_cache_memory // page_bytes - 1          # less the null page
+    limit = min(max_position_embeddings, pages * page_size)
+    if limit < 2:
+        raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds {max(pages, 0)} pages "
+                         f"of {page_bytes} bytes: not one request")
+    if max_model_len is None:
+        max_model_len = limit
+    elif max_model_len > pages * page_size:
+        raise ValueError(f"max_model_len={max_model_len} does not fit kv_cache_memory="
+                         f"{kv_cache_memory} bytes ({pages} pages of {page_size} tokens); "
+                         f"raise kv_cache_memory or lower max_model_len")
+    per_slot = -(-max_model_len // page_size)
+    return max_model_len, min(slots_per_shard * per_slot, pages) + 1
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     mesh: str | MeshSpec = "prefill=4,decode=4"

@@ -1,11 +1,13 @@
 """The user-facing API: `LLM` (vLLM-like) and the one-shot `generate`."""
 from __future__ import annotations
 
+import logging
 from typing import Callable, Sequence
 
 import jax
 
-from jaxpd.config import EngineConfig, resolve_dtype
+from jaxpd.config import (ACCELERATOR_KV_FRACTION, CPU_KV_CACHE_BYTES, EngineConfig,
+                          fit_context, kv_page_bytes, resolve_dtype)
 from jaxpd.engine import elastic
 from jaxpd.engine.engine import Engine
 from jaxpd.engine.placement import role_shardings
@@ -19,6 +21,19 @@ from jaxpd.stats import EngineStats
 from jaxpd.models import checkpoint
 from jaxpd.sharding.spec import AUTO, auto_mesh
 from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
+
+
+_log = logging.getLogger(__name__)
+
+
+def default_kv_cache_memory(device) -> int:
+    """A KV pool's budget in bytes when none is given: `CPU_KV_CACHE_BYTES` on CPU; on an
+    accelerator `ACCELERATOR_KV_FRACTION` of the memory it reports (that budget on one
+    that reports none)."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"] * ACCELERATOR_KV_FRACTION)
+    return CPU_KV_CACHE_BYTES
 
 
 class LLM(Frontend):
@@ -35,15 +50,19 @@ class LLM(Frontend):
     there and load them next time (`jaxpd.xla_cache`; None leaves jax as configured,
     e.g. by $JAX_COMPILATION_CACHE_DIR). plan: a prefill or decode role's mesh spans processes
     (`engine.multihost.PlanChannel`; `python -m jaxpd.launch --num_processes` sets it
-    up). Other keyword arguments go to `EngineConfig` (page_size, max_model_len,
-    slots_per_shard, ...).
+    up). kv_cache_memory: bytes of KV each pool may hold (each decode dp shard's and the
+    prefill mesh's; default `default_kv_cache_memory`); it sets `pages_per_shard` when
+    that is not given, and caps the default `max_model_len`, the model's own context
+    (`config.fit_context`). Other keyword arguments go to `EngineConfig` (page_size,
+    max_model_len, slots_per_shard, ...).
     """
 
     def __init__(self, model: str | None = None, mesh: str = "auto",
                  dtype: str = "auto", warmup: bool = False,
                  progress: Callable[[str], None] | None = None,
                  connector: Connector | KVSender | KVReceiver | None = None,
-                 compilation_cache_dir: str | None = None, plan=None, **engine_options):
+                 compilation_cache_dir: str | None = None, plan=None,
+                 kv_cache_memory: int | None = None, **engine_options):
         xla_cache.enable(compilation_cache_dir)
         if mesh == AUTO:
             mesh = auto_mesh(jax.devices()[0].platform, jax.device_count())
@@ -52,9 +71,9 @@ class LLM(Frontend):
         shardings = None if plan is None else lambda cfg: role_shardings(cfg, mesh)
         loaded = checkpoint.load(resolve_model(model), dtype="float32", shardings=shardings)
         self.weights_read = loaded.weights_read
-        engine_options.setdefault("max_model_len", min(loaded.cfg.max_position_embeddings, 1024))
-        self.config = EngineConfig(mesh=mesh, dtype=resolve_dtype(dtype, jax.default_backend()),
-                                   **engine_options)
+        dtype = resolve_dtype(dtype, jax.default_backend())
+        self._fit_kv(loaded.cfg, dtype, kv_cache_memory, engine_options)
+        self.config = EngineConfig(mesh=mesh, dtype=dtype, **engine_options)
         if self.config.max_model_len > loaded.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={loaded.cfg.max_position_embeddings}")
@@ -63,6 +82,30 @@ class LLM(Frontend):
         self.tokenizer = loaded.tokenizer
         self.engine = Engine(loaded, self.config, connector, warmup=warmup, progress=progress,
                              plan=plan)
+
+    @staticmethod
+    def _fit_kv(cfg, dtype: str, kv_cache_memory: int | None, options: dict) -> None:
+        """Resolve `max_model_len` (None: the model's context) and `pages_per_shard` in
+        `options` from the KV budget; one log line says what they came to."""
+        if options.get("pages_per_shard") is not None:
+            if options.get("max_model_len") is None:
+                options["max_model_len"] = cfg.max_position_embeddings
+            return
+        if kv_cache_memory is not None and kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, "
+                             f"got {kv_cache_memory}")
+        page_size = options.get("page_size", EngineConfig.page_size)
+        slots = options.get("slots_per_shard", EngineConfig.slots_per_shard)
+        budget = kv_cache_memory or default_kv_cache_memory(jax.devices()[0])
+        page = kv_page_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, dtype)
+        asked = options.get("max_model_len")
+        options["max_model_len"], options["pages_per_shard"] = fit_context(
+            cfg.max_position_embeddings, page, page_size, budget, slots, asked)
+        _log.info("jaxpd: max_model_len %d%s; a KV pool of %d pages of %d tokens per shard "
+                  "(%.2f GB of a %.2f GB budget)", options["max_model_len"],
+                  " (the model's)" if options["max_model_len"] == cfg.max_position_embeddings
+                  and asked is None else "", options["pages_per_shard"], page_size,
+                  options["pages_per_shard"] * page / 1e9, budget / 1e9)
 
     def new_request_id(self) -> str:
         return self.engine.new_request_id()

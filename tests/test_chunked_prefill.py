@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxpd import LLM, SamplingParams
+from jaxpd.config import kv_page_bytes
 from jaxpd.engine.background_compile import settle
 from jaxpd.engine.prefill_cache import chunk_width, chunk_widths
 from jaxpd.engine.scheduler import PrefillScheduler
@@ -121,3 +122,21 @@ def test_penalties_and_logprobs_of_a_chunked_prompt_equal_the_unchunked_prefill(
     (chunked, lp_c), (whole, lp_w) = results
     assert chunked == whole
     np.testing.assert_allclose(lp_c, lp_w, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_models_context_by_default_capped_by_the_kv_budget(long_model):
+    path, hf_model = long_model
+    with LLM(path, mesh="prefill=1,decode=1", page_size=64) as llm:
+        assert llm.config.max_model_len == 4096            # the model's, not 1,024
+    page = kv_page_bytes(num_layers=2, num_kv_heads=2, head_dim=8, page_size=64,
+                         dtype="float32")
+    with LLM(path, mesh="prefill=1,decode=1", page_size=64, prefill_chunk_tokens=512,
+             kv_cache_memory=41 * page) as llm:
+        assert (llm.config.max_model_len, llm.config.pages_per_shard) == (40 * 64, 41)
+        prompt = np.random.default_rng(5).integers(3, 256, size=2000).tolist()
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=_greedy(4))[0]
+        assert out.token_ids == hf_greedy(hf_model, prompt, 4)
+        with pytest.raises(ValueError, match="2559"):     # max_prompt_len
+            llm.generate(prompt_token_ids=[[5] * 2600], sampling_params=_greedy(1))
+        assert_all_pages_free(llm)

@@ -1,7 +1,7 @@
 """EngineConfig, the serving dtype and the "auto" mesh (plain Python, no model)."""
 import pytest
 
-from jaxpd.config import EngineConfig, resolve_dtype
+from jaxpd.config import EngineConfig, fit_context, kv_page_bytes, resolve_dtype
 from jaxpd.serving.launch_flags import set_cpu_device_count
 from jaxpd.sharding.spec import auto_mesh, parse_mesh_spec
 
@@ -75,3 +75,30 @@ def test_the_launcher_leaves_prefix_caching_to_the_engine_unless_told():
     launch_flags.define_flags(fv)
     fv(["prog", "--role", "prefill", "--num_processes", "2", "--coordinator", "127.0.0.1:1"])
     assert launch_flags.engine_options(fv)["enable_prefix_caching"] is False
+
+
+def test_the_context_defaults_to_the_models_and_the_pool_to_the_kv_budget():
+    page = kv_page_bytes(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16,
+                         dtype="float32")
+    assert page == 2 * 30 * 16 * 3 * 64 * 4
+    # SmolLM2's 8,192 tokens in 4 GiB: every one of 8 slots reaches it.
+    assert fit_context(8192, page, 16, 4 << 30, 8) == (8192, 8 * 512 + 1)
+    # A budget of 1,000 pages: the whole context still fits once; slots share the pool.
+    assert fit_context(8192, page, 16, 1001 * page, 8) == (8192, 1001)
+    # One of 300 pages cannot hold 8,192 tokens: the default is cut to what it holds ...
+    assert fit_context(8192, page, 16, 301 * page, 8) == (300 * 16, 301)
+    # ... and an explicit context that does not fit is refused, naming both fields.
+    with pytest.raises(ValueError, match="max_model_len=8192 does not fit kv_cache_memory"):
+        fit_context(8192, page, 16, 301 * page, 8, max_model_len=8192)
+    assert fit_context(8192, page, 16, 4 << 30, 8, max_model_len=1000) == (1000, 8 * 63 + 1)
+    with pytest.raises(ValueError, match="not one request"):
+        fit_context(8192, page, 16, page, 8)
+    assert kv_page_bytes(30, 3, 64, 16, "bfloat16") == page // 2
+
+
+def test_the_chunk_is_a_power_of_two_no_smaller_than_a_bucket():
+    assert EngineConfig(mesh="prefill=1,decode=1", prefill_chunk_tokens=512).prefill_chunk_tokens \
+        == 512
+    for bad in (100, 8, 0):
+        with pytest.raises(ValueError, match="prefill_chunk_tokens must be a power of two"):
+            EngineConfig(mesh="prefill=1,decode=1", prefill_chunk_tokens=bad)

@@ -6,7 +6,7 @@ import pytest
 
 from jaxpd import LLM, SamplingParams
 from jaxpd.engine.background_compile import settle
-from jaxpd.engine.runner import insert_width
+from jaxpd.sizes import coarse_sizes
 from tests.engine_fixtures import (assert_all_pages_free, build_hf_model, mixed_prompts,
                                    reference)
 
@@ -299,26 +299,23 @@ def test_duplicate_handoff_of_a_request_is_dropped(tiny, monkeypatch):
 
 
 @pytest.mark.slow
-def test_no_handoff_program_compiles_on_a_serving_thread_once_settled(tiny):
-    """A handoff carries exactly its pages, so cutting them out of the prefill cache and
-    padding them for the insert are one program per page count. After warm-up they
-    compile in the background (`settle` waits for them); then prompts of every page
-    count run none of them on a serving thread, with transformers' greedy tokens."""
+def test_no_handoff_program_compiles_on_a_serving_thread_after_warmup(tiny):
+    """A handoff carries its pages padded to `coarse_ceil` of their count, so cutting
+    them out of the prefill cache and writing them into the pool are one program per
+    padded count, all compiled by warm-up; prompts of every page count then run none
+    on a serving thread, with transformers' greedy tokens."""
     path, prompts, max_tokens, expected = tiny
     with LLM(path, mesh="prefill=1,decode=1", max_model_len=160, slots_per_shard=4,
              warmup=True) as llm:
         assert llm.engine.prefill_cache is not None        # the cache is on by default
         assert settle(llm.engine, 300) == {}
         counts = llm.engine.counter.counts()
-        max_pages = llm.config.pages_per_slot
-        assert counts["prefill_cached_take_background"] == max_pages
-        assert counts["insert_pad_background"] == sum(      # counts an insert pads
-            insert_width(n) != n for n in range(1, max_pages + 1))
+        sizes = coarse_sizes(llm.config.pages_per_slot)
+        assert counts["prefill_cached_take"] == counts["insert"] == len(sizes)
         pages = {-(-len(p) // 16) for p in prompts}
         assert len(pages) >= 5, pages
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=[
             _greedy(n) for n in max_tokens])
         assert [o.token_ids for o in outs] == expected
-        after = llm.engine.counter.counts()
-        assert "prefill_cached_take" not in after and "insert_pad" not in after, after
+        assert llm.engine.counter.counts() == counts
         assert_all_pages_free(llm)

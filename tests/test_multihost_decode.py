@@ -198,16 +198,16 @@ def test_decode_mesh_2x2_over_two_processes_fails_over_to_another_decode_worker(
 
 
 def test_warmed_up_decode_role_stops_cleanly_on_sigterm(model, procs):
-    """Warm-up replays every program on the follower (inserts padded past a slot's
-    pages included: 3 pages a slot, inserts of 4), then SIGTERM to both processes
-    stops them, the leader telling its follower."""
+    """Warm-up replays every program on the follower (an insert per padded page count:
+    3 pages a slot, inserts of 1, 2 and 3), then SIGTERM to both processes stops them,
+    the leader telling its follower."""
     group = ["--role", "decode", "--mesh", "decode=2", "--model", model[0], "--port", "0",
              "--num_processes", "2", "--coordinator", _coordinator(), "--max_model_len",
              "48", "--max_prefill_batch", "1", "--host", "127.0.0.1"]
     leader = procs.start(group + ["--process_id", "0"])
     follower = procs.start(group + ["--process_id", "1"])
     procs.wait_line(leader, r"decode worker on", timeout=300)
-    assert any("compiling page insert for 4 pages" in line for line in leader.lines)
+    assert any("compiling page insert for 3 pages" in line for line in leader.lines)
     for p in (leader, follower):
         p.send_signal(signal.SIGTERM)
     assert leader.wait(timeout=60) == 0, "".join(leader.lines)

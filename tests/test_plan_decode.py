@@ -158,7 +158,7 @@ def _insert(**fields):
     (_insert(shard=2), "plan field shard"),
     (_insert(shard=True), "plan field shard"),
     (_insert(ids=[]), "plan field ids"),
-    (_insert(ids=[0] * 5), "plan field ids: expected 1 to 4 page ids"),  # WIDTH 3, padded
+    (_insert(ids=[0] * 4), "plan field ids: expected 1 to 3 page ids"),  # WIDTH 3
     (_insert(ids=[1, PAGES]), "plan field ids"),
     (_insert(ids=[1, -1]), "plan field ids"),
     (_insert(ids="12"), "plan field ids"),

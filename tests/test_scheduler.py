@@ -3,7 +3,8 @@ import pytest
 
 from jaxpd.request import Request, State
 from jaxpd.sampling_params import SamplingParams
-from jaxpd.engine.scheduler import (DecodeScheduler, PrefillScheduler, batch_buckets, coarse_ceil,
+from jaxpd.sizes import coarse_ceil
+from jaxpd.engine.scheduler import (DecodeScheduler, PrefillScheduler, batch_buckets,
                                     context_width,
                                     context_widths, length_buckets)
 

@@ -67,8 +67,11 @@ class KVPart:
 class KVHandoff:
     """A finished prefill on its way to decode.
 
-    k, v: [L, P, S, K, H] -- only the pages that hold real prompt tokens, never the
-    bucket padding: pages `first_page` .. ceil(num_tokens / S) - 1 of the request. A
+    k, v: [L, P, S, K, H] -- the pages that hold real prompt tokens, never the
+    bucket padding: pages `first_page` .. ceil(num_tokens / S) - 1 of the request,
+    then padding pages up to P = `jaxpd.sizes.coarse_ceil` of their count (at most a
+    quarter more), so that cutting them out and writing them into a pool takes one
+    program per padded count, a few dozen at most, not one per count. A
     `first_page` above 0 (prefix caching) says the decode side is expected to hold the
     request's leading full pages already, cached by content; it checks that it does
     before it takes the handoff, and prefills the request again when it does not.

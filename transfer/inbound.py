@@ -17,7 +17,7 @@ transfer with a `TransferError`: the caller prefills the request again.
 A handoff is a peer's word. Before it becomes an `Inbound` (before any slot, page or
 device op), `HandoffSpec.check` holds what it announces against what this side
 computes itself: its pages against `num_tokens`, its `first_page` and this pool's
-page size; layers, page shape and dtype; `num_tokens` against what a slot can ever
+page size (padded as `KVHandoff` says); layers, page shape and dtype; `num_tokens` against what a slot can ever
 hold; its first token against the vocabulary. One that fails is discarded and handed back to the
 caller as a `Rejected` (with the request it names, so the caller can fail it).
 """
@@ -30,6 +30,7 @@ from concurrent import futures
 import jax
 import jax.numpy as jnp
 
+from jaxpd.sizes import coarse_ceil
 from jaxpd.transfer.connector import KVHandoff, KVReceiver, TransferError
 from jaxpd.validation import check_request_id
 
@@ -99,10 +100,11 @@ class HandoffSpec:
             # Only full pages are ever cached, and at least one page travels.
             raise HandoffRejected(f"{who}: first_page {skip!r} is not a full page of its "
                                   f"{n} tokens below the last (pages of {self.page_size})")
-        if shape[1] != self.pages_for(n) - skip:
+        if shape[1] != coarse_ceil(self.pages_for(n) - skip):
             raise HandoffRejected(f"{who}: {shape[1]} pages announced for {n} tokens from "
                                   f"page {skip}, which fill {self.pages_for(n) - skip} "
-                                  f"pages of {self.page_size}")
+                                  f"pages of {self.page_size}, padded to "
+                                  f"{coarse_ceil(self.pages_for(n) - skip)}")
         part = h.part
         first = 0 if part is None else part.layer_start
         layers = self.num_layers if part is None else part.count

@@ -101,8 +101,7 @@ class BackgroundCompiler:
 def compilers(engine) -> list[BackgroundCompiler]:
     """The engine's background compilers that have started (none before warm-up)."""
     cache, runner = engine.prefill_cache, engine.decode_runner
-    return [c for c in (cache and cache.compiler, cache and cache.take_compiler,
-                        runner and runner.extend_compiler, runner and runner.pad_compiler)
+    return [c for c in (cache and cache.compiler, runner and runner.extend_compiler)
             if c is not None]
 
 

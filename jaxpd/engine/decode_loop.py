@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jaxpd.engine.extend_loop import ExtendLoop
+from jaxpd.engine.page_allocator import pages_for
 from jaxpd.engine.requests import Requests
 from jaxpd.engine.runner import DecodeRunner
 from jaxpd.engine.sampler import Logprobs, SamplingArrays
@@ -321,8 +322,10 @@ class DecodeLoop:
         # A shared page is never written: its rows of the handoff go to the null page.
         # The handoff holds the request's pages from `first` on (those before it are
         # shared: `_admit` made sure).
+        # Its pages after the real ones are padding (`KVHandoff`): the insert sends them
+        # to the null page.
         shared, first = self.scheduler.slots[slot].num_shared, inbound.first_page
-        end = first + inbound.num_pages
+        end = pages_for(inbound.num_tokens, self.scheduler.page_size)
         self.runner.insert(self.scheduler.shard_of(slot),
                            [0 if p < shared else a.pages[p] for p in range(first, end)],
                            placed.k, placed.v)

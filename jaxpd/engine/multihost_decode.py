@@ -36,9 +36,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpd.engine.multihost import PlanChannel, PlanError, _pack_array, _unpack_array
 from jaxpd.engine.multihost_prefill import LeaderPrefillRunner, PrefillReplay
-from jaxpd.engine.runner import DecodeRunner, insert_width
+from jaxpd.engine.runner import DecodeRunner
 from jaxpd.engine.sampler import SamplingArrays
 from jaxpd.sharding.compat import shard_map
+from jaxpd.sizes import coarse_ceil
 
 
 def _gathered(runner, tree):
@@ -92,7 +93,7 @@ def insert_from_host(runner, shard: int, page_ids: list[int], k: np.ndarray | No
     None on a process holding no device of it); else shard `src`'s does (the leader's)
     and an all-gather over dp moves them to `shard` (`_gather_insert`)."""
     n = len(page_ids)
-    m = insert_width(n)
+    m = coarse_ceil(n)
     runner.counter.note("insert" if src is None else "insert_gather", m)
     ids = np.zeros((runner.num_shards, m), np.int32)
     ids[shard, :n] = page_ids           # padding rows write the null page 0
@@ -180,7 +181,9 @@ class LeaderDecodeRunner:
         return nxt, kept if sampling.wants_logprobs else logprobs
 
     def insert(self, shard: int, page_ids: list[int], k_pages, v_pages) -> None:
-        k, v = np.asarray(k_pages), np.asarray(v_pages)
+        # Only the real pages travel in the plan; each process pads its own blocks.
+        n = len(page_ids)
+        k, v = np.asarray(k_pages)[:, :n], np.asarray(v_pages)[:, :n]
         remote = bool(self._remote[shard]) and self._src is None
         self.channel.publish(insert_message(shard, page_ids, k, v, remote, self._src))
         insert_from_host(self._runner, shard, page_ids, k, v, self._src)
@@ -272,7 +275,7 @@ class DecodeReplay:
         r = self.runner
         shard = _int(msg.get("shard"), "shard", r.num_shards)
         ids = msg.get("ids")
-        most = insert_width(self.max_pages)     # warm-up inserts padded counts
+        most = coarse_ceil(self.max_pages)      # warm-up inserts padded counts
         if not isinstance(ids, list) or not 1 <= len(ids) <= most:
             raise PlanError(f"plan field ids: expected 1 to {most} page ids")
         ids = [_int(i, "ids", r.pages_per_shard) for i in ids]

@@ -43,6 +43,7 @@ from jaxpd.engine.sampler import SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.llama import Llama
 from jaxpd.request import Request
+from jaxpd.sizes import coarse_ceil, coarse_sizes
 
 
 def cache_pages(config, scheduler, chunked: bool = False, reuse: bool = True) -> int:
@@ -149,25 +150,15 @@ class PrefillCache:
         # After warm-up (`start_background`), programs with a prefix compile on demand
         # in the background; the loop serves a batch without its prefix meanwhile.
         self.compiler: BackgroundCompiler | None = None
-        # The take of every page count, compiled in the background after warm-up.
-        self.take_compiler: BackgroundCompiler | None = None
 
     def start_background(self) -> None:
         """From now on `ready` asks for a program with a prefix it lacks, compiled on a
-        thread of its own, instead of letting the batch compile it; and the take of
-        every page count a handoff can carry compiles on another (`take`)."""
+        thread of its own, instead of letting the batch compile it."""
         self.compiler = BackgroundCompiler(f"{self.name}_background", self.counter)
-        self.take_compiler = BackgroundCompiler(f"{self.name}_take_background", self.counter)
-        pool = jax.ShapeDtypeStruct(self.k_pool.shape, self.k_pool.dtype,
-                                    sharding=self.k_pool.sharding)
-        for n in range(1, self.max_pages + 1):
-            ids = jax.ShapeDtypeStruct((n,), np.int32, sharding=self._replicated)
-            self.take_compiler.request(n, lambda ids=ids: self._take.lower(pool, pool, ids))
 
     def close(self) -> None:
-        for compiler in (self.compiler, self.take_compiler):
-            if compiler is not None:
-                compiler.close()
+        if self.compiler is not None:
+            self.compiler.close()
 
     def ready(self, rows: int, length: int, width: int) -> bool:
         """Whether a batch of `rows` x `length` new tokens after `width` pages of prefix
@@ -271,17 +262,19 @@ class PrefillCache:
             self.allocator.publish(pages[i], hashes[i])
 
     def take(self, page_ids: list[int]):
-        """The K and V of these pages, [L, n, S, K, H] each, for the connector: exactly
-        its pages, so one program per page count. Each compiles in the background after
-        warm-up (`start_background`); one not ready yet compiles here, on the prefill
-        thread, holding the next batch (50-150 ms on 2 cores), once."""
-        n = len(page_ids)
-        ids = jax.device_put(np.asarray(page_ids, np.int32), self._replicated)
-        compiled = self.take_compiler and self.take_compiler.get(n)
-        if compiled is not None:
-            return compiled(self.k_pool, self.v_pool, ids)
-        self.counter.note(f"{self.name}_take", n)
+        """The K and V of these pages, then padding pages up to `coarse_ceil` of their
+        count (what a handoff carries: `KVHandoff`), [L, m, S, K, H] each, for the
+        connector. One program per padded count (`take_sizes`, all warmed up)."""
+        m = coarse_ceil(len(page_ids))
+        ids = np.zeros(m, np.int32)            # padding: the null page
+        ids[:len(page_ids)] = page_ids
+        self.counter.note(f"{self.name}_take", m)
+        ids = jax.device_put(ids, self._replicated)
         return self._take(self.k_pool, self.v_pool, ids)
+
+    def take_sizes(self) -> list[int]:
+        """Every padded count `take` can cut (a request's pages, at most `max_pages`)."""
+        return coarse_sizes(self.max_pages)
 
     def new_buckets(self, length: int, buckets: list[int]) -> list[int]:
         """Padded lengths of the uncached tokens a batch in the `length` bucket may

@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpd.engine.background_compile import BackgroundCompiler
+from jaxpd.sizes import coarse_ceil
 from jaxpd.engine.penalties import SlotPenalties, count_sampled, prefill_context
 from jaxpd.engine.sampler import Logprobs, SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
@@ -33,12 +34,6 @@ from jaxpd.engine.kernels import kernel_per_tp_shard, prefill_attention
 from jaxpd.models.llama import Llama, prefill_blocks
 from jaxpd.models.pallas_attention import decode_attention
 from jaxpd.sharding.compat import shard_map
-
-
-def insert_width(n: int) -> int:
-    """The page count an insert of `n` pages is padded to: the next power of two, so a
-    slot's inserts need few programs (`DecodeRunner.insert`)."""
-    return 1 << (n - 1).bit_length()
 
 
 class CompileCounter:
@@ -155,15 +150,19 @@ class PrefillRunner:
         return [self.take_pages(k, v, row, n, first) for row, first, n in rows]
 
     def take_pages(self, k, v, row: int, num_pages: int, first_page: int = 0):
-        """Pages `first_page` .. `first_page + num_pages - 1` of row `row`: ([L, P, S, K, H],
-        same) -- no padding. One program per page count; where they start is an input."""
-        self.counter.note(f"{self.name}_take_pages", (k.shape, num_pages))
-        return self._take(k, v, row, num_pages, first_page * self.page_size)
+        """Pages `first_page` .. `first_page + num_pages - 1` of row `row`, then padding
+        up to `coarse_ceil(num_pages)` (what a handoff carries): ([L, P, S, K, H], same).
+        One program per bucket shape and padded count; where they start is an input."""
+        padded = coarse_ceil(num_pages)
+        self.counter.note(f"{self.name}_take_pages", (k.shape, padded))
+        return self._take(k, v, row, padded, first_page * self.page_size)
 
     def _take_pages(self, k, v, row, num_pages, start):
         n = num_pages * self.page_size
         def cut(x):
             x = jax.lax.dynamic_index_in_dim(x, row, axis=1, keepdims=False)
+            # Padded past the bucket's end, so the slice never shifts back to fit.
+            x = jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2))
             x = jax.lax.dynamic_slice_in_dim(x, start, n, axis=1)
             return x.reshape(x.shape[0], num_pages, self.page_size, *x.shape[2:])
         return cut(k), cut(v)
@@ -241,10 +240,6 @@ class DecodeRunner:
         # A decode mesh beside a prefill mesh compiles its programs with a prefix on
         # demand, in the background (`start_background_extend`).
         self.extend_compiler: BackgroundCompiler | None = None
-        # After warm-up, the pad of every page count compiles in the background
-        # (`start_background_pads`); until one is ready, `insert` compiles it itself.
-        self.pad_compiler: BackgroundCompiler | None = None
-        self._pad = jax.jit(self._pad_pages, static_argnums=(1,))
         self._take = jax.jit(lambda k_pool, v_pool, ids: (k_pool[:, ids], v_pool[:, ids]))
 
     def shard_sharding(self, shard: int) -> NamedSharding:
@@ -252,13 +247,14 @@ class DecodeRunner:
         return NamedSharding(self._submeshes[shard], self.page_spec)
 
     def insert(self, shard: int, page_ids: list[int], k_pages, v_pages) -> None:
-        """Write [L, n, S, K, H] pages (already on `shard_sharding(shard)`) at `page_ids`."""
-        n = len(page_ids)
-        m = insert_width(n)
+        """Write [L, m, S, K, H] pages (already on `shard_sharding(shard)`; m =
+        `coarse_ceil` of their real count, as a handoff carries them) at `page_ids`, one
+        id per real page; the padding pages go to the null page 0. One program per m."""
+        n, m = len(page_ids), k_pages.shape[1]
+        if m != coarse_ceil(m) or not 1 <= n <= m or m < coarse_ceil(n):
+            raise ValueError(f"insert of {n} pages takes coarse_ceil({n}) = {coarse_ceil(n)} "
+                             f"padded pages, got {m}")
         self.counter.note("insert", m)
-        if m != n:
-            pad = self._pad_program(shard, n, k_pages)
-            k_pages, v_pages = pad(k_pages), pad(v_pages)
         ids = np.zeros((self.num_shards, m), np.int32)
         ids[shard, :n] = page_ids           # padding rows write the null page 0
         ids = jax.device_put(ids.reshape(-1), self.slot_sharding)
@@ -266,44 +262,19 @@ class DecodeRunner:
         v_new = self._assemble(shard, v_pages)
         self.k_pool, self.v_pool = self._insert(self.k_pool, self.v_pool, k_new, v_new, ids)
 
-    def _pad_program(self, shard: int, n: int, pages) -> Callable:
-        """The pad of `n` pages on `shard` to the insert's power of two: the one compiled
-        in the background, or (not ready yet, or other pages) the jitted one, which
-        compiles here the first time."""
-        m = insert_width(n)
-        compiled = self.pad_compiler and self.pad_compiler.get((shard, n))
-        if compiled is not None and pages.shape == self._pages_shape(n) and \
-                pages.dtype == self.k_pool.dtype and pages.sharding == self.shard_sharding(shard):
-            return compiled
-        self.counter.note("insert_pad", (shard, n))
-        return lambda x: self._pad(x, m)
-
-    def _pages_shape(self, n: int) -> tuple[int, ...]:
-        return (self.k_pool.shape[0], n) + self.k_pool.shape[2:]
-
-    def start_background_pads(self, max_pages: int) -> None:
-        """Compile the insert's pad for every page count up to `max_pages` (those not a
-        power of two) and every dp shard, on a thread of its own, shard 0 first. A
-        handoff carries exactly its pages (`transfer`), so each prompt length in pages
-        has its own pad program: left to first use, each compiled on the decode thread
-        and held every decoding request's next token for it (50-110 ms on 2 cores),
-        once per page count and shard."""
-        self.pad_compiler = BackgroundCompiler("insert_pad_background", self.counter)
-        for shard in range(self.num_shards):
-            for n in range(1, max_pages + 1):
-                m = insert_width(n)
-                if m != n:
-                    pages = jax.ShapeDtypeStruct(self._pages_shape(n), self.k_pool.dtype,
-                                                 sharding=self.shard_sharding(shard))
-                    self.pad_compiler.request((shard, n),
-                                              lambda x=pages, m=m: self._pad.lower(x, m))
+    def pages_shape(self, m: int) -> tuple[int, ...]:
+        """[L, m, S, K, H]: `m` pages of this pool."""
+        return (self.k_pool.shape[0], m) + self.k_pool.shape[2:]
 
     def take(self, shard: int, page_ids: list[int]) -> tuple[jax.Array, jax.Array]:
-        """Copies of `shard`'s [L, n, S, K, H] pages at `page_ids` (an elastic re-split
-        moves a decoding request's KV with them; compiled per page count, as rare)."""
-        self.counter.note("take", len(page_ids))
-        ids = np.asarray(page_ids, np.int32) + shard * self.pages_per_shard
-        return self._take(self.k_pool, self.v_pool, ids)
+        """Copies of `shard`'s [L, m, S, K, H] pages at `page_ids`, padded (with its null
+        page) to m = `coarse_ceil` of their count as a handoff is: an elastic re-split
+        moves a decoding request's KV with them."""
+        m = coarse_ceil(len(page_ids))
+        self.counter.note("take", m)
+        ids = np.zeros(m, np.int32)
+        ids[:len(page_ids)] = page_ids
+        return self._take(self.k_pool, self.v_pool, ids + shard * self.pages_per_shard)
 
     def set_penalties(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         """The penalty context of the request just inserted at `slot` (one with penalties)."""
@@ -369,13 +340,8 @@ class DecodeRunner:
             rows_of(rows, -(-length // self.page_size)), rows_of(rows), sampling)
 
     def close(self) -> None:
-        for compiler in (self.extend_compiler, self.pad_compiler):
-            if compiler is not None:
-                compiler.close()
-
-    @staticmethod
-    def _pad_pages(x, m):
-        return jnp.pad(x, ((0, 0), (0, m - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+        if self.extend_compiler is not None:
+            self.extend_compiler.close()
 
     def _assemble(self, shard: int, pages) -> jax.Array:
         """Global [L, D*m, S, K, H] array: `pages` on `shard`, cached zeros elsewhere."""

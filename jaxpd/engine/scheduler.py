@@ -11,6 +11,7 @@ import dataclasses
 
 from jaxpd.engine.page_allocator import CacheJournal, PageAllocator, page_hashes, pages_for
 from jaxpd.request import Request
+from jaxpd.sizes import coarse_ceil
 
 
 def length_buckets(max_len: int, min_bucket: int = 16) -> list[int]:
@@ -28,16 +29,6 @@ def batch_buckets(max_batch: int) -> list[int]:
         sizes.append(b)
         b *= 2
     return sizes + [max_batch]
-
-
-def coarse_ceil(n: int) -> int:
-    """`n` rounded up to the next of 1..8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...: four
-    steps per power of two, so a size padded to it wastes at most a quarter of itself
-    while the number of distinct sizes grows with the logarithm of the largest."""
-    if n < 1:
-        raise ValueError(f"coarse_ceil needs a positive count, got {n}")
-    step = 1 << max(n.bit_length() - 3, 0)
-    return -(-n // step) * step
 
 
 def context_width(num_pages: int, step: int, max_pages: int, by_length: bool = False) -> int:

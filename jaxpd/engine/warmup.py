@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpd.engine.runner import DecodeRunner, insert_width
+from jaxpd.engine.runner import DecodeRunner
 from jaxpd.engine.sampler import SamplingArrays
 from jaxpd.engine.page_allocator import pages_for
 from jaxpd.engine.prefill_cache import chunk_widths
 from jaxpd.engine.scheduler import context_widths
 from jaxpd.models.hf_io import DTYPES
+from jaxpd.sizes import coarse_sizes
 
 
 def warm_up(engine, progress: Callable[[str], None]) -> None:
@@ -78,6 +79,9 @@ def _warm_prefill_cached(loop, shapes, progress: Callable[[str], None]) -> None:
         cache.run(np.zeros((b, t), np.int32), np.zeros(b, np.int32), np.ones(b, np.int32),
                   np.zeros((b, w), np.int32), np.zeros((b, pages_for(t, page_size)), np.int32),
                   SamplingArrays.empty(b))
+    for m in cache.take_sizes():
+        progress(f"compiling {cache.name} page take for {m} pages")
+        cache.take([0] * m)
     cache.start_background()
 
 
@@ -94,22 +98,18 @@ def _warm_decode(engine, progress: Callable[[str], None]) -> None:
     progress("compiling the penalty context update")
     runner.set_penalties(0, [], [])       # zeros: read only after an insert rewrites them
     model = engine.model.cfg
-    for m in sorted({insert_width(n) for n in range(1, cfg.pages_per_slot + 1)}):
+    # A handoff carries its pages padded to `coarse_ceil` of their count: one insert
+    # program per padded count.
+    for m in coarse_sizes(cfg.pages_per_slot):
         progress(f"compiling page insert for {m} pages")
         shape = (model.num_layers, m, cfg.page_size, model.num_kv_heads, model.head_dim)
         pages = jax.device_put(jnp.zeros(shape, DTYPES[cfg.dtype]), runner.shard_sharding(0))
         runner.insert(0, [0] * m, pages, pages)
-    # A handoff carries exactly its pages: their pad to the insert's size is one
-    # program per page count, compiled in the background from here on. Not for an
-    # elastic mesh (its runners are replaced by a re-split) nor a mesh across processes
-    # (its leader inserts from the host: `engine.multihost_decode`).
-    if isinstance(runner, DecodeRunner) and not cfg.mesh.elastic:
-        runner.start_background_pads(cfg.pages_per_slot)
     if cfg.mesh.elastic:
         # A re-split cuts each decoding request's pages out of the pool (`engine.elastic`).
-        for n in range(1, cfg.pages_per_slot + 1):
-            progress(f"compiling page take for {n} pages")
-            runner.take(0, [0] * n)
+        for m in coarse_sizes(cfg.pages_per_slot):
+            progress(f"compiling page take for {m} pages")
+            runner.take(0, [0] * m)
     jax.block_until_ready(runner.k_pool)
 
 

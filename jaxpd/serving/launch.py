@@ -242,9 +242,9 @@ def _run_router(fv: flags.FlagValues) -> int:
     stop = _stop_on_signals()
     try:
         model = resolve_model(fv.model)
-        # The workers' default: the model's max_position_embeddings, at most 1024.
-        max_model_len = fv.max_model_len or min(
-            model_config_and_tokenizer(model)[0].max_position_embeddings, 1024)
+        # The workers' default: the model's max_position_embeddings.
+        max_model_len = fv.max_model_len or \
+            model_config_and_tokenizer(model)[0].max_position_embeddings
         config = RouterConfig(max_model_len=max_model_len, max_queued=fv.max_queued,
                               dtype=fv.dtype, page_size=fv.page_size,
                               heartbeat_s=fv.heartbeat_s, lease_s=fv.lease_s,

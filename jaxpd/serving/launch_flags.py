@@ -75,8 +75,12 @@ def _define_serving_flags(fv: flags.FlagValues) -> None:
 def _define_engine_flags(fv: flags.FlagValues) -> None:
     """`EngineConfig` knobs and admission control."""
     flags.DEFINE_integer("max_model_len", None, "Prompt + generated tokens per request "
-                         "(default: the model's max_position_embeddings, at most 1024).",
-                         lower_bound=2, flag_values=fv)
+                         "(default: the model's max_position_embeddings, capped by what "
+                         "--kv_cache_gb holds).", lower_bound=2, flag_values=fv)
+    flags.DEFINE_float("kv_cache_gb", None, "GB of KV each pool may hold (each decode dp "
+                       "shard's and the prefill mesh's; default: 4 on CPU, half a device's "
+                       "memory on accelerators); sets the pages per shard.", lower_bound=0.001,
+                       flag_values=fv)
     flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page (a power of two).",
                          lower_bound=1, flag_values=fv)
     flags.DEFINE_integer("slots_per_shard", 8, "Decode slots per decode dp shard.",
@@ -385,6 +389,8 @@ def engine_options(fv: flags.FlagValues) -> dict:
                    attention_impl=fv.attention_impl, handoff_wait_ms=fv.handoff_wait_ms)
     if fv.max_model_len is not None:
         options["max_model_len"] = fv.max_model_len
+    if fv.kv_cache_gb is not None:
+        options["kv_cache_memory"] = int(fv.kv_cache_gb * 1e9)
     if fv.prefill_cache_pages is not None:
         options["prefill_cache_pages"] = fv.prefill_cache_pages
     return options
