@@ -84,7 +84,7 @@ def prefix_caching_by_default(config: "EngineConfig") -> bool:
             and config.kv_transfer_dtype is None)
 
 
-CPU_KV_CACHE_BYTES = 4 << 30      # a pool's default budget on CPU, as vLLM's CPU backend
+CPU_KV_CACHE_BYTES = 2 << 30      # a pool's default budget on CPU
 ACCELERATOR_KV_FRACTION = 0.5      # of a device's memory, where it reports its size
 
 
@@ -135,7 +135,7 @@ class EngineConfig:
     max_prefill_tokens: int | None = None  # default: max(8 * 256, largest bucket)
     bucket_timeout_ms: float = 5.0
     min_prefill_batch: int = 1
-    slots_per_shard: int = 8
+    slots_per_shard: int = 32          # a step runs only as many rows as it needs
     decode_context_step: int = 8       # decode computes context in multiples of these pages
     pages_per_shard: int | None = None # default: every slot can reach max_model_len
     max_queued: int = 1024             # requests waiting for prefill before rejection

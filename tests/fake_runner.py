@@ -25,6 +25,7 @@ class FakeRunner:
         self.k_pool = np.zeros(shape, np.float32)
         self.v_pool = np.zeros(shape, np.float32)
         self.pages_per_shard = pages_per_shard
+        self.num_shards = num_shards
         self.prev = np.zeros(num_shards * slots_per_shard, np.int32)
         self.inserts: list[tuple[int, list[int]]] = []
         self.steps: list[dict] = []
@@ -34,16 +35,22 @@ class FakeRunner:
 
     def insert(self, shard: int, page_ids: list[int], k_pages, v_pages) -> None:
         rows = [shard * self.pages_per_shard + p for p in page_ids]
-        self.k_pool[:, rows] = np.asarray(k_pages)
-        self.v_pool[:, rows] = np.asarray(v_pages)
+        self.k_pool[:, rows] = np.asarray(k_pages)[:, :len(rows)]   # then padding pages
+        self.v_pool[:, rows] = np.asarray(v_pages)[:, :len(rows)]
         self.inserts.append((shard, list(page_ids)))
 
-    def step(self, host_tokens, fed_from_host, positions, block_tables, sampling):
-        tokens = np.where(fed_from_host, host_tokens, self.prev)
+    def step(self, host_tokens, fed_from_host, positions, block_tables, sampling, rows):
+        per = len(self.prev) // self.num_shards
+        slots = np.array([(i // (len(rows) // self.num_shards)) * per + r
+                          for i, r in enumerate(rows)])       # padding rows: r == per
+        real = rows < per
+        held = np.where(real, slots, 0)
+        tokens = np.where(fed_from_host, host_tokens, self.prev[held])
         self.steps.append({"tokens": tokens.copy(), "positions": positions.copy(),
-                           "width": block_tables.shape[1]})
-        self.prev = (tokens + 1) % 1000
-        return self.prev.copy(), None           # no log-probabilities: none asked here
+                           "width": block_tables.shape[1], "rows": len(rows)})
+        nxt = (tokens + 1) % 1000
+        self.prev[slots[real]] = nxt[real]
+        return nxt, None                        # no log-probabilities: none asked here
 
 
 class FakeReceiver:

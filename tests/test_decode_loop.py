@@ -320,3 +320,21 @@ def test_a_request_sent_back_to_prefill_while_its_pages_go_in_gives_its_slot_bac
     assert nxt.output_ids == list(range(200, 204))
     r.abort("test over")
     assert_no_page_held(env)
+
+
+def test_a_step_runs_the_fewest_rows_that_hold_its_busiest_shard(pool):
+    """8 slots on each of 2 shards: one stream steps 2 rows a shard (the smallest of
+    2, 4, 8), five on one shard step 8; tokens still count from each first token."""
+    env = make(pool, slots=8, pages_per_shard=40, num_shards=2)
+    first = prefilled(env, "a", 5, first=100, max_tokens=3)
+    env.receiver.push(handoff(first, 100))
+    run(env, lambda: first.is_final)
+    assert {s["rows"] for s in env.runner.steps} == {2 * 2}
+    assert first.output_ids == [100, 101, 102]
+    many = [prefilled(env, f"r{i}", 3, first=10 * i, max_tokens=4) for i in range(10)]
+    for r in many:
+        env.receiver.push(handoff(r, r.output_ids[0]))
+    run(env, lambda: all(r.is_final for r in many))
+    assert max(s["rows"] for s in env.runner.steps) == 2 * 8
+    assert all(r.output_ids == [r.output_ids[0] + k for k in range(4)] for r in many)
+    assert_no_page_held(env)

@@ -35,12 +35,13 @@ class Runner:
         self.mesh = types.SimpleNamespace(
             devices=np.array([[Device(p) for p in shard] for shard in processes]))
         self.num_shards, self.pages_per_shard = 2, PAGES
+        self.slots_per_shard = SLOTS // 2
         self.prev_tokens = np.zeros(SLOTS, np.int32)
         self.k_pool = np.zeros(POOL, np.float32)
 
-    def step(self, tokens, fed, positions, tables, sampling):
+    def step(self, tokens, fed, positions, tables, sampling, rows):
         self.calls.append(("step", tokens.tolist(), fed.tolist(), positions.tolist(),
-                           tables.tolist(), sampling.floats.tolist()))
+                           tables.tolist(), sampling.floats.tolist(), rows.tolist()))
         return np.zeros(SLOTS, np.int32), None
 
     def set_penalties(self, slot, prompt_ids, output_ids):
@@ -90,7 +91,7 @@ def test_follower_replays_steps_inserts_and_penalties_and_pages_come_by_all_gath
     tokens, fed, positions, tables, sampling = _step_args()
     assert replay.runner.calls == [
         ("step", tokens.tolist(), fed.tolist(), positions.tolist(), tables.tolist(),
-         sampling.floats.tolist()),
+         sampling.floats.tolist(), [0, 1, 0, 1]),
         ("penalties", 3, [4, 5], [6])]
     leader_inserts, follower_inserts = inserts[:2], inserts[2:]
     assert [(a[0], a[1], a[4]) for a in leader_inserts] == [(1, [7], 0), (0, [1, 2], 0)]
@@ -128,7 +129,8 @@ def _step(**fields):
     tokens, fed, positions, tables, sampling = _step_args()
     msg = {"op": "step", "tokens": _packed(tokens), "fed": _packed(fed),
            "positions": _packed(positions), "tables": _packed(tables),
-           "floats": _packed(sampling.floats), "ints": _packed(sampling.ints)}
+           "floats": _packed(sampling.floats), "ints": _packed(sampling.ints),
+           "rows": _packed(np.array([0, 1, 0, 2], np.int32))}     # 2: a padding row
     msg.update(fields)
     return msg
 
@@ -144,6 +146,8 @@ def _insert(**fields):
     ({"op": "extend"}, "op 'extend' is not one a decode leader sends"),
     ({"op": "run"}, "op 'run' is not one a decode leader sends"),  # no prefill of its own
     (_step(tokens=_packed(np.zeros(SLOTS + 1, np.int32))), "plan field tokens: expected int32"),
+    (_step(rows=_packed(np.zeros(3, np.int32))), "plan field rows: 3 rows"),
+    (_step(rows=_packed(np.full(SLOTS, 3, np.int32))), "rows: values outside"),
     (_step(tokens=_packed(np.full(SLOTS, VOCAB, np.int32))), "tokens: values outside"),
     (_step(positions=_packed(np.full(SLOTS, -1, np.int32))), "positions: values outside"),
     (_step(positions=_packed(np.full(SLOTS, 12, np.int32))), "positions: values outside"),

@@ -31,7 +31,8 @@ from jaxpd.engine.page_allocator import pages_for
 from jaxpd.engine.requests import Requests
 from jaxpd.engine.runner import DecodeRunner
 from jaxpd.engine.sampler import Logprobs, SamplingArrays
-from jaxpd.engine.scheduler import DecodeScheduler, StepPlan, context_width
+from jaxpd.engine.scheduler import (DecodeScheduler, StepPlan, context_width,
+                                    decode_batch_sizes)
 from jaxpd.request import Request, State, handoff_logprobs
 from jaxpd.stats import StatsCounter
 from jaxpd.transfer.connector import TransferError
@@ -67,6 +68,7 @@ class DecodeLoop:
         self.runner, self.scheduler, self.inbound = runner, scheduler, inbound
         # The attention core reads each slot only up to its length: one context width.
         self.by_length = by_length
+        self.batch_sizes = decode_batch_sizes(scheduler.slots_per_shard)
         self.max_prefetch = max_prefetch
         self.requests, self.stats = requests, stats
         self.max_pages_per_slot, self.context_step = max_pages_per_slot, context_step
@@ -353,40 +355,52 @@ class DecodeLoop:
         self._stepped[slot] = None
         self.scheduler.mark_ready(slot)
 
-    def _dispatch(self, plan: StepPlan) -> tuple[jax.Array, Logprobs | None]:
-        """One decode step for the plan's slots. A slot fed last step takes its input
-        token from that step's output, still on device; a newly inserted one takes its
-        first token from the host (`fed_from_host`). Returns its tokens and, when some
-        row asks for them, their `Logprobs` (both on device)."""
-        n = len(self.scheduler.slots)
+    def _dispatch(self, plan: StepPlan) -> tuple[jax.Array, Logprobs | None, dict[int, int]]:
+        """One decode step for the plan's slots, over the fewest rows per dp shard of
+        `batch_sizes` that hold each shard's stepped slots (padding rows name no slot).
+        A slot fed last step takes its input token from that step's output, still on
+        device; a newly inserted one takes its first token from the host
+        (`fed_from_host`). Returns its tokens and, when some row asks for them, their
+        `Logprobs` (both on device, by row), and each stepped slot's row."""
+        sched = self.scheduler
+        per, shards = sched.slots_per_shard, sched.num_shards
+        busiest = collections.Counter(sched.shard_of(e.slot) for e in plan.entries)
+        b = next(s for s in self.batch_sizes if s >= max(busiest.values()))
+        n = shards * b
         width = context_width(plan.max_pages, self.context_step, self.max_pages_per_slot,
                               self.by_length)
+        rows = np.full(n, per, np.int32)
         host_tokens = np.zeros(n, np.int32)
         fed_from_host = np.ones(n, bool)
         positions = np.zeros(n, np.int32)
         block_tables = np.zeros((n, width), np.int32)
         sampling = SamplingArrays.empty(n)
-        stepped: list[Request | None] = [None] * n
+        stepped: list[Request | None] = [None] * len(sched.slots)
+        row_of, filled = {}, [0] * shards
         for e in plan.entries:
-            s = self.scheduler.slots[e.slot]
+            s, shard = sched.slots[e.slot], sched.shard_of(e.slot)
+            i = row_of[e.slot] = shard * b + filled[shard]
+            filled[shard] += 1
+            rows[i] = e.slot - shard * per
             if self._stepped[e.slot] is e.request:
-                fed_from_host[e.slot] = False
+                fed_from_host[i] = False
             else:
-                host_tokens[e.slot] = self._first_token[e.slot]
-            positions[e.slot] = e.position
-            block_tables[e.slot, :len(s.pages)] = s.pages
-            sampling.set_row(e.slot, e.request)
+                host_tokens[i] = self._first_token[e.slot]
+            positions[i] = e.position
+            block_tables[i, :len(s.pages)] = s.pages
+            sampling.set_row(i, e.request)
             stepped[e.slot] = e.request
         self._stepped = stepped
         self.stats.add(decode_steps=1)
         tokens, logprobs = self.runner.step(host_tokens, fed_from_host, positions, block_tables,
-                                            sampling)
-        return tokens, logprobs if sampling.wants_logprobs else None
+                                            sampling, rows)
+        return tokens, logprobs if sampling.wants_logprobs else None, row_of
 
-    def _emit(self, plan: StepPlan, tokens_device, logprobs_device: Logprobs | None) -> None:
+    def _emit(self, plan: StepPlan, tokens_device, logprobs_device: Logprobs | None,
+              row_of: dict[int, int]) -> None:
         """Read a step's tokens back (the only sync point per step; log-probabilities
-        too, on the steps where some row asked) and hand each to its request; free the
-        slots of requests that end with it."""
+        too, on the steps where some row asked) and hand each to its request (the slot's
+        row: `row_of`); free the slots of requests that end with it."""
         tokens = np.asarray(tokens_device)
         logprobs = None if logprobs_device is None else jax.device_get(logprobs_device)
         now = time.perf_counter()
@@ -394,8 +408,9 @@ class DecodeLoop:
             r = e.request
             if r.is_final:
                 continue
-            lp = None if logprobs is None else logprobs.of_row(e.slot, r)
-            if r.append_token(int(tokens[e.slot]), now, lp):
+            row = row_of[e.slot]
+            lp = None if logprobs is None else logprobs.of_row(row, r)
+            if r.append_token(int(tokens[row]), now, lp):
                 self.stats.add(finished=int(r.state is State.FINISHED))
                 slot = self.scheduler.slot_of(r)
                 if slot is not None:

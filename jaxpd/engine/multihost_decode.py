@@ -38,6 +38,7 @@ from jaxpd.engine.multihost import PlanChannel, PlanError, _pack_array, _unpack_
 from jaxpd.engine.multihost_prefill import LeaderPrefillRunner, PrefillReplay
 from jaxpd.engine.runner import DecodeRunner
 from jaxpd.engine.sampler import SamplingArrays
+from jaxpd.engine.scheduler import decode_batch_sizes
 from jaxpd.sharding.compat import shard_map
 from jaxpd.sizes import coarse_ceil
 
@@ -128,11 +129,12 @@ def insert_from_host(runner, shard: int, page_ids: list[int], k: np.ndarray | No
 
 
 def step_message(host_tokens, fed_from_host, positions, block_tables,
-                 sampling: SamplingArrays) -> dict:
+                 sampling: SamplingArrays, rows) -> dict:
     """The plan message of one decode step (`DecodeRunner.step`'s host inputs)."""
     return {"op": "step", "tokens": _pack_array(host_tokens), "fed": _pack_array(fed_from_host),
             "positions": _pack_array(positions), "tables": _pack_array(block_tables),
-            "floats": _pack_array(sampling.floats), "ints": _pack_array(sampling.ints)}
+            "floats": _pack_array(sampling.floats), "ints": _pack_array(sampling.ints),
+            "rows": _pack_array(rows)}
 
 
 def insert_message(shard: int, page_ids: list[int], k: np.ndarray, v: np.ndarray,
@@ -171,11 +173,14 @@ class LeaderDecodeRunner:
         return self._arrival
 
     def step(self, host_tokens, fed_from_host, positions, block_tables,
-             sampling: SamplingArrays):
+             sampling: SamplingArrays, rows=None):
+        r = self._runner
+        if rows is None:
+            rows = np.tile(np.arange(r.slots_per_shard, dtype=np.int32), r.num_shards)
         self.channel.publish(step_message(host_tokens, fed_from_host, positions, block_tables,
-                                          sampling))
-        nxt, logprobs = self._runner.step(host_tokens, fed_from_host, positions, block_tables,
-                                          sampling)
+                                          sampling, rows))
+        nxt, logprobs = r.step(host_tokens, fed_from_host, positions, block_tables, sampling,
+                               rows)
         out = _gathered(self._runner, (nxt, logprobs if sampling.wants_logprobs else None))
         nxt, kept = jax.tree.map(lambda x: x.addressable_data(0), out)
         return nxt, kept if sampling.wants_logprobs else logprobs
@@ -254,7 +259,12 @@ class DecodeReplay:
             raise PlanError(f"plan op {op!r} is not one a decode leader sends")
 
     def _step(self, msg: dict) -> None:
-        b, r = self.num_slots, self.runner
+        r = self.runner
+        rows = _ints(msg, "rows", (-1,), r.slots_per_shard + 1)   # slots_per_shard: padding
+        b = rows.shape[0]
+        if b not in [s * r.num_shards for s in decode_batch_sizes(r.slots_per_shard)]:
+            raise PlanError(f"plan field rows: {b} rows is not a decode batch size times "
+                            f"{r.num_shards} shards")
         tokens = _ints(msg, "tokens", (b,), self.vocab)
         positions = _ints(msg, "positions", (b,), self.max_position)
         tables = _ints(msg, "tables", (b, -1), r.pages_per_shard)
@@ -267,7 +277,7 @@ class DecodeReplay:
             raise PlanError(f"plan step: tables [{b}, 1..{self.max_pages}], fed bool [{b}], "
                             f"floats f32 [{b}, 6], ints i32 [{b}, 4]")
         sampling = SamplingArrays(floats, ints)
-        nxt, logprobs = r.step(tokens, fed, positions, tables, sampling)
+        nxt, logprobs = r.step(tokens, fed, positions, tables, sampling, rows)
         jax.block_until_ready(_gathered(r, (nxt, logprobs if sampling.wants_logprobs
                                             else None)))
 

@@ -57,11 +57,11 @@ def prefill_context(tokens_BT, lengths_B, prompt_lens_B, vocab: int):
     return counts, in_prompt > 0
 
 
-def count_sampled(counts, tokens_B, s) -> jnp.ndarray:
-    """counts i32 [B, V] with each penalised row's sampled token added (B scattered
-    elements, in place in a donated array: nothing worth a branch)."""
-    rows = jnp.arange(tokens_B.shape[0])
-    return counts.at[rows, tokens_B].add(has_penalty(s).astype(jnp.int32))
+def count_sampled(counts, rows_B, tokens_B, s) -> jnp.ndarray:
+    """counts i32 [slots, V] with each penalised row's sampled token added to its slot
+    `rows[b]`'s counts (B scattered elements, in place in a donated array: nothing
+    worth a branch); a row whose slot is out of range (padding) adds nothing."""
+    return counts.at[rows_B, tokens_B].add(has_penalty(s).astype(jnp.int32), mode="drop")
 
 
 class SlotPenalties:

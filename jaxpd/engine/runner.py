@@ -198,21 +198,28 @@ class DecodeRunner:
             attention = kernel_per_tp_shard(attention, kv_axis)
         model = Llama(cfg, dtype, fused, attention)
 
-        def step(params, k_pool, v_pool, counts, prompt, prev, host_tokens, fed_from_host,
+        def step(params, k_pool, v_pool, counts, prompt, prev, rows, host_tokens, fed_from_host,
                  positions, block_tables, sampling):
-            tokens = jnp.where(fed_from_host, host_tokens, prev)
+            # One shard's rows: row b feeds slot rows[b] (padding rows name no slot:
+            # they read slot 0's state and write nothing back but the null page).
+            held = jnp.minimum(rows, prev.shape[0] - 1)
+            tokens = jnp.where(fed_from_host, host_tokens, prev[held])
             with nn.logical_axis_rules(rules):
                 logits, k_pool, v_pool = model.apply({"params": params}, tokens, positions, k_pool,
                                                      v_pool, block_tables, method=Llama.decode)
-            nxt, logprobs = sample(logits, sampling, positions + 1, lambda: (counts, prompt))
-            return nxt, logprobs, k_pool, v_pool, count_sampled(counts, nxt, sampling)
+            nxt, logprobs = sample(logits, sampling, positions + 1,
+                                   lambda: (counts[held], prompt[held]))
+            counts = count_sampled(counts, rows, nxt, sampling)
+            return nxt, logprobs, k_pool, v_pool, counts, prev.at[rows].set(nxt, mode="drop")
 
         slot = P("dp")
         pool = P(None, "dp")
         self._step = jax.jit(shard_map(
             step, mesh=mesh, axis_names={"dp"}, check_vma=attention_impl == "reference",
-            in_specs=(P(), pool, pool) + (slot,) * 8, out_specs=(slot, slot, pool, pool, slot)),
-            donate_argnums=(1, 2, 3))
+            in_specs=(P(), pool, pool) + (slot,) * 9,
+            out_specs=(slot, slot, pool, pool, slot, slot)),
+            donate_argnums=(1, 2, 3, 5))
+        self.slots_per_shard = num_slots // self.num_shards
 
         def extend(params, k_pool, v_pool, counts, prompt, tokens, starts, lengths,
                    prefix_tables, new_tables, row_slots, sampling):
@@ -281,16 +288,20 @@ class DecodeRunner:
         self.counter.note("set_penalties", ())
         self.penalties.set_slot(slot, prompt_ids, output_ids)
 
-    def step(self, host_tokens, fed_from_host, positions, block_tables, sampling: SamplingArrays
-             ) -> tuple[jax.Array, Logprobs]:
-        """Dispatch one decode step (asynchronously); returns the next tokens [B] and
-        their `Logprobs`, on device (read them back only when some row asked)."""
+    def step(self, host_tokens, fed_from_host, positions, block_tables, sampling: SamplingArrays,
+             rows=None) -> tuple[jax.Array, Logprobs]:
+        """Dispatch one decode step (asynchronously) over D x b rows (b per dp shard, in
+        shard order): row i feeds the shard-local slot `rows[i]` (`slots_per_shard`:
+        padding); None: every slot, in order. Returns the rows' next tokens [D x b] and
+        their `Logprobs`, on device (read them back only when some row asked). One
+        program per (b, context width)."""
+        if rows is None:
+            rows = np.tile(np.arange(self.slots_per_shard, dtype=np.int32), self.num_shards)
         self.counter.note("decode", block_tables.shape)
         p = self.penalties
-        nxt, logprobs, self.k_pool, self.v_pool, p.counts = self._step(
+        nxt, logprobs, self.k_pool, self.v_pool, p.counts, self.prev_tokens = self._step(
             self.params, self.k_pool, self.v_pool, p.counts, p.prompt, self.prev_tokens,
-            host_tokens, fed_from_host, positions, block_tables, sampling)
-        self.prev_tokens = nxt
+            rows, host_tokens, fed_from_host, positions, block_tables, sampling)
         return nxt, logprobs
 
     def extend(self, tokens, starts, lengths, prefix_tables, new_tables, row_slots,

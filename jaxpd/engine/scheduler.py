@@ -31,6 +31,15 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+def decode_batch_sizes(slots_per_shard: int) -> list[int]:
+    """Rows per dp shard a decode step may run (one program each): powers of two from
+    a quarter of the slots (at least 1) up to all of them. A step runs the fewest that
+    hold its busiest shard's slots, so one stream among many slots costs a quarter of
+    a full step's rows, not all of them, in three or four programs."""
+    low = max(1, slots_per_shard // 4)
+    return [s for s in batch_buckets(slots_per_shard) if s >= low]
+
+
 def context_width(num_pages: int, step: int, max_pages: int, by_length: bool = False) -> int:
     """Pages of context one decode step computes when its longest slot holds
     `num_pages`; each width is one compiled program.

@@ -87,14 +87,17 @@ def _warm_prefill_cached(loop, shapes, progress: Callable[[str], None]) -> None:
 
 def _warm_decode(engine, progress: Callable[[str], None]) -> None:
     cfg, runner = engine.config, engine.decode_runner
-    num_slots = len(engine.decode_scheduler.slots)
     widths = context_widths(cfg.decode_context_step, cfg.pages_per_slot,
                             engine.decode_loop.by_length)
-    for i, w in enumerate(widths):
-        progress(f"compiling decode step {i + 1}/{len(widths)}: {w} pages of context")
-        runner.step(np.zeros(num_slots, np.int32), np.ones(num_slots, bool),
-                    np.zeros(num_slots, np.int32), np.zeros((num_slots, w), np.int32),
-                    SamplingArrays.empty(num_slots))
+    loop = engine.decode_loop
+    shapes = [(b, w) for b in loop.batch_sizes for w in widths]
+    for i, (b, w) in enumerate(shapes):
+        progress(f"compiling decode step {i + 1}/{len(shapes)}: {b} rows a shard, "
+                 f"{w} pages of context")
+        n = b * cfg.mesh.decode_dp
+        runner.step(np.zeros(n, np.int32), np.ones(n, bool), np.zeros(n, np.int32),
+                    np.zeros((n, w), np.int32), SamplingArrays.empty(n),
+                    np.full(n, cfg.slots_per_shard, np.int32))     # padding rows only
     progress("compiling the penalty context update")
     runner.set_penalties(0, [], [])       # zeros: read only after an insert rewrites them
     model = engine.model.cfg

@@ -78,12 +78,13 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                          "(default: the model's max_position_embeddings, capped by what "
                          "--kv_cache_gb holds).", lower_bound=2, flag_values=fv)
     flags.DEFINE_float("kv_cache_gb", None, "GB of KV each pool may hold (each decode dp "
-                       "shard's and the prefill mesh's; default: 4 on CPU, half a device's "
+                       "shard's and the prefill mesh's; default: 2 on CPU, half a device's "
                        "memory on accelerators); sets the pages per shard.", lower_bound=0.001,
                        flag_values=fv)
     flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page (a power of two).",
                          lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("slots_per_shard", 8, "Decode slots per decode dp shard.",
+    flags.DEFINE_integer("slots_per_shard", EngineConfig.slots_per_shard,
+                         "Decode slots per decode dp shard.",
                          lower_bound=1, flag_values=fv)
     flags.DEFINE_integer("decode_context_step", 8, "A decode step computes its context in "
                          "multiples of this many pages (one compiled program per width).",
