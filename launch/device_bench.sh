@@ -6,8 +6,10 @@
 # The machine's image already has jax with its CUDA plugin, flax, torch and transformers;
 # jaxpd is put on the path from this checkout (no network needed). Wheels of anything
 # missing (grpcio-health-checking, grpcio-reflection, ...) may travel in .whl/ and are
-# installed to /tmp/site first. It writes, per step, the bench's JSON and its printed
-# table into OUT_DIR, and a summary.txt of all tables:
+# installed to /tmp/site first; they must accept the image's grpcio (the H200 image has
+# 1.84.0: take grpcio-health-checking and grpcio-reflection 1.84.0). It writes, per
+# step, the bench's JSON and its printed table into OUT_DIR, and a summary.txt of all
+# tables:
 #   1. devices and versions; the decode attention cores (launch/attention_bench.py):
 #      the backend's compiled Pallas kernel against the jnp reference, error and time;
 #   2. the roofline (bandwidth, matmul rate, prefill per bucket, decode per batch and
@@ -46,7 +48,11 @@ step devices 30 python3 -c "import jax, jaxlib, flax, torch, transformers; \
 print('jax', jax.__version__, 'flax', flax.__version__, 'torch', torch.__version__, \
 'transformers', transformers.__version__); print(jax.devices()); \
 print('torch cuda:', torch.cuda.is_available())"
-step attention 60 python3 launch/attention_bench.py --json "$out/attention.json"
+# The platform's own Pallas kernel, named: "auto" is the reference on GPU and TPU.
+kernel=$(python3 -c "import jax; p = jax.devices()[0].platform; \
+print({'gpu': 'pallas_gpu', 'cuda': 'pallas_gpu', 'tpu': 'pallas_tpu'}.get(p, 'auto'))")
+step attention 60 python3 launch/attention_bench.py --impls "reference,$kernel" \
+  --json "$out/attention.json"
 # BIG_SIZE=tiny NUM_REQUESTS=4 checks the script itself on a CPU in a minute or two.
 step make_big 90 python3 launch/make_random_llama.py /tmp/jaxpd_big --size "${BIG_SIZE:-1b}" --dtype bfloat16
 step roofline_default 50 python3 -m jaxpd.bench --roofline --mesh colocated=1 \
