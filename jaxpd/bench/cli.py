@@ -6,7 +6,8 @@
     python -m jaxpd.bench --roofline [--json roofline.json]
 
 Every run serves the same requests (`make_workload` from `--seed`, prompt ids drawn
-from the same seed) with Poisson arrivals honoured on the wall clock. The meshes run
+from the same seed; or a `--dataset` of bench/datasets.py: uniform length ranges, the
+long-prompt mix, ShareGPT) with Poisson arrivals honoured on the wall clock. The meshes run
 one after the other in this one process, each engine built, compiled (warmup=True)
 and fed a few warm-up requests before its clock starts; `hf` is Hugging Face
 transformers `generate` with static batching on the same weights (see hf.py).
@@ -382,8 +383,10 @@ class Benchmark:
         return {
             "runs": self.reports,
             "workload": {"num_requests": a.num_requests, "rates": a.rates,
-                         "dataset": a.dataset, "input_len": str(a.input_len),
-                         "output_len": str(a.output_len),
+                         "dataset": a.dataset,
+                         "input_len": str(a.input_len) if a.dataset == "random" else None,
+                         "output_len": (str(a.output_len) if a.dataset in ("random", "long_mix")
+                                        else None),
                          "prompt_lens": a.prompt_lens, "output_lens": a.output_lens,
                          "seed": a.seed, "slo_ttft_s": a.slo_ttft, "slo_tpot_s": a.slo_tpot,
                          "phases": ([dataclasses.asdict(p) for p in a.phase_list]
