@@ -195,6 +195,11 @@ def test_prompts_are_fixed_by_the_seed_not_the_rate():
     (["--deployment", "processes", "--process_kv_transport", "pigeon"],
      "--process_kv_transport"),
     (["--workload", "shift", "--phases", "448/16"], "--phases"),
+    (["--dataset", "wiki"], "--dataset"),
+    (["--dataset", "random", "--workload", "shift"], "--dataset"),
+    (["--input_len", "64:32"], "--input_len"),
+    (["--random-output-len", "0"], "--output_len"),
+    (["--num-prompts", "0"], "--num_requests"),
 ])
 def test_bad_flags_are_rejected_naming_the_flag(flags, named, capsys):
     assert_flag_rejected(bench.parse_args, flags, named, capsys)
@@ -412,3 +417,64 @@ def test_prefix_bench_sums_a_deployments_worker_counters():
     assert set(total) == set(COUNTERS)
     assert (total["prefill_tokens"], total["prefix_hit_tokens"], total["transfer_bytes"],
             total["finished"]) == (107, 32, 4096, 0)
+
+
+def test_every_flag_has_its_hyphen_spelling_and_vllms_names():
+    underscores = bench.parse_args([
+        "--num_requests", "7", "--rate", "3", "--dataset", "random", "--input_len", "8:64",
+        "--output_len", "4", "--max_model_len", "256", "--slo_ttft", "2", "--no_progress"])
+    hyphens = bench.parse_args([
+        "--num-requests", "7", "--rate", "3", "--dataset", "random", "--input-len", "8:64",
+        "--output-len", "4", "--max-model-len", "256", "--slo-ttft", "2", "--no-progress"])
+    vllm = bench.parse_args([
+        "--num-prompts", "7", "--request-rate", "3", "--dataset-name", "random",
+        "--random-input-len", "8:64", "--random-output-len", "4", "--max-model-len", "256",
+        "--slo-ttft", "2", "--no-progress"])
+    assert vars(underscores) == vars(hyphens) == vars(vllm)
+    assert (vllm.num_requests, vllm.rates, vllm.input_len.lo, vllm.input_len.hi) == (
+        7, [3.0], 8, 64)
+    parser = bench.build_parser()
+    for action in parser._actions:
+        for name in action.option_strings:
+            if name.startswith("--") and "_" in name:
+                assert name.replace("_", "-") in action.option_strings
+    usage = parser.format_help()
+    for name in ("--num-prompts", "--request-rate", "--dataset-name", "--random-input-len",
+                 "--random-output-len", "--foo-bar"):
+        assert name in usage
+
+
+def test_a_dataset_that_cannot_fit_the_model_is_refused_naming_it():
+    from jaxpd.models.source import model_config_and_tokenizer
+    model_dir = bench.resolve_model(None)       # the built-in model: no checkpoint to build
+    positions = model_config_and_tokenizer(model_dir)[0].max_position_embeddings
+    args = bench.parse_args(["--dataset", "long_mix", "--output_len", "8"])
+    with pytest.raises(SystemExit, match=f"--dataset long_mix: .*4096 tokens plus 8 .*"
+                                         f"max_position_embeddings={positions}"):
+        bench.Benchmark(args, model_dir)
+    args = bench.parse_args(["--dataset", "random", "--input_len", f"4:{positions}",
+                             "--output_len", "8"])
+    with pytest.raises(SystemExit, match=f"--input_len/--output_len: .*needs {positions + 8} "):
+        bench.Benchmark(args, model_dir)
+    # The lower --max_model_len bounds the requests, and is the engine's.
+    args = bench.parse_args(["--dataset", "random", "--input_len", "4:30", "--output_len",
+                             "2:8", "--max_model_len", "38", "--num_requests", "20"])
+    b = bench.Benchmark(args, model_dir)
+    requests = b.requests_at(1.0)
+    assert b.max_model_len == 38 and len(requests) == 20
+    assert all(4 <= len(r.prompt_ids) <= 30 and 2 <= r.output_len <= 8 for r in requests)
+    assert [r.prompt_ids for r in b.requests_at(5.0)] == [r.prompt_ids for r in requests]
+
+
+@pytest.mark.slow
+def test_bench_serves_the_random_dataset_end_to_end(tiny_dir):
+    results = bench.main(_flags(tiny_dir, "--mesh", "prefill=1,decode=1", "--compare", "none",
+                                "--dataset-name", "random", "--random-input-len", "8:40",
+                                "--random-output-len", "2:5", "--warmup_requests", "0"))
+    [run] = results["runs"]
+    assert run["num_requests"] == NUM_REQUESTS and run["num_aborted"] == 0
+    assert run["engine_stats"]["finished"] == NUM_REQUESTS
+    workload = results["workload"]
+    assert (workload["dataset"], workload["input_len"], workload["output_len"]) == (
+        "random", "8:40", "2:5")
+    assert workload["max_model_len"] <= 45

