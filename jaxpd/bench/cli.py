@@ -39,7 +39,7 @@ from jaxpd.bench.shift import format_phase_table, phase_reports
 from jaxpd.bench import datasets
 from jaxpd.bench.workload import (make_shift_workload, make_workload, parse_length_mix,
                                   parse_phases, poisson_arrivals, random_streams)
-from jaxpd.config import ATTENTION_IMPLS
+from jaxpd.config import ATTENTION_IMPLS, EngineConfig
 from jaxpd.metrics import find_goodput, format_table, run_report, slo_attainment
 from jaxpd.sharding.spec import AUTO, auto_mesh
 
@@ -77,8 +77,9 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
                         "server's pulls before its next batch; default: the engine's)")
     s.add_argument("--max_model_len", type=positive_int, default=None,
                    help="engine max_model_len (default: longest prompt + longest output)")
-    s.add_argument("--slots_per_shard", type=positive_int, default=8,
-                   help="engine decode slots per dp shard")
+    s.add_argument("--slots_per_shard", type=positive_int,
+                   default=EngineConfig.slots_per_shard,
+                   help="engine decode slots per dp shard (default: the engine's)")
     s.add_argument("--decode_slots", type=positive_int, default=None,
                    help="total decode slots of every engine, split evenly over its dp shards "
                         "(overrides --slots_per_shard; makes meshes with different dp compare "
@@ -92,8 +93,9 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
                         "mesh in one process), or on / off for all (the prefix workloads "
                         "compare off and on themselves)")
     add_elastic_flags(s)
-    s.add_argument("--hf_batch", type=positive_int, default=8,
-                   help="largest static batch of the hf baseline")
+    s.add_argument("--hf_batch", type=positive_int, default=None,
+                   help="largest static batch of the hf baseline (default: the decode slots "
+                        "of the mesh under test: equal batch capacity)")
     s.add_argument("--warmup_requests", type=nonnegative_int, default=2,
                    help="requests served by each backend before its clock starts (prefix "
                         "workloads: two warm-up chats); 0 also skips compiling ahead, so "
@@ -286,7 +288,8 @@ class Benchmark:
         """Build and warm up backend `name` (a mesh, or `hf`)."""
         if name == HF:
             from jaxpd.bench.hf import HFBackend
-            return HFBackend(self.model_dir, self.args.hf_batch, self.warmup)
+            return HFBackend(self.model_dir, self.args.hf_batch or self.decode_slots(),
+                             self.warmup)
         prompt_lens = self.warm_prompt_lens
         deployment = self.args.processes
         if deployment is not None and name == deployment.name:
@@ -305,6 +308,14 @@ class Benchmark:
                                   step=a.elastic_step)
         return EngineBackend(self.model_dir, name, self.options_for(name), self.warmup,
                              prompt_lens, compile_ahead=bool(self.warmup))
+
+    def decode_slots(self) -> int:
+        """Decode slots of the mesh under test (what `hf`'s batch matches by default)."""
+        from jaxpd.sharding.spec import parse_mesh_spec
+        if self.args.decode_slots:
+            return self.args.decode_slots
+        mesh = parse_mesh_spec(self.args.mesh)
+        return self.args.slots_per_shard * max(1, mesh.decode_dp)
 
     def options_for(self, mesh: str) -> dict:
         """Engine options of one mesh: `--decode_slots` becomes slots per dp shard."""
