@@ -1,6 +1,7 @@
 """The user-facing API: `LLM` (vLLM-like) and the one-shot `generate`."""
 from __future__ import annotations
 
+import logging
 from typing import Callable, Sequence
 
 import jax
@@ -17,8 +18,11 @@ from jaxpd.request import Request
 from jaxpd.sampling_params import SamplingParams
 from jaxpd.stats import EngineStats
 from jaxpd.models import checkpoint
+from jaxpd.sharding.cpu_devices import cpu_devices_needed, ensure_cpu_devices
 from jaxpd.sharding.spec import AUTO, auto_mesh
 from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
+
+_log = logging.getLogger("jaxpd.llm")
 
 
 class LLM(Frontend):
@@ -27,7 +31,11 @@ class LLM(Frontend):
     model: a Hugging Face checkpoint directory, a .gguf file, a registered name
     (`jaxpd.model_registry.MODELS`, fetched once), a hub id, or None for the built-in default.
     mesh: "prefill=P,decode=D[xT]", "colocated=N", "elastic=N" or "auto" (the default:
-    `sharding.spec.auto_mesh`, one device per role on CPU). warmup: compile every bucket now
+    `sharding.spec.auto_mesh`, one device per role on CPU). On CPU, when jax has not
+    started its backends yet and no device count was set, the LLM asks for as many
+    virtual devices as the mesh needs (`sharding.cpu_devices`); when jax already runs
+    with fewer, "auto" fits the mesh to the devices there are (and logs why), while an
+    explicit mesh that does not fit is a ValueError. warmup: compile every bucket now
     (reporting through `progress`) instead of on first use. dtype: "auto" (float32 on
     CPU, bfloat16 on TPU/GPU), "float32" or "bfloat16". connector: how KV moves (default:
     in-process `DevicePutConnector`; a cross-process sender or receiver for single-role
@@ -45,8 +53,10 @@ class LLM(Frontend):
                  connector: Connector | KVSender | KVReceiver | None = None,
                  compilation_cache_dir: str | None = None, plan=None, **engine_options):
         xla_cache.enable(compilation_cache_dir)
+        if plan is None:                     # a mesh across processes: the launcher's
+            ensure_cpu_devices(mesh)
         if mesh == AUTO:
-            mesh = auto_mesh(jax.devices()[0].platform, jax.device_count())
+            mesh = _auto_mesh()
         # A mesh across processes: each process reads only the weight shards its
         # devices hold, straight onto the mesh.
         shardings = None if plan is None else lambda cfg: role_shardings(cfg, mesh)
@@ -92,6 +102,21 @@ class LLM(Frontend):
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _auto_mesh() -> str:
+    """`auto_mesh` on the devices jax has, saying so when there are fewer than it
+    wants (jax started before this process could ask for more)."""
+    platform, num = jax.devices()[0].platform, jax.device_count()
+    mesh = auto_mesh(platform, num)
+    wanted = cpu_devices_needed(AUTO)
+    if platform == "cpu" and num < wanted:
+        _log.warning("mesh=auto: jax started with %d cpu device(s) before jaxpd could ask "
+                     "for %d (one per role), so serving on mesh %s; set "
+                     "XLA_FLAGS=--xla_force_host_platform_device_count=%d or "
+                     "jax.config.update('jax_num_cpu_devices', %d) before jax starts for "
+                     "one device per role", num, wanted, mesh, wanted, wanted)
+    return mesh
 
 
 def generate(prompts: str | Sequence[str] | None = None,
