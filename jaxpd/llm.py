@@ -100,8 +100,11 @@ class LLM(Frontend):
         then only pauses for the move); returns the seconds it took."""
         return elastic.prepare(self.engine, prefill, lambda msg: None)
 
-    def shutdown(self) -> None:
-        self.engine.shutdown()
+    def shutdown(self, wait_for_compiles: bool = True) -> None:
+        """Stop the engine, aborting what is in flight (reason "shutdown"). A process
+        that ends with `os._exit` right after may pass `wait_for_compiles=False` so a
+        background compile in progress does not hold it (`Engine.shutdown`)."""
+        self.engine.shutdown(wait_for_compiles=wait_for_compiles)
 
 
 def _auto_mesh() -> str:

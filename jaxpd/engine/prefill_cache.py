@@ -119,10 +119,11 @@ class PrefillCache:
             ids = jax.ShapeDtypeStruct((n,), np.int32, sharding=self._replicated)
             self.take_compiler.request(n, lambda ids=ids: self._take.lower(pool, pool, ids))
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Stop the background compiles (`BackgroundCompiler.close`)."""
         for compiler in (self.compiler, self.take_compiler):
             if compiler is not None:
-                compiler.close()
+                compiler.close(timeout_s)
 
     def ready(self, rows: int, length: int, width: int) -> bool:
         """Whether a batch of `rows` x `length` new tokens after `width` pages of prefix

@@ -368,10 +368,11 @@ class DecodeRunner:
             rows_of(rows, length), rows_of(rows), rows_of(rows), rows_of(rows, width),
             rows_of(rows, -(-length // self.page_size)), rows_of(rows), sampling)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Stop the background compiles (`BackgroundCompiler.close`)."""
         for compiler in (self.extend_compiler, self.pad_compiler):
             if compiler is not None:
-                compiler.close()
+                compiler.close(timeout_s)
 
     @staticmethod
     def _pad_pages(x, m):

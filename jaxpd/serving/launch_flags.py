@@ -43,9 +43,13 @@ def _define_serving_flags(fv: flags.FlagValues) -> None:
                          "(several roles share a host).",
                          lower_bound=-1, flag_values=fv)
     flags.DEFINE_boolean("warmup", True, "Compile every bucket before serving.", flag_values=fv)
-    flags.DEFINE_float("shutdown_grace_s", 5.0, "On SIGTERM/SIGINT, how long in-flight "
-                       "requests may still run before they are aborted.", lower_bound=0,
-                       flag_values=fv)
+    flags.DEFINE_float("shutdown_timeout_s", 5.0, "On SIGTERM/SIGINT: health NOT_SERVING "
+                       "and new requests refused at once; in-flight ones may still run this "
+                       "long, then they are aborted (reason 'shutdown'; a role's streams are "
+                       "cut, so its router fails them over) and the process exits 0, "
+                       "abandoning any compile in progress. During start-up it stops at the "
+                       "next step.", lower_bound=0, flag_values=fv)
+    flags.DEFINE_alias("shutdown_grace_s", "shutdown_timeout_s", flag_values=fv)
     flags.DEFINE_string("cpus", None, "Run on these CPUs only, e.g. '0' or '1-3' (process "
                         "affinity, set before jax starts, so XLA:CPU's threads use them alone): "
                         "pin a prefill and a decode role to disjoint core sets. Default: all.",
