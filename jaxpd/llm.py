@@ -19,8 +19,11 @@ from jaxpd.request import Request
 from jaxpd.sampling_params import SamplingParams
 from jaxpd.stats import EngineStats
 from jaxpd.models import checkpoint
+from jaxpd.sharding.cpu_devices import cpu_devices_needed, ensure_cpu_devices
 from jaxpd.sharding.spec import AUTO, auto_mesh
 from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
+
+_log = logging.getLogger("jaxpd.llm")
 
 
 _log = logging.getLogger(__name__)
@@ -42,7 +45,11 @@ class LLM(Frontend):
     model: a Hugging Face checkpoint directory, a .gguf file, a registered name
     (`jaxpd.model_registry.MODELS`, fetched once), a hub id, or None for the built-in default.
     mesh: "prefill=P,decode=D[xT]", "colocated=N", "elastic=N" or "auto" (the default:
-    `sharding.spec.auto_mesh`, one device per role on CPU). warmup: compile every bucket now
+    `sharding.spec.auto_mesh`, one device per role on CPU). On CPU, when jax has not
+    started its backends yet and no device count was set, the LLM asks for as many
+    virtual devices as the mesh needs (`sharding.cpu_devices`); when jax already runs
+    with fewer, "auto" fits the mesh to the devices there are (and logs why), while an
+    explicit mesh that does not fit is a ValueError. warmup: compile every bucket now
     (reporting through `progress`) instead of on first use. dtype: "auto" (float32 on
     CPU, bfloat16 on TPU/GPU), "float32" or "bfloat16". connector: how KV moves (default:
     in-process `DevicePutConnector`; a cross-process sender or receiver for single-role
@@ -64,8 +71,10 @@ class LLM(Frontend):
                  compilation_cache_dir: str | None = None, plan=None,
                  kv_cache_memory: int | None = None, **engine_options):
         xla_cache.enable(compilation_cache_dir)
+        if plan is None:                     # a mesh across processes: the launcher's
+            ensure_cpu_devices(mesh)
         if mesh == AUTO:
-            mesh = auto_mesh(jax.devices()[0].platform, jax.device_count())
+            mesh = _auto_mesh()
         # A mesh across processes: each process reads only the weight shards its
         # devices hold, straight onto the mesh.
         shardings = None if plan is None else lambda cfg: role_shardings(cfg, mesh)
@@ -133,8 +142,26 @@ class LLM(Frontend):
         then only pauses for the move); returns the seconds it took."""
         return elastic.prepare(self.engine, prefill, lambda msg: None)
 
-    def shutdown(self) -> None:
-        self.engine.shutdown()
+    def shutdown(self, wait_for_compiles: bool = True) -> None:
+        """Stop the engine, aborting what is in flight (reason "shutdown"). A process
+        that ends with `os._exit` right after may pass `wait_for_compiles=False` so a
+        background compile in progress does not hold it (`Engine.shutdown`)."""
+        self.engine.shutdown(wait_for_compiles=wait_for_compiles)
+
+
+def _auto_mesh() -> str:
+    """`auto_mesh` on the devices jax has, saying so when there are fewer than it
+    wants (jax started before this process could ask for more)."""
+    platform, num = jax.devices()[0].platform, jax.device_count()
+    mesh = auto_mesh(platform, num)
+    wanted = cpu_devices_needed(AUTO)
+    if platform == "cpu" and num < wanted:
+        _log.warning("mesh=auto: jax started with %d cpu device(s) before jaxpd could ask "
+                     "for %d (one per role), so serving on mesh %s; set "
+                     "XLA_FLAGS=--xla_force_host_platform_device_count=%d or "
+                     "jax.config.update('jax_num_cpu_devices', %d) before jax starts for "
+                     "one device per role", num, wanted, mesh, wanted, wanted)
+    return mesh
 
 
 def generate(prompts: str | Sequence[str] | None = None,

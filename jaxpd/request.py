@@ -8,9 +8,12 @@
     DECODING -> TRANSFERRING                (an elastic re-split moves its KV)
 
 Every change of state goes through `_move` (under the request's lock): `transition`
-for the loops, `append_token` when a token ends it, `abort`. Every request ends in
-exactly one final state; `abort` on a final request is a no-op that returns False, so
-racing cancel and completion cannot double-finish.
+for the loops, `append_token` when a token ends it, `finish`, `abort`. Each of those
+makes its whole change -- the token, the stop checks, the move, the events -- in one
+hold of the lock, so a change from another thread lands wholly before or wholly after
+it. Every request ends in exactly one final state; `abort` or `finish` on a final
+request is a no-op that returns False, so racing cancel and completion can neither
+double-finish nor raise.
 """
 from __future__ import annotations
 
@@ -242,10 +245,10 @@ class Request:
         return self.state in FINAL
 
     def transition(self, new: State) -> bool:
-        """Move to `new`; False (no change) if the request was aborted meanwhile: an abort
+        """Move to `new`; False (no change) if the request is final meanwhile: an abort
         from another thread wins any race with a worker's transition."""
         with self._lock:
-            if self.state is State.ABORTED:
+            if self.state in FINAL:
                 return False
             self._move(new)
             return True
@@ -271,7 +274,12 @@ class Request:
                      logprobs: TokenLogprobs | None = None) -> bool:
         """Record one generated token (and, when asked for, its log-probabilities); True
         when it ends the request (and it is finished). A request that is already final
-        (e.g. aborted meanwhile) takes no more tokens."""
+        (e.g. aborted meanwhile) takes no more tokens and answers True.
+
+        The token, the stop checks and the move to FINISHED, with their events, are one
+        step under the request's lock: an `abort` from another thread lands before it
+        (no token is taken) or after it (the abort is a no-op), and a stream sees the
+        events in the order the changes happened."""
         with self._lock:
             if self.state in FINAL:
                 return True
@@ -279,45 +287,45 @@ class Request:
             self.timings.token_times.append(now)
             if self.logprobs is not None:
                 self.logprobs.append(logprobs if logprobs is not None else (float("nan"), ()))
-        reason = None
-        if token in self.stop_ids:
-            reason = "stop"
-        elif self._stop_text is not None and self._stop_text.push([token]):
-            reason = "stop"
-        elif len(self.output_ids) >= self.params.max_tokens:
-            reason = "length"
-        self.events.put(([token], None))
-        if reason is not None:
-            with self._lock:
-                self._move(State.FINISHED)
-                self.finish_reason = reason
-            self.timings.finish = now
-            self.events.put(([], reason))
+            reason = None
+            if token in self.stop_ids:
+                reason = "stop"
+            elif self._stop_text is not None and self._stop_text.push([token]):
+                reason = "stop"
+            elif len(self.output_ids) >= self.params.max_tokens:
+                reason = "length"
+            self.events.put(([token], None))
+            if reason is None:
+                return False
+            self._end(State.FINISHED, reason, now)
             return True
-        return False
 
     def finish(self, reason: str) -> bool:
         """End the request as its sampler said when the checks here cannot see why
-        (a decode worker matched a stop string): True if this call finished it."""
+        (a decode worker matched a stop string): True if this call finished it, False
+        (no change) if it was final already."""
         if reason not in ("stop", "length"):
             raise ValueError(f"finish reason must be 'stop' or 'length', got {reason!r}")
         with self._lock:
             if self.state in FINAL:
                 return False
-            self._move(State.FINISHED)
-            self.finish_reason = reason
-        self.timings.finish = time.perf_counter()
-        self.events.put(([], reason))
-        return True
+            self._end(State.FINISHED, reason, time.perf_counter())
+            return True
 
     def abort(self, reason: str) -> bool:
-        """Move to ABORTED unless already final. Returns whether this call aborted it."""
+        """Move to ABORTED unless already final. Returns whether this call aborted it:
+        False (no change) when a finish or another abort got there first."""
         with self._lock:
             if self.state in FINAL:
                 return False
-            self._move(State.ABORTED)
-            self.finish_reason = "abort"
             self.abort_reason = reason
-        self.timings.finish = time.perf_counter()
-        self.events.put(([], "abort"))
-        return True
+            self._end(State.ABORTED, "abort", time.perf_counter())
+            return True
+
+    def _end(self, final: State, reason: str, now: float) -> None:
+        """Move to a final state and tell the stream (caller holds the lock, so the
+        final event is the last one the stream gets)."""
+        self._move(final)
+        self.finish_reason = reason
+        self.timings.finish = now
+        self.events.put(([], reason))

@@ -31,7 +31,8 @@ def build_meshes(spec: str | MeshSpec, devices=None) -> Meshes:
             f"mesh {spec} needs {spec.num_devices} devices but only {len(devices)} "
             f"{devices[0].platform} device(s) exist; on CPU set "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={spec.num_devices} "
-            f"before jax is imported (the launcher does this itself)")
+            f"before jax starts (`LLM` and the launcher ask for them themselves unless "
+            f"jax is already running or a count was set)")
     prefill_devs = devices[:spec.prefill_tp]
     start = 0 if spec.colocated else spec.prefill_tp
     decode_devs = devices[start:start + spec.decode_dp * spec.decode_tp]

@@ -93,14 +93,15 @@ def auto_mesh(platform: str, num_devices: int, role: str | None = None) -> str:
     every core, so one device already computes with all of them; more virtual devices
     add collectives (tp) or read the weights once per shard (dp) for no extra compute
     (BENCHMARKS.md section 14: `prefill=4,decode=4` at 0.6x `prefill=1,decode=1` in
-    output tokens/s on 2 cores). On accelerators, the devices split in half: tp prefill,
-    dp decode (one device: colocated)."""
+    output tokens/s on 2 cores); with only one device (jax started before anyone asked
+    for two, `jaxpd.sharding.cpu_devices`), colocated on it. On accelerators, the devices
+    split in half: tp prefill, dp decode (one device: colocated)."""
     if role not in (None, "prefill", "decode"):
         raise ValueError(f"role must be None, 'prefill' or 'decode', got {role!r}")
     if num_devices < 1:
         raise ValueError(f"mesh=auto needs at least one device, got {num_devices}")
     if platform == "cpu":
-        return f"{role}=1" if role else "prefill=1,decode=1"
+        return f"{role}=1" if role else "prefill=1,decode=1" if num_devices > 1 else "colocated=1"
     if role:
         return f"{role}={num_devices}"
     if num_devices == 1:

@@ -17,6 +17,7 @@ from jaxpd.stats import StatsCounter
 from jaxpd.transfer.connector import KVHandoff, KVPart
 from jaxpd.transfer.inbound import HandoffSpec, InboundQueue
 from tests.fake_runner import FakeReceiver, FakeRunner, InlineExecutor, pages
+from tests.test_request import AbortingStopText
 
 LAYERS, PAGE_SIZE = 2, 4
 MAX_PAGES_PER_SLOT = 8
@@ -277,6 +278,28 @@ def test_resubmitting_a_request_that_finished_meanwhile_is_a_no_op(pool):
     assert r.state is State.FINISHED
     assert env.requests.resubmit(r) is False
     assert r.state is State.FINISHED and env.requests.prefill_inbox.empty()
+
+
+def test_race_an_abort_at_a_requests_last_token_leaves_the_others_decoding(pool):
+    """A cancel from an RPC thread landing while the decode thread records the token
+    that ends a request (here: completes its stop string) is a no-op; the loop lives on
+    and the other request decodes to its end, where an illegal ABORTED -> FINISHED
+    would kill the decode thread and with it every live request."""
+    env = make(pool)
+    a, b = prefilled(env, "a", 5, 100, 6), prefilled(env, "b", 9, 200, 6)
+    stop = AbortingStopText(a, at=102, abort=lambda reason: env.requests.abort("a", reason))
+    a._stop_text = stop
+    for r, first in ((a, 100), (b, 200)):
+        env.receiver.push(handoff(r, first, value=first))
+    run(env, lambda: a.is_final)
+    stop.thread.join(10.0)
+    assert stop.aborted == [False]
+    assert a.state is State.FINISHED and a.finish_reason == "stop"
+    assert a.output_ids == [100, 101, 102]
+    run(env, lambda: b.is_final)
+    assert b.finish_reason == "length" and b.output_ids == list(range(200, 206))
+    assert env.stats.snapshot()["aborted"] == 0
+    assert_no_page_held(env)
 
 
 def test_a_request_sent_back_twice_at_once_goes_back_once(pool):

@@ -39,6 +39,7 @@ class BackgroundCompiler:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._closed = threading.Event()
 
     def get(self, key: Hashable):
         """The compiled program of `key`, or None if it is not ready."""
@@ -66,12 +67,15 @@ class BackgroundCompiler:
 
     def close(self, timeout_s: float = 120.0) -> None:
         """Stop the compile thread after the compile in progress (what is queued is
-        dropped), and wait for it: a process that exits while XLA compiles on a thread
-        dies in C++ (`terminate called after throwing`)."""
+        dropped), and wait up to `timeout_s` for it: a process that exits the ordinary
+        way while XLA compiles on a thread dies in C++ (`terminate called after
+        throwing`). `timeout_s` 0 abandons the compile in progress: for a caller that
+        ends the process with `os._exit`, which runs no C++ teardown."""
+        self._closed.set()
         self._queue.put(None)
         with self._lock:
             thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not None and thread is not threading.current_thread() and timeout_s > 0:
             thread.join(timeout_s)
 
     @property
@@ -83,7 +87,7 @@ class BackgroundCompiler:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            if item is None:
+            if item is None or self._closed.is_set():
                 return
             key, lower = item
             try:

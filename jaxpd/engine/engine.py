@@ -351,8 +351,10 @@ class Engine:
             raise RuntimeError("follow() is for a follower process of a multi-process mesh")
         return follower.run(replay_for(self), stop)
 
-    def shutdown(self, reason: str = "shutdown") -> None:
-        """Stop the threads, abort what is in flight, join; a leader stops its followers."""
+    def shutdown(self, reason: str = "shutdown", wait_for_compiles: bool = True) -> None:
+        """Stop the threads, abort what is in flight, join; a leader stops its followers.
+        `wait_for_compiles` False: a background compile in progress is left running
+        (for a process about to end with `os._exit`; see `BackgroundCompiler.close`)."""
         with self.lifecycle_lock:     # not halfway through a re-split's swap
             self._stop.set()
         self.requests.wake.set()
@@ -365,7 +367,9 @@ class Engine:
         self.requests.abort_all(reason)
         self.prepared_splits.clear()
         for x in (self.prefill_cache, self.decode_runner):   # their background compiles
-            getattr(x, "close", lambda: None)()
+            close = getattr(x, "close", None)
+            if close is not None:
+                close(120.0 if wait_for_compiles else 0.0)
         # Transfer threads still placing end within their connector's timeout.
         self._transfers.shutdown(wait=True, cancel_futures=True)
         self.connector.close()

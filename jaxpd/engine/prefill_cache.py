@@ -156,9 +156,10 @@ class PrefillCache:
         thread of its own, instead of letting the batch compile it."""
         self.compiler = BackgroundCompiler(f"{self.name}_background", self.counter)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Stop the background compiles (`BackgroundCompiler.close`)."""
         if self.compiler is not None:
-            self.compiler.close()
+            self.compiler.close(timeout_s)
 
     def ready(self, rows: int, length: int, width: int) -> bool:
         """Whether a batch of `rows` x `length` new tokens after `width` pages of prefix

@@ -350,9 +350,10 @@ class DecodeRunner:
             rows_of(rows, length), rows_of(rows), rows_of(rows), rows_of(rows, width),
             rows_of(rows, -(-length // self.page_size)), rows_of(rows), sampling)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Stop the background compiles (`BackgroundCompiler.close`)."""
         if self.extend_compiler is not None:
-            self.extend_compiler.close()
+            self.extend_compiler.close(timeout_s)
 
     def _assemble(self, shard: int, pages) -> jax.Array:
         """Global [L, D*m, S, K, H] array: `pages` on `shard`, cached zeros elsewhere."""

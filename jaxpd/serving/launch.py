@@ -11,11 +11,17 @@ Start-up order matters:
 3. the model loads and every bucket compiles (progress printed), then health flips to
    SERVING and a final `jaxpd serving ...` line is printed;
 4. SIGTERM or SIGINT: health NOT_SERVING, no new calls, in-flight ones get
-   --shutdown_grace_s to finish before they are aborted with reason "shutdown", the
-   engine shuts down, exit 0.
+   --shutdown_timeout_s to finish before they are aborted with reason "shutdown", the
+   engine shuts down, exit 0. A signal during step 3 stops the start-up before its next
+   step. A background compile in progress does not hold the exit: `main` ends the
+   process with `os._exit` once everything else is shut down and the output flushed
+   (an ordinary exit while XLA compiles on a thread dies in C++); so do the interpreter's
+   own teardown costs. A process of a mesh spanning processes exits the ordinary way
+   (jax.distributed shuts down at exit) and waits for its compiles.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -30,8 +36,22 @@ from jaxpd.serving.launch_flags import (_role_auth, define_flags, engine_options
 from jaxpd.sharding.spec import AUTO, auto_mesh
 
 
+class _Interrupted(Exception):
+    """A stop signal arrived while the model was still loading or compiling."""
+
+
 def _say(message: str) -> None:
     print(message, flush=True)
+
+
+def _progress_until(stop: threading.Event):
+    """`_say`, as a start-up's progress callback that stops it (raising `_Interrupted`)
+    between two steps once `stop` is set."""
+    def progress(message: str) -> None:
+        if stop.is_set():
+            raise _Interrupted
+        _say(message)
+    return progress
 
 
 def run(fv: flags.FlagValues) -> int:
@@ -92,7 +112,9 @@ def _run_role(fv: flags.FlagValues, stop: threading.Event, group=None) -> int:
                           stop, _say, options, auth=auth, heartbeat_s=fv.heartbeat_s,
                           http_port=fv.http_port if fv["http_port"].present else -1,
                           group=group, follower_timeout_s=fv.follower_timeout_s,
-                          kv_offer_hosts=tuple(fv.kv_offer_hosts), kv_offers=fv.kv_offers)
+                          kv_offer_hosts=tuple(fv.kv_offer_hosts), kv_offers=fv.kv_offers,
+                          shutdown_timeout_s=fv.shutdown_timeout_s,
+                          wait_for_compiles=not _ends_with_os_exit(fv))
     except (OSError, ValueError, TransferServerUnavailable) as e:
         print(f"cannot start the {fv.role} worker: {e}", file=sys.stderr)
         return 1
@@ -176,25 +198,32 @@ def _serve(fv: flags.FlagValues, stop: threading.Event, LLM) -> int:
             _say(f"jaxpd metrics on http://{fv.host}:{server.metrics_port}/metrics")
         _say(f"loading {fv.model or 'the built-in default model'} onto mesh {fv.mesh}")
         try:
-            llm = LLM(fv.model, warmup=fv.warmup, progress=_say, **engine_options(fv))
+            llm = LLM(fv.model, warmup=fv.warmup, progress=_progress_until(stop),
+                      **engine_options(fv))
         except (OSError, ValueError) as e:   # missing/bad checkpoint, bad engine option
             print(f"cannot load the model: {e}", file=sys.stderr)
             return 1
-        if not stop.is_set():
+        except _Interrupted:
+            _say("jaxpd stopped while starting")
+        if llm is not None and not stop.is_set():
             server.attach(llm)
             if http is not None:
                 http.attach(llm)
             _say(f"jaxpd serving {llm.model_path} on {fv.host}:{server.port} "
                  f"(mesh {llm.config.mesh})")
             driver = _elastic_driver(fv, llm, server) if fv.elastic else None
-            stop.wait()
+            # A timed wait: the process's signal may land on any of its threads, and
+            # Python runs the handler (which sets `stop`) only once the main thread
+            # wakes; an untimed wait could sleep through it for good.
+            while not stop.wait(0.2):
+                pass
             if driver is not None:
                 driver.stop()
         _say("jaxpd shutting down")
     finally:
-        _stop_servers(server, http, fv.shutdown_grace_s)
+        _stop_servers(server, http, fv.shutdown_timeout_s)
         if llm is not None:
-            llm.shutdown()
+            llm.shutdown(wait_for_compiles=False)   # `main` ends the process with os._exit
     left = [t.name for t in threading.enumerate()
             if t is not threading.main_thread() and not t.daemon]
     if left:
@@ -307,7 +336,7 @@ def _run_router(fv: flags.FlagValues) -> int:
     finally:
         if driver is not None:
             driver.stop()
-        _stop_servers(server, http, fv.shutdown_grace_s)
+        _stop_servers(server, http, fv.shutdown_timeout_s)
         router.shutdown()
     return 0
 
@@ -352,10 +381,25 @@ def _run_once(fv: flags.FlagValues, llm_class) -> int:
     return 0
 
 
+def _ends_with_os_exit(fv: flags.FlagValues) -> bool:
+    """Whether `main` ends this process with `os._exit`: all but the processes of a mesh
+    spanning processes, whose jax.distributed client shuts down at the ordinary exit."""
+    return fv.num_processes == 1
+
+
 def main(argv: list[str]) -> int:
+    """Run the launcher; exit with its status, through `os._exit` where
+    `_ends_with_os_exit` says so: a compile still running on a thread (abandoned by the
+    shutdown) or the interpreter's teardown would otherwise hold the exit, or crash it."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    return run(flags.FLAGS)
+    status = run(flags.FLAGS)
+    if not _ends_with_os_exit(flags.FLAGS):
+        return status
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -45,9 +45,13 @@ def _define_serving_flags(fv: flags.FlagValues) -> None:
                          "(several roles share a host).",
                          lower_bound=-1, flag_values=fv)
     flags.DEFINE_boolean("warmup", True, "Compile every bucket before serving.", flag_values=fv)
-    flags.DEFINE_float("shutdown_grace_s", 5.0, "On SIGTERM/SIGINT, how long in-flight "
-                       "requests may still run before they are aborted.", lower_bound=0,
-                       flag_values=fv)
+    flags.DEFINE_float("shutdown_timeout_s", 5.0, "On SIGTERM/SIGINT: health NOT_SERVING "
+                       "and new requests refused at once; in-flight ones may still run this "
+                       "long, then they are aborted (reason 'shutdown'; a role's streams are "
+                       "cut, so its router fails them over) and the process exits 0, "
+                       "abandoning any compile in progress. During start-up it stops at the "
+                       "next step.", lower_bound=0, flag_values=fv)
+    flags.DEFINE_alias("shutdown_grace_s", "shutdown_timeout_s", flag_values=fv)
     flags.DEFINE_string("cpus", None, "Run on these CPUs only, e.g. '0' or '1-3' (process "
                         "affinity, set before jax starts, so XLA:CPU's threads use them alone): "
                         "pin a prefill and a decode role to disjoint core sets. Default: all.",
@@ -332,15 +336,16 @@ def set_cpu_device_count(mesh: str, environ=os.environ, processes: int = 1) -> i
     devices as this process's share of `mesh` needs (`processes` share it equally),
     replacing any count already in XLA_FLAGS. Returns the count, or None when the
     platform is not CPU. Must run before jax initialises."""
-    from jaxpd.sharding.spec import AUTO, parse_mesh_spec   # plain Python: loads no jax
+    # Plain Python: loads no jax. The launcher owns its process, so its mesh flag decides
+    # (a count already in XLA_FLAGS is replaced), and its route is XLA_FLAGS, which the
+    # processes it starts inherit; `LLM` asks the same count through jax's config.
+    from jaxpd.sharding.cpu_devices import COUNT_FLAG, cpu_devices_needed, platforms_allow_cpu
 
-    platforms = environ.get("JAX_PLATFORMS", "")
-    if platforms and "cpu" not in platforms.split(","):
+    if not platforms_allow_cpu(environ.get("JAX_PLATFORMS")):
         return None
-    num = 2 if mesh == AUTO else parse_mesh_spec(mesh).num_devices // processes
-    rest = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                  environ.get("XLA_FLAGS", "")).split()
-    environ["XLA_FLAGS"] = " ".join(rest + [f"--xla_force_host_platform_device_count={num}"])
+    num = cpu_devices_needed(mesh, processes)
+    rest = re.sub(COUNT_FLAG + r"=\S+", "", environ.get("XLA_FLAGS", "")).split()
+    environ["XLA_FLAGS"] = " ".join(rest + [f"{COUNT_FLAG}={num}"])
     return num
 
 

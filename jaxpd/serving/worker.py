@@ -18,14 +18,18 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
                transport: str, stop: threading.Event, say, llm_options: dict,
                auth: InternalAuth = NO_AUTH, heartbeat_s: float = 1.0,
                http_port: int = -1, group=None, follower_timeout_s: float = 5.0,
-               kv_offer_hosts: tuple[str, ...] = (), kv_offers: str = "shards") -> int:
+               kv_offer_hosts: tuple[str, ...] = (), kv_offers: str = "shards",
+               shutdown_timeout_s: float = 5.0, wait_for_compiles: bool = True) -> int:
     """Run a prefill or decode worker process until `stop` is set; 1 if the router
     refused it, or its engine failed. `http_port` >= 0: GET /health and /metrics there
     (0: a free port, printed), as on the router and a single process. `group`: this
     process's place in a prefill or decode mesh spanning processes (`engine.multihost`): process 0
     serves as the worker, the others follow it (a prefill role's offer their own KV shards,
     `engine.shard_offers`, unless `kv_offers` is "gather"). `kv_offer_hosts`:
-    `TransferServerOptions.offer_hosts`."""
+    `TransferServerOptions.offer_hosts`. Once stopped, calls in flight may run
+    `shutdown_timeout_s` before they are cut (the router fails them over);
+    `wait_for_compiles` False leaves a background compile running (the caller ends the
+    process with `os._exit`)."""
     from jaxpd.llm import LLM
 
     plan = None
@@ -96,16 +100,19 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
         processes = f", {group.num_processes} processes" if plan is not None else ""
         say(f"jaxpd {role} worker on {server.address} (mesh {llm.config.mesh}{processes}, "
             f"kv {transport} {kv_address or 'sender'}, auth: {auth.describe()})")
-        stop.wait()
+        # Timed: the signal handler that sets `stop` runs only once the main thread
+        # wakes, and the signal may have landed on another thread.
+        while not stop.wait(0.2):
+            pass
     finally:
         if watch is not None:
             watch.stop()
         if http is not None:
             http.service.draining = True
-        server.stop()
+        server.stop(shutdown_timeout_s)
         if http is not None:
             http.stop(0)
-        current[0].shutdown()
+        current[0].shutdown(wait_for_compiles=wait_for_compiles)
     if plan is not None:
         say(f"jaxpd {role} leader {plan.summary()}")
     if server.refused is not None:
