@@ -130,7 +130,8 @@ class TransferServerSender(Endpoint):
                       num_tokens=handoff.num_tokens, first_token=handoff.first_token,
                       transfer_address=self.transfer_address,
                       ack_address=self.control_address, payload=handoff.payload,
-                      part=handoff.part, first_page=handoff.first_page)
+                      part=handoff.part, first_page=handoff.first_page,
+                      fingerprint=handoff.fingerprint)
         remote, board = (), None
         if hasattr(handoff.k, "board"):           # ShardedPages: offered as pieces
             board = handoff.k.board

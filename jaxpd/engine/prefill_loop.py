@@ -45,7 +45,8 @@ class PrefillLoop:
                  requests: Requests, inbox: queue.SimpleQueue, page_size: int,
                  stats: StatsCounter, *, on_decode_mesh: bool = False,
                  layerwise: list[tuple[int, int]] | None = None, layerwise_min_tokens: int = 0,
-                 handoff_wait_s: float = 0.0, cache: PrefillCache | None = None):
+                 handoff_wait_s: float = 0.0, cache: PrefillCache | None = None,
+                 fingerprint: str = ""):
         self.runner, self.scheduler, self.sender = runner, scheduler, sender
         self.requests, self.inbox = requests, inbox
         self.page_size, self.stats = page_size, stats
@@ -54,6 +55,7 @@ class PrefillLoop:
         self.layerwise_min_tokens = layerwise_min_tokens
         self.handoff_wait_s = handoff_wait_s
         self.cache = cache
+        self.fingerprint = fingerprint     # stamped on every handoff (`models.fingerprint`)
         self.busy = False                      # a batch is being run (its pages held)
         self._wait_pulled = getattr(sender, "wait_pulled", None) if handoff_wait_s > 0 else None
 
@@ -264,7 +266,7 @@ class PrefillLoop:
         payload = self.requests.payload_of(r, n)
         try:
             self.sender.send(KVHandoff(r.request_id, n, first, k_pages, v_pages, payload,
-                                       r.destination, part, first_page))
+                                       r.destination, part, first_page, self.fingerprint))
             return True
         except TransferError as e:
             # The decode side is unreachable or full: fail this request so the
