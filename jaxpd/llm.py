@@ -63,6 +63,7 @@ class LLM(Frontend):
         self.tokenizer = loaded.tokenizer
         self.engine = Engine(loaded, self.config, connector, warmup=warmup, progress=progress,
                              plan=plan)
+        self.fingerprint = self.engine.fingerprint
 
     def new_request_id(self) -> str:
         return self.engine.new_request_id()

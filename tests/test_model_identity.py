@@ -1,0 +1,127 @@
+"""Model identity across roles: a fingerprint of what makes KV interchangeable, and a
+prefill and a decode that serve different weights (every shape equal) never paired.
+
+The fingerprint is checked on tiny checkpoints; the deployment test runs a router, a
+prefill worker of one checkpoint and a decode worker of a copy with one k_proj weight
+negated, as separate processes.
+"""
+import copy
+import os
+import shutil
+import time
+
+import pytest
+
+from jaxpd.models.config import ModelConfig
+from jaxpd.models.fingerprint import model_fingerprint, weights_digest
+from jaxpd.serving.role_rpc import RoleClient
+from tests.engine_fixtures import mixed_prompts, reference
+
+
+def negated_copy(hf, path: str, layer: int = 0):
+    """`hf` with one k_proj weight negated, saved at `path`: same shapes and dtypes,
+    other KV (and other tokens)."""
+    import torch
+
+    other = copy.deepcopy(hf)
+    with torch.no_grad():
+        k = other.model.layers[layer].self_attn.k_proj.weight
+        k.copy_(-k)
+    other.save_pretrained(path)
+    return other
+
+
+def fingerprint(path, **kwargs):
+    args = dict(kv_dtype="float32", page_size=16, kv_transfer_dtype=None)
+    return model_fingerprint(path, ModelConfig.from_dir(path), **{**args, **kwargs})
+
+
+def test_fingerprint_tells_other_weights_dtype_and_pages_apart(tiny_hf_model, tmp_path):
+    path, hf = tiny_hf_model
+    os.environ["JAXPD_CACHE"] = str(tmp_path / "cache")
+    try:
+        same = str(tmp_path / "same")
+        shutil.copytree(path, same)
+        base = fingerprint(path)
+        assert len(base) == 64 and fingerprint(path) == base
+        assert fingerprint(same) == base                 # another path, the same files
+        other = str(tmp_path / "other")
+        negated_copy(hf, other)
+        assert os.path.getsize(os.path.join(other, "model.safetensors")) == \
+            os.path.getsize(os.path.join(path, "model.safetensors"))
+        assert fingerprint(other) != base
+        for change in (dict(kv_dtype="bfloat16"), dict(page_size=32),
+                       dict(kv_transfer_dtype="int8")):
+            assert fingerprint(path, **change) != base, change
+    finally:
+        del os.environ["JAXPD_CACHE"]
+
+
+def test_weights_digest_is_cached_and_follows_a_rewritten_file(tiny_hf_model, tmp_path):
+    path, hf = tiny_hf_model
+    ckpt, cache = str(tmp_path / "ckpt"), str(tmp_path / "cache")
+    shutil.copytree(path, ckpt)
+    first = weights_digest(ckpt, cache)
+    assert len(os.listdir(cache)) == 1
+    assert weights_digest(ckpt, cache) == first         # answered from the cache
+    # The same size, other bytes, a later mtime: read again, never the stale digest.
+    time.sleep(0.01)
+    negated_copy(hf, ckpt)
+    assert weights_digest(ckpt, cache) != first
+    assert len(os.listdir(cache)) == 2
+
+
+@pytest.mark.slow
+def test_prefill_and_decode_of_other_weights_are_never_paired(tiny_hf_model, procs,
+                                                              tmp_path):
+    """The issue's setup: /health said ok and the answer was gibberish. Now the router
+    never sends the prefill worker's KV to the decode worker of other weights: every
+    request is prefilled by the decode worker itself and its tokens are exactly that
+    model's greedy tokens; the prefill worker computes nothing; health names the idle
+    prefill worker's model."""
+    from tests.test_router import COMMON, _free_port, _generate_all
+
+    path, hf = tiny_hf_model
+    other_path = str(tmp_path / "other")
+    other = negated_copy(hf, other_path)
+    prompts = mixed_prompts(4, 64, seed=7)
+    max_tokens = [5] * len(prompts)
+    expected = reference(other, prompts, max_tokens)
+    assert expected != reference(hf, prompts, max_tokens)   # the weights do matter
+
+    port = _free_port()
+    router = procs.start(["--role", "router", "--model", path, "--port", str(port),
+                          "--internal_port", "0"] + COMMON)
+    internal = procs.wait_line(router, r"internal plane on (\S+)").group(1)
+    http = procs.wait_line(router, r"HTTP .* on (\S+)").group(1)
+    common = COMMON + ["--kv_transport", "grpc", "--router", internal, "--port", "0"]
+    prefill = procs.start(["--role", "prefill", "--mesh", "prefill=1", "--model", path]
+                          + common)
+    decode = procs.start(["--role", "decode", "--mesh", "decode=1", "--model", other_path]
+                         + common)
+    addresses = [procs.wait_line(w, r"worker on (\S+)").group(1) for w in (prefill, decode)]
+    for a in addresses:
+        procs.wait_line(router, rf"worker {a} joined")
+    procs.wait_line(router, r"jaxpd serving")
+    results = _generate_all(f"127.0.0.1:{port}", prompts, max_tokens)
+    assert [list(r.token_ids) for r in results] == expected, procs.tails()
+
+    import json
+    import urllib.request
+    with urllib.request.urlopen(f"{http}/health", timeout=10) as reply:
+        health = json.loads(reply.read())
+    assert health["status"] == "ok" and len(health["fingerprint"]) == 12
+    assert any("no decode worker serving the same model" in p for p in health["problems"])
+    infos = []
+    for a in addresses:
+        client = RoleClient(a)
+        try:
+            infos.append(client.info(timeout=10))
+        finally:
+            client.close()
+    prefill_info, decode_info = infos
+    assert prefill_info["model"] != decode_info["model"]
+    assert health["fingerprint"] == decode_info["model"][:12]
+    assert prefill_info["transfers"] == 0 and decode_info["transfers"] == 0
+    assert decode_info["counters"]["handoffs_model_mismatch"] == 0
+    assert decode_info["free_pages"] == decode_info["pages_total"]      # no page leaked
