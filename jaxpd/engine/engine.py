@@ -87,6 +87,8 @@ class Engine:
                                              config.page_size, config.kv_transfer_dtype)
         _log.info("model fingerprint %s (%s, %.2f s)", short(self.fingerprint), model.path,
                   time.perf_counter() - started)
+        if plan is not None:
+            plan.check_model(self.fingerprint)     # a follower of other weights refuses
         self.counter = CompileCounter()
         self.counters = StatsCounter()
         self.connector = connector or DevicePutConnector()

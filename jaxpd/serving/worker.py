@@ -26,6 +26,7 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
     serves as the worker, the others follow it (a prefill role's offer their own KV shards,
     `engine.shard_offers`, unless `kv_offers` is "gather"). `kv_offer_hosts`:
     `TransferServerOptions.offer_hosts`."""
+    from jaxpd.engine.multihost import PlanError
     from jaxpd.llm import LLM
 
     plan = None
@@ -60,6 +61,11 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
             from jaxpd.serving.follower import weights_note
             say(f"jaxpd {role} leader 0/{plan.group.num_processes} of the mesh "
                 f"{llm.config.mesh}{weights_note(llm)}")
+    except PlanError as e:
+        # Its mesh's processes disagree (another checkpoint): no program can run on it,
+        # and jax's exit would wait for a follower that is gone.
+        watch.stop()
+        role_lost(role)(str(e))
     except _Interrupted:
         say(f"jaxpd {role} worker stopped while starting")
         if watch is not None:
