@@ -10,6 +10,7 @@ import os
 import shutil
 import time
 
+import grpc
 import pytest
 
 from jaxpd.models.config import ModelConfig
@@ -125,3 +126,107 @@ def test_prefill_and_decode_of_other_weights_are_never_paired(tiny_hf_model, pro
     assert prefill_info["transfers"] == 0 and decode_info["transfers"] == 0
     assert decode_info["counters"]["handoffs_model_mismatch"] == 0
     assert decode_info["free_pages"] == decode_info["pages_total"]      # no page leaked
+
+
+@pytest.mark.slow
+def test_rolling_update_under_streaming_load_keeps_every_stream_on_one_version(
+        tiny_hf_model, procs, tmp_path):
+    """v1 (a prefill and a decode worker) serves streams without pause; v2's workers
+    (other weights, the same shapes) join; new streams move to v2 once both its roles
+    are live; v1's workers are then stopped (and exit cleanly). Every stream finishes,
+    each with exactly the greedy tokens of one version alone; v2's decode worker holds
+    no page after."""
+    import signal
+    import threading
+
+    from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
+    from tests.test_router import COMMON, _free_port
+
+    path, hf = tiny_hf_model
+    v2_path = str(tmp_path / "v2")
+    v2 = negated_copy(hf, v2_path)
+    prompts = mixed_prompts(3, 48, seed=9)
+    max_tokens = 24
+    expected = {"v1": reference(hf, prompts, [max_tokens] * 3),
+                "v2": reference(v2, prompts, [max_tokens] * 3)}
+    assert all(a != b for a, b in zip(expected["v1"], expected["v2"]))
+
+    port = _free_port()
+    router = procs.start(["--role", "router", "--model", path, "--port", str(port),
+                          "--internal_port", "0"] + COMMON)
+    internal = procs.wait_line(router, r"internal plane on (\S+)").group(1)
+    common = COMMON + ["--kv_transport", "grpc", "--router", internal, "--port", "0"]
+
+    def pair(model):
+        workers = [procs.start(["--role", role, "--mesh", f"{role}=1", "--model", model]
+                               + common) for role in ("prefill", "decode")]
+        return workers, [procs.wait_line(w, r"worker on (\S+)").group(1) for w in workers]
+
+    def fingerprint_of(address):
+        client = RoleClient(address)
+        try:
+            return client.info(timeout=10)["model"]
+        finally:
+            client.close()
+
+    v1_procs, v1_addresses = pair(path)
+    procs.wait_line(router, r"jaxpd serving")
+    done, stop = [], threading.Event()
+
+    def load(k):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = jaxpd_pb2_grpc.GenerationStub(channel)
+            i = k
+            while not stop.is_set():
+                i = (i + 1) % len(prompts)
+                request = jaxpd_pb2.GenerateRequest(
+                    token_ids=jaxpd_pb2.TokenIds(ids=prompts[i]), max_tokens=max_tokens,
+                    temperature=0.0, ignore_eos=True)
+                tokens, finish = [], None
+                for reply in stub.Generate(request, timeout=120):
+                    tokens += reply.token_ids
+                    if reply.HasField("finish_reason"):
+                        finish = reply.finish_reason
+                done.append((i, tokens, finish))
+    clients = [threading.Thread(target=load, args=(k,)) for k in range(3)]
+    for c in clients:
+        c.start()
+    try:
+        _wait_for(lambda: len(done) >= 3)
+        v2_procs, v2_addresses = pair(v2_path)
+        v2_model = fingerprint_of(v2_addresses[1])
+        procs.wait_line(router, rf"new requests go to model {v2_model[:12]}")
+        switched = len(done)
+        _wait_for(lambda: len(done) >= switched + 6)       # streams that began on v2
+        for p in v1_procs:                                  # v1 retires
+            p.send_signal(signal.SIGTERM)
+        for p in v1_procs:
+            assert p.wait(timeout=60) == 0
+        after = len(done)
+        _wait_for(lambda: len(done) >= after + 3)
+    finally:
+        stop.set()
+        for c in clients:
+            c.join(150)
+    versions = []
+    for i, tokens, finish in done:
+        assert finish == "length", (i, tokens, finish, procs.tails())
+        version = next((v for v in expected if expected[v][i] == tokens), None)
+        assert version is not None, (i, tokens, expected, procs.tails())
+        versions.append(version)
+    assert "v1" in versions and "v2" in versions
+    assert versions[-3:] == ["v2"] * 3                     # after v1 retired
+    decode = RoleClient(v2_addresses[1])
+    try:
+        info = decode.info(timeout=10)
+    finally:
+        decode.close()
+    assert info["free_pages"] == info["pages_total"] and info["transfers"] > 0
+    assert info["counters"]["handoffs_model_mismatch"] == 0
+
+
+def _wait_for(predicate, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
