@@ -8,8 +8,7 @@ Workers. A worker registers on the internal port (`Register`) with its `WorkerIn
 (model fingerprint, tokenizer, limits, page size, dtype, KV transport) and then
 heartbeats the same call every `heartbeat_s` with its load. A worker whose tokenizer
 or limits differ from the router's is refused with FAILED_PRECONDITION naming the
-field; a malformed
-registration is INVALID_ARGUMENT. A worker whose last heartbeat is older than
+field; a malformed registration is INVALID_ARGUMENT. A worker whose last heartbeat is older than
 `lease_s` is dropped, and every call the router has open on it is cancelled: its
 requests fail over exactly as for a SIGKILLed worker. Workers given statically
 (`prefill=`, `decode=`) are probed with `Info` instead, checked the same way before
@@ -120,7 +119,9 @@ class Router(RequestFlow, Frontend):
         self.model_path = model_dir
         self.model_config, self.tokenizer = model_config_and_tokenizer(model_dir)
         self.tokenizer_digest = router_identity(model_dir)
-        self._versions: dict[str, int] = {}     # fingerprint -> order of first registration
+        # fingerprint -> order of first registration, for the versions workers serve
+        self._versions: dict[str, int] = {}
+        self._num_versions = 0
         self.config = config
         self.auth = auth
         self._lock = threading.Lock()
@@ -213,7 +214,11 @@ class Router(RequestFlow, Frontend):
                 w = self._workers[info.address] = _Worker(info.role, info.address,
                                                           self._client(info.address), static)
             if info.model not in self._versions:
-                self._versions[info.model] = len(self._versions)
+                held = {x.info.model for x in self._workers.values() if x.info is not None}
+                for gone in [m for m in self._versions if m not in held]:
+                    del self._versions[gone]        # no worker serves it any more
+                self._versions[info.model] = self._num_versions
+                self._num_versions += 1
                 _log.info("model version %s joined (%s worker %s)", short(info.model),
                           info.role, info.address)
             for field in ("dtype", "kv_transport"):
