@@ -101,7 +101,8 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
             server.register_with(router, heartbeat_s, on_refused=lambda _: stop.set())
         processes = f", {group.num_processes} processes" if plan is not None else ""
         say(f"jaxpd {role} worker on {server.address} (mesh {llm.config.mesh}{processes}, "
-            f"kv {transport} {kv_address or 'sender'}, auth: {auth.describe()})")
+            f"kv {transport} {kv_address or 'sender'}, auth: {auth.describe()}, model "
+            f"{llm.fingerprint[:12]})")
         stop.wait()
     finally:
         if watch is not None:
