@@ -67,7 +67,8 @@ class FakeWorker:
         port = auth.add_port(self._server, "127.0.0.1:0")
         self._server.start()
         fields = dict(role=role, address=f"127.0.0.1:{port}", kv_address="127.0.0.1:1",
-                      model=MODEL_A, tokenizer=router_identity(model_dir), max_model_len=1024, max_prompt_len=1023,
+                      model=MODEL_A, tokenizer=router_identity(model_dir), max_model_len=1024,
+                      max_prompt_len=1023,
                       vocab_size=ModelConfig.from_dir(model_dir).vocab_size, page_size=16,
                       dtype="float32", kv_transport="grpc")
         self.info = WorkerInfo(**{**fields, **overrides})
