@@ -1,9 +1,10 @@
 """Model identity across roles: a fingerprint of what makes KV interchangeable, and a
 prefill and a decode that serve different weights (every shape equal) never paired.
 
-The fingerprint is checked on tiny checkpoints; the deployment test runs a router, a
-prefill worker of one checkpoint and a decode worker of a copy with one k_proj weight
-negated, as separate processes.
+The fingerprint is checked on tiny checkpoints; the deployment tests run a router and
+workers of one checkpoint and of a copy with one k_proj weight negated (every shape the
+same), as separate processes: mismatched prefill and decode workers, and a rolling
+update from one to the other under streaming load.
 """
 import copy
 import os
@@ -37,25 +38,23 @@ def fingerprint(path, **kwargs):
     return model_fingerprint(path, ModelConfig.from_dir(path), **{**args, **kwargs})
 
 
-def test_fingerprint_tells_other_weights_dtype_and_pages_apart(tiny_hf_model, tmp_path):
+def test_fingerprint_tells_other_weights_dtype_and_pages_apart(tiny_hf_model, tmp_path,
+                                                               monkeypatch):
     path, hf = tiny_hf_model
-    os.environ["JAXPD_CACHE"] = str(tmp_path / "cache")
-    try:
-        same = str(tmp_path / "same")
-        shutil.copytree(path, same)
-        base = fingerprint(path)
-        assert len(base) == 64 and fingerprint(path) == base
-        assert fingerprint(same) == base                 # another path, the same files
-        other = str(tmp_path / "other")
-        negated_copy(hf, other)
-        assert os.path.getsize(os.path.join(other, "model.safetensors")) == \
-            os.path.getsize(os.path.join(path, "model.safetensors"))
-        assert fingerprint(other) != base
-        for change in (dict(kv_dtype="bfloat16"), dict(page_size=32),
-                       dict(kv_transfer_dtype="int8")):
-            assert fingerprint(path, **change) != base, change
-    finally:
-        del os.environ["JAXPD_CACHE"]
+    monkeypatch.setenv("JAXPD_CACHE", str(tmp_path / "cache"))
+    same = str(tmp_path / "same")
+    shutil.copytree(path, same)
+    base = fingerprint(path)
+    assert len(base) == 64 and fingerprint(path) == base
+    assert fingerprint(same) == base                     # another path, the same files
+    other = str(tmp_path / "other")
+    negated_copy(hf, other)
+    assert os.path.getsize(os.path.join(other, "model.safetensors")) == \
+        os.path.getsize(os.path.join(path, "model.safetensors"))
+    assert fingerprint(other) != base
+    for change in (dict(kv_dtype="bfloat16"), dict(page_size=32),
+                   dict(kv_transfer_dtype="int8")):
+        assert fingerprint(path, **change) != base, change
 
 
 def test_weights_digest_is_cached_and_follows_a_rewritten_file(tiny_hf_model, tmp_path):
