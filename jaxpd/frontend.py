@@ -30,6 +30,7 @@ class Frontend:
     model_config: ModelConfig
     model_path: str
     tokenizer: Tokenizer | None
+    fingerprint: str = ""       # the served model's `models.fingerprint` ("" if none yet)
 
     def submit(self, request: Request) -> Request:
         raise NotImplementedError

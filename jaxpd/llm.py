@@ -91,6 +91,7 @@ class LLM(Frontend):
         self.tokenizer = loaded.tokenizer
         self.engine = Engine(loaded, self.config, connector, warmup=warmup, progress=progress,
                              plan=plan)
+        self.fingerprint = self.engine.fingerprint
 
     @staticmethod
     def _fit_kv(cfg, dtype: str, kv_cache_memory: int | None, options: dict) -> None:

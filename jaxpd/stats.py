@@ -47,6 +47,9 @@ class EngineStats(collections.abc.Mapping):
     handoffs_rejected: int = _counter("KV handoffs refused before any device op: for no "
                                       "request here, or contradicting this side's pages, "
                                       "limits or vocabulary.")
+    handoffs_model_mismatch: int = _counter("KV handoffs refused because another model computed "
+                                            "them (their fingerprint is not this pool's); the "
+                                            "request was prefilled again here.")
     offers_reclaimed: int = _counter("KV offers ended by the sender because nobody pulled them.")
     kv_pieces_pulled: int = _counter("KV pieces pulled, each from the process of a prefill mesh "
                                      "spanning processes that holds those kv heads.")

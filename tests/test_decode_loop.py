@@ -31,7 +31,7 @@ def pool():
 
 
 def make(pool, slots=2, pages_per_shard=17, num_shards=1, part_timeout_s=30.0, remote=False,
-         receiver=None, runner=None):
+         receiver=None, runner=None, fingerprint=""):
     stats = StatsCounter()
     requests = Requests(stats, 64, Limits(VOCAB, MAX_MODEL_LEN - 1, MAX_MODEL_LEN),
                         has_prefill=not remote, has_decode=True, has_local_prefill=False)
@@ -40,7 +40,8 @@ def make(pool, slots=2, pages_per_shard=17, num_shards=1, part_timeout_s=30.0, r
     receiver = receiver or FakeReceiver()
     spec = HandoffSpec(num_layers=LAYERS, page_size=PAGE_SIZE, page_shape=(PAGE_SIZE, 1, 2),
                        dtype="float32", vocab_size=VOCAB, max_model_len=MAX_MODEL_LEN,
-                       max_pages=min(MAX_PAGES_PER_SLOT, pages_per_shard - 1))
+                       max_pages=min(MAX_PAGES_PER_SLOT, pages_per_shard - 1),
+                       fingerprint=fingerprint)
     queue = InboundQueue(receiver, pool, part_timeout_s, spec, remote=remote)
     loop = DecodeLoop(runner, scheduler, [queue], requests, stats,
                       max_pages_per_slot=MAX_PAGES_PER_SLOT)

@@ -198,6 +198,7 @@ def test_health_and_metrics(server, llm):
     health = json.loads(body)
     assert status == 200 and health["status"] == "ok" and health["role"] == "single"
     assert health["mesh"] == str(llm.config.mesh)
+    assert health["fingerprint"] == llm.fingerprint[:12] and len(llm.fingerprint) == 64
     stats = llm.stats()
     assert health["slots_total"] == stats["slots_total"] > 0
     assert health["pages_total"] == stats["pages_total"] > 0

@@ -18,7 +18,7 @@ from jaxpd.default_model import default_model_dir
 from jaxpd.models.config import ModelConfig
 from jaxpd.sampling_params import SamplingParams
 from jaxpd.serving.role_rpc import (ROLE_SERVICE, ROUTER_SERVICE, RoleClient, WorkerInfo,
-                                    model_identity, register, stream_handler, unary_handler)
+                                    register, router_identity, stream_handler, unary_handler)
 from jaxpd.serving.router import Router, RouterConfig
 from jaxpd.transfer.wire import WIRE_VERSION, pack
 
@@ -44,26 +44,31 @@ def _wait(predicate, timeout=10.0):
 
 # ---- fake workers (router side) ----------------------------------------------------------
 
+MODEL_A, MODEL_B = "a" * 64, "b" * 64     # two fingerprints: two model versions
+
+
 class FakeWorker:
     """A worker that speaks the role RPCs: Decode streams token 7 until max_tokens (or,
     `frozen`, says nothing at all); `hang_info` makes Info never answer."""
 
     def __init__(self, role="decode", auth=NO_AUTH, model_dir=None, frozen=False,
-                 hang_info=False, free_slots=8, **overrides):
+                 hang_info=False, free_slots=8, token=7, **overrides):
         model_dir = model_dir or default_model_dir()
-        self.frozen, self.hang_info = frozen, hang_info
-        self.decode_calls = 0
+        self.frozen, self.hang_info, self.token = frozen, hang_info, token
+        self.decode_calls = self.prefill_calls = self.reprefill_calls = 0
+        self.destinations = []
         self.release = threading.Event()
         self._server = grpc.server(futures.ThreadPoolExecutor(8),
                                    interceptors=auth.server_interceptors())
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ROLE_SERVICE, {
             "Info": unary_handler(self.Info), "Decode": stream_handler(self.Decode),
-            "Reprefill": unary_handler(lambda m, c: {"ok": True}),
+            "Prefill": unary_handler(self.Prefill), "Reprefill": unary_handler(self.Reprefill),
             "Abort": unary_handler(lambda m, c: {"aborted": True})}),))
         port = auth.add_port(self._server, "127.0.0.1:0")
         self._server.start()
         fields = dict(role=role, address=f"127.0.0.1:{port}", kv_address="127.0.0.1:1",
-                      model=model_identity(model_dir), max_model_len=1024, max_prompt_len=1023,
+                      model=MODEL_A, tokenizer=router_identity(model_dir), max_model_len=1024,
+                      max_prompt_len=1023,
                       vocab_size=ModelConfig.from_dir(model_dir).vocab_size, page_size=16,
                       dtype="float32", kv_transport="grpc")
         self.info = WorkerInfo(**{**fields, **overrides})
@@ -75,6 +80,15 @@ class FakeWorker:
             self.release.wait(30)
         return {**self.info.to_wire(), **self.load}
 
+    def Prefill(self, msg, context):
+        self.prefill_calls += 1
+        self.destinations.append(msg["destination"])
+        return {"status": "handed_off"}
+
+    def Reprefill(self, msg, context):
+        self.reprefill_calls += 1
+        return {"ok": True}
+
     def Decode(self, msg, context):
         self.decode_calls += 1
         yield {"registered": True}
@@ -83,7 +97,7 @@ class FakeWorker:
             return
         r = msg["request"]
         for _ in range(r["params"]["max_tokens"] - len(r["output_ids"])):
-            yield {"token_ids": [7], "finish": None, "abort_reason": None}
+            yield {"token_ids": [self.token], "finish": None, "abort_reason": None}
 
     def register(self, router_address, auth=AUTH):
         return register(router_address, self.info, self.load, auth, timeout=5)
@@ -179,7 +193,7 @@ def test_registered_worker_serves_and_request_ids_are_unguessable(router, fakes)
 @pytest.mark.parametrize("override,field", [
     (dict(max_model_len=128, max_prompt_len=127), "max_model_len"),
     (dict(max_prompt_len=100), "max_prompt_len"),
-    (dict(model="0" * 64), "model"),
+    (dict(tokenizer="0" * 64), "tokenizer"),
     (dict(vocab_size=32000), "vocab_size"),
     (dict(page_size=32), "page_size")])
 def test_mismatch_worker_is_refused_naming_the_field(router, fakes, override, field):
@@ -270,6 +284,15 @@ class ScriptedWorker(FakeWorker):
     def __init__(self, event: dict, **kwargs):
         super().__init__(**kwargs)
         self.event = event
+
+    def Prefill(self, msg, context):
+        self.prefill_calls += 1
+        self.destinations.append(msg["destination"])
+        return {"status": "handed_off"}
+
+    def Reprefill(self, msg, context):
+        self.reprefill_calls += 1
+        return {"ok": True}
 
     def Decode(self, msg, context):
         self.decode_calls += 1
@@ -602,3 +625,89 @@ def test_worker_health_answers_while_every_stream_thread_is_busy():
     finally:
         release.set()
         server.stop(0)
+
+
+# ---- model versions: fingerprints decide who pairs with whom ----------------------------
+
+def test_prefill_and_decode_of_different_models_are_never_paired(router, fakes):
+    """Identical shapes, other weights: the prefill worker of model B never sends KV to
+    the decode worker of model A; A prefills on its own mesh, and health says why B's
+    prefill worker is idle."""
+    router, address = router
+    decode_a = fakes(model=MODEL_A, token=7)
+    prefill_b = fakes(role="prefill", model=MODEL_B, token=8)
+    prefill_b.register(address)
+    assert not router.ready()                       # a prefill-only pool cannot serve
+    assert any("have no decode worker serving the same model" in p and MODEL_B[:12] in p
+               for p in router.problems()), router.problems()
+    decode_a.register(address)
+    assert router.ready() and router.fingerprint == MODEL_A
+    outs = router.generate(prompt_token_ids=[[1, 2], [3, 4, 5]],
+                           sampling_params=SamplingParams(max_tokens=3, **GREEDY))
+    assert [o.token_ids for o in outs] == [[7, 7, 7]] * 2
+    assert prefill_b.prefill_calls == 0 and decode_a.reprefill_calls == 2
+    stats = router.stats()
+    assert stats["fingerprint"] == MODEL_A[:12]
+    assert {v["model"] for v in stats["versions"]} == {MODEL_A[:12], MODEL_B[:12]}
+    assert len(stats["problems"]) == 1
+
+
+def test_matching_prefill_worker_gets_the_kv_of_its_own_model(router, fakes):
+    router, address = router
+    decode_a, decode_b = fakes(model=MODEL_A, token=7), fakes(model=MODEL_B, token=8)
+    prefill_a = fakes(role="prefill", model=MODEL_A)
+    for w in (decode_a, prefill_a, decode_b):
+        w.register(address)
+    # B registered last but has no prefill worker: A (both roles live) serves.
+    assert router.serving_model() == MODEL_A
+    outs = router.generate(prompt_token_ids=[[1, 2]] * 3,
+                           sampling_params=SamplingParams(max_tokens=2, **GREEDY))
+    assert [o.token_ids for o in outs] == [[7, 7]] * 3
+    assert prefill_a.destinations == [decode_a.info.kv_address] * 3
+    assert decode_b.decode_calls == 0 and router.problems() == []
+
+
+def test_rolling_update_new_requests_go_to_the_newest_paired_version(router, fakes):
+    """v1 serves; v2's decode then prefill workers join: new requests go to v2 once
+    both its roles are live; a request that started on v1 finishes on v1 (never moved
+    to v2) even when its v1 decode worker is lost."""
+    router, address = router
+    v1 = [fakes(model=MODEL_A, token=7), fakes(role="prefill", model=MODEL_A)]
+    v1_spare = fakes(model=MODEL_A, token=7)
+    for w in v1:
+        w.heartbeat(address)
+    _wait(router.ready)
+    v2 = [fakes(model=MODEL_B, token=8), fakes(role="prefill", model=MODEL_B)]
+    v2[0].heartbeat(address)
+    _wait(lambda: len(router.live_workers()) == 3)
+    assert router.serving_model() == MODEL_A       # v2 has no prefill worker yet
+    v2[1].heartbeat(address)
+    _wait(lambda: router.serving_model() == MODEL_B)
+    out = router.generate(prompt_token_ids=[[1, 2]],
+                          sampling_params=SamplingParams(max_tokens=3, **GREEDY))[0]
+    assert out.token_ids == [8, 8, 8] and v2[1].prefill_calls == 1
+    # A v1 request whose decode worker is lost fails over to another v1 worker only.
+    frozen = fakes(model=MODEL_A, frozen=True, free_slots=100)   # chosen first
+    router2, address2 = _router()
+    try:
+        for w in (frozen, v1_spare):
+            w.heartbeat(address2)
+        v1[1].register(address2)
+        _wait(lambda: len(router2.live_workers()) == 3)
+        r = router2.submit(router2.make_requests(
+            prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=3, **GREEDY))[0])
+        _wait(lambda: frozen.decode_calls == 1)
+        for w in (fakes(model=MODEL_B, token=8), fakes(role="prefill", model=MODEL_B)):
+            w.heartbeat(address2)
+        _wait(lambda: router2.serving_model() == MODEL_B)
+        _wait(lambda: r.is_final, timeout=15)       # the stall (0.6 s) fails it over
+        assert r.output_ids == [7, 7, 7] and v1_spare.decode_calls == 1
+        v1_spare.stop_heartbeat()
+        frozen.stop_heartbeat()
+        _wait(lambda: MODEL_A[:12] not in {v["model"] for v in router2.versions()}, timeout=5)
+        late = router2.submit(router2.make_requests(
+            prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=2, **GREEDY))[0])
+        _wait(lambda: late.is_final)
+        assert late.output_ids == [8, 8]            # new requests: v2
+    finally:
+        router2.shutdown()

@@ -127,3 +127,29 @@ def test_sigterm_to_the_whole_role_while_it_compiles_stops_every_process_cleanly
     assert leader.wait(timeout=60) == 0, "".join(leader.lines)
     assert follower.wait(timeout=60) == 0, "".join(follower.lines)
     assert any("prefill follower 1 stopped" in line for line in follower.lines)
+
+
+def test_follower_of_another_checkpoint_refuses_to_join_and_says_so(model, hf_models, procs,
+                                                                    tmp_path):
+    """Two processes of one prefill mesh, the follower's checkpoint with one k_proj
+    weight negated (every shape the same): the follower refuses to join, naming both
+    fingerprints, and the leader's role stops rather than compute with mixed weights."""
+    from tests.test_model_identity import negated_copy
+
+    path, hf = hf_models("llama_tied")
+    other = str(tmp_path / "other")
+    negated_copy(hf, other)
+    group = ["--role", "prefill", "--mesh", "prefill=4", "--port", "0", "--num_processes",
+             "2", "--coordinator", _coordinator(), "--max_model_len", "160", "--host",
+             "127.0.0.1", "--nowarmup", "--follower_timeout_s", "3"]
+    leader = procs.start(group + ["--model", path, "--process_id", "0"])
+    follower = procs.start(group + ["--model", other, "--process_id", "1"])
+    assert follower.wait(timeout=120) == 1, "".join(follower.lines)
+    assert any(re.search(r"prefill follower 1 stopped: refusing to join: this follower's "
+                         r"checkpoint differs from its leader's \(model fingerprint \w{12}, "
+                         r"the leader's \w{12}\)", line) for line in follower.lines), \
+        "".join(follower.lines)
+    assert leader.wait(timeout=60) == 1, "".join(leader.lines)
+    assert any("follower process 1's checkpoint differs from this leader's" in line
+               for line in leader.lines), "".join(leader.lines)
+    assert not any("worker on" in line for line in leader.lines)

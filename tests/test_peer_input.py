@@ -79,6 +79,43 @@ def assert_a_good_request_still_finishes(env) -> None:
 
 # ---- forged handoffs at the decode loop --------------------------------------------
 
+FP_HERE, FP_OTHER = "1" * 64, "2" * 64
+
+
+@pytest.mark.parametrize("fingerprint", [FP_OTHER, "", "1" * 63, None, 5])
+def test_forged_handoff_of_another_model_is_refused_before_any_pull(pool, fingerprint):
+    """KV with every shape right but another model's fingerprint (or none): refused
+    before a slot, a page or a pull, counted, and the request prefilled again here --
+    never decoded from that KV."""
+    env = make(pool, remote=True, fingerprint=FP_HERE)
+    r = mirror(env, "other-model", prompt_len=9)
+    h = dataclasses.replace(remote(r), fingerprint=fingerprint)
+    env.receiver.push(h)
+    run(env, lambda: r.state is State.WAITING)          # prefilled again, here
+    assert env.requests.prefill_inbox.get_nowait() is r and r.output_ids == []
+    assert_refused_before_placing(env, h)
+    assert counts(env)["handoffs_model_mismatch"] == 1
+    assert counts(env)["handoffs_rejected"] == 1 and counts(env)["transfer_failures"] == 1
+    assert all(s is None for s in env.scheduler.slots)  # nothing installed in a slot
+    assert_no_page_held(env)
+    good = mirror(env, "same-model", prompt_len=6, max_tokens=3)
+    env.receiver.push(dataclasses.replace(remote(good, first=40), fingerprint=FP_HERE))
+    run(env, lambda: good.is_final)
+    assert good.output_ids == [40, 41, 42] and counts(env)["handoffs_model_mismatch"] == 1
+    assert_no_page_held(env)
+
+
+def test_offer_and_stream_header_carry_the_fingerprint():
+    offer = dataclasses.replace(good_offer(), fingerprint=FP_HERE)
+    assert Offer.from_dict(unpack_checked(pack(offer.to_dict()), "Offer")) == offer
+    assert Offer.from_dict(good_offer().to_dict()).fingerprint == ""
+    kv = pages(LAYERS, 1, 1.0, PAGE_SIZE)
+    encoded = grpc_stream.encode_handoff(KVHandoff("r", 3, 5, kv, kv, fingerprint=FP_HERE))
+    assert grpc_stream.decode_handoff(encoded.messages()).fingerprint == FP_HERE
+    forged = pack({**unpack_checked(encoded.header, "header"), "fingerprint": "zz"})
+    with pytest.raises(grpc_stream.MalformedHeaderError, match="fingerprint"):
+        grpc_stream.decode_handoff([forged, *list(encoded.messages())[1:]])
+
 @pytest.mark.parametrize("num_tokens,num_pages", [(3, 4), (9, 1), (9, 0)])
 def test_forged_handoff_more_pages_than_tokens_is_refused_and_engine_lives(pool, num_tokens,
                                                                            num_pages):
@@ -405,6 +442,8 @@ def test_forged_garbage_msgpack_is_invalid_argument(control):
         "bad field": pack({**good_offer().to_dict(), "num_tokens": "three"}),
         "bad layout": pack({**good_offer().to_dict(), "k": [1, 2]}),
         "bad checksums": pack({**good_offer().to_dict(), "k_checksums": ["x"]}),
+        "bad fingerprint": pack({**good_offer().to_dict(), "fingerprint": "X" * 64}),
+        "fingerprint not a str": pack({**good_offer().to_dict(), "fingerprint": 7}),
         "empty": b"",
     }
     for name, body in cases.items():

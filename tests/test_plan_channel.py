@@ -2,6 +2,7 @@
 over an in-memory stand-in for jax.distributed's key-value store: signed, checked,
 replayed in order; forged or malformed plans refused by name; a silent follower
 reported; the launcher's flags checked before jax starts."""
+import re
 import threading
 import time
 
@@ -263,3 +264,36 @@ def test_launcher_accepts_a_signed_coordinator_beyond_loopback(fv, monkeypatch):
     monkeypatch.setenv("JAXPD_CLUSTER_TOKEN", TOKEN.decode())
     fv.num_processes, fv.role, fv.mesh, fv.coordinator = 2, "prefill", "prefill=4", "10.1.2.3:9"
     assert multihost_error(fv) is None
+
+
+def test_follower_of_another_checkpoint_refuses_to_join_and_says_so():
+    """Followers 1 (the leader's checkpoint) and 2 (another): 1 joins; 2 and the leader
+    both refuse, each naming both fingerprints."""
+    store = Store()
+    leader, same, other = (PlanChannel(ProcessGroup(3, pid, "127.0.0.1:1"), TOKEN,
+                                       client=store) for pid in (0, 1, 2))
+    errors = {}
+
+    def join(channel, fingerprint, name):
+        try:
+            channel.check_model(fingerprint, timeout_s=5)
+        except PlanError as e:
+            errors[name] = str(e)
+    threads = [threading.Thread(target=join, args=(same, "a" * 64, "same")),
+               threading.Thread(target=join, args=(other, "b" * 64, "other"))]
+    for t in threads:
+        t.start()
+    join(leader, "a" * 64, "leader")
+    for t in threads:
+        t.join(5)
+    assert "same" not in errors and errors.keys() == {"other", "leader"}
+    assert re.search(r"refusing to join: this follower's checkpoint differs from its "
+                     r"leader's \(model fingerprint b{12}, the leader's a{12}\)", errors["other"])
+    assert "follower process 2's checkpoint differs from this leader's" in errors["leader"]
+    # A fingerprint not signed with the role's token is no leader's.
+    store.key_value_set_bytes("jaxpd/model/0", b"\0" * 32 + b"b" * 64, allow_overwrite=True)
+    with pytest.raises(PlanError, match="not signed"):
+        other.check_model("b" * 64)
+    lonely = PlanChannel(ProcessGroup(2, 1, "127.0.0.1:1"), TOKEN, client=Store())
+    with pytest.raises(PlanError, match="process 0 published no model fingerprint"):
+        lonely.check_model("a" * 64, timeout_s=0.05)

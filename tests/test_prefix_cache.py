@@ -2,6 +2,7 @@
 decode mesh's prefill with context -- against transformers, with the page accounting
 checked after every engine test."""
 import time
+import types
 from concurrent import futures
 
 import numpy as np
@@ -500,24 +501,26 @@ def test_router_prefers_the_prefill_worker_holding_the_prompt_unless_it_is_busie
         def __init__(self, workers):
             self.prefix, self.workers = PrefixIndex(16), workers
 
-        def _live_workers(self, role, exclude=()):
+        def _live_workers(self, role, exclude=(), model=None):
             return list(self.workers)
 
     a, b = (_Worker("prefill", name, None, static=True) for name in ("a", "b"))
+    decoder = _Worker("decode", "d", None, static=True)
+    decoder.info = types.SimpleNamespace(model="m")
     flow = Flow([a, b])
     ids = list(range(3, 83))                               # 80 tokens, 5 pages
     r = Request("r", ids, SamplingParams(max_tokens=1))
     query = flow.prefix.query(ids)
-    assert flow._prefill_order(r, query) == [a, b]         # nothing cached: in order
+    assert flow._prefill_order(r, decoder, query) == [a, b]         # nothing cached: in order
     flow.prefix.record("b", ids[:48])                      # b holds 3 pages of it ...
-    assert flow._prefill_order(r, query) == [a, b]         # ... but has no cache on
+    assert flow._prefill_order(r, decoder, query) == [a, b]         # ... but has no cache on
     for worker in ("a", "b"):
         assert flow.prefix.advertise(worker, _empty_advert())
     flow.prefix.record("b", ids[:48])                      # with its cache on
-    assert flow._prefill_order(r, query) == [b, a]
+    assert flow._prefill_order(r, decoder, query) == [b, a]
     b.load["queue"] = 1                                    # ... but has one queued
-    assert flow._prefill_order(r, query) == [a, b]
-    assert flow._prefill_order(r, None) == [a, b]          # no prefix routing: by load
+    assert flow._prefill_order(r, decoder, query) == [a, b]
+    assert flow._prefill_order(r, decoder, None) == [a, b]          # no prefix routing: by load
 
 
 @pytest.mark.slow

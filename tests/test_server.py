@@ -201,6 +201,7 @@ def test_tokenize_and_model_info(llm, stub):
     assert info.vocab_size == VOCAB and info.max_model_len == 128 and info.max_prompt_len == 127
     assert info.mesh == "prefill=1,decode=1" and list(info.eos_token_ids) == [2]
     assert info.has_tokenizer and info.model_path == llm.model_path and info.page_size == 16
+    assert info.fingerprint == llm.fingerprint[:12] and len(info.fingerprint) == 12
 
 
 # ---- bad input ----------------------------------------------------------------------

@@ -90,6 +90,9 @@ class KVHandoff:
     destination: str | None = None
     part: KVPart | None = None   # None: the whole KV in one handoff (request-level)
     first_page: int = 0          # the request's page that k[:, 0] / v[:, 0] hold
+    # The sender's `models.fingerprint`: a decode pool refuses KV of another model.
+    # Empty from a sender that names none (in one process both ends share the model).
+    fingerprint: str = ""
 
     @property
     def num_pages(self) -> int:

@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 
 from jaxpd.auth import NO_AUTH, InternalAuth
+from jaxpd.models.fingerprint import is_fingerprint
 from jaxpd.transfer.connector import KVPart
 from jaxpd.transfer.layout import ArrayLayout
 from jaxpd.transfer.wire import (MAX_MESSAGE_BYTES, WIRE_VERSION, MalformedMessage,
@@ -125,6 +126,8 @@ class Offer:
     in several transfer servers, each piece some kv heads; `k` and `v` then describe
     the whole arrays, `uuid` names the Offer (and the sender's own piece), and the
     pieces' heads cover every kv head exactly once.
+    `fingerprint`: the sender's model (`models.fingerprint`); the decode side refuses
+    an Offer of another model before it pulls anything.
     """
     uuid: int
     request_id: str
@@ -140,6 +143,7 @@ class Offer:
     v_checksums: tuple[int, ...] | None = None
     first_page: int = 0
     pieces: tuple[Piece, ...] = ()
+    fingerprint: str = ""
     wire_version: int = WIRE_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -151,7 +155,7 @@ class Offer:
             "transfer_address": self.transfer_address, "ack_address": self.ack_address,
             "payload": self.payload,
             "k_checksums": _plain(self.k_checksums), "v_checksums": _plain(self.v_checksums),
-            "first_page": self.first_page,
+            "first_page": self.first_page, "fingerprint": self.fingerprint,
         }
 
     @classmethod
@@ -166,7 +170,8 @@ class Offer:
                     k_checksums=_checksums(d.get("k_checksums"), "k_checksums"),
                     v_checksums=_checksums(d.get("v_checksums"), "v_checksums"),
                     first_page=int(d.get("first_page", 0)),
-                    pieces=_pieces(d.get("pieces")))
+                    pieces=_pieces(d.get("pieces")),
+                    fingerprint=check_fingerprint(d.get("fingerprint", "")))
         if offer.pieces:
             for piece in offer.pieces:
                 piece.check(offer.k, offer.v)
@@ -181,6 +186,13 @@ class Offer:
                 raise ValueError(f"{name}_checksums: {len(sums)} values for the pages of "
                                  f"{name} {list(layout.shape)}")
         return offer
+
+
+def check_fingerprint(value: Any) -> str:
+    """A peer's `fingerprint` field: "" or 64 lower-case hex digits."""
+    if value == "" or is_fingerprint(value):
+        return value
+    raise ValueError("fingerprint must be empty or 64 lower-case hex digits")
 
 
 def _pieces(value: Any) -> tuple[Piece, ...]:

@@ -2,7 +2,7 @@
 
 Wire format, one client-streaming call `/jaxpd.transfer.KVStream/Send` per handoff:
   message 0   msgpack header: wire_version, request_id, num_tokens, first_token,
-              payload, part (layer-wise: stream, index, count, layer_start),
+              payload, fingerprint (the sender's model), part (layer-wise: stream, index, count, layer_start),
               arrays [{name, shape, dtype, num_bytes}], num_bytes, crc32
   message 1.. raw bytes, at most `chunk_size` (<= 4 MiB, gRPC's default message cap),
               k's bytes then v's, C order.
@@ -40,7 +40,7 @@ import numpy as np
 
 from jaxpd.auth import NO_AUTH, InternalAuth
 from jaxpd.transfer.connector import KVHandoff, KVPart, TransferStats, next_or_none
-from jaxpd.transfer.control import BackpressureError, error_of
+from jaxpd.transfer.control import BackpressureError, check_fingerprint, error_of
 from jaxpd.transfer.wire import (MAX_MESSAGE_BYTES, WIRE_VERSION, MalformedMessage,
                                  TransferError, WireVersionError, pack, unpack,
                                  unpack_checked)
@@ -135,7 +135,7 @@ def encode_handoff(handoff: KVHandoff) -> EncodedHandoff:
         "wire_version": WIRE_VERSION, "request_id": handoff.request_id,
         "num_tokens": handoff.num_tokens, "first_token": handoff.first_token,
         "payload": handoff.payload, "part": handoff.part and handoff.part.to_dict(),
-        "first_page": handoff.first_page,
+        "first_page": handoff.first_page, "fingerprint": handoff.fingerprint,
         "arrays": [{"name": name, "shape": list(a.shape), "dtype": a.dtype.name,
                     "num_bytes": a.nbytes} for name, a in arrays.items()],
         "num_bytes": sum(len(b) for b in body), "crc32": crc,
@@ -168,6 +168,7 @@ class _Header:
     payload: Any
     part: KVPart | None
     first_page: int
+    fingerprint: str
     arrays: tuple[_ArraySpec, ...]
     num_bytes: int
     crc32: int
@@ -184,6 +185,7 @@ def _parse_header(message: bytes, max_bytes: int) -> _Header:
             first_token=int(d["first_token"]), payload=d.get("payload"),
             part=KVPart.from_dict(d.get("part")),
             first_page=int(d.get("first_page", 0)),
+            fingerprint=check_fingerprint(d.get("fingerprint", "")),
             arrays=tuple(_ArraySpec(str(a["name"]), tuple(int(n) for n in a["shape"]),
                                     jnp.dtype(a["dtype"]), int(a["num_bytes"]))
                          for a in d["arrays"]),
@@ -239,7 +241,7 @@ def decode_handoff(messages: Iterable[bytes],
         request_id=header.request_id, num_tokens=header.num_tokens,
         first_token=header.first_token, k=arrays["k"], v=arrays["v"],
         payload=header.payload, part=header.part, first_page=header.first_page,
-        stream_seconds=time.perf_counter() - start)
+        fingerprint=header.fingerprint, stream_seconds=time.perf_counter() - start)
 
 
 _STATUS_OF = {

@@ -42,6 +42,11 @@ class HandoffRejected(TransferError):
     before anything is reserved or moved; its request is prefilled again."""
 
 
+class ModelMismatch(HandoffRejected):
+    """A handoff whose KV another model computed (its fingerprint is not this pool's):
+    refused before any pull; its request is prefilled again here, by this model."""
+
+
 class HandoffNeverFits(HandoffRejected):
     """A handoff of more tokens than a decode slot here can ever hold: its request is
     aborted with this reason (waiting would block admission for good)."""
@@ -55,6 +60,8 @@ class HandoffSpec:
     page_shape, dtype: one page of k or v as it travels (the pool's `(page_size, K, H)`
       and dtype; compressed: `(page_size*K*H + 4,)` uint8, see `transfer.compression`).
     max_pages: the most pages one slot can hold (per slot and per shard).
+    fingerprint: this pool's `models.fingerprint`; a handoff must name the same (empty:
+      not checked, for handoffs from this process, which share its model).
     """
     num_layers: int
     page_size: int
@@ -63,6 +70,7 @@ class HandoffSpec:
     vocab_size: int
     max_model_len: int
     max_pages: int
+    fingerprint: str = ""
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -75,6 +83,12 @@ class HandoffSpec:
             raise HandoffRejected(f"handoff names a bad request id: {e}") from None
         n = h.num_tokens
         who = f"handoff of {h.request_id!r}"
+        if self.fingerprint and h.fingerprint != self.fingerprint:
+            theirs = h.fingerprint[:12] if isinstance(h.fingerprint, str) else "?"
+            raise ModelMismatch(
+                f"{who}: fingerprint: its KV was computed by model {theirs!r}, this "
+                f"decode pool serves {self.fingerprint[:12]!r}: prefill and decode must "
+                f"serve the same weights, tokenizer, dtype and page size")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise HandoffRejected(f"{who}: num_tokens must be a positive integer, got {n!r}")
         # The first fed token goes at position n: the slot needs pages for n + 1.

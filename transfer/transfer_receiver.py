@@ -66,7 +66,8 @@ class TransferServerReceiver(Endpoint):
         handoff = RemoteKVHandoff(
             request_id=offer.request_id, num_tokens=offer.num_tokens,
             first_token=offer.first_token, k=_struct(offer.k), v=_struct(offer.v),
-            payload=offer.payload, part=offer.part, first_page=offer.first_page, offer=offer)
+            payload=offer.payload, part=offer.part, first_page=offer.first_page,
+            fingerprint=offer.fingerprint, offer=offer)
         try:
             self._queue.put(handoff, timeout=max(0.0, (seconds_left or 1.0) - 0.1))
         except queue.Full:

@@ -10,9 +10,9 @@ Prefill side (`TransferServerSender`), `send(handoff)`:
      ("reclaim": each uuid can be pulled once), so its pages do not wait for the TTL;
      on jax < 0.10.1, whose `await_pull` has no timeout, expired offers are reclaimed
      the same way;
-  3. send an `Offer` (uuid, layouts, addresses, request metadata) to the decode side's
-     control server. A full decode queue blocks this call up to `rpc_timeout_s`, then
-     fails with `BackpressureError`.
+  3. send an `Offer` (uuid, layouts, addresses, request metadata, the model's
+     fingerprint) to the decode side's control server. A full decode queue blocks this
+     call up to `rpc_timeout_s`, then fails with `BackpressureError`.
 Decode side (`TransferServerReceiver`):
   `receive(timeout)` returns a `RemoteKVHandoff`: the request's metadata, k and v as
   `jax.ShapeDtypeStruct`s (nothing moved yet), and the offer. `place(handoff, sharding)`
@@ -55,9 +55,11 @@ side could only recompute it with one more decode step per request (feed the las
 prompt token over the received pages, sample with the request's seed), and that step
 would trust the same pages the checksums already bind to the Offer. The Offer itself
 comes over the authenticated control plane (cluster token or mTLS); the decode side
-checks the token is inside its vocabulary and the pages match its own page count for
-`num_tokens` (`transfer.inbound.HandoffSpec`). What no checksum can catch is an
-authenticated peer that lies consistently -- that is what authentication is for.
+checks the token is inside its vocabulary, the pages match its own page count for
+`num_tokens`, and the Offer's model fingerprint is its own -- before `place` pulls
+anything (`transfer.inbound.HandoffSpec`): pages of the right shape from other weights
+would decode to gibberish. What no checksum can catch is an authenticated peer that
+lies consistently -- that is what authentication is for.
 
 Seen with jax 0.10.2 on CPU: `pull(..., timeout=datetime)` is accepted but does not
 end a pull of a uuid that is never offered; `await_pull(..., timeout=datetime)` does
@@ -130,7 +132,8 @@ class TransferServerSender(Endpoint):
                       num_tokens=handoff.num_tokens, first_token=handoff.first_token,
                       transfer_address=self.transfer_address,
                       ack_address=self.control_address, payload=handoff.payload,
-                      part=handoff.part, first_page=handoff.first_page)
+                      part=handoff.part, first_page=handoff.first_page,
+                      fingerprint=handoff.fingerprint)
         remote, board = (), None
         if hasattr(handoff.k, "board"):           # ShardedPages: offered as pieces
             board = handoff.k.board

@@ -17,9 +17,10 @@ import msgpack
 
 # Bump on any change to Offer/Ack, the stream header, ArrayLayout's dict form or the
 # role RPC bodies.
-WIRE_VERSION = 5   # 2: layer-wise parts (`KVPart`); 3: per-page checksums in the Offer;
-                   # 4: an Offer's pieces (`Piece`), an Ack's `pulled`;
-                   # 5: a handoff's pages padded to `jaxpd.sizes.coarse_ceil`
+WIRE_VERSION = 6   # 2: layer-wise parts (`KVPart`); 3: per-page checksums in the Offer;
+                   # 4: an Offer's pieces (`Piece`), an Ack's `pulled`; 5: the model
+                   # fingerprint in an Offer, a stream header and `WorkerInfo`; 6: a
+                   # handoff's pages padded to `jaxpd.sizes.coarse_ceil`
 
 # Control messages (Offer, Ack, a KV stream header, role RPC bodies) carry a request's
 # wire form at most: 2 MiB holds ~400k token ids (up to 5 bytes each in msgpack).

@@ -37,7 +37,7 @@ from jaxpd.request import Request, State, handoff_logprobs
 from jaxpd.stats import StatsCounter
 from jaxpd.transfer.connector import TransferError
 from jaxpd.transfer.inbound import (PENDING, HandoffNeverFits, HandoffRejected, Inbound,
-                                    InboundQueue, Placed, wait_any)
+                                    InboundQueue, ModelMismatch, Placed, wait_any)
 
 _log = logging.getLogger(__name__)
 
@@ -191,7 +191,8 @@ class DecodeLoop:
         reason, when no slot here could ever hold it."""
         if inbound is not None:
             inbound.end()
-        self.stats.add(handoffs_rejected=1)
+        self.stats.add(handoffs_rejected=1,
+                       handoffs_model_mismatch=int(isinstance(error, ModelMismatch)))
         _log.warning("refused a KV handoff of %r: %s", request_id, error)
         try:
             r = self.requests.resolve(request_id, payload, remote)

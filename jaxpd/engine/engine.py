@@ -36,6 +36,7 @@ from jaxpd.engine.runner import CompileCounter, DecodeRunner, PrefillRunner
 from jaxpd.engine.scheduler import DecodeScheduler, PrefillScheduler
 from jaxpd.engine.warmup import warm_up
 from jaxpd.models.checkpoint import LoadedModel
+from jaxpd.models.fingerprint import model_fingerprint, short
 from jaxpd.models.hf_io import DTYPES
 from jaxpd.engine.placement import place_params
 from jaxpd.models.llama import layer_groups
@@ -46,6 +47,8 @@ from jaxpd.transfer.compression import CompressingReceiver, CompressingSender
 from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
 from jaxpd.transfer.device_put import DevicePutConnector
 from jaxpd.transfer.inbound import HandoffSpec, InboundQueue
+
+_log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -77,6 +80,15 @@ class Engine:
         self.cache_journal = CacheJournal(self.prefix_root) if self.prefix_root else None
         self.meshes = build_meshes(spec)
         self.dtype = DTYPES[config.dtype]
+        # What makes this engine's KV usable by another: every handoff carries it and
+        # a decode pool refuses a handoff of another (`models.fingerprint`).
+        started = time.perf_counter()
+        self.fingerprint = model_fingerprint(model.path, model.cfg, config.dtype,
+                                             config.page_size, config.kv_transfer_dtype)
+        _log.info("model fingerprint %s (%s, %.2f s)", short(self.fingerprint), model.path,
+                  time.perf_counter() - started)
+        if plan is not None:
+            plan.check_model(self.fingerprint)     # a follower of other weights refuses
         self.counter = CompileCounter()
         self.counters = StatsCounter()
         self.connector = connector or DevicePutConnector()
@@ -162,15 +174,17 @@ class Engine:
     def _page_shape(self) -> tuple[int, int, int]:
         return (self.config.page_size, self.model.cfg.num_kv_heads, self.model.cfg.head_dim)
 
-    def _handoff_spec(self, compressed: bool) -> HandoffSpec:
-        """What a handoff into this decode pool must announce (`transfer.inbound`)."""
+    def _handoff_spec(self, compressed: bool, remote: bool = False) -> HandoffSpec:
+        """What a handoff into this decode pool must announce (`transfer.inbound`); one
+        from another process (`remote`) must also name this engine's fingerprint."""
         c, page = self.config, self._page_shape()
         return HandoffSpec(
             num_layers=self.model.cfg.num_layers, page_size=c.page_size,
             page_shape=(page[0] * page[1] * page[2] + 4,) if compressed else page,
             dtype="uint8" if compressed else c.dtype, vocab_size=self.model.cfg.vocab_size,
             max_model_len=c.max_model_len,
-            max_pages=min(c.pages_per_slot, c.pages_per_shard - 1))
+            max_pages=min(c.pages_per_slot, c.pages_per_shard - 1),
+            fingerprint=self.fingerprint if remote else "")
 
     def _staging_sharding(self) -> NamedSharding:
         """Where a `DevicePutConnector` copies each handoff's pages in `send`, before the
@@ -212,7 +226,8 @@ class Engine:
                                         layerwise_min_tokens=c.layerwise_min_tokens,
                                         handoff_wait_s=c.handoff_wait_ms / 1000,
                                         cache=self.prefill_cache,
-                                        chunk_tokens=c.prefill_chunk_tokens if chunked else None)
+                                        chunk_tokens=c.prefill_chunk_tokens if chunked else None,
+                                        fingerprint=self.fingerprint)
 
     def _build_decode(self) -> None:
         c, mesh, spec = self.config, self.meshes.decode, self.config.mesh
@@ -230,7 +245,8 @@ class Engine:
             receiver = CompressingReceiver(receiver, c.kv_transfer_dtype, self._page_shape(),
                                            c.dtype)
         queues = [InboundQueue(receiver, self._transfers, c.kv_part_timeout_s,
-                               self._handoff_spec(c.kv_transfer_dtype is not None),
+                               self._handoff_spec(c.kv_transfer_dtype is not None,
+                                                  remote=not spec.has_prefill),
                                remote=not spec.has_prefill)]
         if self.requests.has_local_prefill and not self.caching:
             # Prefill on the decode mesh itself, between decode steps, with the decode

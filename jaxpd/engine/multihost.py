@@ -40,7 +40,10 @@ import numpy as np
 
 BEAT_S = 0.5
 KEPT_TIMES = 1 << 16
-_PLAN, _BEAT = "jaxpd/plan/", "jaxpd/beat/"
+_PLAN, _BEAT, _MODEL = "jaxpd/plan/", "jaxpd/beat/", "jaxpd/model"
+# How long a follower waits for its leader's fingerprint: the leader loads the same
+# checkpoint first, and a large one takes minutes to read.
+MODEL_WAIT_S = 600.0
 _DTYPES = {"int32": np.int32, "float32": np.float32, "bool": np.bool_,
            "bfloat16": ml_dtypes.bfloat16}
 _MAX_ELEMENTS = 1 << 24   # a plan array larger than this is not one we send (pages: their own cap)
@@ -197,6 +200,42 @@ class PlanChannel:
             self.seq += 1
             return message
         return None
+
+    def check_model(self, fingerprint: str, timeout_s: float = MODEL_WAIT_S) -> None:
+        """Every process of a role must compute with the same weights. Each publishes
+        its `models.fingerprint` (signed); a follower compares the leader's with its
+        own, the leader every follower's, and a process whose checkpoint differs
+        raises PlanError naming both, before it builds or dispatches anything -- so
+        neither side waits for the other in a collective that would never match."""
+        pid = self.group.process_id
+        self.client.key_value_set_bytes(f"{_MODEL}/{pid}",
+                                        self.seal(b"model", pid, fingerprint.encode()),
+                                        allow_overwrite=True)
+        others = range(1, self.group.num_processes) if self.group.is_leader else (0,)
+        for other in others:
+            theirs = self._fingerprint_of(other, timeout_s)
+            if theirs == fingerprint:
+                continue
+            if self.group.is_leader:
+                raise PlanError(
+                    f"follower process {other}'s checkpoint differs from this leader's (model "
+                    f"fingerprint {theirs[:12]}, the leader's {fingerprint[:12]}): every "
+                    f"process of a role must load the same model files")
+            raise PlanError(
+                f"refusing to join: this follower's checkpoint differs from its leader's "
+                f"(model fingerprint {fingerprint[:12]}, the leader's {theirs[:12]}): every "
+                f"process of a role must load the same model files")
+
+    def _fingerprint_of(self, pid: int, timeout_s: float) -> str:
+        try:
+            data = self.client.blocking_key_value_get_bytes(f"{_MODEL}/{pid}",
+                                                            int(timeout_s * 1000))
+        except Exception as e:            # jax's runtime error type moved across versions
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
+            raise PlanError(f"process {pid} published no model fingerprint in "
+                            f"{timeout_s:g} s") from None
+        return self.open(b"model", pid, data).decode(errors="replace")
 
     # ---- liveness -------------------------------------------------------------------
     def beat(self, count: int, acked: int) -> None:

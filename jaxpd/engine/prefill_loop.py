@@ -53,7 +53,7 @@ class PrefillLoop:
                  stats: StatsCounter, *, on_decode_mesh: bool = False,
                  layerwise: list[tuple[int, int]] | None = None, layerwise_min_tokens: int = 0,
                  handoff_wait_s: float = 0.0, cache: PrefillCache | None = None,
-                 chunk_tokens: int | None = None):
+                 chunk_tokens: int | None = None, fingerprint: str = ""):
         self.runner, self.scheduler, self.sender = runner, scheduler, sender
         self.requests, self.inbox = requests, inbox
         self.page_size, self.stats = page_size, stats
@@ -62,6 +62,7 @@ class PrefillLoop:
         self.layerwise_min_tokens = layerwise_min_tokens
         self.handoff_wait_s = handoff_wait_s
         self.cache = cache
+        self.fingerprint = fingerprint     # stamped on every handoff (`models.fingerprint`)
         self.chunk_tokens = chunk_tokens
         if scheduler.chunked and (cache is None or chunk_tokens is None):
             raise ValueError("a chunked prefill scheduler needs a paged pool and chunk_tokens")
@@ -355,7 +356,7 @@ class PrefillLoop:
         payload = self.requests.payload_of(r, n)
         try:
             self.sender.send(KVHandoff(r.request_id, n, first, k_pages, v_pages, payload,
-                                       r.destination, part, first_page))
+                                       r.destination, part, first_page, self.fingerprint))
             return True
         except TransferError as e:
             # The decode side is unreachable or full: fail this request so the

@@ -209,7 +209,8 @@ class GenerationServicer:
             model_path=llm.model_path, vocab_size=llm.model_config.vocab_size,
             max_prompt_len=cfg.max_prompt_len, max_model_len=cfg.max_model_len,
             mesh=str(cfg.mesh), eos_token_ids=llm.model_config.eos_token_ids,
-            has_tokenizer=llm.tokenizer is not None, dtype=cfg.dtype, page_size=cfg.page_size)
+            has_tokenizer=llm.tokenizer is not None, dtype=cfg.dtype, page_size=cfg.page_size,
+            fingerprint=(llm.fingerprint or "")[:12])
 
     def Stats(self, request, context):
         self._llm(context)

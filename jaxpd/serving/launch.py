@@ -307,7 +307,12 @@ def _run_router(fv: flags.FlagValues) -> int:
              f"decode worker is live)")
         _say_http(fv, http)
         known, serving, attached, driver = {}, False, False, None
+        model, problems = "", []
         while not stop.is_set():             # health follows the live decode workers
+            if (router.fingerprint, router.problems()) != (model, problems):
+                model, problems = router.fingerprint, router.problems()
+                _say(f"jaxpd router: new requests go to model {model[:12] or '(none)'}"
+                     + "".join(f"; {p}" for p in problems))
             live = router.live_workers()
             for address in live.keys() - known.keys():
                 _say(f"jaxpd router: {live[address]} worker {address} joined")
@@ -328,7 +333,8 @@ def _run_router(fv: flags.FlagValues) -> int:
                     if http is not None:
                         http.set_serving(serving)
                     _say(f"jaxpd router {'SERVING' if serving else 'NOT_SERVING'}: "
-                         f"{'a' if serving else 'no'} live decode worker")
+                         + (f"model {router.fingerprint[:12]}" if serving else
+                            "; ".join(router.problems())))
             if fv.elastic and driver is None:
                 driver = _router_elastic_driver(fv, router, server)
             stop.wait(0.2)

@@ -132,7 +132,11 @@ class OpenAIService:
         body = {"status": status, "role": self.role, "mesh": None, "queue_waiting": 0,
                 "slots_active": 0, "slots_total": 0, "pages_used": 0, "pages_total": 0}
         if fe is not None:
-            body.update(_occupancy(dict(fe.stats())))
+            stats = dict(fe.stats())
+            body.update(_occupancy(stats))
+            body["fingerprint"] = (fe.fingerprint or "")[:12]
+            if stats.get("problems"):       # a router: why some workers cannot serve
+                body["problems"] = list(stats["problems"])
             if body["mesh"] is None:
                 body["mesh"] = str(fe.config.mesh)
         return (200 if status == "ok" else 503), body

@@ -27,8 +27,6 @@ FAILED_PRECONDITION, before any handler runs.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import os
 from typing import Any, Iterator
 
 import grpc
@@ -77,43 +75,25 @@ def _checked(fn):
 
 # ---- what a worker is ---------------------------------------------------------------
 
-def model_identity(model_path: str) -> str:
-    """sha256 over config.json's bytes and the weight files' relative names and sizes
-    (`*.safetensors`, and an orbax `params/` tree) -- or, for a GGUF file, over its size
-    and its first and last 4 MiB (metadata and tensor data): equal on two hosts that
-    hold the same checkpoint, without reading gigabytes of weights."""
-    from jaxpd.models.source import checkpoint_path, is_gguf
-    model_path = checkpoint_path(model_path)
-    h = hashlib.sha256()
-    if is_gguf(model_path):
-        size = os.path.getsize(model_path)
-        h.update(f"gguf\0{size}".encode())
-        with open(model_path, "rb") as f:
-            h.update(f.read(4 << 20))
-            f.seek(max(0, size - (4 << 20)))
-            h.update(f.read())
-        return h.hexdigest()
-    with open(os.path.join(model_path, "config.json"), "rb") as f:
-        h.update(f.read())
-    for root, dirs, files in os.walk(model_path):
-        dirs.sort()
-        rel_root = os.path.relpath(root, model_path)
-        for name in sorted(files):
-            rel = os.path.normpath(os.path.join(rel_root, name))
-            if name.endswith(".safetensors") or rel.split(os.sep)[0] == "params":
-                size = os.path.getsize(os.path.join(root, name))
-                h.update(f"\0{rel}\0{size}".encode())
-    return h.hexdigest()
+def router_identity(model_path: str) -> str:
+    """What the router itself serves of the checkpoint at `model_path`: its tokenizer
+    (`models.fingerprint.tokenizer_digest`). A worker must match it, since the router
+    turns text into ids for every worker; its weights may differ (another version)."""
+    from jaxpd.models.fingerprint import tokenizer_digest
+    from jaxpd.models.source import checkpoint_path
+    return tokenizer_digest(checkpoint_path(model_path))
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkerInfo:
     """What a worker says about itself at registration (and in Info): the router
-    refuses one whose model or limits differ from its own."""
+    refuses one whose tokenizer or limits differ from its own, and pairs a prefill
+    and a decode worker only when their `model` fingerprints are equal."""
     role: str
     address: str
     kv_address: str
-    model: str                # model_identity() of its checkpoint
+    model: str                # its engine's `models.fingerprint` (64 hex digits)
+    tokenizer: str            # `router_identity()` of its checkpoint
     max_model_len: int
     max_prompt_len: int
     vocab_size: int
@@ -144,6 +124,10 @@ class WorkerInfo:
                              f"got {info.kv_transport!r}")
         if not info.address:
             raise ValueError("address is empty")
+        from jaxpd.models.fingerprint import is_fingerprint
+        for name in ("model", "tokenizer"):
+            if not is_fingerprint(getattr(info, name)):
+                raise ValueError(f"{name} must be a fingerprint: 64 lower-case hex digits")
         return info
 
     def to_wire(self) -> dict:

@@ -42,7 +42,7 @@ from jaxpd.request import Request, State
 from jaxpd.serving.pool import ShrinkingThreadPool, health_handler
 from jaxpd.serving.role_switch import RoleSwitch
 from jaxpd.serving.role_rpc import (MAX_ADDRESS_LEN, MAX_REASON_LEN, ROLE_SERVICE,
-                                    SERVER_KEEPALIVE, WorkerInfo, model_identity, register,
+                                    SERVER_KEEPALIVE, WorkerInfo, register, router_identity,
                                     stream_handler, unary_handler)
 from jaxpd.validation import check_request, check_request_id, check_token_ids
 
@@ -61,14 +61,15 @@ class RoleService:
         self.kv_transport = kv_transport
         self.alive_every_s = alive_every_s
         self.role = "prefill" if engine.prefill_loop is not None else "decode"
-        self.model = model_identity(engine.model.path)
+        self.tokenizer = router_identity(engine.model.path)
         self.epoch = 1                  # one more per role switch (`role_switch`)
         self.switcher: RoleSwitch | None = None     # None: this worker keeps its role
 
     def info(self, address: str) -> WorkerInfo:
         c, m = self.engine.config, self.engine.model.cfg
         return WorkerInfo(role=self.role, address=address, kv_address=self.kv_address,
-                          model=self.model, max_model_len=c.max_model_len,
+                          model=self.engine.fingerprint, tokenizer=self.tokenizer,
+                          max_model_len=c.max_model_len,
                           max_prompt_len=c.max_prompt_len, vocab_size=m.vocab_size,
                           page_size=c.page_size, dtype=c.dtype, kv_transport=self.kv_transport,
                           epoch=self.epoch)

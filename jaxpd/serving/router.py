@@ -5,14 +5,23 @@ It speaks the same `Frontend` interface as `LLM`, so the gRPC `Generation` servi
 authenticated *internal* port (`listen`), never on the public one.
 
 Workers. A worker registers on the internal port (`Register`) with its `WorkerInfo`
-(model identity, limits, page size, dtype, KV transport) and then heartbeats the same
-call every `heartbeat_s` with its load. A worker whose model or limits differ from the
-router's is refused with FAILED_PRECONDITION naming the field; a malformed
-registration is INVALID_ARGUMENT. A worker whose last heartbeat is older than
+(model fingerprint, tokenizer, limits, page size, dtype, KV transport) and then
+heartbeats the same call every `heartbeat_s` with its load. A worker whose tokenizer
+or limits differ from the router's is refused with FAILED_PRECONDITION naming the
+field; a malformed registration is INVALID_ARGUMENT. A worker whose last heartbeat is older than
 `lease_s` is dropped, and every call the router has open on it is cancelled: its
 requests fail over exactly as for a SIGKILLed worker. Workers given statically
 (`prefill=`, `decode=`) are probed with `Info` instead, checked the same way before
 their first use, and count as live while they answer.
+
+Model versions. Workers whose fingerprints (`models.fingerprint`: weights, tokenizer,
+attention config, KV dtype, page size) differ serve different *versions*, side by
+side: KV of one is meaningless to another, so a prefill worker only ever sends KV to a
+decode worker of its own fingerprint. A new request goes to the newest version (by
+first registration) that has a live decode and a live prefill worker, else the newest
+with a live decode worker (it prefills on its own mesh); it stays on that version for
+its whole life, failovers included, and fails with the reason when the version is
+gone. This is how a rolling update runs (`launch/rolling_update.sh`).
 
 Each request runs on one thread of a bounded pool (`jaxpd-router-*`; the steps are
 `jaxpd.serving.router_flow`):
@@ -41,9 +50,11 @@ stalled streams; `stats()` asks every live worker for `Info` in parallel
 (`jaxpd-router-info`) within `info_timeout_s`: a frozen worker costs that once.
 
 SERVING (`ready()`): the router is not shut down and holds at least one live decode
-worker (registered with the router's model and limits, its lease running; or static and
-answering its probes). Prefill workers are optional: without one, the decode worker
-prefills on its own mesh. Public health follows this at once, both ways.
+worker (registered with the router's tokenizer and limits, its lease running; or static
+and answering its probes). Prefill workers are optional: without one, the decode worker
+prefills on its own mesh. Public health follows this at once, both ways, and says why
+it cannot serve (`problems()`), e.g. prefill workers whose model no decode worker
+serves.
 """
 from __future__ import annotations
 
@@ -66,7 +77,8 @@ from jaxpd.serving.router_config import RouterConfig, registration_mismatch
 from jaxpd.serving.router_flow import RequestFlow
 from jaxpd.serving.router_split import deployment_totals
 from jaxpd.serving.role_rpc import (ROLES, ROUTER_SERVICE, RoleClient, WorkerInfo, check_load,
-                                    model_identity, unary_handler)
+                                    router_identity, unary_handler)
+from jaxpd.models.fingerprint import short
 from jaxpd.models.source import model_config_and_tokenizer
 
 _log = logging.getLogger(__name__)
@@ -106,7 +118,10 @@ class Router(RequestFlow, Frontend):
                  auth: InternalAuth = NO_AUTH):
         self.model_path = model_dir
         self.model_config, self.tokenizer = model_config_and_tokenizer(model_dir)
-        self.model_identity = model_identity(model_dir)
+        self.tokenizer_digest = router_identity(model_dir)
+        # fingerprint -> order of first registration, for the versions workers serve
+        self._versions: dict[str, int] = {}
+        self._num_versions = 0
         self.config = config
         self.auth = auth
         self._lock = threading.Lock()
@@ -183,7 +198,7 @@ class Router(RequestFlow, Frontend):
         refused, naming the field, or None."""
         with self._lock:
             refusal = registration_mismatch(
-                info, self.model_identity, self.model_config.vocab_size, self.config,
+                info, self.tokenizer_digest, self.model_config.vocab_size, self.config,
                 self._pinned)
             if refusal is not None:
                 return refusal
@@ -194,15 +209,81 @@ class Router(RequestFlow, Frontend):
                 w = self._workers[info.address] = _Worker(info.role, info.address,
                                                           self._client(info.address), static)
                 _log.info("%s worker %s joined", info.role, info.address)
+            elif w.info is not None and w.info.model != info.model:
+                self._lose(w, "re-registered serving another model")
+                w = self._workers[info.address] = _Worker(info.role, info.address,
+                                                          self._client(info.address), static)
+            if info.model not in self._versions:
+                held = {x.info.model for x in self._workers.values() if x.info is not None}
+                for gone in [m for m in self._versions if m not in held]:
+                    del self._versions[gone]        # no worker serves it any more
+                self._versions[info.model] = self._num_versions
+                self._num_versions += 1
+                _log.info("model version %s joined (%s worker %s)", short(info.model),
+                          info.role, info.address)
             for field in ("dtype", "kv_transport"):
                 self._pinned.setdefault(field, getattr(info, field))
             w.info, w.load, w.seen, w.live = info, load, time.monotonic(), True
         return None
 
-    def _live_workers(self, role: str, exclude=()) -> list[_Worker]:
+    def _live_workers(self, role: str, exclude=(), model: str | None = None) -> list[_Worker]:
+        """Live workers of `role` the router may choose, of fingerprint `model` if given."""
         with self._lock:
             return [w for w in self._workers.values()
-                    if w.live and not w.draining and w.role == role and w.address not in exclude]
+                    if w.live and not w.draining and w.role == role and w.address not in exclude
+                    and (model is None or w.info.model == model)]
+
+    def _live_models(self) -> dict[str, set[str]]:
+        """fingerprint -> the roles it has live and choosable."""
+        models: dict[str, set[str]] = {}
+        with self._lock:
+            for w in self._workers.values():
+                if w.live and not w.draining and w.info is not None:
+                    models.setdefault(w.info.model, set()).add(w.role)
+        return models
+
+    def serving_model(self) -> str | None:
+        """The fingerprint new requests go to: the newest version with a live decode and
+        a live prefill worker, else the newest with a live decode worker; None if none."""
+        models = self._live_models()
+        with self._lock:
+            order = dict(self._versions)
+        servable = [m for m, roles in models.items() if "decode" in roles]
+        paired = [m for m in servable if "prefill" in models[m]]
+        for choice in (paired, servable):
+            if choice:
+                return max(choice, key=lambda m: order.get(m, -1))
+        return None
+
+    @property
+    def fingerprint(self) -> str:
+        """The serving model's fingerprint ("" while none is servable)."""
+        return self.serving_model() or ""
+
+    def problems(self) -> list[str]:
+        """Why some live workers cannot serve, one line each: no decode worker at all,
+        or a model version whose prefill workers have no decode worker of the same
+        fingerprint (their KV would be meaningless to any other)."""
+        models = self._live_models()
+        found = [f"prefill workers of model {short(m)} have no decode worker serving "
+                 f"the same model (fingerprint), so they are never used"
+                 for m, roles in sorted(models.items()) if roles == {"prefill"}]
+        if not any("decode" in roles for roles in models.values()):
+            found.insert(0, "no live decode worker")
+        return found
+
+    def versions(self) -> list[dict]:
+        """Every live model version, newest first: its short fingerprint and live
+        workers per role."""
+        with self._lock:
+            order = dict(self._versions)
+            counts: dict[str, dict[str, int]] = {}
+            for w in self._workers.values():
+                if w.live and w.info is not None:
+                    c = counts.setdefault(w.info.model, {role: 0 for role in ROLES})
+                    c[w.role] += 1
+        return [{"model": short(m), **c} for m, c in
+                sorted(counts.items(), key=lambda mc: -order.get(mc[0], -1))]
 
     def switch_role(self, address: str, role: str, timeout_s: float = 600.0) -> dict:
         """Have the worker at `address` become a `role` worker (`role_switch`): nothing
@@ -241,7 +322,7 @@ class Router(RequestFlow, Frontend):
 
     def ready(self) -> bool:
         """SERVING: see the module docstring (at least one live decode worker)."""
-        return not self._closed.is_set() and bool(self._live_workers("decode"))
+        return not self._closed.is_set() and self.serving_model() is not None
 
     # ---- liveness -----------------------------------------------------------------
 
@@ -372,7 +453,9 @@ class Router(RequestFlow, Frontend):
                 w = asked[f]
                 found[w.role].append(dict(f.result(), address=w.address))
         return {"mesh": self.config.mesh, "in_flight": in_flight, **deployment_totals(found),
-                **self.counters.snapshot(), "workers": found}
+                **self.counters.snapshot(), "workers": found,
+                "fingerprint": short(self.fingerprint), "versions": self.versions(),
+                "problems": self.problems()}
 
     def shutdown(self) -> None:
         with self._lock:

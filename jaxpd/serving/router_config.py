@@ -45,16 +45,18 @@ class RouterConfig:
     mesh = "router"
 
 
-def registration_mismatch(info, model_identity: str, vocab_size: int, config: RouterConfig,
+def registration_mismatch(info, tokenizer: str, vocab_size: int, config: RouterConfig,
                           pinned: dict) -> str | None:
     """Why the router refuses the worker `info` (a `WorkerInfo`), naming the field, or
-    None: another model, vocabulary or page size, a dtype or KV transport other than the
-    deployment's (`pinned` by the first worker), or limits below the router's."""
+    None: another tokenizer, vocabulary or page size, a dtype or KV transport other than
+    the deployment's (`pinned` by the first worker), or limits below the router's.
+    Other weights are no refusal: the worker joins as another model version, and the
+    router pairs it only with workers of the same fingerprint."""
     who = f"{info.role} worker {info.address}"
-    if info.model != model_identity:
-        return (f"model: {who} serves another checkpoint (identity {info.model[:16]}..., "
-                f"the router's is {model_identity[:16]}...): every role must load the "
-                f"same model files")
+    if info.tokenizer != tokenizer:
+        return (f"tokenizer: {who} serves a checkpoint with another tokenizer (digest "
+                f"{info.tokenizer[:12]}, the router's is {tokenizer[:12]}): the router "
+                f"tokenizes for every worker, so all must use its tokenizer files")
     same = {"vocab_size": vocab_size, "page_size": config.page_size, **pinned}
     for field, want in same.items():
         if getattr(info, field) != want:

@@ -1,7 +1,8 @@
 """How the router runs one request (a `Router` method set, split from the worker pool
 in `jaxpd.serving.router`): pick a decode worker and open its stream, have a prefill
 worker send the KV there (or the decode worker prefill itself), relay the tokens, and
-fail over to another decode worker when the stream breaks."""
+fail over to another decode worker when the stream breaks. A request keeps the model
+version (fingerprint) it started on: every worker it meets serves that fingerprint."""
 from __future__ import annotations
 
 import logging
@@ -38,10 +39,14 @@ class RequestFlow:
     def _run_until_final(self, r: Request) -> None:
         tried: set[str] = set()
         query = self.prefix.query(r.prefill_ids) if self.prefix is not None else None
+        model = self.serving_model()
         while not r.is_final:
-            decoders = self._live_workers("decode", exclude=tried)
+            decoders = [] if model is None else self._live_workers("decode", tried, model)
             if not decoders:
-                if r.abort("failed: no decode worker reachable"):
+                why = ("failed: no decode worker reachable" if model is None else
+                       f"failed: no decode worker of model {model[:12]} (the version this "
+                       f"request started on) reachable")
+                if r.abort(why):
                     self.counters.add(aborted=1)
                 return
             decoder, cached = self._choose_decoder(decoders, query)
@@ -103,12 +108,14 @@ class RequestFlow:
         best = max(roomy, key=lambda w: (cached[w.address], -w.num_calls))
         return best, cached[best.address]
 
-    def _prefill_order(self, r: Request, query: PrefixQuery | None) -> list[_Worker]:
-        """Prefill workers, cheapest first: the tokens each would compute (all but the
+    def _prefill_order(self, r: Request, decoder: _Worker, query: PrefixQuery | None
+                       ) -> list[_Worker]:
+        """Prefill workers of `decoder`'s fingerprint (another model's KV would be
+        meaningless there), cheapest first: the tokens each would compute (all but the
         prefix its cache is believed to hold, `prefix_index`) plus its queue, counted in
         requests of this one's length (Dynamo's "blocks to compute + load"). Without
         prefix routing, the least loaded first."""
-        workers = self._live_workers("prefill")
+        workers = self._live_workers("prefill", model=decoder.info.model)
         if query is None:
             return sorted(workers, key=lambda w: w.load["queue"] + w.num_calls)
         n = r.num_tokens
@@ -119,7 +126,7 @@ class RequestFlow:
         return sorted(workers, key=cost)
 
     def _prefill(self, r: Request, decoder: _Worker, query: PrefixQuery | None) -> None:
-        for p in self._prefill_order(r, query):
+        for p in self._prefill_order(r, decoder, query):
             call = self._track(r, p, p.client.prefill(r.to_wire(), decoder.info.kv_address,
                                                       timeout=self.config.prefill_timeout_s,
                                                       epoch=p.info.epoch),

@@ -30,6 +30,7 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
     `shutdown_timeout_s` before they are cut (the router fails them over);
     `wait_for_compiles` False leaves a background compile running (the caller ends the
     process with `os._exit`)."""
+    from jaxpd.engine.multihost import PlanError
     from jaxpd.llm import LLM
 
     plan = None
@@ -64,6 +65,11 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
             from jaxpd.serving.follower import weights_note
             say(f"jaxpd {role} leader 0/{plan.group.num_processes} of the mesh "
                 f"{llm.config.mesh}{weights_note(llm)}")
+    except PlanError as e:
+        # Its mesh's processes disagree (another checkpoint): no program can run on it,
+        # and jax's exit would wait for a follower that is gone.
+        watch.stop()
+        role_lost(role)(str(e))
     except _Interrupted:
         say(f"jaxpd {role} worker stopped while starting")
         if watch is not None:
@@ -99,7 +105,8 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
             server.register_with(router, heartbeat_s, on_refused=lambda _: stop.set())
         processes = f", {group.num_processes} processes" if plan is not None else ""
         say(f"jaxpd {role} worker on {server.address} (mesh {llm.config.mesh}{processes}, "
-            f"kv {transport} {kv_address or 'sender'}, auth: {auth.describe()})")
+            f"kv {transport} {kv_address or 'sender'}, auth: {auth.describe()}, model "
+            f"{llm.fingerprint[:12]})")
         # Timed: the signal handler that sets `stop` runs only once the main thread
         # wakes, and the signal may have landed on another thread.
         while not stop.wait(0.2):

@@ -161,7 +161,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_path", "vocab_size", "max_prompt_len", "max_model_len", "mesh", "eos_token_ids", "has_tokenizer", "dtype", "page_size")
+    __slots__ = ("model_path", "vocab_size", "max_prompt_len", "max_model_len", "mesh", "eos_token_ids", "has_tokenizer", "dtype", "page_size", "fingerprint")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class ModelInfoResponse(_message.Message):
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     vocab_size: int
     max_prompt_len: int
@@ -180,7 +181,8 @@ class ModelInfoResponse(_message.Message):
     has_tokenizer: bool
     dtype: str
     page_size: int
-    def __init__(self, model_path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_prompt_len: _Optional[int] = ..., max_model_len: _Optional[int] = ..., mesh: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
+    fingerprint: str
+    def __init__(self, model_path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_prompt_len: _Optional[int] = ..., max_model_len: _Optional[int] = ..., mesh: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
