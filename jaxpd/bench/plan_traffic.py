@@ -60,7 +60,8 @@ def _role(process_id: int, coordinator: str, repeats: int, token: str) -> None:
             time.sleep(0.002)
     for slots, width in STEPS:
         args = (np.zeros(slots, np.int32), np.ones(slots, bool), np.zeros(slots, np.int32),
-                np.zeros((slots, width), np.int32), SamplingArrays.empty(slots))
+                np.zeros((slots, width), np.int32), SamplingArrays.empty(slots),
+                np.arange(slots, dtype=np.int32))
         for _ in range(repeats):
             _timed(channel, step_message(*args), rows, kind="step", slots=slots, width=width)
             time.sleep(0.002)
