@@ -49,10 +49,10 @@ from jaxpd.sizes import coarse_ceil, coarse_sizes
 def cache_pages(config, scheduler, chunked: bool = False, reuse: bool = True) -> int:
     """Pages (with the null page) of the prefill mesh's cache: `prefill_cache_pages`,
     by default a decode shard's count when it `reuse`s pages (else just what it must
-    hold); never fewer than admit any batch `scheduler`
-    forms (references never outlive a batch) and, when long prompts are prefilled in
-    chunks (`chunked`), one longest request beside it (its pages live across batches);
-    else a ValueError naming the field."""
+    hold); never fewer than admit any batch `scheduler` forms (references never
+    outlive a batch) and, when long prompts are prefilled in chunks (`chunked`), one
+    longest request beside it (its pages live across batches); else a ValueError
+    naming the field."""
     c = config
     needed = 1 + max(scheduler.batch_cap(b) * min(pages_for(b, c.page_size), c.pages_per_slot)
                      for b in scheduler.buckets)
@@ -92,8 +92,8 @@ class PrefillCache:
     `max_pages`: pages of the longest request (a block table's width is at most this);
     `root`: the hash chain's root (`Engine._prefix_root`); `journal`: where publishes
     and evictions are noted for the router. `root` None: a pool without reuse (prefix
-    caching off), which only holds the pages of long prompts prefilled in chunks
-    (`run_chunk`): nothing is shared or published."""
+    caching off): every batch and chunk still computes into its pages, released after
+    the handoff, but nothing is shared or published."""
 
     def __init__(self, cfg: ModelConfig, params, mesh: Mesh, rules, num_pages: int,
                  page_size: int, max_pages: int, root: bytes, counter: CompileCounter,

@@ -8,8 +8,9 @@
                  while the next group computes.
 `DecodeRunner`   decode mesh (dp x tp): owns the paged KV pool and the slots' penalty
                  context (`penalties.SlotPenalties`), donated into every call so updates
-                 happen in place. `insert` writes arrived pages, `set_penalties` a slot's
-                 penalty context, `step` feeds one token per slot and samples the next
+                 happen in place. `insert` writes arrived pages (padded to `coarse_ceil`
+                 of their count), `set_penalties` a slot's penalty context, `step` feeds
+                 one token to each of some slots (a row each) and samples the next
                  (penalties and log-probabilities per row, `sampler`). Both run under
                  `shard_map` over dp: each dp shard touches only its own slots and pages,
                  block tables hold shard-local page ids, tp inside a shard is GSPMD's.

@@ -18,9 +18,10 @@ from jaxpd.sizes import coarse_sizes
 
 
 def warm_up(engine, progress: Callable[[str], None]) -> None:
-    """Every prefill (batch, length) bucket, every decode context width, every
-    insert size and the penalty context update. Runs before the engine's threads
-    start; the decode calls only touch the null page."""
+    """Every prefill (batch, length) bucket and long-prompt chunk, every decode (rows,
+    context width), every padded insert and take size and the penalty context update.
+    Runs before the engine's threads start; the decode calls only touch the null
+    page."""
     for loop in (engine.prefill_loop, engine.local_loop):
         if loop is not None:
             _warm_prefill(loop, progress)
