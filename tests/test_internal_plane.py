@@ -285,15 +285,6 @@ class ScriptedWorker(FakeWorker):
         super().__init__(**kwargs)
         self.event = event
 
-    def Prefill(self, msg, context):
-        self.prefill_calls += 1
-        self.destinations.append(msg["destination"])
-        return {"status": "handed_off"}
-
-    def Reprefill(self, msg, context):
-        self.reprefill_calls += 1
-        return {"ok": True}
-
     def Decode(self, msg, context):
         self.decode_calls += 1
         yield {"registered": True}
