@@ -73,9 +73,9 @@ def _check_native(kind: str, dtype: str) -> None:
 def prefix_caching_by_default(config: "EngineConfig") -> bool:
     """Whether `enable_prefix_caching=None` turns the cache on: for disaggregated meshes
     -- one process holding a prefill mesh beside a decode mesh, and the prefill and
-    decode role processes of a router deployment -- where fresh prompts were measured
-    as fast with it as without (BENCHMARKS.md 10c, 10d, 10f), and repeated prefixes
-    2-4x faster to a first token. Off elsewhere until measured: colocated meshes (whose
+    decode role processes of a router deployment -- where fresh prompts are as fast
+    with it as without and repeated prefixes reach their first token sooner. Off
+    elsewhere until measured: colocated meshes (whose
     every prefill runs with context), and what the cache does not support (elastic,
     layer-wise or compressed transfer; a role spanning processes, which the launcher
     resolves off)."""

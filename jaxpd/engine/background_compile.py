@@ -1,17 +1,17 @@
 """`BackgroundCompiler`: programs compiled on a thread of their own while the engine
-serves (issue 15: the prefix cache's warm-up).
+serves.
 
-A prefill with context is one program per (rows, new tokens, prefix width): with the
-prefix cache on, warming them all up took 4-5x the cache-off warm-up (BENCHMARKS.md
-section 10c) and mapped tens of thousands of regions of JIT code. After warm-up, a
+A prefill with context is one program per (rows, new tokens, prefix width): warming
+them all up would take several times the cache-off warm-up and map tens of
+thousands of regions of JIT code. After warm-up, a
 program the cache has not compiled yet is asked for here (`request`) and the loop
 serves its batch another way meanwhile (without the prefix: what the cache-off engine
 computes), so nothing waits for a compile and nothing is compiled that traffic never
 needs. `get` returns the compiled program once it is ready. A compile that fails is
 logged and remembered (`failed`): that shape keeps the fallback.
 
-A compile competes with serving while it runs: on 2 cores a tiny model's decode ran
-about 2x slower during one (BENCHMARKS.md section 10d). The lowest CPU priority for
+A compile competes with serving while it runs: on few cores it slows decode steps
+while it lasts. The lowest CPU priority for
 this thread made it worse (the thread holding the GIL was preempted while the serving
 thread waited for it), and a shorter GIL switch interval did not help, so neither is
 used: it is a one-off per program shape, and a benchmark settles it (`settle`).

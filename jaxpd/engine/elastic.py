@@ -1,4 +1,4 @@
-"""An elastic split in one process (issue 17): `--mesh elastic=N` serves as
+"""An elastic split in one process: `--mesh elastic=N` serves as
 `prefill=P,decode=N-P`, and `resplit(engine, P')` (`LLM.resplit`) moves devices
 between the two meshes while it serves.
 

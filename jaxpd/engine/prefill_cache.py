@@ -1,4 +1,4 @@
-"""`PrefillCache`: the prefill mesh's own prefix cache (issue 15).
+"""`PrefillCache`: the prefill mesh's paged pool and its own prefix cache.
 
 Without it a prefill mesh keeps nothing between batches: each batch computes its
 prompts into a dense [B, T] bucket, the connector takes the pages, and the next turn

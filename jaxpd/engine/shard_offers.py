@@ -1,5 +1,5 @@
 """Per-shard KV offers: a prefill mesh spanning processes hands the decode side each
-process's own kv-head shards, not a gathered copy (issue 16).
+process's own kv-head shards, not a gathered copy.
 
 Without this, the take program of a mesh spanning processes all-gathers every row's
 pages onto every device (a collective carrying the whole KV between the processes),
