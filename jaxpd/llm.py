@@ -26,9 +26,6 @@ from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
 _log = logging.getLogger("jaxpd.llm")
 
 
-_log = logging.getLogger(__name__)
-
-
 def default_kv_cache_memory(device) -> int:
     """A KV pool's budget in bytes when none is given: `CPU_KV_CACHE_BYTES` on CPU; on an
     accelerator `ACCELERATOR_KV_FRACTION` of the memory it reports (that budget on one

@@ -39,6 +39,9 @@ class Runner:
         self.prev_tokens = np.zeros(SLOTS, np.int32)
         self.k_pool = np.zeros(POOL, np.float32)
 
+    def every_slot(self):
+        return np.tile(np.arange(self.slots_per_shard, dtype=np.int32), self.num_shards)
+
     def step(self, tokens, fed, positions, tables, sampling, rows):
         self.calls.append(("step", tokens.tolist(), fed.tolist(), positions.tolist(),
                            tables.tolist(), sampling.floats.tolist(), rows.tolist()))

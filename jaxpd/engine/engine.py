@@ -164,9 +164,9 @@ class Engine:
     def _pages_prefill(self) -> bool:
         """Whether the prefill mesh computes into a paged pool of its own (`PrefillCache`,
         reused when prefix caching is on): a mesh of its own in one process, not
-        elastic, without layer-wise transfer (which sends from the dense bucket). Its
-        programs then take the pages a handoff carries in the background, and it
-        prefills long prompts in chunks."""
+        elastic, without layer-wise transfer (which sends from the dense bucket). A
+        handoff's pages are then gathered from the pool by programs warm-up compiles
+        (one per padded count), and long prompts are prefilled in chunks."""
         c = self.config
         return (not c.mesh.colocated and not c.mesh.elastic and self.plan is None
                 and c.layerwise_min_tokens == 0)

@@ -176,7 +176,7 @@ class LeaderDecodeRunner:
              sampling: SamplingArrays, rows=None):
         r = self._runner
         if rows is None:
-            rows = np.tile(np.arange(r.slots_per_shard, dtype=np.int32), r.num_shards)
+            rows = r.every_slot()
         self.channel.publish(step_message(host_tokens, fed_from_host, positions, block_tables,
                                           sampling, rows))
         nxt, logprobs = r.step(host_tokens, fed_from_host, positions, block_tables, sampling,

@@ -297,13 +297,17 @@ class DecodeRunner:
         their `Logprobs`, on device (read them back only when some row asked). One
         program per (b, context width)."""
         if rows is None:
-            rows = np.tile(np.arange(self.slots_per_shard, dtype=np.int32), self.num_shards)
+            rows = self.every_slot()
         self.counter.note("decode", block_tables.shape)
         p = self.penalties
         nxt, logprobs, self.k_pool, self.v_pool, p.counts, self.prev_tokens = self._step(
             self.params, self.k_pool, self.v_pool, p.counts, p.prompt, self.prev_tokens,
             rows, host_tokens, fed_from_host, positions, block_tables, sampling)
         return nxt, logprobs
+
+    def every_slot(self) -> np.ndarray:
+        """`step`'s rows for every slot, in order: each shard's local slot ids."""
+        return np.tile(np.arange(self.slots_per_shard, dtype=np.int32), self.num_shards)
 
     def extend(self, tokens, starts, lengths, prefix_tables, new_tables, row_slots,
                sampling: SamplingArrays) -> tuple[jax.Array, Logprobs]:
