@@ -132,6 +132,10 @@ class EngineConfig:
     # of this many tokens, each attending to the pages of the ones before it, so its
     # programs stop at this length whatever max_model_len is (a power of two).
     prefill_chunk_tokens: int = 2048
+    # Colocated meshes: each engine iteration runs one decode step and prefills at most
+    # this many (padded) prompt tokens, a long prompt in chunks of it, so it delays the
+    # running streams by one chunk per step (a power of two; None: whole prompts).
+    chunked_prefill_tokens: int | None = None
     max_prefill_tokens: int | None = None  # default: max(8 * 256, largest bucket)
     bucket_timeout_ms: float = 5.0
     min_prefill_batch: int = 1
@@ -186,6 +190,14 @@ class EngineConfig:
                 self.prefill_chunk_tokens & (self.prefill_chunk_tokens - 1):
             raise ValueError(f"prefill_chunk_tokens must be a power of two >= {self.min_bucket}, "
                              f"got {self.prefill_chunk_tokens}")
+        if self.chunked_prefill_tokens is not None:
+            if not self.mesh.colocated:
+                raise ValueError(f"chunked_prefill_tokens is for colocated meshes, not "
+                                 f"{self.mesh}; a prefill mesh chunks by prefill_chunk_tokens")
+            if self.chunked_prefill_tokens < self.min_bucket or \
+                    self.chunked_prefill_tokens & (self.chunked_prefill_tokens - 1):
+                raise ValueError(f"chunked_prefill_tokens must be a power of two >= "
+                                 f"{self.min_bucket}, got {self.chunked_prefill_tokens}")
         if self.bucket_timeout_ms < 0:
             raise ValueError(f"bucket_timeout_ms must be >= 0, got {self.bucket_timeout_ms}")
         if self.kv_transfer_dtype not in (None, "int8", "fp8"):

@@ -99,6 +99,11 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                          "A prefill mesh prefills a prompt longer than this (a power of two) "
                          "in chunks of this many tokens, each attending to the earlier ones.",
                          lower_bound=16, flag_values=fv)
+    flags.DEFINE_integer("chunked_prefill_tokens", None,
+                         "Colocated meshes: each engine iteration runs one decode step and "
+                         "prefills at most this many prompt tokens (a power of two), a long "
+                         "prompt in chunks of it. Unset: whole prompts between steps.",
+                         lower_bound=16, flag_values=fv)
     flags.DEFINE_float("bucket_timeout_ms", 5.0, "Longest wait for a prefill batch to fill.",
                        lower_bound=0, flag_values=fv)
     flags.DEFINE_integer("max_queued", 1024, "Requests waiting for prefill before new ones "
@@ -382,6 +387,7 @@ def engine_options(fv: flags.FlagValues) -> dict:
     options = dict(mesh=fv.mesh, dtype=fv.dtype, page_size=fv.page_size,
                    slots_per_shard=fv.slots_per_shard, max_prefill_batch=fv.max_prefill_batch,
                    prefill_chunk_tokens=fv.prefill_chunk_tokens,
+                   chunked_prefill_tokens=fv.chunked_prefill_tokens,
                    bucket_timeout_ms=fv.bucket_timeout_ms, max_queued=fv.max_queued,
                    layerwise_min_tokens=fv.layerwise_min_tokens,
                    layerwise_parts=fv.layerwise_parts, kv_transfer_dtype=fv.kv_transfer_dtype,
