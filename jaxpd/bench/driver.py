@@ -240,16 +240,20 @@ class EngineBackend(FrontendBackend):
 
     def __init__(self, model_dir: str, mesh: str, engine_options: dict,
                  warmup_requests: Sequence[BenchRequest] = (),
-                 warm_prompt_lens: Sequence[int] = (), compile_ahead: bool = True):
+                 warm_prompt_lens: Sequence[int] = (), compile_ahead: bool = True,
+                 name: str | None = None):
         from jaxpd.llm import LLM
-        self.name = mesh
+        self.name = name or mesh
         self.front = self.llm = LLM(model_dir, mesh=mesh, warmup=compile_ahead,
                                     **engine_options)
         if compile_ahead:
             self.warm(warmup_requests, warm_prompt_lens)
 
     def prefill_shapes(self, prompt_lens: Sequence[int]) -> list[tuple[int, int]]:
-        return padded_prefill_shapes(self.llm.engine.prefill_scheduler, prompt_lens)
+        engine = self.llm.engine
+        if engine.prefill_loop is None:     # every prompt prefilled into its slot
+            return []
+        return padded_prefill_shapes(engine.prefill_scheduler, prompt_lens)
 
     def is_idle(self) -> bool:
         return self.llm.engine.is_idle()
