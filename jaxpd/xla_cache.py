@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import os
 
-from jaxpd.model_registry import cache_dir
+from jaxpd import paths
 
 OFF = "none"
 
 
 def default_dir() -> str:
-    """`$JAX_COMPILATION_CACHE_DIR` if set, else `$JAXPD_CACHE/xla` (~/.cache/jaxpd/xla)."""
-    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache_dir(), "xla")
+    """`$JAX_COMPILATION_CACHE_DIR` if set, else `$JAXPD_CACHE/xla` (`jaxpd.paths`)."""
+    return paths.xla_dir()
 
 
 def enable(path: str | None) -> str | None:

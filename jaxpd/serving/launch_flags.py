@@ -135,7 +135,7 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                       "(per-page scales; lossy). Unset: send it as stored.", flag_values=fv)
     flags.DEFINE_string("compilation_cache_dir", None, "Keep compiled programs here and "
                         "load them on the next start ('none': off). Default: "
-                        "$JAX_COMPILATION_CACHE_DIR, else $JAXPD_CACHE/xla (~/.cache/jaxpd/xla).",
+                        "$JAX_COMPILATION_CACHE_DIR, else $JAXPD_CACHE/xla (jaxpd.paths).",
                         flag_values=fv)
     flags.DEFINE_bool("enable_prefix_caching", None, "Cache full KV pages by content on "
                       "the decode mesh and on the prefill mesh: a request sharing a cached "
