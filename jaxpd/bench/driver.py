@@ -294,11 +294,7 @@ def ensure_cpu_devices(num_devices: int) -> None:
     only concerns the host platform; accelerators ignore the flag.
     """
     import os
-    import re
-    flag = "--xla_force_host_platform_device_count"
-    flags = os.environ.get("XLA_FLAGS", "")
-    found = re.search(rf"{flag}=(\d+)", flags)
-    if found and int(found.group(1)) >= num_devices:
-        return
-    flags = re.sub(rf"{flag}=\d+", "", flags)
-    os.environ["XLA_FLAGS"] = f"{flags} {flag}={num_devices}".strip()
+
+    from jaxpd.sharding.cpu_devices import xla_flags_with_count
+    os.environ["XLA_FLAGS"] = xla_flags_with_count(os.environ.get("XLA_FLAGS", ""),
+                                                   num_devices, at_least=True)

@@ -21,6 +21,8 @@ import time
 
 import numpy as np
 
+from jaxpd.sharding.cpu_devices import xla_flags_with_count
+
 SHAPES = [(1, 64), (8, 128), (8, 512), (4, 1024)]      # (batch rows, bucket tokens)
 STEPS = [(8, 8), (32, 16), (64, 64)]                   # (decode slots, block-table width)
 # (name, [L, S, K, H] of a page, dtype, page counts): the built-in default model on CPU
@@ -117,7 +119,8 @@ def main(argv=None) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         coordinator = f"127.0.0.1:{s.getsockname()[1]}"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ,
+           "XLA_FLAGS": xla_flags_with_count(os.environ.get("XLA_FLAGS", ""), 1)}
     procs = [subprocess.Popen([sys.executable, "-m", "jaxpd.bench.plan_traffic", "--role",
                                str(i), "--coordinator", coordinator, "--repeats",
                                str(a.repeats)], stdout=subprocess.PIPE, text=True, env=env)

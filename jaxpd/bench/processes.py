@@ -68,7 +68,7 @@ def make_deployment(mesh: str, prefill_cpus: str | None, decode_cpus: str | None
     sets split the CPUs this process may use: the first half (rounded up) for prefill,
     the rest for decode. ValueError naming the flag when a set is empty, names CPUs this
     process may not use, or the two overlap (isolation is the point of the deployment)."""
-    from jaxpd.serving.launch_flags import parse_cpus
+    from jaxpd.sharding.cpu_devices import parse_cpus
     from jaxpd.sharding.spec import parse_mesh_spec
     spec = parse_mesh_spec(mesh)
     if spec.colocated or not (spec.has_prefill and spec.has_decode):

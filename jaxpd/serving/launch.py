@@ -31,8 +31,9 @@ import time
 from absl import app, flags
 
 from jaxpd.serving.launch_flags import (_role_auth, define_flags, engine_options,  # noqa: F401
-                                        elastic_error, internal_auth, multihost_error,
-                                        parse_cpus, pin_cpus, set_cpu_device_count)
+                                        elastic_error, internal_auth, multihost_error)
+from jaxpd.sharding.cpu_devices import (parse_cpus, pin_cpus,  # noqa: F401
+                                        set_cpu_device_count)
 from jaxpd.sharding.spec import AUTO, auto_mesh
 
 
