@@ -19,7 +19,7 @@ from jaxpd.transfer.connector import KVHandoff
 from jaxpd.transfer.device_put import DevicePutConnector
 from jaxpd.transfer.wire import TransferError
 from tests.fake_runner import FakeRunner, InlineExecutor, pages
-from tests.test_decode_loop import LAYERS, PAGE_SIZE, assert_no_page_held, make, run
+from tests.support.decode_env import LAYERS, PAGE_SIZE, assert_no_page_held, make, run
 
 FP_HERE, FP_OTHER = "1" * 64, "2" * 64
 

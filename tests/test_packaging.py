@@ -34,11 +34,38 @@ def _python(code: str, *flags: str, cwd: str = ROOT, env=None) -> subprocess.Com
 @pytest.mark.parametrize("module", ["jaxpd", "jaxpd.metrics", "jaxpd.errors",
                                     "jaxpd.sharding.spec", "jaxpd.config", "jaxpd.frontend",
                                     "jaxpd.models.config", "jaxpd.models.tokenizer",
-                                    "jaxpd.transfer.wire", "jaxpd.serving.router"])
+                                    "jaxpd.transfer.wire", "jaxpd.serving.router",
+                                    "jaxpd.paths", "jaxpd.serving.config_flags",
+                                    "jaxpd.sharding.cpu_devices", "jaxpd.models.fingerprint"])
 def test_pure_modules_load_no_jax(module):
     out = _python(f"import {module}; {SHOW_HEAVY}")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"importing {module} loaded {out.stdout}"
+
+
+def test_no_test_module_imports_another():
+    """Shared test helpers live in tests/support/ or the fixture modules: a test module
+    imports no other test module (nor its fixtures, which would run twice)."""
+    import ast
+    tests = os.path.join(ROOT, "tests")
+    importers = []
+    for dirpath, _, files in os.walk(tests):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            with open(path) as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                modules = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                           [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                if isinstance(node, ast.ImportFrom) and node.module in ("tests", None):
+                    modules += [a.name for a in node.names]
+                for module in modules:
+                    if module.rsplit(".", 1)[-1].startswith("test_"):
+                        importers.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} "
+                                         f"imports {module}")
+    assert importers == []
 
 
 def test_lazy_exports_still_resolve():
