@@ -32,7 +32,7 @@ PAGES = [("default", (6, 16, 4, 32), "float32", (1, 4, 16)),
 
 
 def _role(process_id: int, coordinator: str, repeats: int, token: str) -> None:
-    from jaxpd.engine.multihost import PlanChannel, ProcessGroup, _pack_array, initialize
+    from jaxpd.engine.multihost import PlanChannel, ProcessGroup, pack_array, initialize
     from jaxpd.engine.multihost_decode import insert_message, step_message
     from jaxpd.engine.sampler import SamplingArrays
     group = ProcessGroup(2, process_id, coordinator)
@@ -53,10 +53,10 @@ def _role(process_id: int, coordinator: str, repeats: int, token: str) -> None:
         lengths = np.full(batch, length, np.int32)
         sampling = SamplingArrays.empty(batch)
         for _ in range(repeats):
-            for message in ({"op": "run", "tokens": _pack_array(tokens),
-                             "lengths": _pack_array(lengths),
-                             "floats": _pack_array(sampling.floats),
-                             "ints": _pack_array(sampling.ints)},
+            for message in ({"op": "run", "tokens": pack_array(tokens),
+                             "lengths": pack_array(lengths),
+                             "floats": pack_array(sampling.floats),
+                             "ints": pack_array(sampling.ints)},
                             {"op": "take", "rows": [[i, 0, length // 16] for i in range(batch)]}):
                 _timed(channel, message, rows, batch=batch, tokens=length, op=message["op"])
             time.sleep(0.002)

@@ -187,7 +187,7 @@ def internal_auth(fv: flags.FlagValues):
         tls_server_name=fv.tls_server_name, insecure=fv.insecure_internal)
 
 
-def _role_auth(fv: flags.FlagValues, what: str):
+def role_auth(fv: flags.FlagValues, what: str):
     """The internal auth of a role, checked against its --host; None (after printing
     why) when the flags are wrong or the plane would be open."""
     try:
