@@ -7,8 +7,7 @@ is needed, against the XLA FFI headers of the *installed* jaxlib (so the handler
 matches the runtime it registers with), and cached in `$JAXPD_CACHE/native`
 (`jaxpd.paths`) under a name that hashes the sources, the jaxlib version, the
 compiler and this CPU. No compiler, or a failed build: `available()` is False with the
-reason in `unavailable_reason()`, and "auto" stays on the jnp reference. Measured before
-it became CPU's default: BENCHMARKS.md section 14.
+reason in `unavailable_reason()`, and "auto" stays on the jnp reference.
 """
 from __future__ import annotations
 
