@@ -87,8 +87,8 @@ def test_every_transport_refuses_another_models_handoff_before_its_pages_move(ki
         assert counts["transfer_failures"] == 1
         assert_no_page_held(env)
         if kind == "transfer_server":       # the Offer was never pulled: taken back
-            deadline = time.monotonic() + 10
-            while sender.pending() and time.monotonic() < deadline:
+            deadline = time.monotonic() + 10      # (on the sender's reclaim thread)
+            while (sender.pending() or not sender.reclaimed) and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert sender.pending() == 0 and sender.reclaimed == 1
         # The same request's KV from this model is taken, placed and decoded.
