@@ -246,6 +246,9 @@ class Engine:
             self.prefix_root if self.caching else None, self.cache_journal)
         receiver = self.connector
         handoffs = self._handoff_spec(compressed=False)
+        expect_model = getattr(receiver, "expect_model", None)
+        if expect_model is not None and not spec.has_prefill:
+            expect_model(self.fingerprint)      # refused before its pages are taken
         if c.kv_transfer_dtype is not None:
             receiver = CompressingReceiver(receiver, c.kv_transfer_dtype, self._page_shape(),
                                            c.dtype)
