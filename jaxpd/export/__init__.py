@@ -93,8 +93,8 @@ def export_programs(platform: str, mesh: str = "prefill=4,decode=4", model: str 
 
     Bad options raise a ValueError naming the flag before anything is lowered; a
     program that fails to lower raises a RuntimeError naming it and its argument
-    shapes. Needs as many CPU devices as `mesh`: asked for here if jax has not
-    started yet (`sharding.cpu_devices`), else a ValueError."""
+    shapes. Needs as many devices as `mesh` (CPU ones stand in for the target's: asked
+    for here if jax has not started yet, `sharding.cpu_devices`), else a ValueError."""
     dtype, spec = check_options(platform, mesh, dtype)
     from jaxpd.sharding.cpu_devices import ensure_cpu_devices
     ensure_cpu_devices(str(spec))
@@ -106,12 +106,12 @@ def export_programs(platform: str, mesh: str = "prefill=4,decode=4", model: str 
     from jaxpd.model_registry import resolve_model
     from jaxpd.models import checkpoint
 
-    have = len(jax.devices("cpu"))
+    have = len(jax.devices())
     if spec.num_devices > have:
         raise ValueError(f"--mesh {spec} needs {spec.num_devices} devices; this process has "
-                         f"{have} CPU devices to stand in for them (jax started before they "
-                         f"could be asked for: set XLA_FLAGS=--xla_force_host_platform_device_"
-                         f"count={spec.num_devices})")
+                         f"{have} {jax.devices()[0].platform} devices to stand in for them "
+                         f"(on CPU, jax started before they could be asked for: set "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={spec.num_devices})")
     loaded = checkpoint.load(resolve_model(model), dtype="float32")
     cfg = loaded.cfg
     try:
