@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpd.engine.background_compile import BackgroundCompiler
-from jaxpd.engine.program import NO_KERNEL, Program
+from jaxpd.engine.program import Program
 from jaxpd.sizes import coarse_ceil
 from jaxpd.engine.penalties import SlotPenalties, count_sampled, prefill_context
 from jaxpd.engine.sampler import Logprobs, SamplingArrays, sample
