@@ -107,6 +107,19 @@ def test_float32_and_the_full_bucket_set_of_the_built_in_model(tmp_path):
             "decode_rows128_w8", "insert_m8", "extend_rows16_t128_w8"} <= names
 
 
+@pytest.mark.slow
+def test_layer_wise_prefill_lowers_as_its_embed_blocks_and_head(tmp_path, models):
+    out = str(tmp_path)
+    summary = export_programs("tpu", "prefill=2,decode=2", model=models[128], out=out,
+                              layerwise_min_tokens=32, enable_prefix_caching=False, **_SMALL)
+    names = {p["name"] for p in summary["programs"]}
+    # Two layers in groups of one: one blocks program per bucket from 32 tokens on.
+    assert {"prefill_b2_t16", "prefill_embed_b2_t32", "prefill_blocks1_b2_t32",
+            "prefill_head_b2_t32"} <= names
+    assert "prefill_b2_t32" not in names
+    _check(summary, out, "tpu", "pallas_tpu")
+
+
 def test_bad_flags_fail_before_lowering(tmp_path, models):
     out = str(tmp_path / "never")
     with pytest.raises(ValueError, match="--platform must be one of tpu, cuda, cpu"):
