@@ -18,28 +18,35 @@ def resolve_dtype(dtype: str, backend: str) -> str:
 
 
 ATTENTION_IMPLS = ("auto", "reference", "native", "pallas_gpu", "pallas_tpu")
-_AUTO: dict[str, str] = {}       # platform -> its checked Pallas kernel (none yet: see below)
+# The TPU kernel's blocks end in the head dim, which Mosaic tiles by 128 lanes.
+TPU_KERNEL_HEAD_DIM = 128
 
 
 def resolve_attention_impl(impl: str, platform: str, interpret: bool = False,
-                           dtype: str = "float32") -> str:
+                           dtype: str = "float32", head_dim: int | None = None) -> str:
     """The decode attention core for `impl` on devices of `platform` ("cpu", "gpu",
-    "cuda", "rocm", "tpu") serving `dtype`.
+    "cuda", "rocm", "tpu") serving `dtype` with heads of `head_dim` (None: unknown).
 
     "auto" on CPU is "native" (`models/native_attention.py`, a C++ kernel built on first
-    use) when it builds and the dtype is float32, else the `jnp` reference. On GPU and
-    TPU "auto" is the reference for now: the Pallas kernels are checked against it only
-    in interpret mode on CPU, never yet compiled on a GPU or TPU, and a default must not
-    fail to start there; `_AUTO` is where a platform's kernel becomes its default once a
-    device run has checked it. A Pallas kernel for another platform runs only in Pallas
-    interpret mode (`interpret`, for tests)."""
+    use) when it builds and the dtype is float32, else the `jnp` reference. On TPU it is
+    "pallas_tpu" (JAX's paged attention kernel, which JAX tests on TPUs) for bfloat16
+    and a head dim that is a multiple of 128: every serving program with it lowers for
+    TPU with its Mosaic call (`jaxpd.export`, in CI) and it matches the reference in
+    TPU interpret mode; other head dims do not lower, and float32 would be computed in
+    bfloat16 by the kernel, so those get the reference. On GPU "auto" is the
+    reference: our Triton kernel lowers but no device run has timed it. A Pallas
+    kernel for another platform runs only in Pallas interpret mode (`interpret`, for
+    tests)."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     kind = "gpu" if platform in ("gpu", "cuda", "rocm") else platform
     if impl == "auto":
-        impl = _AUTO.get(kind, "reference")
+        impl = "reference"
         if kind == "cpu" and dtype == "float32" and not interpret and _native_available():
             impl = "native"
+        if kind == "tpu" and dtype == "bfloat16" and head_dim is not None and \
+                head_dim % TPU_KERNEL_HEAD_DIM == 0:
+            impl = "pallas_tpu"
     if impl in ("reference", "native"):
         if interpret:
             raise ValueError("attention_interpret=True needs a Pallas attention_impl ('pallas_gpu' "
@@ -51,6 +58,11 @@ def resolve_attention_impl(impl: str, platform: str, interpret: bool = False,
         raise ValueError(f"attention_impl={impl!r} cannot run on {platform} devices; use "
                          f"'auto' or 'reference', or attention_interpret=True (Pallas "
                          f"interpret mode, slow: tests only)")
+    if impl == "pallas_tpu" and not interpret and head_dim is not None and \
+            head_dim % TPU_KERNEL_HEAD_DIM:
+        raise ValueError(f"attention_impl='pallas_tpu' needs a head dim that is a multiple of "
+                         f"{TPU_KERNEL_HEAD_DIM} (Mosaic's lane tiling), the model's is "
+                         f"{head_dim}; use 'auto' or 'reference'")
     return impl
 
 

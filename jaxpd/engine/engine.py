@@ -59,10 +59,16 @@ class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig,
                  connector: Connector | KVSender | KVReceiver | None = None,
                  warmup: bool = False, progress: Callable[[str], None] | None = None,
-                 plan: PlanChannel | None = None):
+                 plan: PlanChannel | None = None, lower_for: str | None = None):
         """`plan`: this one-role mesh spans processes (`engine.multihost`): its leader
-        publishes every program it dispatches; a follower starts no thread (`follow`)."""
-        self.model, self.config = model, config
+        publishes every program it dispatches; a follower starts no thread (`follow`).
+        `lower_for`: a platform ("tpu", "cuda", "cpu") whose programs this engine builds
+        to be lowered, not run (`jaxpd.export`, on a mesh of stand-in devices of the
+        same shape): attention resolves for that platform, and nothing is warmed up or
+        started."""
+        if lower_for is not None and warmup:
+            raise ValueError("an engine built to be lowered (lower_for) runs no warm-up")
+        self.model, self.config, self.lower_for = model, config, lower_for
         spec = config.mesh
         if plan is not None and (spec.has_prefill == spec.has_decode or
                                  config.enable_prefix_caching):
@@ -126,7 +132,8 @@ class Engine:
         self.resplit_lock, self.lifecycle_lock = threading.Lock(), threading.Lock()
         self._error: BaseException | None = None
         self._threads: list[threading.Thread] = []
-        self.resume_threads()
+        if lower_for is None:
+            self.resume_threads()
 
     def resume_threads(self) -> None:
         """Start this mesh's loop threads (again, after `pause_threads`)."""
@@ -158,8 +165,9 @@ class Engine:
         attention kernels for its devices: `resolve_attention_impl`)."""
         c = self.config
         return (*place_params(self.model.cfg, self.model.params, mesh, self.dtype, fuse=fuse),
-                resolve_attention_impl(c.attention_impl, mesh.devices.flat[0].platform,
-                                       c.attention_interpret, c.dtype))
+                resolve_attention_impl(c.attention_impl,
+                                       self.lower_for or mesh.devices.flat[0].platform,
+                                       c.attention_interpret, c.dtype, self.model.cfg.head_dim))
 
     def _prefill_scheduler(self, buckets: list[int], chunked: bool = False) -> PrefillScheduler:
         c = self.config
