@@ -7,6 +7,11 @@ never dropped. `dp` never appears in weight rules: weights are replicated over d
 
 Sharding is the bottom layer and knows no model: callers pass the sizes of the split
 dimensions (`ModelConfig.logical_dims()` gives them for a model).
+
+Experts (`experts`, `expert_mlp`, `shared_mlp`): on a decode mesh (it has `dp`) the
+experts themselves split over tp when their count divides it -- expert parallelism,
+each device holding whole experts; on a prefill mesh every expert is tensor-parallel
+over its own hidden size (`expert_mlp`), as a dense MLP is over `mlp`.
 """
 from __future__ import annotations
 
@@ -15,18 +20,24 @@ from jax.sharding import Mesh
 
 
 def logical_rules(mesh: Mesh, *, num_heads: int, num_kv_heads: int, intermediate_size: int,
-                  vocab_size: int) -> tuple[tuple[str, str | None], ...]:
+                  vocab_size: int, num_experts: int = 0, moe_intermediate_size: int = 0,
+                  shared_expert_intermediate_size: int = 0
+                  ) -> tuple[tuple[str, str | None], ...]:
     """(logical axis, mesh axis or None) pairs for weights of these sizes on `mesh`."""
     tp = mesh.shape.get("tp", 1)
 
     def over_tp(size: int) -> str | None:
         return "tp" if tp > 1 and size % tp == 0 else None
 
+    experts = over_tp(num_experts) if "dp" in mesh.shape else None
     return (
         ("heads", over_tp(num_heads)),
         ("kv_heads", over_tp(num_kv_heads)),
         ("mlp", over_tp(intermediate_size)),
         ("vocab", over_tp(vocab_size)),
+        ("experts", experts),
+        ("expert_mlp", None if experts else over_tp(moe_intermediate_size)),
+        ("shared_mlp", over_tp(shared_expert_intermediate_size)),
         ("embed", None),
         ("head_dim", None),
         ("batch", None),

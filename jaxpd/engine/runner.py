@@ -32,7 +32,8 @@ from jaxpd.engine.penalties import SlotPenalties, count_sampled, prefill_context
 from jaxpd.engine.sampler import Logprobs, SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
 from jaxpd.engine.kernels import kernel_per_tp_shard, prefill_attention
-from jaxpd.models.llama import Llama, prefill_blocks
+from jaxpd.engine.experts import decode_experts
+from jaxpd.models.llama import Llama, layer_kinds, prefill_blocks
 from jaxpd.models.pallas_attention import decode_attention
 from jaxpd.sharding.compat import shard_map
 
@@ -89,9 +90,9 @@ class PrefillRunner:
             with nn.logical_axis_rules(rules):
                 return model.apply({"params": params}, tokens, method=Llama.embed_prompt)
 
-        def blocks(layer_params, x):
+        def blocks(layer_params, x, kinds):
             with nn.logical_axis_rules(rules):
-                return prefill_blocks(cfg, dtype, layer_params, x, fused, attention)
+                return prefill_blocks(cfg, dtype, layer_params, x, fused, attention, kinds)
 
         def head(params, x, tokens, lengths, sampling):
             with nn.logical_axis_rules(rules):
@@ -105,7 +106,7 @@ class PrefillRunner:
         self._replicated = replicated
         self._prefill = jax.jit(prefill, out_shardings=(replicated, replicated, kv, kv))
         self._embed = jax.jit(embed, out_shardings=replicated)
-        self._blocks = jax.jit(blocks, out_shardings=(replicated, kv, kv))
+        self._blocks = jax.jit(blocks, out_shardings=(replicated, kv, kv), static_argnums=(2,))
         self._head = jax.jit(head, out_shardings=replicated)
         pages = replicated if gather_pages else kv
         self._take = jax.jit(self._take_pages, static_argnums=(3,), out_shardings=(pages, pages))
@@ -139,8 +140,10 @@ class PrefillRunner:
         x = self._embed(self.params, inputs[0])
         parts, first, logprobs = [], None, None
         for g, (start, stop) in enumerate(groups):
-            self.counter.note(f"{self.name}_blocks", (tokens.shape, stop - start))
-            x, k, v = self._blocks([self.params[f"layers_{i}"] for i in range(start, stop)], x)
+            kinds = layer_kinds(self.cfg, start, stop)
+            self.counter.note(f"{self.name}_blocks", (tokens.shape, kinds))
+            x, k, v = self._blocks([self.params[f"layers_{i}"] for i in range(start, stop)], x,
+                                   kinds)
             if g == len(groups) - 1:
                 first, logprobs = self._head(self.params, x, *inputs)
             parts.append(self.take_rows(k, v, rows))
@@ -197,7 +200,7 @@ class DecodeRunner:
         attention = decode_attention(attention_impl, attention_interpret)
         if attention_impl != "reference":
             attention = kernel_per_tp_shard(attention, kv_axis)
-        model = Llama(cfg, dtype, fused, attention)
+        model = Llama(cfg, dtype, fused, attention, experts=decode_experts(rules))
 
         def step(params, k_pool, v_pool, counts, prompt, prev, rows, host_tokens, fed_from_host,
                  positions, block_tables, sampling):
