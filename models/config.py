@@ -149,7 +149,8 @@ class ModelConfig:
 
     def _params(self, experts: int) -> int:
         d, v, h = self.hidden_size, self.vocab_size, self.head_dim
-        attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2) + 2 * h * self.qk_norm
+        attn = (d * h * (self.num_heads * 2 + self.num_kv_heads * 2) + 2 * h * self.qk_norm
+                + h * (self.num_heads + 2 * self.num_kv_heads) * self.attention_bias)
         norms = (4 if self.sandwich_norms else 2) * d
         total = 0
         for i in range(self.num_layers):

@@ -32,7 +32,7 @@ from jaxpd.engine.penalties import SlotPenalties, count_sampled, prefill_context
 from jaxpd.engine.sampler import Logprobs, SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
 from jaxpd.engine.kernels import kernel_per_tp_shard, prefill_attention
-from jaxpd.engine.experts import decode_experts
+from jaxpd.engine.experts import decode_experts, param_specs
 from jaxpd.models.llama import Llama, layer_kinds, prefill_blocks
 from jaxpd.models.pallas_attention import decode_attention
 from jaxpd.sharding.compat import shard_map
@@ -218,9 +218,12 @@ class DecodeRunner:
 
         slot = P("dp")
         pool = P(None, "dp")
+        # Params whole on every dp shard, but a mixture's experts split over dp where
+        # the rules split them (`engine.experts`).
+        weights = param_specs(params, rules)
         self._step = jax.jit(shard_map(
             step, mesh=mesh, axis_names={"dp"}, check_vma=attention_impl == "reference",
-            in_specs=(P(), pool, pool) + (slot,) * 9,
+            in_specs=(weights, pool, pool) + (slot,) * 9,
             out_specs=(slot, slot, pool, pool, slot, slot)),
             donate_argnums=(1, 2, 3, 5))
         self.slots_per_shard = num_slots // self.num_shards
@@ -238,7 +241,7 @@ class DecodeRunner:
 
         self._extend = jax.jit(shard_map(
             extend, mesh=mesh, axis_names={"dp"},
-            in_specs=(P(), pool, pool, slot, slot) + (slot,) * 7,
+            in_specs=(weights, pool, pool, slot, slot) + (slot,) * 7,
             out_specs=(slot, slot, pool, pool)), donate_argnums=(1, 2))
 
         def insert(k_pool, v_pool, k_new, v_new, page_ids):
