@@ -130,18 +130,25 @@ class Block(nn.Module):
         c, dt = self.cfg, self.dtype
         d, e, f = c.hidden_size, c.num_experts, c.moe_intermediate_size
         self.w_router = _param(self, "router", (d, e), ("embed", None), dt)
-        self.w_experts_gate = _param(self, "experts_gate", (e, d, f),
-                                     ("experts", "embed", "expert_mlp"), dt)
-        self.w_experts_up = _param(self, "experts_up", (e, d, f),
-                                   ("experts", "embed", "expert_mlp"), dt)
-        self.w_experts_down = _param(self, "experts_down", (e, f, d),
-                                     ("experts", "expert_mlp", "embed"), dt)
+        self.w_experts_gate = self._expert_param("experts_gate", (e, d, f),
+                                                 ("experts", "embed", "expert_mlp"))
+        self.w_experts_up = self._expert_param("experts_up", (e, d, f),
+                                               ("experts", "embed", "expert_mlp"))
+        self.w_experts_down = self._expert_param("experts_down", (e, f, d),
+                                                 ("experts", "expert_mlp", "embed"))
         fs = c.shared_expert_intermediate_size
         if fs:
             self.w_shared_gate = _param(self, "shared_gate_proj", (d, fs), ("embed", "shared_mlp"), dt)
             self.w_shared_up = _param(self, "shared_up_proj", (d, fs), ("embed", "shared_mlp"), dt)
             self.w_shared_down = _param(self, "shared_down_proj", (fs, d), ("shared_mlp", "embed"), dt)
             self.w_shared_weight = _param(self, "shared_expert_gate", (d, 1), ("embed", None), dt)
+
+    def _expert_param(self, name: str, shape, axes):
+        """An expert weight: declared whole at init; applied as given, since inside an
+        expert-parallel program (`engine.experts`) a device holds only its experts."""
+        if self.is_initializing() or not self.has_variable("params", name):
+            return _param(self, name, shape, axes, self.dtype)
+        return self.get_variable("params", name)
 
     def qkv(self, x_BTD, positions_BT, inv_freq):
         """Normalised input -> rotated q [B,T,N,H], k [B,T,K,H] and v [B,T,K,H]."""
