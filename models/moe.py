@@ -6,6 +6,10 @@ The experts run as grouped matmuls (`jax.lax.ragged_dot`): the T*k (token, exper
 pairs are sorted by expert, so each expert multiplies one contiguous run of rows, and
 no expert computes a token it was not picked for.
 
+A call with fewer (token, expert) pairs than experts -- a decode step of a few tokens --
+gathers each pair's expert weights instead: it reads only the routed experts, where
+grouped matmuls over every group cost (on XLA:CPU) about as much as all experts.
+
 `grouped_experts` can be handed a slice of the experts (`first_expert`): pairs routed
 elsewhere are sorted past the last group, come out of `ragged_dot` as zeros and weigh
 nothing. Summing every slice's output over the devices that hold the slices is expert
@@ -41,15 +45,27 @@ def grouped_experts(x_TD: jnp.ndarray, ids_TK: jnp.ndarray, weights_TK: jnp.ndar
     e = w_gate_EDF.shape[0]
     local = ids_TK.reshape(-1) - first_expert                          # [T*k]
     held = (local >= 0) & (local < e)
+    act = ACTIVATIONS[activation]
+    weight = jnp.where(held, weights_TK.reshape(-1), 0.0)
+    if t * k <= e:
+        # Fewer pairs than experts (a decode step of a few tokens): each pair reads its
+        # own expert's weights, no more than the routed experts' bytes; grouped
+        # matmuls would touch every group.
+        pick = jnp.clip(local, 0, e - 1)
+        rows = jnp.repeat(x_TD, k, axis=0)                             # [T*k, D]
+        hidden = (act(jnp.einsum("MD,MDF->MF", rows, w_gate_EDF[pick]))
+                  * jnp.einsum("MD,MDF->MF", rows, w_up_EDF[pick]))
+        out = jnp.einsum("MF,MFD->MD", hidden, w_down_EFD[pick])
+        out = out * weight.astype(out.dtype)[:, None]
+        return out.reshape(t, k, -1).sum(axis=1)
     group = jnp.where(held, local, e)                 # other experts' pairs sort last
     order = jnp.argsort(group, stable=True)
     sizes = jnp.bincount(group, length=e + 1)[:e].astype(jnp.int32)
     rows = x_TD[order // k]                                            # [T*k, D]
     gate = jax.lax.ragged_dot(rows, w_gate_EDF, sizes)
     up = jax.lax.ragged_dot(rows, w_up_EDF, sizes)
-    hidden = ACTIVATIONS[activation](gate) * up
+    hidden = act(gate) * up
     out = jax.lax.ragged_dot(hidden, w_down_EFD, sizes)                # [T*k, D]
-    weight = jnp.where(held, weights_TK.reshape(-1), 0.0).astype(out.dtype)[order]
-    out = out * weight[:, None]
+    out = out * weight.astype(out.dtype)[order][:, None]
     unsorted = jnp.zeros_like(out).at[order].set(out)                  # pair order again
     return unsorted.reshape(t, k, -1).sum(axis=1)
