@@ -73,8 +73,6 @@ def test_greedy_matches_transformers_disaggregated(hf_models, name):
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_greedy_matches_transformers_on_every_mesh(hf_models, name, mesh, prefix_caching):
-    if mesh.startswith("colocated") and prefix_caching:
-        pytest.skip("colocated meshes run every prefill with context already")
     path, hf_model = hf_models(name)
     prompts = _prompts(256, seed=1)
     expected = [hf_greedy(hf_model, p, NUM_NEW) for p in prompts]
