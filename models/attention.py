@@ -52,11 +52,17 @@ def causal_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray,
         prefix = (k_prefix, v_prefix, visible)
     blocks = [_causal_block(q[:, start:start + QUERY_BLOCK], k[:, :start + QUERY_BLOCK],
                             v[:, :start + QUERY_BLOCK], start,
-                            None if prefix is None else
-                            (prefix[0], prefix[1], prefix[2][:, start:start + QUERY_BLOCK]),
-                            window, softcap)
+                            _prefix_block(prefix, start), window, softcap)
               for start in range(0, t, QUERY_BLOCK)]
     return blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=1)
+
+
+def _prefix_block(prefix, start: int):
+    """`prefix` for the query block from `start`: its visibility rows [B, T, C] cut to
+    the block's (a [B, 1, C] one serves every block)."""
+    if prefix is None or prefix[2].shape[1] == 1:
+        return prefix
+    return prefix[0], prefix[1], prefix[2][:, start:start + QUERY_BLOCK]
 
 
 def _causal_block(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, start: int,

@@ -217,3 +217,48 @@ def test_expert_parallel_dispatch_equals_the_grouped_matmuls(dp, tp, num_experts
                             in_specs=(param_specs(params, rules), P("dp"), P("dp"), P("dp")),
                             out_specs=P("dp")))(params, x, ids, weights)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (40, 3.0), (300, None)])
+def test_windowed_attention_with_a_prefix_equals_one_masked_softmax(window, softcap):
+    """The reference cores' window and softcap against a direct masked softmax over the
+    whole sequence (prefix, then new tokens), across query blocks and decode."""
+    from jaxpd.models.attention import QUERY_BLOCK, causal_attention, paged_attention
+
+    rng = np.random.default_rng(0)
+    b, t, c, n, kh, h = 2, QUERY_BLOCK + 20, 24, 4, 2, 8
+    prefix_len = np.array([24, 8])
+    q = rng.normal(size=(b, t, n, h)).astype(np.float32)
+    k = rng.normal(size=(b, t, kh, h)).astype(np.float32)
+    v = rng.normal(size=(b, t, kh, h)).astype(np.float32)
+    kp = rng.normal(size=(b, c, kh, h)).astype(np.float32)
+    vp = rng.normal(size=(b, c, kh, h)).astype(np.float32)
+    got = np.asarray(causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                      (jnp.asarray(kp), jnp.asarray(vp),
+                                       jnp.asarray(prefix_len)), window, softcap))
+    for row in range(b):
+        keys = np.concatenate([kp[row, :prefix_len[row]], k[row]])
+        vals = np.concatenate([vp[row, :prefix_len[row]], v[row]])
+        keys, vals = np.repeat(keys, n // kh, axis=1), np.repeat(vals, n // kh, axis=1)
+        scores = np.einsum("TNH,SNH->NTS", q[row], keys) / np.sqrt(h)
+        if softcap:
+            scores = softcap * np.tanh(scores / softcap)
+        qpos = prefix_len[row] + np.arange(t)[:, None]
+        kpos = np.arange(keys.shape[0])[None, :]
+        mask = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
+        scores = np.where(mask, scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        want = np.einsum("NTS,SNH->TNH", p / p.sum(-1, keepdims=True), vals)
+        np.testing.assert_allclose(got[row], want, rtol=1e-4, atol=1e-5)
+        # The last query as one decode step over pages of 4 (page 0: the null page).
+        seq_k, seq_v = np.concatenate([kp[row, :prefix_len[row]], k[row]]), \
+            np.concatenate([vp[row, :prefix_len[row]], v[row]])
+        pages = -(-len(seq_k) // 4)
+        pool_k = np.zeros((pages + 1, 4, kh, h), np.float32)
+        pool_v = np.zeros_like(pool_k)
+        pool_k.reshape(-1, kh, h)[4:4 + len(seq_k)] = seq_k
+        pool_v.reshape(-1, kh, h)[4:4 + len(seq_v)] = seq_v
+        out = paged_attention(jnp.asarray(q[row, -1:]), jnp.asarray(pool_k),
+                              jnp.asarray(pool_v), jnp.arange(1, pages + 1)[None],
+                              jnp.asarray([len(seq_k)]), window, softcap)
+        np.testing.assert_allclose(np.asarray(out)[0], want[-1], rtol=1e-4, atol=1e-5)
