@@ -131,12 +131,6 @@ class ModelConfig:
         return any(self.sparse_layers)
 
     @property
-    def needs_reference_attention(self) -> bool:
-        """Whether some layer's attention takes options the attention kernels lack (a
-        sliding window, softcapping): those layers run the reference core."""
-        return any(self.sliding_layers) or self.attn_softcap is not None
-
-    @property
     def num_params(self) -> int:
         """Every weight, every expert's included."""
         return self._params(self.num_experts)
