@@ -22,7 +22,8 @@ QUERY_BLOCK = 128
 
 
 def causal_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray,
-                     prefix: tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray] | None = None
+                     prefix: tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray] | None = None,
+                     window: int | None = None, softcap: float | None = None
                      ) -> jnp.ndarray:
     """q: [B, T, N, H], k, v: [B, T, K, H] -> [B, T, N, H].
 
@@ -35,23 +36,41 @@ def causal_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray,
     prefill with context, `Llama.extend`). Each block's scores over the prefix and over
     its own causal keys go through one softmax, so the prefix costs T x C and the new
     tokens only their causal half.
+
+    `window`: a query sees only the last `window` keys, itself included (key j of query
+    i where i - window < j <= i, positions counted from the prefix's first key);
+    `softcap`: scores become softcap * tanh(scores / softcap) before the mask.
     """
     t = q.shape[1]
     if prefix is not None:
         k_prefix, v_prefix, prefix_len = prefix
-        visible = jnp.arange(k_prefix.shape[1])[None, :] < prefix_len[:, None]     # [B, C]
+        visible = (jnp.arange(k_prefix.shape[1])[None, :] < prefix_len[:, None])[:, None, :]
+        if window is not None:     # [B, T, C]: query i sits at prefix_len + i
+            query_pos = prefix_len[:, None] + jnp.arange(t)[None, :]
+            visible = visible & (jnp.arange(k_prefix.shape[1])[None, None, :]
+                                 > query_pos[:, :, None] - window)
         prefix = (k_prefix, v_prefix, visible)
     blocks = [_causal_block(q[:, start:start + QUERY_BLOCK], k[:, :start + QUERY_BLOCK],
-                            v[:, :start + QUERY_BLOCK], start, prefix)
+                            v[:, :start + QUERY_BLOCK], start,
+                            _prefix_block(prefix, start), window, softcap)
               for start in range(0, t, QUERY_BLOCK)]
     return blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=1)
 
 
+def _prefix_block(prefix, start: int):
+    """`prefix` for the query block from `start`: its visibility rows [B, T, C] cut to
+    the block's (a [B, 1, C] one serves every block)."""
+    if prefix is None or prefix[2].shape[1] == 1:
+        return prefix
+    return prefix[0], prefix[1], prefix[2][:, start:start + QUERY_BLOCK]
+
+
 def _causal_block(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, start: int,
-                  prefix: tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray] | None) -> jnp.ndarray:
+                  prefix: tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray] | None,
+                  window: int | None = None, softcap: float | None = None) -> jnp.ndarray:
     """Queries at positions start, start + 1, ... ([B, T, N, H]) against the keys from
     position 0 ([B, S, K, H], S = start + T), after the visible keys of `prefix`
-    (k, v [B, C, K, H], visible [B, C]) if given -> [B, T, N, H].
+    (k, v [B, C, K, H], visible [B, T or 1, C]) if given -> [B, T, N, H].
 
     The softmax is normalised after the values are summed ([T, H] divisions instead of
     [T, S]): 1.35x on a 512-token prompt's attention on XLA:CPU, 1.7x at 1,024."""
@@ -59,8 +78,11 @@ def _causal_block(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, start: int,
     s, kh = k.shape[1], k.shape[2]
     q = q.reshape(b, t, kh, n // kh, h)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-    causal = jnp.arange(s)[None, :] <= start + jnp.arange(t)[:, None]     # [T, S]
-    scores = jnp.where(causal, scores * (h ** -0.5), _MASKED)
+    query_pos = start + jnp.arange(t)[:, None]
+    causal = jnp.arange(s)[None, :] <= query_pos                          # [T, S]
+    if window is not None:
+        causal = causal & (jnp.arange(s)[None, :] > query_pos - window)
+    scores = jnp.where(causal, _softcapped(scores * (h ** -0.5), softcap), _MASKED)
     if prefix is None:
         weights, total = _unnormalised(scores)
         out = jnp.einsum("BKGTS,BSKH->BKGTH", weights.astype(v.dtype), v)
@@ -69,13 +91,18 @@ def _causal_block(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, start: int,
         c = k_prefix.shape[1]
         cached = jnp.einsum("BTKGH,BCKH->BKGTC", q, k_prefix,
                             preferred_element_type=jnp.float32)
-        cached = jnp.where(visible[:, None, None, None, :], cached * (h ** -0.5), _MASKED)
+        cached = jnp.where(visible[:, None, None, :, :],
+                           _softcapped(cached * (h ** -0.5), softcap), _MASKED)
         weights, total = _unnormalised(jnp.concatenate([cached, scores], axis=-1))
         weights = weights.astype(v.dtype)
         out = (jnp.einsum("BKGTC,BCKH->BKGTH", weights[..., :c], v_prefix)
                + jnp.einsum("BKGTS,BSKH->BKGTH", weights[..., c:], v))
     out = (out / total).astype(v.dtype)                                  # [B, K, G, T, H]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def _softcapped(scores: jnp.ndarray, softcap: float | None) -> jnp.ndarray:
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
 def _unnormalised(scores: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -95,11 +122,13 @@ def write_pages(pool_LPSKH: jnp.ndarray, layer: int, new_BKH: jnp.ndarray,
 
 
 def paged_attention(q_BNH: jnp.ndarray, k_pool_PSKH: jnp.ndarray, v_pool_PSKH: jnp.ndarray,
-                    block_tables: jnp.ndarray, lengths: jnp.ndarray) -> jnp.ndarray:
+                    block_tables: jnp.ndarray, lengths: jnp.ndarray,
+                    window: int | None = None, softcap: float | None = None) -> jnp.ndarray:
     """One query token per slot against that slot's pages.
 
     q: [B, N, H]; pools: [P, S, K, H]; block_tables: [B, max_pages] page ids;
     lengths: [B] number of valid tokens (keys at index >= length are masked).
+    `window`, `softcap` as `causal_attention`'s (the query is the slot's last token).
     Returns [B, N, H].
     """
     b, n, h = q_BNH.shape
@@ -108,8 +137,10 @@ def paged_attention(q_BNH: jnp.ndarray, k_pool_PSKH: jnp.ndarray, v_pool_PSKH: j
     v = v_pool_PSKH[block_tables].reshape(b, -1, kh, h)
     q = q_BNH.reshape(b, kh, n // kh, h)
     scores = jnp.einsum("BKGH,BSKH->BKGS", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (h ** -0.5)
+    scores = _softcapped(scores * (h ** -0.5), softcap)
     valid = jnp.arange(k.shape[1])[None, :] < lengths[:, None]          # [B, S*]
+    if window is not None:
+        valid = valid & (jnp.arange(k.shape[1])[None, :] >= lengths[:, None] - window)
     scores = jnp.where(valid[:, None, None, :], scores, _MASKED)
     probs = jax_softmax(scores).astype(v.dtype)
     out = jnp.einsum("BKGS,BSKH->BKGH", probs, v)

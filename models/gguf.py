@@ -29,7 +29,9 @@ from tokenizers import Tokenizer as _HFTokenizer
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Architectures with an RMSNorm over each q and k head (`attn_q_norm`, `attn_k_norm`).
+_QK_NORM = ("qwen3",)
 # Architectures whose q/k rows llama.cpp's converter permutes (its `LlamaModel`).
 _PERMUTED_QK = ("llama", "mistral")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -147,6 +149,7 @@ def model_config(f: GGUFFile) -> ModelConfig:
         tie_word_embeddings="output.weight" not in f.tensors,
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
+        qk_norm=arch in _QK_NORM,
     )
 
 
@@ -187,6 +190,9 @@ def _mapping(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, Callable]
             yield (p, "q_bias"), f"{b}.attn_q.bias", bias(n, rope=True)
             yield (p, "k_bias"), f"{b}.attn_k.bias", bias(k, rope=True)
             yield (p, "v_bias"), f"{b}.attn_v.bias", bias(k, rope=False)
+        if cfg.qk_norm:
+            yield (p, "q_norm", "scale"), f"{b}.attn_q_norm.weight", ident
+            yield (p, "k_norm", "scale"), f"{b}.attn_k_norm.weight", ident
         yield (p, "gate_proj"), f"{b}.ffn_gate.weight", transpose
         yield (p, "up_proj"), f"{b}.ffn_up.weight", transpose
         yield (p, "down_proj"), f"{b}.ffn_down.weight", transpose

@@ -3,12 +3,16 @@
 Reads `model.safetensors` or a sharded `model.safetensors.index.json`; writes a single
 `model.safetensors` (used to ship the default model and to hand our weights to
 transformers in tests). Every missing file, missing tensor or wrong shape is a
-`ValueError`/`FileNotFoundError` naming it.
+`ValueError`/`FileNotFoundError` naming it; so is an expert the config does not count.
+
+A mixture of experts' checkpoint holds each expert's projections apart
+(`...experts.{e}.gate_proj.weight`); ours stacks them, [E, D, F'] and [E, F', D].
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Callable, Iterator
 
 import jax
@@ -70,12 +74,60 @@ def _mapping(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, Callable,
             yield (p, "q_bias"), f"{hf}.self_attn.q_proj.bias", *bias(n)
             yield (p, "k_bias"), f"{hf}.self_attn.k_proj.bias", *bias(k)
             yield (p, "v_bias"), f"{hf}.self_attn.v_proj.bias", *bias(k)
+        if cfg.qk_norm:
+            yield (p, "q_norm", "scale"), f"{hf}.self_attn.q_norm.weight", *ident
+            yield (p, "k_norm", "scale"), f"{hf}.self_attn.k_norm.weight", *ident
+        if cfg.sandwich_norms:
+            yield (p, "pre_ff_norm", "scale"), f"{hf}.pre_feedforward_layernorm.weight", *ident
+            yield (p, "post_ff_norm", "scale"), f"{hf}.post_feedforward_layernorm.weight", *ident
+        if cfg.is_sparse(i):
+            yield from _expert_mapping(cfg, p, hf, transpose)
+            continue
         yield (p, "gate_proj"), f"{hf}.mlp.gate_proj.weight", *transpose
         yield (p, "up_proj"), f"{hf}.mlp.up_proj.weight", *transpose
         yield (p, "down_proj"), f"{hf}.mlp.down_proj.weight", *transpose
     yield ("norm", "scale"), "model.norm.weight", *ident
     if not cfg.tie_word_embeddings:
         yield ("lm_head",), "lm_head.weight", *transpose
+
+
+def _moe_prefix(cfg: ModelConfig, hf_layer: str) -> str:
+    return f"{hf_layer}.{'block_sparse_moe' if cfg.model_type == 'mixtral' else 'mlp'}"
+
+
+def _expert_names(cfg: ModelConfig) -> tuple[str, str, str]:
+    """The (gate, up, down) projection names of one expert."""
+    return ("w1", "w3", "w2") if cfg.model_type == "mixtral" else ("gate_proj", "up_proj",
+                                                                    "down_proj")
+
+
+def _expert_mapping(cfg: ModelConfig, p: str, hf: str, transpose):
+    """A sparse layer's router, stacked experts (names a tuple: one per expert) and
+    shared expert."""
+    moe = _moe_prefix(cfg, hf)
+    yield (p, "router"), f"{moe}.gate.weight", *transpose
+    for ours, name in zip(("experts_gate", "experts_up", "experts_down"), _expert_names(cfg)):
+        names = tuple(f"{moe}.experts.{e}.{name}.weight" for e in range(cfg.num_experts))
+        yield ((p, ours), names, lambda ws: np.stack([w.T for w in ws]),
+               lambda w: [x.T for x in w], lambda t, i: t[i[2], i[1]].T)
+    if cfg.shared_expert_intermediate_size:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            yield (p, f"shared_{name}"), f"{moe}.shared_expert.{name}.weight", *transpose
+        yield (p, "shared_expert_gate"), f"{moe}.shared_expert_gate.weight", *transpose
+
+
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
+
+
+def _check_experts(cfg: ModelConfig, names) -> None:
+    """Refuse an expert the config does not have (the missing ones are refused as
+    missing weights): a checkpoint of more experts, or experts in a dense layer."""
+    for name in sorted(names):
+        m = _EXPERT.match(name)
+        if m and (not cfg.is_sparse(int(m.group(1))) or int(m.group(2)) >= cfg.num_experts):
+            raise ValueError(f"checkpoint tensor {name!r} is an expert config.json does not "
+                             f"have (num_experts={cfg.num_experts}, layer {m.group(1)} "
+                             f"{'sparse' if cfg.is_sparse(int(m.group(1))) else 'dense'})")
 
 
 def _weight_files(path: str) -> dict[str, str]:
@@ -114,17 +166,29 @@ def load_hf_params(path: str, cfg: ModelConfig, dtype: str = "float32",
         raise ValueError("load_hf_params: shardings need expected_shapes")
     np_dtype = DTYPES[dtype]
     files = _weight_files(path)
+    _check_experts(cfg, files)
     handles: dict[str, object] = {}
     params: dict = {}
+
+    def handle(name: str):
+        if name not in files:
+            raise ValueError(f"checkpoint {path} is missing weight {name!r}")
+        fn = files[name]
+        if fn not in handles:
+            handles[fn] = safe_open(fn, "numpy").__enter__()
+        return handles[fn]
+
     try:
         for ours, name, to_ours, _, read in _mapping(cfg):
-            if name not in files:
-                raise ValueError(f"checkpoint {path} is missing weight {name!r}")
-            fn = files[name]
-            if fn not in handles:
-                handles[fn] = safe_open(fn, "numpy").__enter__()
             want = tree_get(expected_shapes, ours)
             sharding = tree_get(shardings, ours)
+            if isinstance(name, tuple):
+                tree_set(params, ours, _read_stacked([handle(n) for n in name], name, want,
+                                                     sharding, to_ours, read, np_dtype,
+                                                     read_log))
+                continue
+            handle(name)
+            fn = files[name]
             if sharding is not None:
                 arr = _read_sharded(handles[fn], name, tuple(want), sharding, read, np_dtype,
                                     read_log)
@@ -141,6 +205,41 @@ def load_hf_params(path: str, cfg: ModelConfig, dtype: str = "float32",
         for h in handles.values():
             h.__exit__(None, None, None)
     return params
+
+
+def _read_stacked(handles: list, names: tuple[str, ...], want, sharding, to_ours, read,
+                  np_dtype, read_log: list | None) -> jax.Array:
+    """One stacked array of experts from one tensor per expert (`names[e]` in
+    `handles[e]`); with `sharding`, each shard reads only its experts' slices."""
+    if sharding is None:
+        ws = [h.get_tensor(n).astype(np.float32) for h, n in zip(handles, names)]
+        shapes = {tuple(w.shape) for w in ws}
+        if len(shapes) > 1:
+            raise ValueError(f"experts disagree in shape: {names[0]!r} and the others "
+                             f"{sorted(shapes)}")
+        w = to_ours(ws).astype(np_dtype)
+        if read_log is not None:
+            read_log.extend((n, x.size) for n, x in zip(names, ws))
+        if want is not None and tuple(w.shape) != tuple(want):
+            raise ValueError(f"weight {names[0]!r} (and its {len(names)} experts) has shape "
+                             f"{tuple(w.shape)} after conversion, expected {tuple(want)} "
+                             f"from config.json")
+        return jnp.asarray(w)
+    shape = tuple(want)
+    for h, n in zip(handles, names):
+        size = int(np.prod(h.get_slice(n).get_shape()))
+        if size != int(np.prod(shape[1:])):
+            raise ValueError(f"weight {n!r} has {size} elements, expected "
+                             f"{int(np.prod(shape[1:]))} (shape {shape[1:]}) from config.json")
+
+    def shard(index):
+        experts = range(*index[0].indices(shape[0]))
+        parts = [np.asarray(read(handles[e].get_slice(names[e]), index), np.float32)
+                 for e in experts]
+        if read_log is not None:
+            read_log.extend((names[e], x.size) for e, x in zip(experts, parts))
+        return np.stack(parts).astype(np_dtype)
+    return jax.make_array_from_callback(shape, sharding, shard)
 
 
 def _read_sharded(handle, name: str, shape: tuple, sharding, read, np_dtype,
@@ -175,7 +274,11 @@ def save_hf_params(params, cfg: ModelConfig, path: str, dtype: str = "float32") 
     tensors = {}
     for ours, name, _, to_hf, _ in _mapping(cfg):
         w = np.asarray(jax.device_get(tree_get(params, ours))).astype(np.float32)
-        tensors[name] = np.ascontiguousarray(to_hf(w)).astype(np_dtype)
+        if isinstance(name, tuple):
+            for n, x in zip(name, to_hf(w)):
+                tensors[n] = np.ascontiguousarray(x).astype(np_dtype)
+        else:
+            tensors[name] = np.ascontiguousarray(to_hf(w)).astype(np_dtype)
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 

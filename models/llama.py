@@ -18,6 +18,13 @@ checkpoints and `init_params` keep the separate projections of the checkpoint la
 Layer-wise prefill splits `prefill` into `embed_prompt`, `prefill_blocks` (a group of
 layers, params passed as a list) and `head`, so each group's K/V can leave the device
 while the next group computes.
+
+Families differ by `ModelConfig` fields, read per layer by `Block`: q/k norms (Qwen3,
+Gemma 3), (1 + w) norms, GeGLU, sandwich norms and scaled embeddings (Gemma), local
+layers with a sliding window and their own RoPE base (Gemma 3), softcapping (Gemma 2
+style), and mixture-of-experts MLPs (`models/moe.py`). A layer whose attention needs
+a window or a softcap runs the reference core (`attention.py`) whatever core the
+engine picked: the kernels take neither.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import jax.numpy as jnp
 from jaxpd.models.attention import (causal_attention, gather_pages, paged_attention,
                                     write_pages, write_prompt_pages)
 from jaxpd.models.config import ModelConfig
+from jaxpd.models.moe import ACTIVATIONS, grouped_experts, route
 from jaxpd.models.rope import apply_rope, inverse_frequencies
 
 
@@ -44,14 +52,21 @@ def constrain(x: jnp.ndarray, axes: tuple[str | None, ...]) -> jnp.ndarray:
 
 
 class RMSNorm(nn.Module):
+    """Llama's RMSNorm (w times the normalised x, cast first); `plus_one`: Gemma's
+    ((1 + w) times it in float32, then cast). `axis`: the logical axis of the scale."""
     eps: float
     dtype: jnp.dtype
+    plus_one: bool = False
+    axis: str = "embed"
 
     @nn.compact
     def __call__(self, x):
-        scale = _param(self, "scale", (x.shape[-1],), ("embed",), self.dtype, nn.initializers.ones)
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        scale = _param(self, "scale", (x.shape[-1],), (self.axis,), self.dtype, init)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
         return scale * x32.astype(x.dtype)
 
 
@@ -59,17 +74,28 @@ class Block(nn.Module):
     """One decoder layer, split at the attention core so the caller picks the core.
 
     `fused` reads the tree `fuse_params` makes: q, k and v in one matmul, gate and up in
-    another, and a 2-D `o_proj`; the checkpoint layout otherwise."""
+    another, and a 2-D `o_proj`; the checkpoint layout otherwise. `sparse`: the MLP is
+    the mixture of experts (`cfg.is_sparse(layer)`), run by `experts`
+    (`moe.grouped_experts`'s signature; the engine may hand an expert-parallel one)."""
     cfg: ModelConfig
     dtype: jnp.dtype
     fused: bool = False
+    sparse: bool = False
+    experts: Callable = grouped_experts
 
     def setup(self):
         c, dt = self.cfg, self.dtype
         d, n, k, h, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
         zeros = nn.initializers.zeros
-        self.input_norm = RMSNorm(c.rms_norm_eps, dt)
-        self.post_norm = RMSNorm(c.rms_norm_eps, dt)
+        norm = lambda axis="embed": RMSNorm(c.rms_norm_eps, dt, c.norm_plus_one, axis)
+        self.input_norm = norm()
+        self.post_norm = norm()
+        if c.qk_norm:
+            self.q_norm, self.k_norm = norm("head_dim"), norm("head_dim")
+        if c.sandwich_norms:
+            self.pre_ff_norm, self.post_ff_norm = norm(), norm()
+        if self.sparse:
+            self._setup_experts()
         if self.fused:
             # Axis C = N/K + 2: each kv head's query heads, then its k and its v, so a
             # tp shard of kv heads holds every head it attends with.
@@ -80,7 +106,9 @@ class Block(nn.Module):
             if c.attention_bias:
                 self.bqkv = _param(self, "qkv_bias", (k, group, h),
                                    ("kv_heads", None, "head_dim"), dt, zeros)
-            self.w_gate_up = _param(self, "gate_up_proj", (d, 2, f), ("embed", None, "mlp"), dt)
+            if not self.sparse:
+                self.w_gate_up = _param(self, "gate_up_proj", (d, 2, f), ("embed", None, "mlp"),
+                                        dt)
         else:
             self.wq = _param(self, "q_proj", (d, n, h), ("embed", "heads", "head_dim"), dt)
             self.wk = _param(self, "k_proj", (d, k, h), ("embed", "kv_heads", "head_dim"), dt)
@@ -90,9 +118,37 @@ class Block(nn.Module):
                 self.bq = _param(self, "q_bias", (n, h), ("heads", "head_dim"), dt, zeros)
                 self.bk = _param(self, "k_bias", (k, h), ("kv_heads", "head_dim"), dt, zeros)
                 self.bv = _param(self, "v_bias", (k, h), ("kv_heads", "head_dim"), dt, zeros)
-            self.w_gate = _param(self, "gate_proj", (d, f), ("embed", "mlp"), dt)
-            self.w_up = _param(self, "up_proj", (d, f), ("embed", "mlp"), dt)
-        self.w_down = _param(self, "down_proj", (f, d), ("mlp", "embed"), dt)
+            if not self.sparse:
+                self.w_gate = _param(self, "gate_proj", (d, f), ("embed", "mlp"), dt)
+                self.w_up = _param(self, "up_proj", (d, f), ("embed", "mlp"), dt)
+        if not self.sparse:
+            self.w_down = _param(self, "down_proj", (f, d), ("mlp", "embed"), dt)
+
+    def _setup_experts(self):
+        """A sparse layer's router [D, E], experts' gate/up [E, D, F'] and down
+        [E, F', D], and the shared expert with its gate where the config has one."""
+        c, dt = self.cfg, self.dtype
+        d, e, f = c.hidden_size, c.num_experts, c.moe_intermediate_size
+        self.w_router = _param(self, "router", (d, e), ("embed", None), dt)
+        self.w_experts_gate = self._expert_param("experts_gate", (e, d, f),
+                                                 ("experts", "embed", "expert_mlp"))
+        self.w_experts_up = self._expert_param("experts_up", (e, d, f),
+                                               ("experts", "embed", "expert_mlp"))
+        self.w_experts_down = self._expert_param("experts_down", (e, f, d),
+                                                 ("experts", "expert_mlp", "embed"))
+        fs = c.shared_expert_intermediate_size
+        if fs:
+            self.w_shared_gate = _param(self, "shared_gate_proj", (d, fs), ("embed", "shared_mlp"), dt)
+            self.w_shared_up = _param(self, "shared_up_proj", (d, fs), ("embed", "shared_mlp"), dt)
+            self.w_shared_down = _param(self, "shared_down_proj", (fs, d), ("shared_mlp", "embed"), dt)
+            self.w_shared_weight = _param(self, "shared_expert_gate", (d, 1), ("embed", None), dt)
+
+    def _expert_param(self, name: str, shape, axes):
+        """An expert weight: declared whole at init; applied as given, since inside an
+        expert-parallel program (`engine.experts`) a device holds only its experts."""
+        if self.is_initializing() or not self.has_variable("params", name):
+            return _param(self, name, shape, axes, self.dtype)
+        return self.get_variable("params", name)
 
     def qkv(self, x_BTD, positions_BT, inv_freq):
         """Normalised input -> rotated q [B,T,N,H], k [B,T,K,H] and v [B,T,K,H]."""
@@ -110,13 +166,22 @@ class Block(nn.Module):
             v = jnp.einsum("BTD,DKH->BTKH", x, self.wv)
             if self.cfg.attention_bias:
                 q, k, v = q + self.bq, k + self.bk, v + self.bv
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.cfg.attn_scale is not None:
+            # The cores scale scores by H ** -0.5; folding the rest into q keeps every
+            # core (kernels included) right for another scale.
+            q = q * jnp.asarray(self.cfg.attn_scale * self.cfg.head_dim ** 0.5, q.dtype)
         q = constrain(apply_rope(q, positions_BT, inv_freq), ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, positions_BT, inv_freq), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         return q, k, v
 
     def finish(self, x_BTD, attn_BTNH):
-        """Output projection, residual, SwiGLU MLP, residual."""
+        """Output projection, residual, gated MLP (or the experts), residual; with
+        sandwich norms each sub-layer's output is normed before its residual."""
+        if self.cfg.sandwich_norms or self.sparse:
+            return self._finish_by_parts(x_BTD, attn_BTNH)
         if self.fused:
             b, t = attn_BTNH.shape[:2]
             x = x_BTD + jnp.einsum("BTE,ED->BTD", attn_BTNH.reshape(b, t, -1), self.wo)  # E = N*H
@@ -127,8 +192,52 @@ class Block(nn.Module):
             y = self.post_norm(x)
             gate = jnp.einsum("BTD,DF->BTF", y, self.w_gate)
             up = jnp.einsum("BTD,DF->BTF", y, self.w_up)
-        hidden = constrain(nn.silu(gate) * up, ("batch", "length", "mlp"))
+        hidden = constrain(ACTIVATIONS[self.cfg.hidden_act](gate) * up, ("batch", "length", "mlp"))
         return x + jnp.einsum("BTF,FD->BTD", hidden, self.w_down)
+
+    def _finish_by_parts(self, x_BTD, attn_BTNH):
+        if self.fused:
+            b, t = attn_BTNH.shape[:2]
+            out = jnp.einsum("BTE,ED->BTD", attn_BTNH.reshape(b, t, -1), self.wo)  # E = N*H
+        else:
+            out = jnp.einsum("BTNH,NHD->BTD", attn_BTNH, self.wo)
+        if self.cfg.sandwich_norms:
+            x = x_BTD + self.post_norm(out)
+            y = self.pre_ff_norm(x)
+        else:
+            x = x_BTD + out
+            y = self.post_norm(x)
+        mlp = self._experts(y) if self.sparse else self._dense_mlp(y)
+        if self.cfg.sandwich_norms:
+            mlp = self.post_ff_norm(mlp)
+        return x + mlp
+
+    def _dense_mlp(self, y_BTD):
+        if self.fused:
+            gate_up = jnp.einsum("BTD,DCF->BTCF", y_BTD, self.w_gate_up)
+            gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
+        else:
+            gate = jnp.einsum("BTD,DF->BTF", y_BTD, self.w_gate)
+            up = jnp.einsum("BTD,DF->BTF", y_BTD, self.w_up)
+        hidden = constrain(ACTIVATIONS[self.cfg.hidden_act](gate) * up, ("batch", "length", "mlp"))
+        return jnp.einsum("BTF,FD->BTD", hidden, self.w_down)
+
+    def _experts(self, y_BTD):
+        """The mixture of experts on every token (padding too: its output is unread)."""
+        c = self.cfg
+        b, t, d = y_BTD.shape
+        y = y_BTD.reshape(b * t, d)
+        logits = jnp.einsum("TD,DE->TE", y, self.w_router)
+        weights, ids = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
+        out = self.experts(y, ids, weights.astype(y.dtype), self.w_experts_gate,
+                           self.w_experts_up, self.w_experts_down, 0, c.hidden_act)
+        if c.shared_expert_intermediate_size:
+            gate = jnp.einsum("TD,DF->TF", y, self.w_shared_gate)
+            up = jnp.einsum("TD,DF->TF", y, self.w_shared_up)
+            shared = jnp.einsum("TF,FD->TD", ACTIVATIONS[c.hidden_act](gate) * up,
+                                self.w_shared_down)
+            out = out + jax.nn.sigmoid(jnp.einsum("TD,DO->TO", y, self.w_shared_weight)) * shared
+        return out.reshape(b, t, d)
 
 
 class Llama(nn.Module):
@@ -141,21 +250,32 @@ class Llama(nn.Module):
     # A prompt's causal attention without a cached prefix: the reference or the native
     # kernel (`engine.kernels.prefill_attention`), (q, k, v) -> out as the reference.
     prefill_attention: Callable = causal_attention
+    # A sparse layer's experts: `moe.grouped_experts` or an expert-parallel wrapper of it
+    # (`engine.experts`).
+    experts: Callable = grouped_experts
 
     def setup(self):
         c = self.cfg
         self.embedding = _param(self, "embed_tokens", (c.vocab_size, c.hidden_size),
                                 ("vocab", "embed"), self.dtype)
-        self.layers = [Block(c, self.dtype, self.fused, name=f"layers_{i}")
+        self.layers = [Block(c, self.dtype, self.fused, c.is_sparse(i), self.experts,
+                             name=f"layers_{i}")
                        for i in range(c.num_layers)]
-        self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        self.norm = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_plus_one)
         if not c.tie_word_embeddings:
             self.lm_head = _param(self, "lm_head", (c.hidden_size, c.vocab_size),
                                   ("embed", "vocab"), self.dtype)
         self.inv_freq = inverse_frequencies(c)
+        self.inv_freq_local = inverse_frequencies(c, local=True)
+
+    def _rope(self, i: int):
+        return self.inv_freq_local if self.cfg.is_sliding(i) else self.inv_freq
 
     def _embed(self, tokens):
-        return constrain(self.embedding[tokens], ("batch", "length", "embed"))
+        x = self.embedding[tokens]
+        if self.cfg.embed_scale:
+            x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
+        return constrain(x, ("batch", "length", "embed"))
 
     def _logits(self, h_BD):
         h = self.norm(h_BD)
@@ -163,16 +283,16 @@ class Llama(nn.Module):
             logits = jnp.einsum("...D,VD->...V", h, self.embedding, preferred_element_type=jnp.float32)
         else:
             logits = jnp.einsum("...D,DV->...V", h, self.lm_head, preferred_element_type=jnp.float32)
-        return logits
+        return softcap_logits(self.cfg, logits)
 
     def _contiguous(self, tokens_BT):
         b, t = tokens_BT.shape
         positions = jnp.broadcast_to(jnp.arange(t), (b, t))
         x = self._embed(tokens_BT)
         ks, vs = [], []
-        for layer in self.layers:
-            q, k, v = layer.qkv(x, positions, self.inv_freq)
-            x = layer.finish(x, self.prefill_attention(q, k, v))
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(x, positions, self._rope(i))
+            x = layer.finish(x, prompt_attention(self.cfg, i, self.prefill_attention, q, k, v))
             ks.append(k)
             vs.append(v)
         return x, jnp.stack(ks), jnp.stack(vs)
@@ -202,10 +322,14 @@ class Llama(nn.Module):
         x = self._embed(tokens_B[:, None])                       # [B, 1, D]
         pos = positions_B[:, None]
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(x, pos, self.inv_freq)
+            q, k, v = layer.qkv(x, pos, self._rope(i))
             k_pool_LPSKH = write_pages(k_pool_LPSKH, i, k[:, 0], block_tables_BP, positions_B)
             v_pool_LPSKH = write_pages(v_pool_LPSKH, i, v[:, 0], block_tables_BP, positions_B)
-            if getattr(self.decode_attention, "whole_pool", False):   # reads layer i in place
+            options = attention_options(self.cfg, i)
+            if options:     # window or softcap: the reference, which takes them
+                attn = paged_attention(q[:, 0], k_pool_LPSKH[i], v_pool_LPSKH[i],
+                                       block_tables_BP, positions_B + 1, **options)
+            elif getattr(self.decode_attention, "whole_pool", False):   # reads layer i in place
                 attn = self.decode_attention(q[:, 0], k_pool_LPSKH, v_pool_LPSKH, i,
                                              block_tables_BP, positions_B + 1)
             else:
@@ -230,7 +354,7 @@ class Llama(nn.Module):
         valid = offsets < lengths_B[:, None]
         x = self._embed(tokens_BT)
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(x, positions, self.inv_freq)
+            q, k, v = layer.qkv(x, positions, self._rope(i))
             k_pool_LPSKH = write_prompt_pages(k_pool_LPSKH, i, k, new_tables_BN, offsets, valid)
             v_pool_LPSKH = write_prompt_pages(v_pool_LPSKH, i, v, new_tables_BN, offsets, valid)
             prefix = None
@@ -241,28 +365,69 @@ class Llama(nn.Module):
                 prefix = (gather_pages(k_pool_LPSKH, i, prefix_tables_BW),
                           gather_pages(v_pool_LPSKH, i, prefix_tables_BW), starts_B)
             # With no prefix in the batch, a plain prompt's (the native kernel where used).
-            attn = (causal_attention(q, k, v, prefix) if prefix is not None
-                    else self.prefill_attention(q, k, v))
+            attn = (causal_attention(q, k, v, prefix, **attention_options(self.cfg, i))
+                    if prefix is not None
+                    else prompt_attention(self.cfg, i, self.prefill_attention, q, k, v))
             x = layer.finish(x, attn)
         last = x[jnp.arange(x.shape[0]), lengths_B - 1]
         return self._logits(last), k_pool_LPSKH, v_pool_LPSKH
 
 
+def attention_options(cfg: ModelConfig, layer: int) -> dict:
+    """The reference cores' options layer `layer` needs (`window`, `softcap`); empty
+    when any core serves it."""
+    return _options(cfg, cfg.is_sliding(layer))
+
+
+def _options(cfg: ModelConfig, sliding: bool) -> dict:
+    options = {}
+    if sliding:
+        options["window"] = cfg.sliding_window
+    if cfg.attn_softcap is not None:
+        options["softcap"] = cfg.attn_softcap
+    return options
+
+
+def prompt_attention(cfg: ModelConfig, layer: int, attention: Callable, q, k, v):
+    """A prompt's causal attention at layer `layer`: `attention` (the engine's core),
+    or the reference with the options the layer needs."""
+    options = attention_options(cfg, layer)
+    return causal_attention(q, k, v, **options) if options else attention(q, k, v)
+
+
+def softcap_logits(cfg: ModelConfig, logits):
+    """Gemma's final logit softcapping, where the config has it."""
+    cap = cfg.final_softcap
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def layer_kinds(cfg: ModelConfig, start: int, stop: int) -> tuple[tuple[bool, bool], ...]:
+    """(sliding, sparse) of layers start .. stop - 1: what `prefill_blocks` compiles
+    per layer (groups of equal kinds share a program)."""
+    return tuple((cfg.is_sliding(i), cfg.is_sparse(i)) for i in range(start, stop))
+
+
 def prefill_blocks(cfg: ModelConfig, dtype, layer_params: Sequence, x_BTD, fused: bool = False,
-                   attention: Callable = causal_attention):
+                   attention: Callable = causal_attention,
+                   kinds: Sequence[tuple[bool, bool]] | None = None,
+                   experts: Callable = grouped_experts):
     """Layer-wise prefill, middle programs: decoder layers over x, one per entry of
     `layer_params` (each a `layers_i` params dict, in order, fused or not as `fused`
-    says), `attention` as `Llama.prefill_attention`. Returns (x, k [G,B,T,K,H],
-    v [G,B,T,K,H]) for the G layers. The params are arguments, not names, so one compiled
-    program serves every group of the same size."""
-    block = Block(cfg, dtype, fused)
+    says), `attention` as `Llama.prefill_attention`, `kinds` their `layer_kinds`
+    (None: every layer global and dense). Returns (x, k [G,B,T,K,H], v [G,B,T,K,H])
+    for the G layers. The params are arguments, not names, so one compiled program
+    serves every group of the same size and kinds."""
+    kinds = kinds or ((False, False),) * len(layer_params)
     b, t = x_BTD.shape[:2]
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    inv_freq = inverse_frequencies(cfg)
     ks, vs = [], []
-    for p in layer_params:
+    for p, (sliding, sparse) in zip(layer_params, kinds):
+        block = Block(cfg, dtype, fused, sparse, experts)
+        inv_freq = inverse_frequencies(cfg, local=sliding)
         q, k, v = block.apply({"params": p}, x_BTD, positions, inv_freq, method=Block.qkv)
-        x_BTD = block.apply({"params": p}, x_BTD, attention(q, k, v), method=Block.finish)
+        options = _options(cfg, sliding)
+        attn = causal_attention(q, k, v, **options) if options else attention(q, k, v)
+        x_BTD = block.apply({"params": p}, x_BTD, attn, method=Block.finish)
         ks.append(k)
         vs.append(v)
     return x_BTD, jnp.stack(ks), jnp.stack(vs)
@@ -310,7 +475,8 @@ def fuse_params(cfg: ModelConfig, params):
         if cfg.attention_bias:
             p["qkv_bias"] = grouped(p.pop("q_bias"), p.pop("k_bias"), p.pop("v_bias"))
         p["o_proj"] = p["o_proj"].reshape(n * h, d)
-        p["gate_up_proj"] = jnp.stack([p.pop("gate_proj"), p.pop("up_proj")], axis=1)
+        if "gate_proj" in p:     # a sparse layer's experts keep their layout
+            p["gate_up_proj"] = jnp.stack([p.pop("gate_proj"), p.pop("up_proj")], axis=1)
         return p
 
     return {name: layer(p) if name.startswith("layers_") else p for name, p in params.items()}

@@ -9,10 +9,16 @@ import numpy as np
 from jaxpd.models.config import ModelConfig
 
 
-def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """[H/2] float32 inverse frequencies, computed once on the host at trace time."""
+def inverse_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """[H/2] float32 inverse frequencies, computed once on the host at trace time;
+    `local`: of a sliding-window layer (`rope_local_theta`, no scaling)."""
     h = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.int64).astype(np.float32) / h))
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (np.arange(0, h, 2, dtype=np.int64).astype(np.float32) / h))
+    if local:
+        return inv_freq.astype(np.float32)
+    if cfg.rope_linear_factor != 1.0:    # linear scaling: positions / factor
+        return (inv_freq / cfg.rope_linear_factor).astype(np.float32)
     rs = cfg.rope_scaling
     if rs is None:
         return inv_freq.astype(np.float32)

@@ -101,7 +101,8 @@ def gguf_tensors(state: dict, hf_cfg, arch: str) -> dict:
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     heads = {"attn_q": hf_cfg.num_attention_heads, "attn_k": hf_cfg.num_key_value_heads}
     for i in range(hf_cfg.num_hidden_layers):
         for hf_name, g in names.items():
@@ -241,6 +242,14 @@ def test_tied_embeddings_and_qwen2_bias_match_transformers(tmp_path, hf_models, 
     loaded = assert_same_model(path, transformers_gguf(path))
     assert loaded.cfg.tie_word_embeddings == (name == "llama_tied")
     assert loaded.cfg.attention_bias == (arch == "qwen2")
+
+
+def test_qwen3_gguf_matches_the_source_model_and_transformers(tmp_path, hf_models, bpe):
+    """Qwen3's q/k norms come from `attn_q_norm`/`attn_k_norm`, its q/k rows unpermuted."""
+    hf_model = hf_models("qwen3", vocab_size=len(bpe[0]))[1]
+    path = write_from_hf(tmp_path, hf_model, Q.F32, bpe, arch="qwen3")
+    loaded = assert_same_model(path, hf_model, greedy_prompts=PROMPTS[:1])
+    assert loaded.cfg.qk_norm and loaded.cfg.model_type == "qwen3"
 
 
 @pytest.mark.slow

@@ -87,28 +87,55 @@ def measure_matmul(repeats: int = 3) -> dict:
     return {"n": n, "flops_per_s": 2 * n ** 3 / seconds}
 
 
-def _layer_matmul_params(cfg) -> int:
+def _matmul_params_per_token(cfg) -> int:
+    """Matmul weights one token multiplies, over every layer (a sparse layer's router,
+    its top-k experts and shared expert only)."""
     d, h = cfg.hidden_size, cfg.head_dim
-    return d * h * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * d * cfg.intermediate_size
+    attn = d * h * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    total = 0
+    for i in range(cfg.num_layers):
+        if cfg.is_sparse(i):
+            mlp = (d * cfg.num_experts + 3 * d * cfg.shared_expert_intermediate_size
+                   + cfg.num_experts_per_tok * 3 * d * cfg.moe_intermediate_size)
+        else:
+            mlp = 3 * d * cfg.intermediate_size
+        total += attn + mlp
+    return total
+
+
+def experts_touched(cfg, tokens: int) -> float:
+    """Experts a sparse layer expects to read for `tokens` tokens routed uniformly at
+    random, k each: E * (1 - (1 - k/E) ** tokens); k for one token, E for many."""
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    return e * (1.0 - (1.0 - k / e) ** tokens) if e else 0.0
+
+
+def weight_bytes(cfg, tokens: int) -> float:
+    """Weight bytes a call over `tokens` tokens reads: every dense weight, and of a
+    sparse layer's experts only those some token was routed to (`experts_touched`)."""
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    sparse = sum(cfg.is_sparse(i) for i in range(cfg.num_layers))
+    unread = sparse * (cfg.num_experts - experts_touched(cfg, tokens)) * expert
+    return (cfg.num_params - unread) * _BYTES
 
 
 def prefill_cost(cfg, batch: int, length: int) -> tuple[float, float]:
     """(FLOPs, bytes) of one prefill call of `batch` prompts padded to `length`."""
     tokens = batch * length
-    flops = 2 * cfg.num_layers * _layer_matmul_params(cfg) * tokens
+    flops = 2 * _matmul_params_per_token(cfg) * tokens
     flops += 4 * cfg.num_layers * batch * length * length * cfg.num_heads * cfg.head_dim
     flops += 2 * batch * cfg.hidden_size * cfg.vocab_size           # last-token logits
     kv_written = 2 * cfg.num_layers * tokens * cfg.num_kv_heads * cfg.head_dim * _BYTES
-    return float(flops), float(cfg.num_params * _BYTES + kv_written)
+    return float(flops), float(weight_bytes(cfg, tokens) + kv_written)
 
 
 def decode_cost(cfg, batch: int, context: int) -> tuple[float, float]:
-    """(FLOPs, bytes) of one decode step of `batch` slots, each attending `context` tokens."""
-    flops = 2 * batch * (cfg.num_layers * _layer_matmul_params(cfg)
-                         + cfg.hidden_size * cfg.vocab_size)
+    """(FLOPs, bytes) of one decode step of `batch` slots, each attending `context`
+    tokens; a mixture of experts reads only the experts its batch is routed to."""
+    flops = 2 * batch * (_matmul_params_per_token(cfg) + cfg.hidden_size * cfg.vocab_size)
     flops += 4 * cfg.num_layers * batch * context * cfg.num_heads * cfg.head_dim
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _BYTES
-    return float(flops), float(cfg.num_params * _BYTES + kv_per_token * batch * (context + 1))
+    return float(flops), float(weight_bytes(cfg, batch) + kv_per_token * batch * (context + 1))
 
 
 def _row(kind: str, shape: dict, flops: float, nbytes: float, seconds: float,
@@ -229,7 +256,8 @@ def run_roofline(model_dir: str, args: argparse.Namespace) -> dict:
             rows.append(_row("decode", {"batch": batch, "context": context},
                              *decode_cost(cfg, batch, context), seconds, machine))
     result = {"machine": machine, "rows": rows, "model": model_dir,
-              "num_params": cfg.num_params, "device": describe_devices()}
+              "num_params": cfg.num_params, "num_active_params": cfg.num_active_params,
+              "device": describe_devices()}
     print(format_roofline(machine, rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -33,7 +33,8 @@ from jaxpd.engine.penalties import SlotPenalties, count_sampled, prefill_context
 from jaxpd.engine.sampler import Logprobs, SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
 from jaxpd.engine.kernels import kernel_per_tp_shard, prefill_attention, prefill_kernel
-from jaxpd.models.llama import Llama, prefill_blocks
+from jaxpd.engine.experts import decode_experts, param_specs
+from jaxpd.models.llama import Llama, layer_kinds, prefill_blocks
 from jaxpd.models.pallas_attention import decode_attention
 from jaxpd.sharding.compat import shard_map
 
@@ -91,9 +92,9 @@ class PrefillRunner:
             with nn.logical_axis_rules(rules):
                 return model.apply({"params": params}, tokens, method=Llama.embed_prompt)
 
-        def blocks(layer_params, x):
+        def blocks(layer_params, x, kinds):
             with nn.logical_axis_rules(rules):
-                return prefill_blocks(cfg, dtype, layer_params, x, fused, attention)
+                return prefill_blocks(cfg, dtype, layer_params, x, fused, attention, kinds)
 
         def head(params, x, tokens, lengths, sampling):
             with nn.logical_axis_rules(rules):
@@ -107,7 +108,7 @@ class PrefillRunner:
         self._replicated = replicated
         self._prefill = jax.jit(prefill, out_shardings=(replicated, replicated, kv, kv))
         self._embed = jax.jit(embed, out_shardings=replicated)
-        self._blocks = jax.jit(blocks, out_shardings=(replicated, kv, kv))
+        self._blocks = jax.jit(blocks, out_shardings=(replicated, kv, kv), static_argnums=(2,))
         self._head = jax.jit(head, out_shardings=replicated)
         pages = replicated if gather_pages else kv
         self._take = jax.jit(self._take_pages, static_argnums=(3,), out_shardings=(pages, pages))
@@ -170,8 +171,10 @@ class PrefillRunner:
         x = self._embed(self.params, inputs[0])
         parts, first, logprobs = [], None, None
         for g, (start, stop) in enumerate(groups):
-            self.counter.note(f"{self.name}_blocks", (tokens.shape, stop - start))
-            x, k, v = self._blocks([self.params[f"layers_{i}"] for i in range(start, stop)], x)
+            kinds = layer_kinds(self.cfg, start, stop)
+            self.counter.note(f"{self.name}_blocks", (tokens.shape, kinds))
+            x, k, v = self._blocks([self.params[f"layers_{i}"] for i in range(start, stop)], x,
+                                   kinds)
             if g == len(groups) - 1:
                 first, logprobs = self._head(self.params, x, *inputs)
             parts.append(self.take_rows(k, v, rows))
@@ -228,7 +231,7 @@ class DecodeRunner:
         attention = decode_attention(attention_impl, attention_interpret)
         if attention_impl != "reference":
             attention = kernel_per_tp_shard(attention, kv_axis)
-        model = Llama(cfg, dtype, fused, attention)
+        model = Llama(cfg, dtype, fused, attention, experts=decode_experts(rules))
 
         def step(params, k_pool, v_pool, counts, prompt, prev, rows, host_tokens, fed_from_host,
                  positions, block_tables, sampling):
@@ -246,9 +249,12 @@ class DecodeRunner:
 
         slot = P("dp")
         pool = P(None, "dp")
+        # Params whole on every dp shard, but a mixture's experts split over dp where
+        # the rules split them (`engine.experts`).
+        weights = param_specs(params, rules)
         self._step = jax.jit(shard_map(
             step, mesh=mesh, axis_names={"dp"}, check_vma=attention_impl == "reference",
-            in_specs=(P(), pool, pool) + (slot,) * 9,
+            in_specs=(weights, pool, pool) + (slot,) * 9,
             out_specs=(slot, slot, pool, pool, slot, slot)),
             donate_argnums=(1, 2, 3, 5))
         self.slots_per_shard = num_slots // self.num_shards
@@ -266,7 +272,7 @@ class DecodeRunner:
 
         self._extend = jax.jit(shard_map(
             extend, mesh=mesh, axis_names={"dp"},
-            in_specs=(P(), pool, pool, slot, slot) + (slot,) * 7,
+            in_specs=(weights, pool, pool, slot, slot) + (slot,) * 7,
             out_specs=(slot, slot, pool, pool)), donate_argnums=(1, 2))
 
         def insert(k_pool, v_pool, k_new, v_new, page_ids):

@@ -1,0 +1,84 @@
+"""Expert parallelism for a mixture of experts on the decode mesh.
+
+The decode mesh's rules split the experts over its devices (`sharding.logical_rules`:
+`experts` over dp x tp, or whichever of them the count divides), each device holding
+E / (dp x tp) whole experts. The decode programs run per dp shard (`shard_map` over
+dp, tp inside is GSPMD's), so a sparse layer:
+
+1. all-gathers its shard's (token, routing) rows over dp, so every dp shard sees every
+   token of the step (a step's rows are few: one token per slot);
+2. runs, on each device, its own experts on the pairs routed to them
+   (`moe.grouped_experts` with its `first_expert`; pairs routed elsewhere weigh zero),
+   the tokens already being on every tp device of the shard (activations are
+   replicated over tp), then one psum over tp;
+3. reduce-scatters the sums over dp, each shard getting back its own rows.
+
+Only activations cross devices, never an expert's weights. The prefill mesh has no dp:
+its experts are tensor-parallel over `expert_mlp` instead, under GSPMD.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jaxpd.models.moe import grouped_experts
+from jaxpd.sharding.compat import shard_map
+
+EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
+
+
+def _axes(rules) -> tuple[str, ...]:
+    axis = dict(rules).get("experts")
+    if axis is None:
+        return ()
+    return tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+
+
+def param_specs(params, rules):
+    """The `shard_map` in_specs over dp of a decode program's params: expert weights
+    split over dp where the rules split experts over it (each shard gets its own
+    experts), everything else whole (replicated over dp)."""
+    split = P("dp") if "dp" in _axes(rules) else P()
+
+    def spec(path, _):
+        return split if getattr(path[-1], "key", None) in EXPERT_WEIGHTS else P()
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def decode_experts(rules):
+    """The `experts` callable (`moe.grouped_experts`'s signature) for a program run
+    inside a decode mesh's dp `shard_map`, its params split by `param_specs`:
+    expert-parallel over the axes `experts` maps to; the plain grouped matmuls when
+    experts are not split."""
+    axes = _axes(rules)
+    if not axes:
+        return grouped_experts
+    over_dp, over_tp = "dp" in axes, "tp" in axes
+
+    def parallel(x, ids, weights, w_gate, w_up, w_down, first_expert=0, activation="silu"):
+        first = 0
+        if over_dp:     # this shard holds experts [dp_index * E', (dp_index + 1) * E')
+            first = jax.lax.axis_index("dp") * w_gate.shape[0]
+            x, ids, weights = (jax.lax.all_gather(a, "dp", tiled=True)
+                               for a in (x, ids, weights))
+        if over_tp:
+            whole, split = P(), P("tp")
+            out = shard_map(functools.partial(_tp_experts, activation),
+                            mesh=jax.sharding.get_abstract_mesh(), axis_names={"tp"},
+                            check_vma=False,
+                            in_specs=(whole, whole, whole, split, split, split, whole),
+                            out_specs=whole)(x, ids, weights, w_gate, w_up, w_down, first)
+        else:
+            out = grouped_experts(x, ids, weights, w_gate, w_up, w_down, first, activation)
+        if over_dp:
+            out = jax.lax.psum_scatter(out, "dp", scatter_dimension=0, tiled=True)
+        return out
+    return parallel
+
+
+def _tp_experts(activation, x, ids, weights, w_gate, w_up, w_down, first):
+    first = first + jax.lax.axis_index("tp") * w_gate.shape[0]
+    out = grouped_experts(x, ids, weights, w_gate, w_up, w_down, first, activation)
+    return jax.lax.psum(out, "tp")
