@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpd.models.source import QUANTIZATIONS
 from jaxpd.sharding.spec import MeshSpec, parse_mesh_spec
 
 
@@ -165,6 +166,10 @@ class EngineConfig:
     # decode devices.
     attention_impl: str = "auto"
     attention_interpret: bool = False  # run the Pallas kernel interpreted (CPU tests)
+    # Weights: "none" (float), "int8" (weight-only, per output channel, made at load),
+    # "auto" (a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as stored, else float):
+    # `models.source.QUANTIZATIONS`, applied where the model is loaded (`LLM`).
+    quantization: str = "none"
 
     def __post_init__(self):
         object.__setattr__(self, "mesh", parse_mesh_spec(self.mesh))
@@ -202,6 +207,9 @@ class EngineConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, "
                              f"got {self.attention_impl!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
         if self.prefix_extend_below < 0:
             raise ValueError(f"prefix_extend_below must be >= 0, got {self.prefix_extend_below}")
         if self.prefill_cache_pages is not None and self.prefill_cache_pages < 2:

@@ -34,15 +34,9 @@ class LoadedModel:
     # (weight elements this process read, elements the model has), for a Hugging Face
     # checkpoint; a process that holds only some shards reads only those.
     weights_read: tuple[int, int] | None = None
-    # How the weights are held (`QUANTIZATIONS`, resolved: "auto" becomes one of the
-    # others; "gguf" = a GGUF file's block formats kept as stored).
+    # How the weights are held: "none", "int8", or "gguf" (a GGUF file's block formats
+    # kept as stored), what `source.QUANTIZATIONS` asked for resolved.
     quantization: str = "none"
-
-
-# "none": float weights. "int8": weight-only int8, one scale per output channel, made
-# at load from float weights. "auto": a GGUF file's supported block formats stay as
-# stored (`models.quant`), anything else is "none".
-QUANTIZATIONS = ("none", "int8", "auto")
 
 
 def load(path: str, dtype: str = "float32", shardings=None,
@@ -51,10 +45,11 @@ def load(path: str, dtype: str = "float32", shardings=None,
     `ModelConfig` that gives one; else the default device) and tokenizer (None when the
     directory has no tokenizer.json). With shardings, a safetensors or orbax checkpoint
     is read one addressable shard at a time: each process reads only its own.
-    `quantization`: one of `QUANTIZATIONS`; quantized weights are placed as their
+    `quantization`: one of `source.QUANTIZATIONS`; quantized weights are placed as their
     float weights would be (`quant.shardings_like`)."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization not in source.QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {source.QUANTIZATIONS}, "
+                         f"got {quantization!r}")
     path = source.checkpoint_path(path)
     if source.is_gguf(path):
         if callable(shardings):

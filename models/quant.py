@@ -76,6 +76,10 @@ def is_quantized(w) -> bool:
     return isinstance(w, QuantizedWeight)
 
 
+def any_quantized(params) -> bool:
+    return any(map(is_quantized, jax.tree.leaves(params, is_leaf=is_quantized)))
+
+
 def _out_dims(float_shape, in_dims) -> list[int]:
     return [i for i in range(len(float_shape)) if i not in in_dims]
 
@@ -193,6 +197,39 @@ def project(x: jnp.ndarray, w, spec: str, native: Callable | None = None,
     return y.reshape(*lead, *w.out_shape)
 
 
+# --- the native CPU product ---------------------------------------------------------
+
+_FMT_CODES = {"int8": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3}
+# Rows of x up to which the native kernel takes the product: it dequantizes each block
+# in registers once per 4 rows, which pays where a product reads its weight once (a
+# decode step); a prefill's many rows go to XLA's dot on the dequantized weight.
+NATIVE_MAX_ROWS = 64
+
+
+def native_available() -> bool:
+    """Whether the native CPU product is built and registered here (the library of
+    `models.native_attention`, built on first use)."""
+    from jaxpd.models import native_attention
+    return native_attention.available()
+
+
+def native_matmul(x: jnp.ndarray, w: QuantizedWeight) -> jnp.ndarray | None:
+    """x [M, I] float32 @ w -> [M, O] float32 through the native CPU kernel
+    (`native/quant_matmul.cc`), or None where it does not serve (more than
+    `NATIVE_MAX_ROWS` rows, another dtype, the kernel not built): the caller then takes
+    the jnp form. Opaque to GSPMD: pass it only where the weights are whole on each
+    device (a decode mesh without tp)."""
+    if x.shape[0] > NATIVE_MAX_ROWS or x.dtype != jnp.float32 or not native_available():
+        return None
+    from jaxpd.models.native_attention import QUANT_MATMUL_TARGET
+
+    o = math.prod(w.out_shape)
+    low = w.min if w.min is not None else w.scale
+    call = jax.ffi.ffi_call(QUANT_MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], o), jnp.float32))
+    return call(x, w.data.reshape(o, -1), w.scale.reshape(o, -1), low.reshape(o, -1),
+                fmt=_FMT_CODES[w.fmt])
+
+
 # --- sizes and placement -------------------------------------------------------------
 
 def weight_bytes(params) -> int:
@@ -202,6 +239,24 @@ def weight_bytes(params) -> int:
     for leaf in jax.tree.leaves(params, is_leaf=is_quantized):
         total += leaf.nbytes if is_quantized(leaf) else int(leaf.size) * leaf.dtype.itemsize
     return total
+
+
+def step_bytes(params, tied_embeddings: bool) -> int:
+    """Weight bytes one decode step reads: every weight, but of an embedding that is
+    not also the output head only the rows it looks up (counted as none)."""
+    total = weight_bytes(params)
+    if not tied_embeddings and "embed_tokens" in params:
+        total -= weight_bytes({"e": params["embed_tokens"]})
+    return total
+
+
+def describe(params) -> str:
+    """How a params tree's weights are held, e.g. "q4_1 x210, q8_0 x1, float x61"."""
+    counts: dict[str, int] = {}
+    for leaf in jax.tree.leaves(params, is_leaf=is_quantized):
+        kind = leaf.fmt if is_quantized(leaf) else "float"
+        counts[kind] = counts.get(kind, 0) + 1
+    return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def shardings_like(w: QuantizedWeight, float_sharding):

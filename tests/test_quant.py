@@ -179,3 +179,25 @@ def test_int8_from_float_params_fuses_and_projects():
     tokens = list(range(1, 9))
     np.testing.assert_allclose(forward(cfg, fuse_params(cfg, q), tokens, fused=True),
                                forward(cfg, q, tokens), atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["colocated=1", "prefill=2,decode=2"])
+def test_llm_serves_kept_blocks_as_the_float_path_does(tmp_path, hf_llama, bpe, mesh):
+    """Through the engine: decode steps take the native product on CPU (prefill the jnp
+    form; with tp on the prefill mesh, weights split over it), same greedy tokens as
+    the file read as float."""
+    from jaxpd import LLM, SamplingParams
+    from jaxpd.models import native_attention
+
+    path = write(tmp_path, hf_llama, Q.Q4_1, bpe)
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for quantization in ("none", "auto"):
+        with LLM(model=path, mesh=mesh, quantization=quantization) as llm:
+            outs[quantization] = [list(o.token_ids) for o in llm.generate(PROMPTS, params)]
+            runner = llm.engine.decode_runner
+            if quantization == "auto":
+                assert quant.any_quantized(runner.params)
+                assert (runner.quant_matmul is not None) == native_attention.available()
+    assert outs["auto"] == outs["none"]

@@ -84,7 +84,8 @@ class Engine:
         # a decode pool refuses a handoff of another (`models.fingerprint`).
         started = time.perf_counter()
         self.fingerprint = model_fingerprint(model.path, model.cfg, config.dtype,
-                                             config.page_size, config.kv_transfer_dtype)
+                                             config.page_size, config.kv_transfer_dtype,
+                                             quantization=model.quantization)
         _log.info("model fingerprint %s (%s, %.2f s)", short(self.fingerprint), model.path,
                   time.perf_counter() - started)
         if plan is not None:
@@ -155,6 +156,19 @@ class Engine:
         return (*place_params(self.model.cfg, self.model.params, mesh, self.dtype, fuse=fuse),
                 resolve_attention_impl(c.attention_impl, mesh.devices.flat[0].platform,
                                        c.attention_interpret, c.dtype))
+
+    def _quant_matmul(self, params, mesh):
+        """The native product of quantized weights for a decode mesh where it serves:
+        CPU devices, float32, weights whole on each device (no tp: the kernel is opaque
+        to GSPMD), the kernel built. None otherwise (the jnp form everywhere)."""
+        from jaxpd.models import quant
+
+        if not quant.any_quantized(params):
+            return None
+        if (mesh.devices.flat[0].platform != "cpu" or self.config.dtype != "float32"
+                or mesh.shape.get("tp", 1) != 1 or not quant.native_available()):
+            return None
+        return quant.native_matmul
 
     def _prefill_scheduler(self, buckets: list[int], chunked: bool = False) -> PrefillScheduler:
         c = self.config
@@ -235,7 +249,8 @@ class Engine:
         self.decode_runner = lead(DecodeRunner(
             self.model.cfg, params, mesh, rules, spec.decode_dp * c.slots_per_shard,
             c.pages_per_shard, c.page_size, self.counter, self.dtype, fused=fused,
-            attention_impl=attention, attention_interpret=c.attention_interpret), self.plan)
+            attention_impl=attention, attention_interpret=c.attention_interpret,
+            quant_matmul=self._quant_matmul(params, mesh)), self.plan)
         self.decode_scheduler = DecodeScheduler(
             spec.decode_dp, c.slots_per_shard, c.pages_per_shard, c.page_size,
             self.prefix_root if self.caching else None, self.cache_journal)

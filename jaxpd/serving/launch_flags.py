@@ -158,6 +158,11 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("local_prefill_below", 0, "Prompts shorter than this are prefilled "
                          "on the decode mesh itself (no transfer); 0 = never.", lower_bound=0,
                          flag_values=fv)
+    flags.DEFINE_enum("quantization", "none", ["none", "int8", "auto"],
+                      "Weights: 'none' (float), 'int8' (weight-only, one scale per output "
+                      "channel, made at load), 'auto' (a GGUF file's Q8_0/Q4_0/Q4_1 blocks "
+                      "kept as stored and multiplied without unpacking to float; other "
+                      "files float).", flag_values=fv)
     flags.DEFINE_enum("attention_impl", "auto",
                       ["auto", "reference", "native", "pallas_gpu", "pallas_tpu"],
                       "Attention core: 'auto' is 'native' on CPU (C++ kernels built on first "
@@ -385,7 +390,7 @@ def engine_options(fv: flags.FlagValues) -> dict:
                    bucket_timeout_ms=fv.bucket_timeout_ms, max_queued=fv.max_queued,
                    layerwise_min_tokens=fv.layerwise_min_tokens,
                    layerwise_parts=fv.layerwise_parts, kv_transfer_dtype=fv.kv_transfer_dtype,
-                   local_prefill_below=fv.local_prefill_below,
+                   local_prefill_below=fv.local_prefill_below, quantization=fv.quantization,
                    # Unset on a role spanning processes: off (not supported there yet).
                    enable_prefix_caching=(False if fv.num_processes > 1 and
                                           fv.enable_prefix_caching is None
