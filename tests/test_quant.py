@@ -112,6 +112,37 @@ def test_int8_scales_follow_their_output_channels():
                                np.einsum("BD,DNH->BNH", x, back), rtol=1e-5, atol=1e-4)
 
 
+def random_blocks(fmt: str, rows: int, cols: int, rng) -> quant.QuantizedWeight:
+    """A [cols -> rows] weight of random blocks in a GGUF format, small float16 scales."""
+    size = {"q8_0": 34, "q4_0": 18, "q4_1": 20}[fmt]
+    raw = rng.integers(0, 256, size=(rows, cols // 32, size), dtype=np.uint8)
+    raw[:, :, 0:2] = rng.uniform(0.005, 0.02, (rows, cols // 32, 1)).astype(np.float16).view(np.uint8)
+    if fmt == "q4_1":
+        raw[:, :, 2:4] = rng.uniform(-0.1, 0.0, (rows, cols // 32, 1)).astype(np.float16).view(np.uint8)
+    parts = quant.from_gguf_rows(raw.reshape(-1), fmt, rows, cols, "w")
+    return quant.QuantizedWeight(*(None if a is None else jnp.asarray(a) for a in parts),
+                                 fmt=fmt, float_shape=(cols, rows), in_dims=(0,))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1"])
+def test_native_product_matches_the_jnp_form(fmt):
+    from jaxpd.models import native_attention
+    if not native_attention.available():
+        pytest.skip(native_attention.unavailable_reason())
+    rng = np.random.default_rng(0)
+    rows, cols = 40, 96
+    w = (quant.quantize_int8(rng.normal(size=(cols, rows)).astype(np.float32), (0,))
+         if fmt == "int8" else random_blocks(fmt, rows, cols, rng))
+    for m in (1, 3, 4, 9):        # whole tiles of 4 rows and the rest
+        x = jnp.asarray(rng.normal(size=(m, cols)).astype(np.float32))
+        got = jax.jit(quant.native_matmul)(x, w)
+        want = np.asarray(x) @ np.asarray(quant.dequantize_rows(w)).T
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(quant.matmul(x, w)), want, rtol=1e-5, atol=1e-4)
+    big = jnp.zeros((quant.NATIVE_MAX_ROWS + 1, cols), jnp.float32)
+    assert quant.native_matmul(big, w) is None       # a prefill's rows: the jnp form
+
+
 def test_unsupported_block_format_names_the_tensor_and_the_way_out(tmp_path, hf_llama, bpe):
     path = write(tmp_path, hf_llama, Q.Q5_0, bpe)
     with pytest.raises(ValueError, match=r"token_embd.weight.*Q5_0.*quantization='none'"):

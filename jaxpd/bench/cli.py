@@ -26,7 +26,7 @@ import json
 import sys
 from typing import Callable, Sequence
 
-from jaxpd.bench.args import (HF, VLLM_ALIASES, add_deployment_flags,  # noqa: F401
+from jaxpd.bench.args import (HF, LLAMA_CPP, VLLM_ALIASES, add_deployment_flags,  # noqa: F401
                               add_hyphen_spellings, add_workload_flags,
                               backends_of, compare_flag, describe_devices, mesh_flag,
                               meshes_of, nonnegative_int, num_devices_needed, positive_float,
@@ -40,6 +40,7 @@ from jaxpd.bench import datasets
 from jaxpd.bench.workload import (make_shift_workload, make_workload, parse_length_mix,
                                   parse_phases, poisson_arrivals, random_streams)
 from jaxpd.config import ATTENTION_IMPLS, EngineConfig
+from jaxpd.models.source import QUANTIZATIONS
 from jaxpd.metrics import find_goodput, format_table, run_report, slo_attainment
 from jaxpd.sharding.spec import AUTO, auto_mesh
 
@@ -70,7 +71,8 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
                    help="the engine mesh under test")
     s.add_argument("--compare", type=compare_flag, default=["colocated=8"],
                    help="comma-separated baselines run on the same requests: meshes "
-                        "(colocated=N, prefill=P,decode=D) and/or 'hf'; 'none' for none")
+                        "(colocated=N, prefill=P,decode=D) and/or 'hf' (transformers), 'llama_cpp' "
+                        "(llama-cpp-python on a GGUF --model); 'none' for none")
     add_deployment_flags(s)
     s.add_argument("--handoff_wait_ms", type=float, default=None,
                    help="engine handoff_wait_ms (the prefill side's wait for the transfer "
@@ -88,6 +90,9 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
                    help="engine prompts per prefill batch")
     s.add_argument("--attention_impl", default="auto", choices=ATTENTION_IMPLS,
                    help="engine decode attention core")
+    s.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                   help="engine weights: float, int8 made at load, or 'auto' (a GGUF "
+                        "file's Q8_0/Q4_0/Q4_1 blocks kept as stored)")
     s.add_argument("--prefix_caching", default="default", choices=("default", "on", "off"),
                    help="the engines' prefix cache: each mesh's default (on beside a prefill "
                         "mesh in one process), or on / off for all (the prefix workloads "
@@ -214,7 +219,8 @@ class Benchmark:
         self.engine_options = dict(max_model_len=self.max_model_len,
                                    slots_per_shard=args.slots_per_shard,
                                    max_prefill_batch=args.max_prefill_batch,
-                                   attention_impl=args.attention_impl)
+                                   attention_impl=args.attention_impl,
+                                   quantization=args.quantization)
         if args.handoff_wait_ms is not None:
             self.engine_options["handoff_wait_ms"] = args.handoff_wait_ms
         if args.prefix_caching != "default":
@@ -286,6 +292,10 @@ class Benchmark:
 
     def open(self, name: str) -> Backend:
         """Build and warm up backend `name` (a mesh, or `hf`)."""
+        if name == LLAMA_CPP:
+            from jaxpd.bench.llama_cpp import LlamaCppBackend
+            return LlamaCppBackend(self.model_dir, n_ctx=max(512, self.max_model_len),
+                                   warmup_requests=self.warmup)
         if name == HF:
             from jaxpd.bench.hf import HFBackend
             return HFBackend(self.model_dir, self.args.hf_batch or self.decode_slots(),
@@ -374,7 +384,7 @@ class Benchmark:
         # The worst gap: a few prefill stalls hide below p99 in a short run.
         report.update(backend=name, rate=rate, num_aborted=result.num_aborted,
                       itl_max_s=max(gaps) if gaps else None, engine_stats=result.stats)
-        if name != HF:
+        if name not in (HF, LLAMA_CPP):
             deployment = a.processes
             report["engine_options"] = self.options_for(
                 a.process_mesh if deployment and name == deployment.name else name)
