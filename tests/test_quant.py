@@ -232,3 +232,28 @@ def test_llm_serves_kept_blocks_as_the_float_path_does(tmp_path, hf_llama, bpe, 
                 assert quant.any_quantized(runner.params)
                 assert (runner.quant_matmul is not None) == native_attention.available()
     assert outs["auto"] == outs["none"]
+
+
+def test_bench_compares_llama_cpp_after_the_meshes():
+    from jaxpd.bench.args import backends_of, parse_compare
+    from jaxpd.bench.cli import parse_args
+
+    assert parse_compare("colocated=2,llama_cpp,hf") == ["colocated=2", "llama_cpp", "hf"]
+    args = parse_args(["--mesh", "colocated=1", "--compare", "llama_cpp,hf",
+                       "--quantization", "auto", "--single_stream", "2"])
+    assert backends_of(args) == ["colocated=1", "hf", "llama_cpp"]
+    assert args.quantization == "auto" and args.single_stream == 2
+    with pytest.raises(ValueError, match="llama_cpp"):
+        parse_compare("llama.cpp")
+
+
+def test_roofline_counts_stored_weight_bytes():
+    from jaxpd.bench.roofline import decode_cost
+    from jaxpd.models.config import ModelConfig
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
+                      num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                      max_position_embeddings=64)
+    flops, floats = decode_cost(cfg, 1, 16)
+    _, stored = decode_cost(cfg, 1, 16, weight_bytes=1000)
+    assert floats - stored == cfg.num_params * 4 - 1000

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 from typing import Callable, Sequence
 
@@ -123,6 +124,10 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
     m.add_argument("--plot", default=None, metavar="PATH.png",
                    help="write TTFT/ITL CDFs (and attainment vs rate) here; needs matplotlib")
     m.add_argument("--no_progress", action="store_true", help="no progress bar on stderr")
+    m.add_argument("--single_stream", type=nonnegative_int, default=0,
+                   help="before the workload, each backend also serves this many of its "
+                        "requests one at a time, alone: their median TPOT is reported "
+                        "as 'batch-1 TPOT' (a single conversation's speed)")
 
 
 def check_meshes(args: argparse.Namespace, error: Callable[[str], object]) -> None:
@@ -349,6 +354,7 @@ class Benchmark:
         _log(f"[{name}] building and warming up")
         backend = self.open(name)
         try:
+            single = self.single_stream(backend) if self.args.single_stream else None
             measured = {rate: self.run_once(backend, rate, f"{name} @ {rate:g} req/s")
                         for rate in self.args.rates}
             goodput = self.search_goodput(backend, name, measured) if self.args.goodput else None
@@ -356,6 +362,20 @@ class Benchmark:
             backend.close()
         for rate in self.args.rates:
             self.add_report(name, rate, measured, goodput)
+            if single is not None:
+                self.reports[-1]["single_stream_tpot_s"] = single
+
+    def single_stream(self, backend: Backend) -> float | None:
+        """Median TPOT of `--single_stream` of the workload's requests, each served
+        alone (arriving at 0 on its own run)."""
+        from jaxpd.metrics import tpot
+        tpots = []
+        for r in self.requests_at(self.args.rates[0])[:self.args.single_stream]:
+            alone = BenchRequest(0, 0.0, r.prompt_ids, r.output_len)
+            value = tpot(backend.run([alone]).timelines[0].token_times_s)
+            if value is not None:
+                tpots.append(value)
+        return statistics.median(tpots) if tpots else None
 
     def search_goodput(self, backend: Backend, name: str,
                        measured: dict[float, RunResult]) -> float | None:
@@ -467,6 +487,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 def _print_runs(runs: list[dict]) -> None:
     print(format_table(runs))
+    if any("single_stream_tpot_s" in r for r in runs):
+        print("batch-1 TPOT (ms): " + "  ".join(
+            f"{r['name']}={r['single_stream_tpot_s'] * 1e3:.1f}" for r in runs
+            if r.get("single_stream_tpot_s") is not None))
     print("ITL max (ms):       " + "  ".join(
         f"{r['name']}={r['itl_max_s'] * 1e3:.1f}" for r in runs if r["itl_max_s"] is not None))
     if runs and "phases" in runs[0]:

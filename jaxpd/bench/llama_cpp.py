@@ -78,3 +78,9 @@ class LlamaCppBackend:
                 on_done()
         ordered = [timelines[r.index] for r in requests]
         return RunResult(ordered, run_duration(ordered), 0, {"n_threads": self.n_threads})
+
+    def close(self) -> None:
+        close = getattr(self.model, "close", None)     # llama-cpp-python >= 0.2.80
+        if close is not None:
+            close()
+        self.model = None
