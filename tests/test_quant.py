@@ -54,6 +54,7 @@ def forward(cfg, params, tokens, fused=False):
                                                     method=Llama.forward)[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
 def test_kept_gguf_blocks_match_the_dequantized_float_path(tmp_path, hf_llama, bpe, qtype):
     path = write(tmp_path, hf_llama, qtype, bpe)
@@ -77,6 +78,16 @@ def test_kept_gguf_blocks_match_the_dequantized_float_path(tmp_path, hf_llama, b
         assert tokens == paged_greedy(flat.cfg, flat.params, prompt, NUM_NEW)[0]
 
 
+@pytest.mark.slow
+def test_kept_q4_1_logits_match_the_float_path(tmp_path, hf_llama, bpe):
+    path = write(tmp_path, hf_llama, Q.Q4_1, bpe)
+    kept, flat = (checkpoint.load(path, quantization=q) for q in ("auto", "none"))
+    prompt = kept.tokenizer.encode(PROMPTS[0])
+    np.testing.assert_allclose(forward(kept.cfg, kept.params, prompt),
+                               forward(flat.cfg, flat.params, prompt), atol=1e-4)
+
+
+@pytest.mark.slow
 def test_int8_agrees_with_float_on_the_built_in_model():
     from jaxpd.default_model import default_model_dir
 
@@ -206,6 +217,7 @@ def test_unknown_quantization_is_refused():
         checkpoint.load(default_model_dir(), quantization="int4")
 
 
+@pytest.mark.slow
 def test_quantized_weights_shard_like_their_float_weights(tmp_path, hf_llama, bpe):
     from jax.sharding import Mesh
     from jaxpd.engine.placement import place_params
