@@ -272,6 +272,8 @@ def test_llm_serves_kept_blocks_as_the_float_path_does(tmp_path, hf_llama, bpe, 
             if quantization == "auto":
                 assert quant.any_quantized(runner.params)
                 assert (runner.quant_matmul is not None) == native_attention.available()
+                if runner.quant_matmul is not None:   # its cost grows with every row
+                    assert llm.engine.decode_loop.batch_sizes[0] == 1
     assert outs["auto"] == outs["none"]
 
 
@@ -298,3 +300,9 @@ def test_roofline_counts_stored_weight_bytes():
     flops, floats = decode_cost(cfg, 1, 16)
     _, stored = decode_cost(cfg, 1, 16, weight_bytes=1000)
     assert floats - stored == cfg.num_params * 4 - 1000
+
+
+def test_decode_steps_of_the_native_product_start_at_one_row():
+    from jaxpd.engine.scheduler import decode_batch_sizes
+    assert decode_batch_sizes(32) == [8, 16, 32]
+    assert decode_batch_sizes(32, from_one=True) == [1, 2, 4, 8, 16, 32]
