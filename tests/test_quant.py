@@ -306,3 +306,19 @@ def test_decode_steps_of_the_native_product_start_at_one_row():
     from jaxpd.engine.scheduler import decode_batch_sizes
     assert decode_batch_sizes(32) == [8, 16, 32]
     assert decode_batch_sizes(32, from_one=True) == [1, 2, 4, 8, 16, 32]
+
+
+def test_quantization_flag_reaches_the_engine_config():
+    from absl import flags
+
+    from jaxpd.config import EngineConfig
+    from jaxpd.serving import launch_flags
+
+    fv = flags.FlagValues()
+    launch_flags.define_flags(fv)
+    fv(["prog", "--quantization", "auto"])
+    options = launch_flags.engine_options(fv)
+    assert options["quantization"] == "auto"
+    assert EngineConfig(mesh="colocated=1", quantization="int8").quantization == "int8"
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(mesh="colocated=1", quantization="q4")
