@@ -173,7 +173,7 @@ def test_native_product_matches_the_jnp_form(fmt, body):
     rows, cols = 40, 96
     w = (quant.quantize_int8(rng.normal(size=(cols, rows)).astype(np.float32), (0,))
          if fmt == "int8" else random_blocks(fmt, rows, cols, rng))
-    for m in (1, 3, 4, 9):        # whole tiles of 4 rows and the rest
+    for m in (1, 3, 4, 9, 13):    # tiles of 8 and 4 rows, and the rest
         x = jnp.asarray(rng.normal(size=(m, cols)).astype(np.float32))
         got = jax.jit(product)(x, w)
         want = np.asarray(x) @ np.asarray(quant.dequantize_rows(w)).T
