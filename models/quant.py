@@ -302,6 +302,12 @@ def place(params, float_shardings):
     return jax.tree.map(one, params, float_shardings, is_leaf=is_quantized)
 
 
+def dequantize_params(params):
+    """Every quantized weight of a params tree as the float weight it stands for."""
+    return jax.tree.map(lambda a: dequantize(a) if is_quantized(a) else a, params,
+                        is_leaf=is_quantized)
+
+
 def cast_floats(params, dtype):
     """Float leaves cast to `dtype`; quantized weights kept as stored."""
     return jax.tree.map(lambda a: a if is_quantized(a) else a.astype(dtype), params,

@@ -149,11 +149,18 @@ class Engine:
     def _serving(self) -> bool:
         return not (self._stop.is_set() or self._paused.is_set())
 
-    def _params_on(self, mesh, fuse: bool):
+    def _params_on(self, mesh, fuse: bool, prefill_only: bool = False):
         """(params on `mesh`, its logical rules, whether fused: `engine.placement`; the
-        attention kernels for its devices: `resolve_attention_impl`)."""
+        attention kernels for its devices: `resolve_attention_impl`). A CPU mesh that
+        only prefills gets quantized weights as float: a prompt's many rows are
+        compute-bound, and XLA:CPU's product of the jnp form unpacks every weight on
+        every call."""
         c = self.config
-        return (*place_params(self.model.cfg, self.model.params, mesh, self.dtype, fuse=fuse),
+        params = self.model.params
+        if prefill_only and mesh.devices.flat[0].platform == "cpu":
+            from jaxpd.models import quant
+            params = quant.dequantize_params(params)
+        return (*place_params(self.model.cfg, params, mesh, self.dtype, fuse=fuse),
                 resolve_attention_impl(c.attention_impl, mesh.devices.flat[0].platform,
                                        c.attention_interpret, c.dtype))
 
@@ -211,7 +218,8 @@ class Engine:
 
     def _build_prefill(self) -> None:
         c, mesh = self.config, self.meshes.prefill
-        params, rules, fused, attention = self._params_on(mesh, fuse=False)
+        params, rules, fused, attention = self._params_on(mesh, fuse=False,
+                                                          prefill_only=True)
         self.prefill_runner = PrefillRunner(self.model.cfg, params, mesh, rules, c.page_size,
                                             self.counter, self.dtype, fused=fused,
                                             gather_pages=bool(self.plan and not self.plan.offers),
