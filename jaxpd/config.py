@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpd.models.source import QUANTIZATIONS
 from jaxpd.sharding.spec import MeshSpec, parse_mesh_spec
 
 
@@ -237,6 +238,11 @@ class EngineConfig:
         "opt-in until checked on a device).", choices=list(ATTENTION_IMPLS))
     attention_interpret: bool = knob(
         False, "Run a Pallas attention kernel in interpret mode (slow: tests on CPU).")
+    quantization: str = knob(
+        "auto", "Weights: 'none' (float), 'int8' (weight-only, one scale per output channel, "
+        "made at load), 'auto' (a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as stored and "
+        "multiplied without unpacking to float; other files float).",
+        choices=list(QUANTIZATIONS))
 
     def __post_init__(self):
         object.__setattr__(self, "mesh", parse_mesh_spec(self.mesh))
@@ -282,6 +288,9 @@ class EngineConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, "
                              f"got {self.attention_impl!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
         if self.prefix_extend_below < 0:
             raise ValueError(f"prefix_extend_below must be >= 0, got {self.prefix_extend_below}")
         if self.prefill_cache_pages is not None and self.prefill_cache_pages < 2:

@@ -36,6 +36,16 @@ def default_kv_cache_memory(device) -> int:
     return CPU_KV_CACHE_BYTES
 
 
+
+def _log_weights(asked: str, loaded) -> None:
+    """One line: the quantization asked for, what it came to, the bytes a decode step
+    reads."""
+    from jaxpd.models import quant
+
+    _log.info("jaxpd: quantization=%s -> %s (%s); weights read per decode step: %.1f MB",
+              asked, loaded.quantization, quant.describe(loaded.params),
+              quant.step_bytes(loaded.params, loaded.cfg.tie_word_embeddings) / 1e6)
+
 class LLM(Frontend):
     """Load a model, build the meshes, start the engine.
 
@@ -75,7 +85,10 @@ class LLM(Frontend):
         # A mesh across processes: each process reads only the weight shards its
         # devices hold, straight onto the mesh.
         shardings = None if plan is None else lambda cfg: role_shardings(cfg, mesh)
-        loaded = checkpoint.load(resolve_model(model), dtype="float32", shardings=shardings)
+        quantization = engine_options.get("quantization", EngineConfig.quantization)
+        loaded = checkpoint.load(resolve_model(model), dtype="float32", shardings=shardings,
+                                 quantization=quantization)
+        _log_weights(quantization, loaded)
         self.weights_read = loaded.weights_read
         dtype = resolve_dtype(dtype, jax.default_backend())
         self._fit_kv(loaded.cfg, dtype, kv_cache_memory, engine_options)

@@ -34,18 +34,28 @@ class LoadedModel:
     # (weight elements this process read, elements the model has), for a Hugging Face
     # checkpoint; a process that holds only some shards reads only those.
     weights_read: tuple[int, int] | None = None
+    # How the weights are held: "none", "int8", or "gguf" (a GGUF file's block formats
+    # kept as stored), what `source.QUANTIZATIONS` asked for resolved.
+    quantization: str = "none"
 
 
-def load(path: str, dtype: str = "float32", shardings=None) -> LoadedModel:
+def load(path: str, dtype: str = "float32", shardings=None,
+         quantization: str = "none") -> LoadedModel:
     """Load config, params (onto `shardings`, a tree like params or a function of the
     `ModelConfig` that gives one; else the default device) and tokenizer (None when the
     directory has no tokenizer.json). With shardings, a safetensors or orbax checkpoint
-    is read one addressable shard at a time: each process reads only its own."""
+    is read one addressable shard at a time: each process reads only its own.
+    `quantization`: one of `source.QUANTIZATIONS`; quantized weights are placed as their
+    float weights would be (`quant.shardings_like`)."""
+    if quantization not in source.QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {source.QUANTIZATIONS}, "
+                         f"got {quantization!r}")
     path = source.checkpoint_path(path)
     if source.is_gguf(path):
         if callable(shardings):
             shardings = shardings(_gguf_config(path))
-        return _load_gguf(path, dtype, shardings)
+        model = _load_gguf(path, dtype, shardings, keep=quantization == "auto")
+        return _int8(model, shardings) if quantization == "int8" else model
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path} does not exist")
     cfg = ModelConfig.from_dir(path)
@@ -61,7 +71,19 @@ def load(path: str, dtype: str = "float32", shardings=None) -> LoadedModel:
                                 jax.tree.map(lambda s: s.shape, shapes), read_log=log)
         read = (sum(n for _, n in log), sum(s.size for s in jax.tree.leaves(shapes)))
     tokenizer = Tokenizer(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
-    return LoadedModel(path, cfg, params, tokenizer, dtype, read)
+    model = LoadedModel(path, cfg, params, tokenizer, dtype, read)
+    return _int8(model, shardings) if quantization == "int8" else model
+
+
+def _int8(model: LoadedModel, shardings) -> LoadedModel:
+    """`model` with its projections and embeddings quantized to int8 where they lie."""
+    from jaxpd.models import quant
+    from jaxpd.models.llama import quantize_params
+
+    params = jax.jit(quantize_params)(model.params)
+    if shardings is not None:
+        params = quant.place(params, shardings)
+    return dataclasses.replace(model, params=params, quantization="int8")
 
 
 def _gguf_config(path: str) -> ModelConfig:
@@ -70,8 +92,9 @@ def _gguf_config(path: str) -> ModelConfig:
     return gguf.model_config(gguf.GGUFFile(path))
 
 
-def _load_gguf(path: str, dtype: str, shardings) -> LoadedModel:
+def _load_gguf(path: str, dtype: str, shardings, keep: bool = False) -> LoadedModel:
     from jaxpd.models import gguf   # the gguf package only for GGUF files
+    from jaxpd.models import quant
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; expected one of {sorted(DTYPES)}")
@@ -79,16 +102,24 @@ def _load_gguf(path: str, dtype: str, shardings) -> LoadedModel:
     cfg, tokenizer = gguf.model_config(f), gguf.tokenizer(f)
     shapes, _ = abstract_params(cfg, DTYPES[dtype])
     params: dict = {}
-    for ours, w in gguf.weights(f, cfg):
+    kept = False
+    for ours, w in gguf.weights(f, cfg, keep_quantized=keep):
         want = tree_get(shapes, ours).shape
-        if tuple(w.shape) != tuple(want):
-            raise ValueError(f"{path}: weight {'/'.join(ours)} has shape {tuple(w.shape)} "
+        got = w.float_shape if quant.is_quantized(w) else w.shape
+        if tuple(got) != tuple(want):
+            raise ValueError(f"{path}: weight {'/'.join(ours)} has shape {tuple(got)} "
                              f"after conversion, expected {tuple(want)} from the metadata")
-        w = w.astype(DTYPES[dtype])
         sharding = tree_get(shardings, ours)
-        tree_set(params, ours,
-                 jax.device_put(w, sharding) if sharding is not None else jnp.asarray(w))
-    return LoadedModel(path, cfg, params, tokenizer, dtype)
+        if quant.is_quantized(w):
+            kept = True
+            w = (quant.place(w, sharding) if sharding is not None
+                 else jax.tree.map(jnp.asarray, w))
+        else:
+            w = w.astype(DTYPES[dtype])
+            w = jax.device_put(w, sharding) if sharding is not None else jnp.asarray(w)
+        tree_set(params, ours, w)
+    return LoadedModel(path, cfg, params, tokenizer, dtype,
+                       quantization="gguf" if kept else "none")
 
 
 def save_params(params, path: str) -> None:

@@ -47,17 +47,21 @@ def is_fingerprint(value) -> bool:
 
 
 def model_fingerprint(path: str, cfg, kv_dtype: str, page_size: int,
-                      kv_transfer_dtype: str | None = None, cache_dir: str | None = None
-                      ) -> str:
+                      kv_transfer_dtype: str | None = None, cache_dir: str | None = None,
+                      quantization: str = "none") -> str:
     """The 64-hex-digit blake2b fingerprint of the checkpoint at `path` (a directory or
     a GGUF file) served as `cfg` (a `ModelConfig`) with KV stored in `kv_dtype`, sent
-    in `kv_transfer_dtype` (None: as stored) in pages of `page_size` tokens. Equal on
+    in `kv_transfer_dtype` (None: as stored) in pages of `page_size` tokens, its
+    weights held as `quantization` says (`checkpoint.LoadedModel.quantization`: other
+    numbers, other KV). Equal on
     every host that holds the same files and serves them alike; different when any
     weight byte differs. Raises OSError when the files cannot be read."""
     attention = {name: _plain(getattr(cfg, name, None)) for name in _ATTENTION_FIELDS}
     parts = {"weights": weights_digest(path, cache_dir), "tokenizer": tokenizer_digest(path),
              "attention": attention, "kv_dtype": str(kv_dtype),
              "kv_transfer_dtype": kv_transfer_dtype or "", "page_size": int(page_size)}
+    if quantization != "none":       # float weights keep the fingerprint they had
+        parts["quantization"] = quantization
     return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(),
                            digest_size=32).hexdigest()
 

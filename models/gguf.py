@@ -153,9 +153,11 @@ def model_config(f: GGUFFile) -> ModelConfig:
     )
 
 
-def _mapping(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, Callable]]:
-    """(our path, GGUF tensor name, numpy [rows, cols] -> ours) for every weight; the
-    GGUF layout is torch's Linear [out, in], as in `hf_io`."""
+def _mapping(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, Callable, Callable | None]]:
+    """(our path, GGUF tensor name, numpy [rows, cols] -> ours, and for a weight that
+    may stay quantized: (its [rows, ...] parts -> output channels in our order, the
+    sizes of its contraction dims)) for every
+    weight; the GGUF layout is torch's Linear [out, in], as in `hf_io`."""
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     permuted = cfg.model_type in _PERMUTED_QK
 
@@ -168,6 +170,9 @@ def _mapping(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, Callable]
     def proj_in(heads, rope: bool):   # [heads*H, D] -> [D, heads, H]
         return lambda w: (unpermute(w, heads) if rope else w).T.reshape(d, heads, h)
 
+    def rows_in(heads, rope: bool):   # [heads*H, X] -> [heads, H, X]
+        return lambda w: (unpermute(w, heads) if rope else w).reshape(heads, h, -1)
+
     def bias(heads, rope: bool):
         return lambda w: (unpermute(w, heads) if rope else w).reshape(heads, h)
 
@@ -177,42 +182,75 @@ def _mapping(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, Callable]
     def transpose(w):
         return w.T
 
-    yield ("embed_tokens",), "token_embd.weight", ident
+    yield ("embed_tokens",), "token_embd.weight", ident, (ident, (d,))
     for i in range(cfg.num_layers):
         p, b = f"layers_{i}", f"blk.{i}"
-        yield (p, "input_norm", "scale"), f"{b}.attn_norm.weight", ident
-        yield (p, "post_norm", "scale"), f"{b}.ffn_norm.weight", ident
-        yield (p, "q_proj"), f"{b}.attn_q.weight", proj_in(n, rope=True)
-        yield (p, "k_proj"), f"{b}.attn_k.weight", proj_in(k, rope=True)
-        yield (p, "v_proj"), f"{b}.attn_v.weight", proj_in(k, rope=False)
-        yield (p, "o_proj"), f"{b}.attn_output.weight", lambda w: w.T.reshape(n, h, d)
+        yield (p, "input_norm", "scale"), f"{b}.attn_norm.weight", ident, None
+        yield (p, "post_norm", "scale"), f"{b}.ffn_norm.weight", ident, None
+        yield (p, "q_proj"), f"{b}.attn_q.weight", proj_in(n, rope=True), (rows_in(n, rope=True), (d,))
+        yield (p, "k_proj"), f"{b}.attn_k.weight", proj_in(k, rope=True), (rows_in(k, rope=True), (d,))
+        yield (p, "v_proj"), f"{b}.attn_v.weight", proj_in(k, rope=False), (rows_in(k, rope=False), (d,))
+        yield (p, "o_proj"), f"{b}.attn_output.weight", lambda w: w.T.reshape(n, h, d), (ident, (n, h))
         if cfg.attention_bias:
-            yield (p, "q_bias"), f"{b}.attn_q.bias", bias(n, rope=True)
-            yield (p, "k_bias"), f"{b}.attn_k.bias", bias(k, rope=True)
-            yield (p, "v_bias"), f"{b}.attn_v.bias", bias(k, rope=False)
+            yield (p, "q_bias"), f"{b}.attn_q.bias", bias(n, rope=True), None
+            yield (p, "k_bias"), f"{b}.attn_k.bias", bias(k, rope=True), None
+            yield (p, "v_bias"), f"{b}.attn_v.bias", bias(k, rope=False), None
         if cfg.qk_norm:
-            yield (p, "q_norm", "scale"), f"{b}.attn_q_norm.weight", ident
-            yield (p, "k_norm", "scale"), f"{b}.attn_k_norm.weight", ident
-        yield (p, "gate_proj"), f"{b}.ffn_gate.weight", transpose
-        yield (p, "up_proj"), f"{b}.ffn_up.weight", transpose
-        yield (p, "down_proj"), f"{b}.ffn_down.weight", transpose
-    yield ("norm", "scale"), "output_norm.weight", ident
+            yield (p, "q_norm", "scale"), f"{b}.attn_q_norm.weight", ident, None
+            yield (p, "k_norm", "scale"), f"{b}.attn_k_norm.weight", ident, None
+        yield (p, "gate_proj"), f"{b}.ffn_gate.weight", transpose, (ident, (d,))
+        yield (p, "up_proj"), f"{b}.ffn_up.weight", transpose, (ident, (d,))
+        yield (p, "down_proj"), f"{b}.ffn_down.weight", transpose, (ident, (cfg.intermediate_size,))
+    yield ("norm", "scale"), "output_norm.weight", ident, None
     if not cfg.tie_word_embeddings:
-        yield ("lm_head",), "output.weight", transpose
+        yield ("lm_head",), "output.weight", transpose, (ident, (d,))
 
 
-def weights(f: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
-    """(our param path, float32 array in our layout) for every weight, dequantized one
-    tensor at a time so peak host memory stays near one float32 tensor."""
+def weights(f: GGUFFile, cfg: ModelConfig, keep_quantized: bool = False
+            ) -> Iterator[tuple[tuple[str, ...], object]]:
+    """(our param path, weight in our layout) for every weight, one tensor at a time so
+    peak host memory stays near one float32 tensor: float32 arrays, or with
+    `keep_quantized` a `models.quant.QuantizedWeight` of numpy parts for every
+    projection stored in a kept block format (`quant.GGUF_FORMATS`); a projection in
+    another quantized type is refused, naming it (quantization="none" reads it as
+    float)."""
     mapping = list(_mapping(cfg))
-    unexpected = sorted(set(f.tensors) - {name for _, name, _ in mapping})
+    unexpected = sorted(set(f.tensors) - {name for _, name, _, _ in mapping})
     if unexpected:
         raise ValueError(f"{f.path}: tensors {unexpected[:5]} are not part of a "
                          f"{cfg.model_type} model we can run")
-    for ours, name, to_ours in mapping:
+    for ours, name, to_ours, rows in mapping:
         if name not in f.tensors:
             raise ValueError(f"{f.path}: missing tensor {name!r}")
-        yield ours, to_ours(dequantize(f, name))
+        qtype = f.tensors[name].tensor_type.name
+        if keep_quantized and rows is not None and qtype not in _FLOAT_TYPES:
+            yield ours, _kept(f, name, ours[-1], rows)
+        else:
+            yield ours, to_ours(dequantize(f, name))
+
+
+def _kept(f: GGUFFile, name: str, ours: str, rows: Callable):
+    from jaxpd.models import quant
+    from jaxpd.models.llama import QUANTIZABLE
+
+    tensor = f.tensors[name]
+    qtype = tensor.tensor_type.name
+    fmt = quant.GGUF_FORMATS.get(qtype)
+    if fmt is None:
+        raise ValueError(f"{f.path}: tensor {name!r} has quant type {qtype}, which is not "
+                         f"served kept quantized (kept: {sorted(quant.GGUF_FORMATS)}); pass "
+                         f"quantization='none' to dequantize it to float at load")
+    out, cols = f.shape(name)
+    data, scale, low = quant.from_gguf_rows(tensor.data, fmt, out, cols, name)
+    in_dims = QUANTIZABLE[ours]
+    rows_fn, in_shape = rows
+    parts = [None if a is None else rows_fn(a) for a in (data, scale, low)]
+    out_shape = iter(parts[0].shape[:-1])
+    in_sizes = iter(in_shape)
+    float_shape = tuple(next(in_sizes) if i in in_dims else next(out_shape)
+                        for i in range(len(in_dims) + parts[0].ndim - 1))
+    return quant.QuantizedWeight(*parts, fmt=fmt, float_shape=tuple(float_shape),
+                                 in_dims=in_dims)
 
 
 def dequantize(f: GGUFFile, name: str) -> np.ndarray:

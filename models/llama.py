@@ -38,11 +38,24 @@ from jaxpd.models.attention import (causal_attention, gather_pages, paged_attent
                                     write_pages, write_prompt_pages)
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.moe import ACTIVATIONS, grouped_experts, route
+from jaxpd.models.quant import (QuantizedWeight, is_quantized, project, quantize_int8,
+                                take_rows)
 from jaxpd.models.rope import apply_rope, inverse_frequencies
+
+# The contraction dims of each weight that may be kept quantized (`models.quant`), in
+# the float layout below; the rest are its output channels.
+QUANTIZABLE = {"q_proj": (0,), "k_proj": (0,), "v_proj": (0,), "o_proj": (0, 1),
+               "gate_proj": (0,), "up_proj": (0,), "down_proj": (0,),
+               "embed_tokens": (1,), "lm_head": (0,)}
 
 
 def _param(module: nn.Module, name: str, shape: Sequence[int], axes: tuple[str, ...],
            dtype, init=nn.initializers.normal(0.02)):
+    # A quantized weight is applied as given: its shapes are not the float init's.
+    if not module.is_initializing() and module.has_variable("params", name):
+        value = module.get_variable("params", name)
+        if is_quantized(value):
+            return value
     return module.param(name, nn.with_logical_partitioning(init, axes), tuple(shape), dtype)
 
 
@@ -82,6 +95,11 @@ class Block(nn.Module):
     fused: bool = False
     sparse: bool = False
     experts: Callable = grouped_experts
+    # The product of a quantized weight (`models.quant.project`'s `native`) or None.
+    qmatmul: Callable | None = None
+
+    def _proj(self, spec, x, w):
+        return project(x, w, spec, self.qmatmul)
 
     def setup(self):
         c, dt = self.cfg, self.dtype
@@ -154,16 +172,16 @@ class Block(nn.Module):
         """Normalised input -> rotated q [B,T,N,H], k [B,T,K,H] and v [B,T,K,H]."""
         x = self.input_norm(x_BTD)
         if self.fused:
-            qkv = jnp.einsum("BTD,DKCH->BTKCH", x, self.wqkv)
+            qkv = self._proj("BTD,DKCH->BTKCH", x, self.wqkv)
             if self.cfg.attention_bias:
                 qkv = qkv + self.bqkv
             b, t = x.shape[:2]
             q = qkv[:, :, :, :-2].reshape(b, t, self.cfg.num_heads, self.cfg.head_dim)
             k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
         else:
-            q = jnp.einsum("BTD,DNH->BTNH", x, self.wq)
-            k = jnp.einsum("BTD,DKH->BTKH", x, self.wk)
-            v = jnp.einsum("BTD,DKH->BTKH", x, self.wv)
+            q = self._proj("BTD,DNH->BTNH", x, self.wq)
+            k = self._proj("BTD,DKH->BTKH", x, self.wk)
+            v = self._proj("BTD,DKH->BTKH", x, self.wv)
             if self.cfg.attention_bias:
                 q, k, v = q + self.bq, k + self.bk, v + self.bv
         if self.cfg.qk_norm:
@@ -184,23 +202,23 @@ class Block(nn.Module):
             return self._finish_by_parts(x_BTD, attn_BTNH)
         if self.fused:
             b, t = attn_BTNH.shape[:2]
-            x = x_BTD + jnp.einsum("BTE,ED->BTD", attn_BTNH.reshape(b, t, -1), self.wo)  # E = N*H
-            gate_up = jnp.einsum("BTD,DCF->BTCF", self.post_norm(x), self.w_gate_up)
+            x = x_BTD + self._proj("BTE,ED->BTD", attn_BTNH.reshape(b, t, -1), self.wo)  # E = N*H
+            gate_up = self._proj("BTD,DCF->BTCF", self.post_norm(x), self.w_gate_up)
             gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
         else:
-            x = x_BTD + jnp.einsum("BTNH,NHD->BTD", attn_BTNH, self.wo)
+            x = x_BTD + self._proj("BTNH,NHD->BTD", attn_BTNH, self.wo)
             y = self.post_norm(x)
-            gate = jnp.einsum("BTD,DF->BTF", y, self.w_gate)
-            up = jnp.einsum("BTD,DF->BTF", y, self.w_up)
+            gate = self._proj("BTD,DF->BTF", y, self.w_gate)
+            up = self._proj("BTD,DF->BTF", y, self.w_up)
         hidden = constrain(ACTIVATIONS[self.cfg.hidden_act](gate) * up, ("batch", "length", "mlp"))
-        return x + jnp.einsum("BTF,FD->BTD", hidden, self.w_down)
+        return x + self._proj("BTF,FD->BTD", hidden, self.w_down)
 
     def _finish_by_parts(self, x_BTD, attn_BTNH):
         if self.fused:
             b, t = attn_BTNH.shape[:2]
-            out = jnp.einsum("BTE,ED->BTD", attn_BTNH.reshape(b, t, -1), self.wo)  # E = N*H
+            out = self._proj("BTE,ED->BTD", attn_BTNH.reshape(b, t, -1), self.wo)  # E = N*H
         else:
-            out = jnp.einsum("BTNH,NHD->BTD", attn_BTNH, self.wo)
+            out = self._proj("BTNH,NHD->BTD", attn_BTNH, self.wo)
         if self.cfg.sandwich_norms:
             x = x_BTD + self.post_norm(out)
             y = self.pre_ff_norm(x)
@@ -214,13 +232,13 @@ class Block(nn.Module):
 
     def _dense_mlp(self, y_BTD):
         if self.fused:
-            gate_up = jnp.einsum("BTD,DCF->BTCF", y_BTD, self.w_gate_up)
+            gate_up = self._proj("BTD,DCF->BTCF", y_BTD, self.w_gate_up)
             gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
         else:
-            gate = jnp.einsum("BTD,DF->BTF", y_BTD, self.w_gate)
-            up = jnp.einsum("BTD,DF->BTF", y_BTD, self.w_up)
+            gate = self._proj("BTD,DF->BTF", y_BTD, self.w_gate)
+            up = self._proj("BTD,DF->BTF", y_BTD, self.w_up)
         hidden = constrain(ACTIVATIONS[self.cfg.hidden_act](gate) * up, ("batch", "length", "mlp"))
-        return jnp.einsum("BTF,FD->BTD", hidden, self.w_down)
+        return self._proj("BTF,FD->BTD", hidden, self.w_down)
 
     def _experts(self, y_BTD):
         """The mixture of experts on every token (padding too: its output is unread)."""
@@ -253,13 +271,16 @@ class Llama(nn.Module):
     # A sparse layer's experts: `moe.grouped_experts` or an expert-parallel wrapper of it
     # (`engine.experts`).
     experts: Callable = grouped_experts
+    # The product of a quantized weight (`models.quant.project`'s `native`) or None:
+    # the engine gives decode meshes the native CPU kernel where it serves.
+    qmatmul: Callable | None = None
 
     def setup(self):
         c = self.cfg
         self.embedding = _param(self, "embed_tokens", (c.vocab_size, c.hidden_size),
                                 ("vocab", "embed"), self.dtype)
         self.layers = [Block(c, self.dtype, self.fused, c.is_sparse(i), self.experts,
-                             name=f"layers_{i}")
+                             self.qmatmul, name=f"layers_{i}")
                        for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_plus_one)
         if not c.tie_word_embeddings:
@@ -272,7 +293,10 @@ class Llama(nn.Module):
         return self.inv_freq_local if self.cfg.is_sliding(i) else self.inv_freq
 
     def _embed(self, tokens):
-        x = self.embedding[tokens]
+        if is_quantized(self.embedding):
+            x = take_rows(self.embedding, tokens, self.dtype)
+        else:
+            x = self.embedding[tokens]
         if self.cfg.embed_scale:
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
         return constrain(x, ("batch", "length", "embed"))
@@ -280,9 +304,9 @@ class Llama(nn.Module):
     def _logits(self, h_BD):
         h = self.norm(h_BD)
         if self.cfg.tie_word_embeddings:
-            logits = jnp.einsum("...D,VD->...V", h, self.embedding, preferred_element_type=jnp.float32)
+            logits = project(h, self.embedding, "...D,VD->...V", self.qmatmul, jnp.float32)
         else:
-            logits = jnp.einsum("...D,DV->...V", h, self.lm_head, preferred_element_type=jnp.float32)
+            logits = project(h, self.lm_head, "...D,DV->...V", self.qmatmul, jnp.float32)
         return softcap_logits(self.cfg, logits)
 
     def _contiguous(self, tokens_BT):
@@ -457,6 +481,33 @@ def can_fuse(rules) -> bool:
     return rules.get("heads") == rules.get("kv_heads")
 
 
+def can_fuse_quantized(params) -> bool:
+    """Whether `fuse_params` can join this tree's quantized projections: q, k and v
+    (and gate and up) each all float or all in one format, as one fused weight is."""
+    for name, p in params.items():
+        if not name.startswith("layers_"):
+            continue
+        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            kinds = {p[w].fmt if is_quantized(p[w]) else None for w in group}
+            if len(kinds) > 1:
+                return False
+    return True
+
+
+def quantize_params(params, fmt: str = "int8"):
+    """Every weight of `QUANTIZABLE` in a checkpoint tree as `quantize_int8` makes it
+    (`fmt` "int8", the one format made from float weights); norms and biases float."""
+    if fmt != "int8":
+        raise ValueError(f"float weights quantize to 'int8' only, not {fmt!r}")
+
+    def walk(tree):
+        return {name: (walk(v) if isinstance(v, dict) else
+                       quantize_int8(v, QUANTIZABLE[name]) if name in QUANTIZABLE and
+                       not is_quantized(v) else v)
+                for name, v in tree.items()}
+    return walk(params)
+
+
 def fuse_params(cfg: ModelConfig, params):
     """Checkpoint params -> the tree `Llama(fused=True)` reads: per layer `qkv_proj`
     [D, K, N/K + 2, H] (kv head k's query heads k*N/K ..., then its k, then its v),
@@ -469,14 +520,32 @@ def fuse_params(cfg: ModelConfig, params):
         wq = wq.reshape(*wq.shape[:-2], k, n // k, h)
         return jnp.concatenate([wq, wk[..., None, :], wv[..., None, :]], axis=-2)
 
+    def grouped_quantized(wq, wk, wv):   # parts [N, H, X], [K, H, X] x2 -> [K, C, H, X]
+        parts = zip(*((w.data, w.scale, w.min) for w in (wq, wk, wv)))
+        fused = [None if q is None else jnp.concatenate(
+            [q.reshape(k, n // k, *q.shape[1:]), kk[:, None], vv[:, None]], axis=1)
+            for q, kk, vv in parts]
+        return QuantizedWeight(*fused, fmt=wq.fmt, float_shape=(d, k, n // k + 2, h),
+                               in_dims=(0,))
+
     def layer(p):
         p = dict(p)
-        p["qkv_proj"] = grouped(p.pop("q_proj"), p.pop("k_proj"), p.pop("v_proj"))
+        q, kk, v = p.pop("q_proj"), p.pop("k_proj"), p.pop("v_proj")
+        p["qkv_proj"] = (grouped_quantized(q, kk, v) if is_quantized(q) else grouped(q, kk, v))
         if cfg.attention_bias:
             p["qkv_bias"] = grouped(p.pop("q_bias"), p.pop("k_bias"), p.pop("v_bias"))
-        p["o_proj"] = p["o_proj"].reshape(n * h, d)
+        o = p["o_proj"]
+        p["o_proj"] = (QuantizedWeight(o.data, o.scale, o.min, o.fmt, (n * h, d), (0,))
+                       if is_quantized(o) else o.reshape(n * h, d))   # same stored rows
         if "gate_proj" in p:     # a sparse layer's experts keep their layout
-            p["gate_up_proj"] = jnp.stack([p.pop("gate_proj"), p.pop("up_proj")], axis=1)
+            gate, up = p.pop("gate_proj"), p.pop("up_proj")
+            if is_quantized(gate):
+                p["gate_up_proj"] = QuantizedWeight(
+                    *(None if a is None else jnp.stack([a, b]) for a, b in
+                      zip((gate.data, gate.scale, gate.min), (up.data, up.scale, up.min))),
+                    fmt=gate.fmt, float_shape=(d, 2, cfg.intermediate_size), in_dims=(0,))
+            else:
+                p["gate_up_proj"] = jnp.stack([gate, up], axis=1)
         return p
 
     return {name: layer(p) if name.startswith("layers_") else p for name, p in params.items()}

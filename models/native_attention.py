@@ -27,7 +27,9 @@ import jax.numpy as jnp
 from jaxpd import paths
 
 _NATIVE = Path(__file__).parent / "native"
-_SOURCES = (_NATIVE / "paged_attention.cc", _NATIVE / "causal_prefill.cc")
+# One library: the attention kernels and the quantized product (`models.quant`).
+_SOURCES = (_NATIVE / "paged_attention.cc", _NATIVE / "causal_prefill.cc",
+            _NATIVE / "quant_matmul.cc")
 _HEADERS = (_NATIVE / "common.h",)
 # The oldest jaxlib it has served with. With jaxlib 0.6.0 (`.ci/min_versions`) it built
 # but a decode worker process failed its requests, not yet understood: older ones use
@@ -35,6 +37,7 @@ _HEADERS = (_NATIVE / "common.h",)
 MIN_JAXLIB = (0, 10)
 _TARGET = "jaxpd_paged_decode_f32"
 _PREFILL_TARGET = "jaxpd_causal_prefill_f32"
+QUANT_MATMUL_TARGET = "jaxpd_quant_matmul"
 _prefill_registered = False     # set by `_load` where the library has the prefill kernel
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17",
           "-shared", "-fPIC", "-w")
@@ -118,6 +121,8 @@ def _load() -> tuple[bool, str]:
         library = ctypes.cdll.LoadLibrary(str(_build()))
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.JaxpdPagedDecodeF32),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(QUANT_MATMUL_TARGET,
+                                    jax.ffi.pycapsule(library.JaxpdQuantMatmul), platform="cpu")
         if hasattr(library, "JaxpdCausalPrefillF32"):      # built where AVX-512 is
             jax.ffi.register_ffi_target(_PREFILL_TARGET,
                                         jax.ffi.pycapsule(library.JaxpdCausalPrefillF32),

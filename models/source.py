@@ -12,6 +12,12 @@ from jaxpd.models.config import ModelConfig
 from jaxpd.models.tokenizer import Tokenizer
 
 
+# How weights are held: "none" (float), "int8" (weight-only, one scale per output
+# channel, made at load from float weights), "auto" (a GGUF file's supported block
+# formats kept as stored, `models.quant`; anything else "none").
+QUANTIZATIONS = ("none", "int8", "auto")
+
+
 def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.lower().endswith(".gguf")
 

@@ -14,6 +14,8 @@ from jaxpd.bench.datasets import LengthRange, parse_length_range
 from jaxpd.bench.workload import parse_length_mix
 
 HF = "hf"   # the transformers baseline, named in --compare next to meshes
+LLAMA_CPP = "llama_cpp"   # llama.cpp (llama-cpp-python) on the same GGUF file
+BASELINES = (HF, LLAMA_CPP)
 
 
 def _int_at_least(text: str, low: int) -> int:
@@ -175,8 +177,8 @@ def parse_compare(text: str) -> list[str]:
     i = 0
     while i < len(parts):
         part = parts[i]
-        if part == HF:
-            out.append(HF)
+        if part in BASELINES:
+            out.append(part)
         elif (part.startswith("prefill=") and i + 1 < len(parts)
               and parts[i + 1].startswith("decode=")):
             out.append(serving_mesh(f"{part},{parts[i + 1]}"))
@@ -188,9 +190,9 @@ def parse_compare(text: str) -> list[str]:
         elif part.startswith(("colocated=", "prefill=", "decode=", "elastic=")):
             out.append(serving_mesh(part))
         else:
-                raise ValueError(f"bad entry {part!r} in {text!r}: expected 'hf', 'colocated=N', "
-                             f"'colocated=N:chunked=T', 'prefill=P,decode=D' or "
-                             f"'elastic=N[,prefill=P]'")
+            raise ValueError(f"bad entry {part!r} in {text!r}: expected 'hf', 'llama_cpp', "
+                             f"'colocated=N', 'colocated=N:chunked=T', 'prefill=P,decode=D' "
+                             f"or 'elastic=N[,prefill=P]'")
         i += 1
     if len(set(out)) != len(out):
         raise ValueError(f"{text!r} names a run twice")
@@ -305,13 +307,13 @@ def add_deployment_flags(s) -> None:
 
 def meshes_of(args: argparse.Namespace) -> list[str]:
     """The engine meshes to run, the one under test first."""
-    return [args.mesh] + [c for c in args.compare if c != HF]
+    return [args.mesh] + [c for c in args.compare if c not in BASELINES]
 
 
 def backends_of(args: argparse.Namespace) -> list[str]:
     """Every backend to run, in order: the meshes, the process deployment, transformers."""
     return (meshes_of(args) + ([args.processes.name] if args.processes else [])
-            + ([HF] if HF in args.compare else []))
+            + [b for b in BASELINES if b in args.compare])
 
 
 def num_devices_needed(args: argparse.Namespace) -> int:

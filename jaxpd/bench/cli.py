@@ -23,10 +23,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 from typing import Callable, Sequence
 
-from jaxpd.bench.args import (HF, VLLM_ALIASES, add_deployment_flags,  # noqa: F401
+from jaxpd.bench.args import (HF, LLAMA_CPP, VLLM_ALIASES, add_deployment_flags,  # noqa: F401
                               add_hyphen_spellings, add_workload_flags,
                               backends_of, compare_flag, describe_devices, mesh_flag,
                               meshes_of, nonnegative_int, num_devices_needed, positive_float,
@@ -40,6 +41,7 @@ from jaxpd.bench import datasets
 from jaxpd.bench.workload import (make_shift_workload, make_workload, parse_length_mix,
                                   parse_phases, poisson_arrivals, random_streams)
 from jaxpd.config import ATTENTION_IMPLS, EngineConfig
+from jaxpd.models.source import QUANTIZATIONS
 from jaxpd.metrics import find_goodput, format_table, run_report, slo_attainment
 from jaxpd.sharding.spec import AUTO, auto_mesh
 
@@ -71,7 +73,8 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--compare", type=compare_flag, default=["colocated=8"],
                    help="comma-separated baselines run on the same requests: meshes "
                         "(colocated=N, colocated=N:chunked=T with chunked prefill of T "
-                        "tokens per step, prefill=P,decode=D) and/or 'hf'; 'none' for none")
+                        "tokens per step, prefill=P,decode=D) and/or 'hf' (transformers), "
+                        "'llama_cpp' (llama-cpp-python on a GGUF --model); 'none' for none")
     add_deployment_flags(s)
     s.add_argument("--handoff_wait_ms", type=float, default=None,
                    help="engine handoff_wait_ms (the prefill side's wait for the transfer "
@@ -89,6 +92,9 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
                    help="engine prompts per prefill batch")
     s.add_argument("--attention_impl", default="auto", choices=ATTENTION_IMPLS,
                    help="engine decode attention core")
+    s.add_argument("--quantization", default=EngineConfig.quantization, choices=QUANTIZATIONS,
+                   help="engine weights: float, int8 made at load, or 'auto' (a GGUF "
+                        "file's Q8_0/Q4_0/Q4_1 blocks kept as stored)")
     s.add_argument("--prefix_caching", default="default", choices=("default", "on", "off"),
                    help="the engines' prefix cache: each mesh's default (on beside a prefill "
                         "mesh in one process), or on / off for all (the prefix workloads "
@@ -119,6 +125,10 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
     m.add_argument("--plot", default=None, metavar="PATH.png",
                    help="write TTFT/ITL CDFs (and attainment vs rate) here; needs matplotlib")
     m.add_argument("--no_progress", action="store_true", help="no progress bar on stderr")
+    m.add_argument("--single_stream", type=nonnegative_int, default=0,
+                   help="before the workload, each backend also serves this many of its "
+                        "requests one at a time, alone: their median TPOT is reported "
+                        "as 'batch-1 TPOT' (a single conversation's speed)")
 
 
 def check_meshes(args: argparse.Namespace, error: Callable[[str], object]) -> None:
@@ -215,7 +225,8 @@ class Benchmark:
         self.engine_options = dict(max_model_len=self.max_model_len,
                                    slots_per_shard=args.slots_per_shard,
                                    max_prefill_batch=args.max_prefill_batch,
-                                   attention_impl=args.attention_impl)
+                                   attention_impl=args.attention_impl,
+                                   quantization=args.quantization)
         if args.handoff_wait_ms is not None:
             self.engine_options["handoff_wait_ms"] = args.handoff_wait_ms
         if args.prefix_caching != "default":
@@ -287,6 +298,10 @@ class Benchmark:
 
     def open(self, name: str) -> Backend:
         """Build and warm up backend `name` (a mesh, or `hf`)."""
+        if name == LLAMA_CPP:
+            from jaxpd.bench.llama_cpp import LlamaCppBackend
+            return LlamaCppBackend(self.model_dir, n_ctx=max(512, self.max_model_len),
+                                   warmup_requests=self.warmup)
         if name == HF:
             from jaxpd.bench.hf import HFBackend
             return HFBackend(self.model_dir, self.args.hf_batch or self.decode_slots(),
@@ -342,6 +357,7 @@ class Benchmark:
         _log(f"[{name}] building and warming up")
         backend = self.open(name)
         try:
+            single = self.single_stream(backend) if self.args.single_stream else None
             measured = {rate: self.run_once(backend, rate, f"{name} @ {rate:g} req/s")
                         for rate in self.args.rates}
             goodput = self.search_goodput(backend, name, measured) if self.args.goodput else None
@@ -349,6 +365,20 @@ class Benchmark:
             backend.close()
         for rate in self.args.rates:
             self.add_report(name, rate, measured, goodput)
+            if single is not None:
+                self.reports[-1]["single_stream_tpot_s"] = single
+
+    def single_stream(self, backend: Backend) -> float | None:
+        """Median TPOT of `--single_stream` of the workload's requests, each served
+        alone (arriving at 0 on its own run)."""
+        from jaxpd.metrics import tpot
+        tpots = []
+        for r in self.requests_at(self.args.rates[0])[:self.args.single_stream]:
+            alone = BenchRequest(0, 0.0, r.prompt_ids, r.output_len)
+            value = tpot(backend.run([alone]).timelines[0].token_times_s)
+            if value is not None:
+                tpots.append(value)
+        return statistics.median(tpots) if tpots else None
 
     def search_goodput(self, backend: Backend, name: str,
                        measured: dict[float, RunResult]) -> float | None:
@@ -377,7 +407,7 @@ class Benchmark:
         # The worst gap: a few prefill stalls hide below p99 in a short run.
         report.update(backend=name, rate=rate, num_aborted=result.num_aborted,
                       itl_max_s=max(gaps) if gaps else None, engine_stats=result.stats)
-        if name != HF:
+        if name not in (HF, LLAMA_CPP):
             deployment = a.processes
             report["engine_options"] = self.options_for(
                 a.process_mesh if deployment and name == deployment.name else name)
@@ -460,6 +490,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 def _print_runs(runs: list[dict]) -> None:
     print(format_table(runs))
+    if any("single_stream_tpot_s" in r for r in runs):
+        print("batch-1 TPOT (ms): " + "  ".join(
+            f"{r['name']}={r['single_stream_tpot_s'] * 1e3:.1f}" for r in runs
+            if r.get("single_stream_tpot_s") is not None))
     print("ITL max (ms):       " + "  ".join(
         f"{r['name']}={r['itl_max_s'] * 1e3:.1f}" for r in runs if r["itl_max_s"] is not None))
     if runs and "phases" in runs[0]:

@@ -9,8 +9,9 @@ Then the model's own jitted `Llama.prefill` (batch 1, every length bucket) and
 - FLOPs  = 2 x (per-token matmul weights) x tokens + attention + the last-token logits.
   Attention counts 4 x T x S x N x H per layer (QK^T and PV); the jnp reference computes
   the full T x T block under a mask, so prefill counts S = T, not the causal half.
-- bytes  = every weight once + the KV a step reads (2 x L x B x context x K x H x 4 B)
-  + the KV a step or prompt writes.
+- bytes  = every weight once (at its stored size: `--quantization` counts quantized
+  bytes, `models.quant.step_bytes`) + the KV a step reads (2 x L x B x context x K x H
+  x 4 B) + the KV a step or prompt writes.
 The roofline bound of a call is max(FLOPs / matmul rate, bytes / bandwidth); the
 fraction printed is bound / measured time (1.0 = at the roofline), and `limit` says
 which side binds. Decode is expected to be memory-bound and prefill compute-bound
@@ -110,7 +111,7 @@ def experts_touched(cfg, tokens: int) -> float:
     return e * (1.0 - (1.0 - k / e) ** tokens) if e else 0.0
 
 
-def weight_bytes(cfg, tokens: int) -> float:
+def read_weight_bytes(cfg, tokens: int) -> float:
     """Weight bytes a call over `tokens` tokens reads: every dense weight, and of a
     sparse layer's experts only those some token was routed to (`experts_touched`)."""
     expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
@@ -119,23 +120,35 @@ def weight_bytes(cfg, tokens: int) -> float:
     return (cfg.num_params - unread) * _BYTES
 
 
-def prefill_cost(cfg, batch: int, length: int) -> tuple[float, float]:
-    """(FLOPs, bytes) of one prefill call of `batch` prompts padded to `length`."""
+def prefill_cost(cfg, batch: int, length: int, weight_bytes: int | None = None
+                 ) -> tuple[float, float]:
+    """(FLOPs, bytes) of one prefill call of `batch` prompts padded to `length`;
+    `weight_bytes`: the weights' stored bytes (default: float32)."""
     tokens = batch * length
     flops = 2 * _matmul_params_per_token(cfg) * tokens
     flops += 4 * cfg.num_layers * batch * length * length * cfg.num_heads * cfg.head_dim
     flops += 2 * batch * cfg.hidden_size * cfg.vocab_size           # last-token logits
     kv_written = 2 * cfg.num_layers * tokens * cfg.num_kv_heads * cfg.head_dim * _BYTES
-    return float(flops), float(weight_bytes(cfg, tokens) + kv_written)
+    return float(flops), float(_read(cfg, tokens, weight_bytes) + kv_written)
 
 
-def decode_cost(cfg, batch: int, context: int) -> tuple[float, float]:
+def decode_cost(cfg, batch: int, context: int, weight_bytes: int | None = None
+                ) -> tuple[float, float]:
     """(FLOPs, bytes) of one decode step of `batch` slots, each attending `context`
-    tokens; a mixture of experts reads only the experts its batch is routed to."""
+    tokens; a mixture of experts reads only the experts its batch is routed to;
+    `weight_bytes`: the weights' stored bytes (default: float32)."""
     flops = 2 * batch * (_matmul_params_per_token(cfg) + cfg.hidden_size * cfg.vocab_size)
     flops += 4 * cfg.num_layers * batch * context * cfg.num_heads * cfg.head_dim
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _BYTES
-    return float(flops), float(weight_bytes(cfg, batch) + kv_per_token * batch * (context + 1))
+    return float(flops), float(_read(cfg, batch, weight_bytes)
+                               + kv_per_token * batch * (context + 1))
+
+
+def _read(cfg, tokens: int, stored: int | None) -> float:
+    """Weight bytes a call over `tokens` tokens reads, of `stored` bytes in all (None:
+    float32): the routed experts' share (`read_weight_bytes`) of what is stored."""
+    read = read_weight_bytes(cfg, tokens)
+    return read if stored is None else stored * read / (cfg.num_params * _BYTES)
 
 
 def _row(kind: str, shape: dict, flops: float, nbytes: float, seconds: float,
@@ -169,14 +182,16 @@ def time_prefill(cfg, params, length: int, repeats: int,
 
 
 def time_decode(cfg, params, batch: int, context: int, page_size: int, repeats: int,
-                attention_impl: str = "reference") -> float:
+                attention_impl: str = "reference", qmatmul=None) -> float:
     """Best step time with `batch` slots whose next token sits at position `context`;
-    `params`: `fuse_params`'s tree, as decode meshes run them."""
+    `params`: `fuse_params`'s tree, as decode meshes run them; `qmatmul`: the product of
+    quantized weights, as `Engine._quant_matmul` picks it."""
     import jax
     import jax.numpy as jnp
     from jaxpd.models.llama import Llama
     from jaxpd.models.pallas_attention import decode_attention
-    model = Llama(cfg, fused=True, decode_attention=decode_attention(attention_impl))
+    model = Llama(cfg, fused=True, decode_attention=decode_attention(attention_impl),
+                  qmatmul=qmatmul)
     pages_per_slot = -(-(context + 1) // page_size)
     shape = (cfg.num_layers, batch * pages_per_slot + 1, page_size, cfg.num_kv_heads,
              cfg.head_dim)
@@ -225,7 +240,9 @@ def run_roofline(model_dir: str, args: argparse.Namespace) -> dict:
     from jaxpd.models import checkpoint
     from jaxpd.models.llama import fuse_params
 
-    loaded = checkpoint.load(model_dir, dtype="float32")
+    from jaxpd.models import quant
+    loaded = checkpoint.load(model_dir, dtype="float32",
+                             quantization=getattr(args, "quantization", "none"))
     cfg = loaded.cfg
     device = jax.devices()[0]
     params = jax.device_put(loaded.params, device)
@@ -239,6 +256,10 @@ def run_roofline(model_dir: str, args: argparse.Namespace) -> dict:
     machine = {**bandwidth, "flops_per_s": matmul["flops_per_s"], "matmul_n": matmul["n"],
                "decode_attention": attention,
                "prefill_attention": "native" if native_prefill else "reference"}
+    machine["weights"] = loaded.quantization
+    step_bytes = quant.step_bytes(params, cfg.tie_word_embeddings)
+    qmatmul = (quant.native_matmul if quant.any_quantized(params) and device.platform == "cpu"
+               and quant.native_available() else None)
     rows = []
     max_len = min(args.roofline_max_len, cfg.max_position_embeddings)
     for length in length_buckets(max_len):
@@ -246,15 +267,16 @@ def run_roofline(model_dir: str, args: argparse.Namespace) -> dict:
             break
         seconds = time_prefill(cfg, params, length, args.roofline_repeats, attention)
         rows.append(_row("prefill", {"batch": 1, "length": length},
-                         *prefill_cost(cfg, 1, length), seconds, machine))
+                         *prefill_cost(cfg, 1, length, quant.weight_bytes(params)), seconds,
+                         machine))
     for batch in args.roofline_batches:
         for context in args.roofline_contexts:
             if context + 1 > cfg.max_position_embeddings:
                 continue
             seconds = time_decode(cfg, fused, batch, context, 16, args.roofline_repeats,
-                                  attention)
+                                  attention, qmatmul)
             rows.append(_row("decode", {"batch": batch, "context": context},
-                             *decode_cost(cfg, batch, context), seconds, machine))
+                             *decode_cost(cfg, batch, context, step_bytes), seconds, machine))
     result = {"machine": machine, "rows": rows, "model": model_dir,
               "num_params": cfg.num_params, "num_active_params": cfg.num_active_params,
               "device": describe_devices()}

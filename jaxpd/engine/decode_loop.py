@@ -68,7 +68,9 @@ class DecodeLoop:
         self.runner, self.scheduler, self.inbound = runner, scheduler, inbound
         # The attention core reads each slot only up to its length: one context width.
         self.by_length = by_length
-        self.batch_sizes = decode_batch_sizes(scheduler.slots_per_shard)
+        self.batch_sizes = decode_batch_sizes(
+            scheduler.slots_per_shard,
+            from_one=getattr(runner, "quant_matmul", None) is not None)
         self.max_prefetch = max_prefetch
         self.requests, self.stats = requests, stats
         self.max_pages_per_slot, self.context_step = max_pages_per_slot, context_step

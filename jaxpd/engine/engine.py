@@ -94,7 +94,8 @@ class Engine:
         # a decode pool refuses a handoff of another (`models.fingerprint`).
         started = time.perf_counter()
         self.fingerprint = model_fingerprint(model.path, model.cfg, config.dtype,
-                                             config.page_size, config.kv_transfer_dtype)
+                                             config.page_size, config.kv_transfer_dtype,
+                                             quantization=model.quantization)
         _log.info("model fingerprint %s (%s, %.2f s)", short(self.fingerprint), model.path,
                   time.perf_counter() - started)
         if plan is not None:
@@ -160,14 +161,35 @@ class Engine:
     def _serving(self) -> bool:
         return not (self._stop.is_set() or self._paused.is_set())
 
-    def _params_on(self, mesh, fuse: bool):
+    def _params_on(self, mesh, fuse: bool, prefill_only: bool = False):
         """(params on `mesh`, its logical rules, whether fused: `engine.placement`; the
-        attention kernels for its devices: `resolve_attention_impl`)."""
+        attention kernels for its devices: `resolve_attention_impl`). A CPU mesh that
+        only prefills gets quantized weights as float: a prompt's many rows are
+        compute-bound, and XLA:CPU's product of the jnp form unpacks every weight on
+        every call."""
         c = self.config
-        return (*place_params(self.model.cfg, self.model.params, mesh, self.dtype, fuse=fuse),
-                resolve_attention_impl(c.attention_impl,
-                                       self.lower_for or mesh.devices.flat[0].platform,
-                                       c.attention_interpret, c.dtype, self.model.cfg.head_dim))
+        platform = self.lower_for or mesh.devices.flat[0].platform
+        params = self.model.params
+        if prefill_only and platform == "cpu":
+            from jaxpd.models import quant
+            params = quant.dequantize_params(params)
+        return (*place_params(self.model.cfg, params, mesh, self.dtype, fuse=fuse),
+                resolve_attention_impl(c.attention_impl, platform, c.attention_interpret,
+                                       c.dtype, self.model.cfg.head_dim))
+
+    def _quant_matmul(self, params, mesh):
+        """The native product of quantized weights for a decode mesh where it serves:
+        CPU devices, float32, weights whole on each device (no tp: the kernel is opaque
+        to GSPMD), the kernel built. None otherwise (the jnp form everywhere)."""
+        from jaxpd.models import quant
+
+        if not quant.any_quantized(params):
+            return None
+        if ((self.lower_for or mesh.devices.flat[0].platform) != "cpu"
+                or self.config.dtype != "float32"
+                or mesh.shape.get("tp", 1) != 1 or not quant.native_available()):
+            return None
+        return quant.native_matmul
 
     def _prefill_scheduler(self, buckets: list[int], chunked: bool = False) -> PrefillScheduler:
         c = self.config
@@ -210,7 +232,8 @@ class Engine:
 
     def _build_prefill(self) -> None:
         c, mesh = self.config, self.meshes.prefill
-        params, rules, fused, attention = self._params_on(mesh, fuse=False)
+        params, rules, fused, attention = self._params_on(mesh, fuse=False,
+                                                          prefill_only=True)
         self.prefill_runner = PrefillRunner(self.model.cfg, params, mesh, rules, c.page_size,
                                             self.counter, self.dtype, fused=fused,
                                             gather_pages=bool(self.plan and not self.plan.offers),
@@ -248,7 +271,8 @@ class Engine:
         self.decode_runner = lead(DecodeRunner(
             self.model.cfg, params, mesh, rules, spec.decode_dp * c.slots_per_shard,
             c.pages_per_shard, c.page_size, self.counter, self.dtype, fused=fused,
-            attention_impl=attention, attention_interpret=c.attention_interpret), self.plan)
+            attention_impl=attention, attention_interpret=c.attention_interpret,
+            quant_matmul=self._quant_matmul(params, mesh)), self.plan)
         self.decode_scheduler = DecodeScheduler(
             spec.decode_dp, c.slots_per_shard, c.pages_per_shard, c.page_size,
             self.prefix_root if self.caching else None, self.cache_journal)

@@ -262,7 +262,9 @@ class DecodeReplay:
         r = self.runner
         rows = _ints(msg, "rows", (-1,), r.slots_per_shard + 1)   # slots_per_shard: padding
         b = rows.shape[0]
-        if b not in [s * r.num_shards for s in decode_batch_sizes(r.slots_per_shard)]:
+        sizes = decode_batch_sizes(r.slots_per_shard,
+                                   from_one=getattr(r, "quant_matmul", None) is not None)
+        if b not in [s * r.num_shards for s in sizes]:
             raise PlanError(f"plan field rows: {b} rows is not a decode batch size times "
                             f"{r.num_shards} shards")
         tokens = _ints(msg, "tokens", (b,), self.vocab)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import jax
 
 from jaxpd.models.config import ModelConfig
-from jaxpd.models.llama import abstract_params, can_fuse, fuse_params
+from jaxpd.models import quant
+from jaxpd.models.llama import abstract_params, can_fuse, can_fuse_quantized, fuse_params
 from jaxpd.sharding import logical_rules, named_shardings
 
 
@@ -40,11 +41,13 @@ def place_params(cfg: ModelConfig, params, mesh, dtype, *, fuse: bool):
     """`params` (the checkpoint tree) cast to `dtype` and placed on `mesh` ->
     (params, logical rules of the mesh, fused). Fused when `fuse` and the fused tree
     shards correctly on this mesh (`can_fuse`: kv heads split over tp as query heads
-    do); pass the returned `fused` to the runners."""
+    do, and quantized projections that fuse share a format); quantized weights keep
+    their stored types. Pass the returned `fused` to the runners."""
     rules = logical_rules(mesh, **cfg.logical_dims())
-    fused = fuse and can_fuse(rules)
-    params = jax.tree.map(lambda a: a.astype(dtype), params)
+    fused = fuse and can_fuse(rules) and can_fuse_quantized(params)
+    params = quant.cast_floats(params, dtype)
     if fused:
         params = fuse_params(cfg, params)
     _, logical = abstract_params(cfg, dtype, fused)
-    return jax.device_put(params, named_shardings(logical, mesh, rules)), rules, fused
+    # Quantized weights go where their float weights would (`quant.shardings_like`).
+    return quant.place(params, named_shardings(logical, mesh, rules)), rules, fused

@@ -204,16 +204,19 @@ class PrefillRunner:
 
 
 class DecodeRunner:
-    """`fused`: `params` are `fuse_params`'s tree (`place_params` says which)."""
+    """`fused`: `params` are `fuse_params`'s tree (`place_params` says which).
+    `quant_matmul`: the product of quantized weights (`models.quant.native_matmul`)
+    where the engine found it serves this mesh, else None (the jnp form)."""
 
     def __init__(self, cfg: ModelConfig, params, mesh: Mesh, rules, num_slots: int,
                  pages_per_shard: int, page_size: int, counter: CompileCounter,
                  dtype=jnp.float32, fused: bool = False, attention_impl: str = "reference",
-                 attention_interpret: bool = False):
+                 attention_interpret: bool = False, quant_matmul: Callable | None = None):
         self.cfg, self.params, self.mesh = cfg, params, mesh
         self.page_size, self.counter = page_size, counter
         self.pages_per_shard = pages_per_shard
         self.attention_impl = self.kernel = attention_impl
+        self.quant_matmul = quant_matmul
         self.num_shards = mesh.shape["dp"]
         kv_axis = dict(rules).get("kv_heads")
         self.pool_spec = P(None, "dp", None, kv_axis, None)          # [L, P, S, K, H]
@@ -231,7 +234,10 @@ class DecodeRunner:
         attention = decode_attention(attention_impl, attention_interpret)
         if attention_impl != "reference":
             attention = kernel_per_tp_shard(attention, kv_axis)
-        model = Llama(cfg, dtype, fused, attention, experts=decode_experts(rules))
+        model = Llama(cfg, dtype, fused, attention, experts=decode_experts(rules),
+                      qmatmul=quant_matmul)
+        # jax's varying-axes check cannot type a kernel's output.
+        check_vma = attention_impl == "reference" and quant_matmul is None
 
         def step(params, k_pool, v_pool, counts, prompt, prev, rows, host_tokens, fed_from_host,
                  positions, block_tables, sampling):
@@ -253,7 +259,7 @@ class DecodeRunner:
         # the rules split them (`engine.experts`).
         weights = param_specs(params, rules)
         self._step = jax.jit(shard_map(
-            step, mesh=mesh, axis_names={"dp"}, check_vma=attention_impl == "reference",
+            step, mesh=mesh, axis_names={"dp"}, check_vma=check_vma,
             in_specs=(weights, pool, pool) + (slot,) * 9,
             out_specs=(slot, slot, pool, pool, slot, slot)),
             donate_argnums=(1, 2, 3, 5))
@@ -271,7 +277,7 @@ class DecodeRunner:
             return nxt, logprobs, k_pool, v_pool
 
         self._extend = jax.jit(shard_map(
-            extend, mesh=mesh, axis_names={"dp"},
+            extend, mesh=mesh, axis_names={"dp"}, check_vma=quant_matmul is None,
             in_specs=(weights, pool, pool, slot, slot) + (slot,) * 7,
             out_specs=(slot, slot, pool, pool)), donate_argnums=(1, 2))
 

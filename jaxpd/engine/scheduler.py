@@ -31,12 +31,15 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-def decode_batch_sizes(slots_per_shard: int) -> list[int]:
+def decode_batch_sizes(slots_per_shard: int, from_one: bool = False) -> list[int]:
     """Rows per dp shard a decode step may run (one program each): powers of two from
     a quarter of the slots (at least 1) up to all of them. A step runs the fewest that
     hold its busiest shard's slots, so one stream among many slots costs a quarter of
-    a full step's rows, not all of them, in three or four programs."""
-    low = max(1, slots_per_shard // 4)
+    a full step's rows, not all of them, in three or four programs. `from_one`: from 1
+    row, for a step whose cost grows with its rows even when it is small (the native
+    product of quantized weights computes every row, padding too, where a float
+    step's cost is the weights it reads)."""
+    low = 1 if from_one else max(1, slots_per_shard // 4)
     return [s for s in batch_buckets(slots_per_shard) if s >= low]
 
 
