@@ -138,7 +138,7 @@ class EngineConfig:
     slots_per_shard: int = 32          # a step runs only as many rows as it needs
     decode_context_step: int = 8       # decode computes context in multiples of these pages
     pages_per_shard: int | None = None # default: every slot can reach max_model_len
-    max_queued: int = 1024             # requests waiting for prefill before rejection
+    max_queued: int = 4096             # requests waiting for prefill before rejection
     local_prefill_below: int = 0       # prompts shorter than this prefill on the decode mesh
     kv_transfer_dtype: str | None = None  # "int8" / "fp8": compressed, lossy transfer
     # Layer-wise transfer: prefill buckets of at least this many tokens send their KV in

@@ -36,6 +36,7 @@ from google.protobuf.message import DecodeError
 from jaxpd.serving.admission import AdmissionController
 from jaxpd.outputs import RequestMetrics
 from jaxpd.errors import QueueFull
+from jaxpd.output_sink import MAX_BUFFERED, MergedEvents
 from jaxpd.serving.pool import ShrinkingThreadPool, on_pool
 from jaxpd.serving.prometheus import ServingMetrics
 from jaxpd.serving.proto import jaxpd_pb2
@@ -78,16 +79,19 @@ class GenerationServicer:
 
     `max_generating`: Generate/Complete calls at once (more: RESOURCE_EXHAUSTED).
     `max_prompt_bytes`: longest prompt/Tokenize text; None: derived from the front
-    end's max_prompt_len (`default_max_prompt_bytes`)."""
+    end's max_prompt_len (`default_max_prompt_bytes`). `max_buffered`: events of one
+    request the client has not read yet; past it the request aborts (`SLOW_READER`)."""
 
     def __init__(self, admission: AdmissionController, metrics: ServingMetrics,
-                 max_generating: int = 128, max_prompt_bytes: int | None = None):
+                 max_generating: int = 128, max_prompt_bytes: int | None = None,
+                 max_buffered: int = MAX_BUFFERED):
         if max_generating < 1:
             raise ValueError(f"max_concurrent_rpcs must be >= 1, got {max_generating}")
         if max_prompt_bytes is not None and max_prompt_bytes < 1:
             raise ValueError(f"max_prompt_bytes must be >= 1, got {max_prompt_bytes}")
         self.admission, self.metrics = admission, metrics
         self.max_generating, self._max_prompt_bytes = max_generating, max_prompt_bytes
+        self.max_buffered = max_buffered
         self.llm: LLM | None = None
         self._lock = threading.Lock()
         self._generation_done = threading.Condition(self._lock)
@@ -149,11 +153,11 @@ class GenerationServicer:
     def Generate(self, request, context):
         with self._generation_slot(context):
             try:
-                requests, label = self._start(request, context)
+                requests, label, merged = self._start(request, context)
             except _Reject as e:
                 context.abort(e.code, e.message)
             try:
-                for i, d in self.llm.merged_deltas(requests):
+                for i, d in self.llm.merged_deltas(requests, merged):
                     reply = jaxpd_pb2.GenerateResponse(
                         request_id=label or requests[i].request_id, token_ids=d.token_ids,
                         text=d.text, index=i, logprobs=logprobs_message(d.logprobs))
@@ -168,14 +172,14 @@ class GenerationServicer:
     def Complete(self, request, context):
         with self._generation_slot(context):
             try:
-                requests, label = self._start(request, context)
+                requests, label, merged = self._start(request, context)
             except _Reject as e:
                 context.abort(e.code, e.message)
             try:
+                for _ in self.llm.merged_deltas(requests, merged):
+                    pass
                 samples = []
                 for i, r in enumerate(requests):
-                    for _ in self.llm.events(r):
-                        pass
                     out = self.llm.completion(r, i)
                     samples.append(jaxpd_pb2.Sample(
                         index=i, request_id=label or r.request_id, token_ids=out.token_ids,
@@ -299,9 +303,11 @@ class GenerationServicer:
                 raise ValueError("prompt encodes to no tokens")
         return llm.make_requests(prompt_token_ids=ids, sampling_params=params), client_id
 
-    def _start(self, msg: jaxpd_pb2.GenerateRequest, context) -> tuple[list[Request], str | None]:
+    def _start(self, msg: jaxpd_pb2.GenerateRequest, context
+               ) -> tuple[list[Request], str | None, MergedEvents | None]:
         """Validate, admit, submit (every sample, or none), and arrange for cancellation
-        to abort them. Returns the requests and the client's id to echo, if it gave one."""
+        to abort them. Returns the requests, the client's id to echo (if it gave one)
+        and the queue their events go to (`Frontend.merge_events`)."""
         llm = self._llm(context)
         if self._draining:
             raise _Reject(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
@@ -309,6 +315,7 @@ class GenerationServicer:
             requests, client_id = self._make_requests(msg)
         except ValueError as e:
             raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        merged = llm.merge_events(requests, self.max_buffered)
         submitted = []
         try:
             for r in requests:
@@ -337,7 +344,7 @@ class GenerationServicer:
 
         if not context.add_callback(on_rpc_done):
             on_rpc_done()   # the RPC already ended before we could register
-        return requests, client_id
+        return requests, client_id, merged
 
     def _submit_one(self, llm: LLM, r: Request) -> None:
         with self._lock:

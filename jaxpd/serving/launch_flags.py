@@ -101,8 +101,9 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                          lower_bound=16, flag_values=fv)
     flags.DEFINE_float("bucket_timeout_ms", 5.0, "Longest wait for a prefill batch to fill.",
                        lower_bound=0, flag_values=fv)
-    flags.DEFINE_integer("max_queued", 1024, "Requests waiting for prefill before new ones "
-                         "get RESOURCE_EXHAUSTED.", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("max_queued", 4096, "Requests waiting for prefill (on a router and "
+                         "behind the HTTP API: requests in flight) before new ones get "
+                         "RESOURCE_EXHAUSTED / 429.", lower_bound=1, flag_values=fv)
     flags.DEFINE_float("slo_ttft_ms", 0.0, "Reject (RESOURCE_EXHAUSTED) a request whose "
                        "predicted TTFT exceeds this; 0 = off.", lower_bound=0, flag_values=fv)
     flags.DEFINE_float("slo_tpot_ms", 0.0, "With --elastic: the time-per-output-token SLO "

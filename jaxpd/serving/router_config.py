@@ -13,7 +13,7 @@ class RouterConfig:
     liveness clocks. dtype "auto": the first worker admitted fixes it for the rest."""
     max_model_len: int = 1024
     max_prompt_len: int | None = None
-    max_queued: int = 1024
+    max_queued: int = 4096
     rpc_timeout_s: float = 10.0
     prefill_timeout_s: float = 120.0
     dtype: str = "auto"
