@@ -14,8 +14,9 @@ Reported per run: streams completed (every chunk up to `data: [DONE]`, with a
 finish_reason) and refused (the status, e.g. 429); peak threads per process; resident
 memory at rest and at the peak, and their difference per stream in flight at the peak;
 output tokens per second (chunks with text, over the run's wall time); TTFT and ITL
-(gaps between a stream's chunks) p50/p90. A table is printed and everything is saved
-as JSON (--out).
+(gaps between a stream's chunks) p50/p90. With --idle N, N TCP connections to the
+HTTP port stay open and silent during the runs. A table is printed and everything is
+saved as JSON (--out).
 """
 from __future__ import annotations
 
@@ -203,6 +204,24 @@ def summarize(results: list[dict], wall_s: float, sampler: Sampler, n: int) -> d
             "itl_mean_s": statistics.fmean(itl) if itl else None, "processes": procs}
 
 
+async def all_runs(port: int, pids: dict, args) -> list[dict]:
+    await run_streams(port, 4, args.max_tokens, args.timeout_s)          # warm
+    idle = []
+    for _ in range(args.idle):
+        idle.append((await asyncio.open_connection("127.0.0.1", port))[1])
+    runs = []
+    for n in args.streams:
+        await asyncio.sleep(2.0)
+        sampler = Sampler(pids)
+        results, wall = await run_streams(port, n, args.max_tokens, args.timeout_s)
+        sampler.stop()
+        runs.append(summarize(results, wall, sampler, n))
+        runs[-1]["idle_connections"] = args.idle
+    for writer in idle:
+        writer.close()
+    return runs
+
+
 def start(deployment: str, env: dict, common: list[str]) -> tuple[list[Server], int, dict]:
     """The deployment's servers, its HTTP port, and the pids to watch by name."""
     if deployment == "single":
@@ -239,6 +258,8 @@ def main() -> None:
     p.add_argument("--code", default=None, help="a jaxpd checkout whose servers to run "
                    "(its root goes first on PYTHONPATH; default: this one)")
     p.add_argument("--extra", default="", help="more launch flags for every server")
+    p.add_argument("--idle", type=int, default=0, help="TCP connections to open to the "
+                   "HTTP port and leave idle (never a byte sent) during the runs")
     p.add_argument("--out", default="stream_load.json")
     args = p.parse_args()
     env = dict(os.environ)
@@ -247,24 +268,18 @@ def main() -> None:
     common = ["--host", "127.0.0.1", "--max_model_len", str(args.max_model_len),
               *args.extra.split()]
     servers, port, pids = start(args.deployment, env, common)
-    runs = []
     try:
-        asyncio.run(run_streams(port, 4, args.max_tokens, args.timeout_s))   # warm
-        for n in args.streams:
-            time.sleep(2.0)
-            sampler = Sampler(pids)
-            results, wall = asyncio.run(run_streams(port, n, args.max_tokens, args.timeout_s))
-            sampler.stop()
-            runs.append(summarize(results, wall, sampler, n))
+        runs = asyncio.run(all_runs(port, pids, args))
     finally:
         for s in servers:
             s.stop()
     report = {"deployment": args.deployment, "code": code, "max_tokens": args.max_tokens,
-              "runs": runs}
+              "idle_connections": args.idle, "runs": runs}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     fmt = lambda x, scale=1.0, d=1: "-" if x is None else f"{x * scale:.{d}f}"
-    print(f"{args.deployment} ({code}), max_tokens={args.max_tokens}")
+    print(f"{args.deployment} ({code}), max_tokens={args.max_tokens}, "
+          f"idle connections={args.idle}")
     print("streams  done  refused             tok/s  TTFT p50  ITL p50/p90 ms  "
           + "  ".join(f"{name} thr rest/peak, KiB/stream" for name in pids))
     for r in runs:

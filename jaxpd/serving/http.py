@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 __all__ = ["HttpServer", "OpenAIService", "build_app"]
 
 _FINAL_MESSAGE_S = 2.0     # at stop, for aborted streams to send their last event
+# uvicorn answers 503 past this many connections beyond the requests in flight: room for
+# idle keep-alive connections and clients slow to send (one costs a socket, no thread).
+_SPARE_CONNECTIONS = 16384
 _START_TIMEOUT_S = 30.0
 
 
@@ -298,7 +301,7 @@ class HttpServer:
         config = uvicorn.Config(build_app(service, render_metrics, openai_routes),
                                 log_level="warning",
                                 lifespan="off", timeout_graceful_shutdown=_FINAL_MESSAGE_S,
-                                limit_concurrency=2 * service.max_concurrent + 64,
+                                limit_concurrency=service.max_concurrent + _SPARE_CONNECTIONS,
                                 **(ssl or {}))
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]},

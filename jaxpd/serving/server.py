@@ -126,7 +126,10 @@ class InferenceServer:
         self.set_serving(True)
 
     def set_serving(self, serving: bool) -> None:
-        """Health SERVING or NOT_SERVING (a router whose last decode worker left)."""
+        """Health SERVING or NOT_SERVING (a router whose last decode worker left); a
+        no-op once stopped (health says NOT_SERVING for good)."""
+        if self._stopped:
+            return
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
 
