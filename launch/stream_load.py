@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 
-_READY_S = 600.0
+_READY_S = 1200.0
 
 
 class Server:
@@ -244,6 +244,7 @@ def start(deployment: str, env: dict, common: list[str]) -> tuple[list[Server], 
     except BaseException:
         for s in servers:
             s.stop()
+            print(f"---- {s.name}, last lines:\n" + "\n".join(s.lines[-15:]), file=sys.stderr)
         raise
     return servers, port, {s.name: s.proc.pid for s in servers}
 
