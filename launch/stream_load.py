@@ -40,7 +40,9 @@ class Server:
 
     def __init__(self, name: str, args: list[str], env: dict):
         self.name = name
+        # cwd is the checkout: `-m` puts the working directory first on sys.path.
         self.proc = subprocess.Popen([sys.executable, "-m", "jaxpd.launch", *args], env=env,
+                                     cwd=env["PYTHONPATH"].split(os.pathsep)[0],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.lines: list[str] = []
