@@ -14,8 +14,8 @@ Reported per run: streams completed (every chunk up to `data: [DONE]`, with a
 finish_reason) and refused (the status, e.g. 429); peak threads per process; resident
 memory at rest and at the peak, and their difference per stream in flight at the peak;
 output tokens per second (chunks with text, over the run's wall time); TTFT and ITL
-(gaps between a stream's chunks) p50/p90. With --idle N, N TCP connections to the
-HTTP port stay open and silent during the runs. A table is printed and everything is
+(gaps between a stream's chunks) p50/p90; open files per process. With --idle N, N TCP
+connections to the HTTP port stay open and silent during the runs. A table is printed and everything is
 saved as JSON (--out).
 """
 from __future__ import annotations
@@ -81,8 +81,8 @@ class Server:
                 self.proc.wait()
 
 
-def status_of(pid: int) -> tuple[int, int]:
-    """(threads, resident KiB) of a process, from /proc/PID/status."""
+def status_of(pid: int) -> tuple[int, int, int]:
+    """(threads, resident KiB, open files) of a process, from /proc/PID."""
     threads = rss = 0
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -90,7 +90,7 @@ def status_of(pid: int) -> tuple[int, int]:
                 threads = int(line.split()[1])
             elif line.startswith("VmRSS:"):
                 rss = int(line.split()[1])
-    return threads, rss
+    return threads, rss, len(os.listdir(f"/proc/{pid}/fd"))
 
 
 class Sampler:
@@ -98,8 +98,8 @@ class Sampler:
 
     def __init__(self, pids: dict[str, int], every_s: float = 0.05):
         self.pids, self.every_s = pids, every_s
-        self.peak = {name: {"threads": 0, "rss_kib": 0} for name in pids}
-        self.rest = {name: dict(zip(("threads", "rss_kib"), status_of(pid)))
+        self.peak = {name: {"threads": 0, "rss_kib": 0, "fds": 0} for name in pids}
+        self.rest = {name: dict(zip(("threads", "rss_kib", "fds"), status_of(pid)))
                      for name, pid in pids.items()}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -109,12 +109,13 @@ class Sampler:
         while not self._stop.wait(self.every_s):
             for name, pid in self.pids.items():
                 try:
-                    threads, rss = status_of(pid)
+                    threads, rss, fds = status_of(pid)
                 except OSError:
                     continue
                 peak = self.peak[name]
                 peak["threads"] = max(peak["threads"], threads)
                 peak["rss_kib"] = max(peak["rss_kib"], rss)
+                peak["fds"] = max(peak["fds"], fds)
 
     def stop(self) -> None:
         self._stop.set()
@@ -198,7 +199,8 @@ def summarize(results: list[dict], wall_s: float, sampler: Sampler, n: int) -> d
         procs[name] = {"threads_rest": rest["threads"], "threads_peak": peak["threads"],
                        "rss_rest_mib": rest["rss_kib"] / 1024,
                        "rss_peak_mib": peak["rss_kib"] / 1024,
-                       "kib_per_stream": (peak["rss_kib"] - rest["rss_kib"]) / n}
+                       "kib_per_stream": (peak["rss_kib"] - rest["rss_kib"]) / n,
+                       "fds_rest": rest["fds"], "fds_peak": peak["fds"]}
     return {"streams": n, "completed": len(completed), "refused": refused,
             "wall_s": wall_s, "tokens_per_s": tokens / wall_s if wall_s else None,
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p90_s": percentile(ttft, 0.9),
