@@ -31,8 +31,8 @@ from jaxpd.validation import default_max_prompt_bytes
 if TYPE_CHECKING:
     from jaxpd.frontend import Frontend
 
-_PREP_THREADS = 4
-MAX_IN_FLIGHT = 4096
+_PREP_THREADS = 4          # tokenizing and submitting: short blocking steps
+MAX_IN_FLIGHT = 4096       # requests in flight (the launcher passes --max_queued)
 
 
 class OpenAIService:
