@@ -15,8 +15,8 @@ finish_reason) and refused (the status, e.g. 429); peak threads per process; res
 memory at rest and at the peak, and their difference per stream in flight at the peak;
 output tokens per second (chunks with text, over the run's wall time); TTFT and ITL
 (gaps between a stream's chunks) p50/p90; open files per process. With --idle N, N TCP
-connections to the HTTP port stay open and silent during the runs. A table is printed and everything is
-saved as JSON (--out).
+connections to the HTTP port stay open and silent during the runs. A table is printed
+and everything is saved as JSON (--out).
 """
 from __future__ import annotations
 
