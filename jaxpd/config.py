@@ -18,28 +18,35 @@ def resolve_dtype(dtype: str, backend: str) -> str:
 
 
 ATTENTION_IMPLS = ("auto", "reference", "native", "pallas_gpu", "pallas_tpu")
-_AUTO: dict[str, str] = {}       # platform -> its checked Pallas kernel (none yet: see below)
+# The TPU kernel's blocks end in the head dim, which Mosaic tiles by 128 lanes.
+TPU_KERNEL_HEAD_DIM = 128
 
 
 def resolve_attention_impl(impl: str, platform: str, interpret: bool = False,
-                           dtype: str = "float32") -> str:
+                           dtype: str = "float32", head_dim: int | None = None) -> str:
     """The decode attention core for `impl` on devices of `platform` ("cpu", "gpu",
-    "cuda", "rocm", "tpu") serving `dtype`.
+    "cuda", "rocm", "tpu") serving `dtype` with heads of `head_dim` (None: unknown).
 
     "auto" on CPU is "native" (`models/native_attention.py`, a C++ kernel built on first
-    use) when it builds and the dtype is float32, else the `jnp` reference. On GPU and
-    TPU "auto" is the reference for now: the Pallas kernels are checked against it only
-    in interpret mode on CPU, never yet compiled on a GPU or TPU, and a default must not
-    fail to start there; `_AUTO` is where a platform's kernel becomes its default once a
-    device run has checked it. A Pallas kernel for another platform runs only in Pallas
-    interpret mode (`interpret`, for tests)."""
+    use) when it builds and the dtype is float32, else the `jnp` reference. On TPU it is
+    "pallas_tpu" (JAX's paged attention kernel, which JAX tests on TPUs) for bfloat16
+    and a head dim that is a multiple of 128: every serving program with it lowers for
+    TPU with its Mosaic call (`jaxpd.export`, in CI) and it matches the reference in
+    TPU interpret mode; other head dims do not lower, and float32 would be computed in
+    bfloat16 by the kernel, so those get the reference. On GPU "auto" is the
+    reference: our Triton kernel lowers but no device run has timed it. A Pallas
+    kernel for another platform runs only in Pallas interpret mode (`interpret`, for
+    tests)."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     kind = "gpu" if platform in ("gpu", "cuda", "rocm") else platform
     if impl == "auto":
-        impl = _AUTO.get(kind, "reference")
+        impl = "reference"
         if kind == "cpu" and dtype == "float32" and not interpret and _native_available():
             impl = "native"
+        if kind == "tpu" and dtype == "bfloat16" and head_dim is not None and \
+                head_dim % TPU_KERNEL_HEAD_DIM == 0:
+            impl = "pallas_tpu"
     if impl in ("reference", "native"):
         if interpret:
             raise ValueError("attention_interpret=True needs a Pallas attention_impl ('pallas_gpu' "
@@ -51,6 +58,11 @@ def resolve_attention_impl(impl: str, platform: str, interpret: bool = False,
         raise ValueError(f"attention_impl={impl!r} cannot run on {platform} devices; use "
                          f"'auto' or 'reference', or attention_interpret=True (Pallas "
                          f"interpret mode, slow: tests only)")
+    if impl == "pallas_tpu" and not interpret and head_dim is not None and \
+            head_dim % TPU_KERNEL_HEAD_DIM:
+        raise ValueError(f"attention_impl='pallas_tpu' needs a head dim that is a multiple of "
+                         f"{TPU_KERNEL_HEAD_DIM} (Mosaic's lane tiling), the model's is "
+                         f"{head_dim}; use 'auto' or 'reference'")
     return impl
 
 
@@ -70,18 +82,21 @@ def _check_native(kind: str, dtype: str) -> None:
                          f"{native_attention.unavailable_reason()}")
 
 
-def prefix_caching_by_default(config: "EngineConfig") -> bool:
-    """Whether `enable_prefix_caching=None` turns the cache on: for disaggregated meshes
-    -- one process holding a prefill mesh beside a decode mesh, and the prefill and
-    decode role processes of a router deployment -- where fresh prompts are as fast
-    with it as without and repeated prefixes reach their first token sooner. Off
-    elsewhere until measured: colocated meshes (whose
-    every prefill runs with context), and what the cache does not support (elastic,
-    layer-wise or compressed transfer; a role spanning processes, which the launcher
-    resolves off)."""
-    mesh = config.mesh
-    return (not mesh.colocated and not mesh.elastic and config.layerwise_min_tokens == 0
-            and config.kv_transfer_dtype is None)
+def prefix_caching_by_default(mesh: str | MeshSpec, layerwise_min_tokens: int = 0,
+                              kv_transfer_dtype: str | None = None, processes: int = 1) -> bool:
+    """Whether `enable_prefix_caching=None` turns the cache on -- the one place that
+    decides it (`EngineConfig` for one process, the launcher for a role across
+    `processes`): for disaggregated meshes -- one process holding a prefill mesh beside
+    a decode mesh, and the prefill and decode role processes of a router deployment --
+    where fresh prompts are as fast with it as without and repeated prefixes reach their
+    first token sooner. Off elsewhere until measured: colocated meshes (whose every
+    prefill runs with context), and what the cache does not support (elastic, layer-wise
+    or compressed transfer; a role's mesh spanning processes)."""
+    if processes != 1:
+        return False
+    mesh = parse_mesh_spec(mesh)
+    return (not mesh.colocated and not mesh.elastic and layerwise_min_tokens == 0
+            and kv_transfer_dtype is None and processes == 1)
 
 
 CPU_KV_CACHE_BYTES = 2 << 30      # a pool's default budget on CPU
@@ -120,51 +135,109 @@ def fit_context(max_position_embeddings: int, page_bytes: int, page_size: int,
     return max_model_len, min(slots_per_shard * per_slot, pages) + 1
 
 
+_SAME = object()
+
+
+def knob(default, help: str, *, launch_default=_SAME, **flag):
+    """An `EngineConfig` field and what its `python -m jaxpd.launch` flag says (the flag
+    is generated from the field: `jaxpd.serving.config_flags`): `help`, absl's options
+    in `flag` (`lower_bound`, `choices`), and `launch_default` where the flag's default
+    is not the field's because `LLM` resolves an unset value itself ("auto" mesh and
+    dtype, the model's own context)."""
+    metadata = {"help": help, "flag": flag}
+    if launch_default is not _SAME:
+        metadata["launch_default"] = launch_default
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    mesh: str | MeshSpec = "prefill=4,decode=4"
-    dtype: str = "float32"
-    page_size: int = 16
-    max_model_len: int = 1024          # prompt + generated tokens, per request
-    max_prompt_len: int | None = None  # default: max_model_len - 1
-    max_prefill_batch: int = 8
-    # A prefill mesh beside a decode mesh prefills a prompt longer than this in chunks
-    # of this many tokens, each attending to the pages of the ones before it, so its
-    # programs stop at this length whatever max_model_len is (a power of two).
-    prefill_chunk_tokens: int = 2048
-    max_prefill_tokens: int | None = None  # default: max(8 * 256, largest bucket)
-    bucket_timeout_ms: float = 5.0
-    min_prefill_batch: int = 1
-    slots_per_shard: int = 32          # a step runs only as many rows as it needs
-    decode_context_step: int = 8       # decode computes context in multiples of these pages
-    pages_per_shard: int | None = None # default: every slot can reach max_model_len
-    max_queued: int = 4096             # requests waiting for prefill before rejection
-    local_prefill_below: int = 0       # prompts shorter than this prefill on the decode mesh
-    kv_transfer_dtype: str | None = None  # "int8" / "fp8": compressed, lossy transfer
-    # Layer-wise transfer: prefill buckets of at least this many tokens send their KV in
-    # `layerwise_parts` layer groups, each as soon as it is computed (0: never).
-    layerwise_min_tokens: int = 0
-    layerwise_parts: int = 4
-    kv_part_timeout_s: float = 30.0    # decode side: a layer-wise part overdue -> re-prefill
-    # Prefill side, a sender whose peer pulls (the transfer server): before the next
-    # batch, wait up to this long for the last handoffs to be pulled (0: do not wait).
-    handoff_wait_ms: float = 200.0
-    # Prefix caching (full KV pages, content-addressed, shared by reference;
-    # `engine.page_allocator`): the decode mesh prefills with context what it finds
-    # cached in its pool. With a prefill mesh, a request whose cached prefix leaves
-    # fewer than `prefix_extend_below` tokens to compute is prefilled on the decode
-    # mesh; the others on the prefill mesh, which keeps its own cache of
-    # `prefill_cache_pages` pages (`engine.prefill_cache`; default: pages_per_shard,
-    # at least what its largest batch needs). None: on where it is measured not to lose
-    # when nothing repeats (`prefix_caching_by_default`), else off.
-    enable_prefix_caching: bool | None = None
-    prefix_extend_below: int = 256
-    prefill_cache_pages: int | None = None
-    # Decode attention core: "auto" (the backend's), "reference" (jnp), "native" (CPU,
-    # C++), "pallas_gpu", "pallas_tpu"; `resolve_attention_impl` checks it against the
-    # decode devices.
-    attention_impl: str = "auto"
-    attention_interpret: bool = False  # run the Pallas kernel interpreted (CPU tests)
+    """Every knob of the engine; each field's metadata holds its launch flag's help."""
+    mesh: str | MeshSpec = knob(
+        "prefill=4,decode=4", "Mesh spec: prefill=P,decode=D[xT], colocated=N, elastic=N, "
+        "or auto: on CPU one device per role (prefill=1,decode=1, or the role's =1), which "
+        "is fastest there; on accelerators the devices split in half (a role takes them "
+        "all).", launch_default="auto")
+    dtype: str = knob(
+        "float32", "Dtype of the weights and the KV cache; auto: float32 on CPU, bfloat16 on "
+        "TPU/GPU.", launch_default="auto", choices=["auto", "float32", "bfloat16"])
+    page_size: int = knob(16, "Tokens per KV-cache page (a power of two).", lower_bound=1)
+    max_model_len: int = knob(
+        1024, "Prompt + generated tokens per request (default: the model's "
+        "max_position_embeddings, capped by what --kv_cache_gb holds).",
+        launch_default=None, lower_bound=2)
+    max_prompt_len: int | None = knob(
+        None, "Longest prompt in tokens (default: max_model_len - 1).", lower_bound=1)
+    max_prefill_batch: int = knob(8, "Most requests in one prefill batch.", lower_bound=1)
+    prefill_chunk_tokens: int = knob(
+        2048, "A prefill mesh prefills a prompt longer than this (a power of two) in chunks "
+        "of this many tokens, each attending to the earlier ones, so its programs stop at "
+        "this length whatever max_model_len is.", lower_bound=16)
+    chunked_prefill_tokens: int | None = knob(
+        None, "Colocated meshes: each engine iteration runs one decode step and prefills "
+        "at most this many (padded) prompt tokens, a long prompt in chunks of it, so it "
+        "delays the running streams by one chunk per step (a power of two; unset: whole "
+        "prompts between steps).", lower_bound=16)
+    max_prefill_tokens: int | None = knob(
+        None, "Most prompt tokens in one prefill batch (default: max(2048, the largest "
+        "bucket)).", lower_bound=1)
+    bucket_timeout_ms: float = knob(5.0, "Longest wait for a prefill batch to fill.",
+                                    lower_bound=0)
+    min_prefill_batch: int = knob(
+        1, "A prefill batch of fewer requests than this takes the oldest of shorter "
+        "buckets along, padded to its own.", lower_bound=1)
+    slots_per_shard: int = knob(32, "Decode slots per decode dp shard (a step runs only as "
+                                "many rows as it needs).", lower_bound=1)
+    decode_context_step: int = knob(
+        8, "A decode step computes its context in multiples of this many pages (one "
+        "compiled program per width).", lower_bound=1)
+    pages_per_shard: int | None = knob(
+        None, "KV pages per decode dp shard's pool (default: what --kv_cache_gb holds, at "
+        "most enough for every slot to reach max_model_len).", lower_bound=2)
+    max_queued: int = knob(4096, "Requests waiting for prefill (on a router and behind "
+                           "the HTTP API: requests in flight) before new ones get "
+                           "RESOURCE_EXHAUSTED / 429.", lower_bound=1)
+    local_prefill_below: int = knob(
+        0, "Prompts shorter than this are prefilled on the decode mesh itself (no "
+        "transfer); 0 = never.", lower_bound=0)
+    kv_transfer_dtype: str | None = knob(
+        None, "Compress KV in transit (per-page scales; lossy). Unset: send it as stored.",
+        choices=["int8", "fp8"])
+    layerwise_min_tokens: int = knob(
+        0, "Prefill buckets of at least this many tokens send their KV layer group by layer "
+        "group, each as soon as it is computed, overlapping the transfer with the rest of "
+        "the prefill; 0 = always whole.", lower_bound=0)
+    layerwise_parts: int = knob(4, "Layer groups of a layer-wise transfer.", lower_bound=2)
+    kv_part_timeout_s: float = knob(
+        30.0, "Decode side: a layer-wise part overdue by this long fails its transfer (the "
+        "request is prefilled again).", lower_bound=0.001)
+    handoff_wait_ms: float = knob(
+        200.0, "prefill role, transfer server: before its next batch, wait up to this long "
+        "for the decode side to pull the last handoffs (the pull is served by this "
+        "process; a long prefill would hold it up). 0: do not wait.", lower_bound=0)
+    enable_prefix_caching: bool | None = knob(
+        None, "Cache full KV pages by content on the decode mesh and on the prefill mesh: a "
+        "request sharing a cached prefix computes only the rest (on the decode mesh when "
+        "the rest is short) and its handoff carries only the pages the decode side lacks. "
+        "Default: on for disaggregated meshes (one process with prefill and decode meshes, "
+        "and prefill or decode role processes), off for colocated, elastic, layer-wise, "
+        "compressed and multi-process roles (--noenable_prefix_caching turns it off). On "
+        "a router: route by the prefixes the workers' caches advertise unless "
+        "--noenable_prefix_caching.")
+    prefix_extend_below: int = knob(
+        256, "With prefix caching: a request whose uncached rest is shorter than this is "
+        "prefilled on the decode mesh.", lower_bound=0)
+    prefill_cache_pages: int | None = knob(
+        None, "With prefix caching: pages of the prefill mesh's own cache. Default: as many "
+        "as a decode shard's pool, at least what its largest prefill batch needs.",
+        lower_bound=2)
+    attention_impl: str = knob(
+        "auto", "Attention core: 'auto' is 'native' on CPU (C++ kernels built on first use, "
+        "for decode, and for prefill where the CPU has AVX-512; the jnp reference where "
+        "they cannot be built) and the jnp reference elsewhere (the Pallas kernels are "
+        "opt-in until checked on a device).", choices=list(ATTENTION_IMPLS))
+    attention_interpret: bool = knob(
+        False, "Run a Pallas attention kernel in interpret mode (slow: tests on CPU).")
 
     def __post_init__(self):
         object.__setattr__(self, "mesh", parse_mesh_spec(self.mesh))
@@ -186,6 +259,14 @@ class EngineConfig:
                 self.prefill_chunk_tokens & (self.prefill_chunk_tokens - 1):
             raise ValueError(f"prefill_chunk_tokens must be a power of two >= {self.min_bucket}, "
                              f"got {self.prefill_chunk_tokens}")
+        if self.chunked_prefill_tokens is not None:
+            if not self.mesh.colocated:
+                raise ValueError(f"chunked_prefill_tokens is for colocated meshes, not "
+                                 f"{self.mesh}; a prefill mesh chunks by prefill_chunk_tokens")
+            if self.chunked_prefill_tokens < self.min_bucket or \
+                    self.chunked_prefill_tokens & (self.chunked_prefill_tokens - 1):
+                raise ValueError(f"chunked_prefill_tokens must be a power of two >= "
+                                 f"{self.min_bucket}, got {self.chunked_prefill_tokens}")
         if self.bucket_timeout_ms < 0:
             raise ValueError(f"bucket_timeout_ms must be >= 0, got {self.bucket_timeout_ms}")
         if self.kv_transfer_dtype not in (None, "int8", "fp8"):
@@ -209,7 +290,8 @@ class EngineConfig:
         if self.local_prefill_below < 0:
             raise ValueError(f"local_prefill_below must be >= 0, got {self.local_prefill_below}")
         if self.enable_prefix_caching is None:
-            object.__setattr__(self, "enable_prefix_caching", prefix_caching_by_default(self))
+            object.__setattr__(self, "enable_prefix_caching", prefix_caching_by_default(
+                self.mesh, self.layerwise_min_tokens, self.kv_transfer_dtype))
         if self.mesh.elastic:
             # What a re-split does not move yet (`engine.elastic`): a prefix cache's pages,
             # compressed pages, and the decode mesh's own prefill.

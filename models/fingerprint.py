@@ -24,6 +24,8 @@ import hashlib
 import json
 import os
 
+from jaxpd import paths
+
 SHORT = 12
 _CHUNK = 8 << 20
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
@@ -89,7 +91,7 @@ def weights_digest(path: str, cache_dir: str | None = None) -> str:
     files = weight_files(path)
     stat = [(rel, os.stat(full).st_size, os.stat(full).st_mtime_ns) for rel, full in files]
     key = hashlib.blake2b(json.dumps([path, stat]).encode(), digest_size=16).hexdigest()
-    cache = os.path.join(cache_dir or _default_cache_dir(), f"{key}.json")
+    cache = os.path.join(cache_dir or paths.fingerprint_dir(), f"{key}.json")
     try:
         with open(cache) as f:
             cached = json.load(f)
@@ -127,8 +129,3 @@ def tokenizer_digest(path: str) -> str:
                     h.update(f"\0{name}\0".encode() + f.read())
     return h.hexdigest()
 
-
-def _default_cache_dir() -> str:
-    root = os.environ.get("JAXPD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                         "jaxpd")
-    return os.path.join(root, "fingerprint")

@@ -123,8 +123,8 @@ def load_hf_params(path: str, cfg: ModelConfig, dtype: str = "float32",
             fn = files[name]
             if fn not in handles:
                 handles[fn] = safe_open(fn, "numpy").__enter__()
-            want = _get(expected_shapes, ours)
-            sharding = _get(shardings, ours)
+            want = tree_get(expected_shapes, ours)
+            sharding = tree_get(shardings, ours)
             if sharding is not None:
                 arr = _read_sharded(handles[fn], name, tuple(want), sharding, read, np_dtype,
                                     read_log)
@@ -136,7 +136,7 @@ def load_hf_params(path: str, cfg: ModelConfig, dtype: str = "float32",
                     raise ValueError(f"weight {name!r} has shape {tuple(w.shape)} after "
                                      f"conversion, expected {tuple(want)} from config.json")
                 arr = jnp.asarray(w)
-            _set(params, ours, arr)
+            tree_set(params, ours, arr)
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
@@ -174,13 +174,14 @@ def save_hf_params(params, cfg: ModelConfig, path: str, dtype: str = "float32") 
     np_dtype = DTYPES[dtype]
     tensors = {}
     for ours, name, _, to_hf, _ in _mapping(cfg):
-        w = np.asarray(jax.device_get(_get(params, ours))).astype(np.float32)
+        w = np.asarray(jax.device_get(tree_get(params, ours))).astype(np.float32)
         tensors[name] = np.ascontiguousarray(to_hf(w)).astype(np_dtype)
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 
 
-def _get(tree, path):
+def tree_get(tree, path):
+    """The leaf of nested dicts `tree` at key path `path` (None for no tree)."""
     if tree is None:
         return None
     for key in path:
@@ -188,7 +189,8 @@ def _get(tree, path):
     return tree
 
 
-def _set(tree: dict, path, value) -> None:
+def tree_set(tree: dict, path, value) -> None:
+    """Set the leaf at key path `path` of nested dicts `tree`, making dicts on the way."""
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value

@@ -231,12 +231,15 @@ class Llama(nn.Module):
         x = self._embed(tokens_BT)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(x, positions, self.inv_freq)
-            prefix = None
-            if prefix_tables_BW.shape[1]:
-                prefix = (gather_pages(k_pool_LPSKH[i], prefix_tables_BW),
-                          gather_pages(v_pool_LPSKH[i], prefix_tables_BW), starts_B)
             k_pool_LPSKH = write_prompt_pages(k_pool_LPSKH, i, k, new_tables_BN, offsets, valid)
             v_pool_LPSKH = write_prompt_pages(v_pool_LPSKH, i, v, new_tables_BN, offsets, valid)
+            prefix = None
+            if prefix_tables_BW.shape[1]:
+                # Read from the pool this layer's write returned (the prefix pages are
+                # not among those written): a read of the pool as it was before a write
+                # makes XLA copy the whole pool to keep the write in place.
+                prefix = (gather_pages(k_pool_LPSKH, i, prefix_tables_BW),
+                          gather_pages(v_pool_LPSKH, i, prefix_tables_BW), starts_B)
             # With no prefix in the batch, a plain prompt's (the native kernel where used).
             attn = (causal_attention(q, k, v, prefix) if prefix is not None
                     else self.prefill_attention(q, k, v))

@@ -4,11 +4,10 @@ of a prompt (`native/causal_prefill.cc`; elsewhere prefill stays on the jnp refe
 
 The sources are compiled into one library with the system's C++ compiler the first time it
 is needed, against the XLA FFI headers of the *installed* jaxlib (so the handler always
-matches the runtime it registers with), and cached in `~/.cache/jaxpd/native`
-(`JAXPD_CACHE_DIR` moves it) under a name that hashes the sources, the jaxlib version, the
+matches the runtime it registers with), and cached in `$JAXPD_CACHE/native`
+(`jaxpd.paths`) under a name that hashes the sources, the jaxlib version, the
 compiler and this CPU. No compiler, or a failed build: `available()` is False with the
-reason in `unavailable_reason()`, and "auto" stays on the jnp reference. Measured before
-it became CPU's default: BENCHMARKS.md section 14.
+reason in `unavailable_reason()`, and "auto" stays on the jnp reference.
 """
 from __future__ import annotations
 
@@ -25,6 +24,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxpd import paths
+
 _NATIVE = Path(__file__).parent / "native"
 _SOURCES = (_NATIVE / "paged_attention.cc", _NATIVE / "causal_prefill.cc")
 _HEADERS = (_NATIVE / "common.h",)
@@ -40,8 +41,7 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++1
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("JAXPD_CACHE_DIR") or os.path.join(Path.home(), ".cache", "jaxpd")
-    return Path(root) / "native"
+    return Path(paths.native_dir())
 
 
 def _cpu_identity() -> str:

@@ -1,11 +1,15 @@
-"""How many virtual CPU devices a mesh needs, and asking jax for them before its backends
-start. XLA:CPU makes one device unless told otherwise, and the count is fixed once jax
-initialises its backends (its first computation or `jax.devices()`), so the ask has to
-come first. Importing this loads no jax: the launcher uses it before jax is imported.
+"""A process's CPUs before jax starts: how many virtual CPU devices a mesh needs and
+asking for them (jax's config, or `XLA_FLAGS` for a process and the children it
+starts -- the one place that rewrites `XLA_FLAGS`), and pinning the process to a set
+of cores. XLA:CPU makes one device unless told otherwise, and the count and its thread
+pool are fixed once jax initialises its backends (its first computation or
+`jax.devices()`), so both have to come first. Importing this loads no jax: the
+launcher uses it before jax is imported.
 """
 from __future__ import annotations
 
 import os
+import re
 
 from jaxpd.sharding.spec import AUTO, auto_mesh, parse_mesh_spec
 
@@ -48,3 +52,56 @@ def ensure_cpu_devices(mesh: str, environ=os.environ) -> int | None:
     except RuntimeError:           # jax's answer once its backends are initialised
         return None
     return num
+
+
+def set_cpu_device_count(mesh: str, environ=os.environ, processes: int = 1) -> int | None:
+    """On CPU (JAX_PLATFORMS unset or naming cpu), make XLA create as many virtual
+    devices as this process's share of `mesh` needs (`processes` share it equally),
+    replacing any count already in XLA_FLAGS. Returns the count, or None when the
+    platform is not CPU. Must run before jax initialises."""
+    # The launcher owns its process, so its mesh flag decides (a count already in
+    # XLA_FLAGS is replaced), and its route is XLA_FLAGS, which the processes it starts
+    # inherit; `LLM` asks the same count through jax's config (`ensure_cpu_devices`).
+    if not platforms_allow_cpu(environ.get("JAX_PLATFORMS")):
+        return None
+    num = cpu_devices_needed(mesh, processes)
+    environ["XLA_FLAGS"] = xla_flags_with_count(environ.get("XLA_FLAGS", ""), num)
+    return num
+
+
+def xla_flags_with_count(xla_flags: str, num: int, at_least: bool = False) -> str:
+    """`xla_flags` (an `XLA_FLAGS` value) asking for `num` virtual CPU devices, its other
+    flags kept; `at_least`: a count already there of at least `num` stays."""
+    found = re.search(COUNT_FLAG + r"=(\d+)", xla_flags)
+    if at_least and found and int(found.group(1)) >= num:
+        return xla_flags
+    rest = re.sub(COUNT_FLAG + r"=\S+", "", xla_flags).split()
+    return " ".join(rest + [f"{COUNT_FLAG}={num}"])
+
+
+def parse_cpus(spec: str, allowed: set[int] | None = None) -> set[int]:
+    """"0", "1-3", "0,2-3" -> the CPU ids. ValueError naming --cpus for anything else,
+    or for CPUs outside `allowed` (default: those this process may run on)."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise ValueError(f"--cpus must be CPU ids and ranges like '0' or '1-3,5', got {spec!r}")
+        cpus.update(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
+    allowed = os.sched_getaffinity(0) if allowed is None else set(allowed)
+    if not cpus <= allowed:
+        raise ValueError(f"--cpus {spec!r} names CPUs {sorted(cpus - allowed)} this process may "
+                         f"not use (allowed: {sorted(allowed)})")
+    return cpus
+
+
+def pin_cpus(spec: str | None) -> set[int] | None:
+    """Run this process on `spec`'s CPUs only. Before jax starts: XLA:CPU sizes its
+    thread pool from the CPUs the process may use, so a role pinned to a core set
+    computes on those cores alone (one process per role is what isolates prefill from
+    decode on a CPU: one process's devices share one pool)."""
+    if spec is None:
+        return None
+    cpus = parse_cpus(spec)
+    os.sched_setaffinity(0, cpus)
+    return cpus

@@ -50,8 +50,8 @@ def tiny_hf_model(hf_models):
 
 @pytest.fixture
 def procs():
-    """`tests.test_router.Procs`: launcher processes a test starts, stopped after it."""
-    from tests.test_router import Procs
+    """`tests.support.deployments.Procs`: launcher processes a test starts, stopped after it."""
+    from tests.support.deployments import Procs
 
     p = Procs()
     yield p

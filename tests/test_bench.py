@@ -326,7 +326,7 @@ def test_prefix_workloads_run_each_mesh_with_the_cache_off_and_on(tiny_dir, tmp_
 
 
 def test_settle_workers_waits_for_every_workers_background_compiles(monkeypatch):
-    from jaxpd.bench import prefix
+    from jaxpd.bench import processes
 
     class Router:                  # pending compiles on two workers: 2+1, then 1, then 0
         def __init__(self):
@@ -339,15 +339,15 @@ def test_settle_workers_waits_for_every_workers_background_compiles(monkeypatch)
             return {"workers": {"prefill": [{"compiles_pending": p}],
                                 "decode": [{"compiles_pending": d}, {}]}}
 
-    monkeypatch.setattr(prefix.time, "sleep", lambda s: None)
+    monkeypatch.setattr(processes.time, "sleep", lambda s: None)
     router = Router()
-    prefix.settle_workers(router)
+    processes.settle_workers(router)
     assert router.asked == 3
     router.answers = iter([(1, 0)] * 10**6)
     clock = iter(range(10**6))
-    monkeypatch.setattr(prefix.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(processes.time, "monotonic", lambda: next(clock))
     with pytest.raises(TimeoutError, match="still compiling after 5 s"):
-        prefix.settle_workers(router, timeout_s=5)
+        processes.settle_workers(router, timeout_s=5)
 
 
 def test_prefix_workload_flags_are_checked(capsys):

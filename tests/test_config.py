@@ -1,8 +1,10 @@
 """EngineConfig, the serving dtype and the "auto" mesh (plain Python, no model)."""
+import dataclasses
+
 import pytest
 
 from jaxpd.config import EngineConfig, fit_context, kv_page_bytes, resolve_dtype
-from jaxpd.serving.launch_flags import set_cpu_device_count
+from jaxpd.sharding.cpu_devices import set_cpu_device_count
 from jaxpd.sharding.spec import auto_mesh, parse_mesh_spec
 
 
@@ -102,3 +104,37 @@ def test_the_chunk_is_a_power_of_two_no_smaller_than_a_bucket():
     for bad in (100, 8, 0):
         with pytest.raises(ValueError, match="prefill_chunk_tokens must be a power of two"):
             EngineConfig(mesh="prefill=1,decode=1", prefill_chunk_tokens=bad)
+
+
+def test_every_engine_config_field_has_a_flag_whose_default_is_the_fields():
+    """The launcher's flags are generated from EngineConfig: one per field, by name,
+    with its default (or the `launch_default` LLM resolves) and its help."""
+    from absl import flags
+
+    from jaxpd.serving import launch_flags
+    from jaxpd.serving.config_flags import flag_default
+    fv = flags.FlagValues()
+    launch_flags.define_flags(fv)
+    fv(["prog"])
+    for field in dataclasses.fields(EngineConfig):
+        flag = fv[field.name]
+        assert flag.default == flag_default(field), field.name
+        assert flag.help.endswith(field.metadata["help"]), field.name
+        if "launch_default" not in field.metadata:
+            assert flag.default == field.default, field.name
+    # The three LLM resolves: auto mesh and dtype, and the model's own context.
+    assert {f.name for f in dataclasses.fields(EngineConfig) if "launch_default" in f.metadata
+            } == {"mesh", "dtype", "max_model_len"}
+    # Unset flags leave EngineConfig's defaults standing: the options build the default.
+    options = launch_flags.engine_options(fv)
+    assert options.pop("mesh") == "auto" and options.pop("dtype") == "auto"
+    assert EngineConfig(**options, max_model_len=1024) == EngineConfig()
+    # Set ones reach EngineConfig by field name; aliases keep working.
+    fv.unparse_flags()
+    fv(["prog", "--page_size", "32", "--kv_part_timeout_s", "2.5", "--attention_interpret",
+        "--shutdown_grace_s", "1"])
+    options = launch_flags.engine_options(fv)
+    assert (options["page_size"], options["kv_part_timeout_s"]) == (32, 2.5)
+    assert options["attention_interpret"] is True and fv.shutdown_timeout_s == 1.0
+    with pytest.raises(flags.IllegalFlagValueError):
+        fv(["prog", "--page_size", "0"])                 # the field's lower bound

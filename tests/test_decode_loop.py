@@ -3,50 +3,23 @@ lost, late, superseded, misfit), preemption, aborts and page accounting, in ms."
 from __future__ import annotations
 
 import time
-import types
 
 import numpy as np
 import pytest
 
-from jaxpd.engine.decode_loop import DecodeLoop
-from jaxpd.engine.requests import Limits, Requests
-from jaxpd.engine.scheduler import DecodeScheduler
 from jaxpd.request import Request, State
 from jaxpd.sampling_params import SamplingParams
-from jaxpd.stats import StatsCounter
 from jaxpd.transfer.connector import KVHandoff, KVPart
-from jaxpd.transfer.inbound import HandoffSpec, InboundQueue
-from tests.fake_runner import FakeReceiver, FakeRunner, InlineExecutor, pages
-from tests.test_request import AbortingStopText
+from tests.fake_runner import FakeRunner, InlineExecutor, pages
+from tests.support.decode_env import (LAYERS, MAX_MODEL_LEN, MAX_PAGES_PER_SLOT, PAGE_SIZE,
+                                      VOCAB, assert_no_page_held, make, run)
+from tests.support.stop_text import AbortingStopText
 
-LAYERS, PAGE_SIZE = 2, 4
-MAX_PAGES_PER_SLOT = 8
-MAX_MODEL_LEN = MAX_PAGES_PER_SLOT * PAGE_SIZE
-VOCAB = 1000                           # the fake model counts mod 1000
 
 
 @pytest.fixture
 def pool():
     return InlineExecutor()
-
-
-def make(pool, slots=2, pages_per_shard=17, num_shards=1, part_timeout_s=30.0, remote=False,
-         receiver=None, runner=None, fingerprint=""):
-    stats = StatsCounter()
-    requests = Requests(stats, 64, Limits(VOCAB, MAX_MODEL_LEN - 1, MAX_MODEL_LEN),
-                        has_prefill=not remote, has_decode=True, has_local_prefill=False)
-    runner = runner or FakeRunner(num_shards, slots, pages_per_shard, PAGE_SIZE, LAYERS)
-    scheduler = DecodeScheduler(num_shards, slots, pages_per_shard, PAGE_SIZE)
-    receiver = receiver or FakeReceiver()
-    spec = HandoffSpec(num_layers=LAYERS, page_size=PAGE_SIZE, page_shape=(PAGE_SIZE, 1, 2),
-                       dtype="float32", vocab_size=VOCAB, max_model_len=MAX_MODEL_LEN,
-                       max_pages=min(MAX_PAGES_PER_SLOT, pages_per_shard - 1),
-                       fingerprint=fingerprint)
-    queue = InboundQueue(receiver, pool, part_timeout_s, spec, remote=remote)
-    loop = DecodeLoop(runner, scheduler, [queue], requests, stats,
-                      max_pages_per_slot=MAX_PAGES_PER_SLOT)
-    return types.SimpleNamespace(loop=loop, runner=runner, scheduler=scheduler, stats=stats,
-                                 requests=requests, receiver=receiver)
 
 
 def prefilled(env, rid: str, prompt_len: int, first: int, max_tokens: int) -> Request:
@@ -66,20 +39,6 @@ def handoff(r: Request, first: int, value: float = 1.0, part: KVPart | None = No
     kv = pages(layers, -(-n // PAGE_SIZE), value, PAGE_SIZE)
     return KVHandoff(r.request_id, n, first if part is None or part.is_last else -1, kv, -kv,
                      payload=r, part=part)
-
-
-def run(env, until, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not until():
-        assert time.monotonic() < deadline, "not reached in time"
-        env.loop.iterate(receive_timeout=None)
-
-
-def assert_no_page_held(env) -> None:
-    run(env, lambda: env.loop.idle)
-    for alloc in env.scheduler.allocators:
-        assert alloc.num_used == 0 and alloc.num_free == alloc.capacity
-    assert all(s is None for s in env.scheduler.slots)
 
 
 def test_tokens_count_on_from_each_first_token_and_pages_come_back(pool):

@@ -336,7 +336,7 @@ def test_stop_drains_then_aborts_streams_with_shutdown(fake):
 
 @pytest.mark.slow
 def test_a_router_deployment_answers_http_like_one_process(llm):
-    from tests.test_router import Procs   # processes killed at the end whatever happens
+    from tests.support.deployments import Procs   # processes killed at the end whatever happens
 
     procs = Procs()
     common = ["--max_model_len", "64", "--nowarmup", "--host", "127.0.0.1"]

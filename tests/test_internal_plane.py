@@ -23,9 +23,8 @@ from jaxpd.serving.router import Router, RouterConfig
 from jaxpd.transfer.wire import WIRE_VERSION, pack
 
 from certs import issue, make_ca
+from tests.support.internal_plane import AUTH, MAX_MODEL_LEN, TOKEN, start_worker, wait_until
 
-TOKEN = "cluster-token-for-tests-0123456789"
-AUTH = InternalAuth(token=TOKEN)
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -33,13 +32,6 @@ def _code(fn):
     with pytest.raises(grpc.RpcError) as e:
         fn()
     return e.value.code(), e.value.details()
-
-
-def _wait(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 # ---- fake workers (router side) ----------------------------------------------------------
@@ -242,12 +234,12 @@ def test_lease_drops_a_silent_worker_and_readmits_it(router, fakes):
     router, address = router
     worker = fakes()
     worker.heartbeat(address)
-    _wait(router.ready)
+    wait_until(router.ready)
     worker.stop_heartbeat()
-    _wait(lambda: not router.ready(), timeout=5)        # lease 0.6 s
+    wait_until(lambda: not router.ready(), timeout=5)        # lease 0.6 s
     assert router.live_workers() == {}
     worker.heartbeat(address)
-    _wait(router.ready)
+    wait_until(router.ready)
 
 
 def test_stalled_decode_stream_fails_over_within_the_stall_deadline(router, fakes):
@@ -257,7 +249,7 @@ def test_stalled_decode_stream_fails_over_within_the_stall_deadline(router, fake
     frozen, good = fakes(frozen=True, free_slots=100), fakes(free_slots=1)
     frozen.heartbeat(address)
     good.heartbeat(address)
-    _wait(lambda: len(router.live_workers()) == 2)
+    wait_until(lambda: len(router.live_workers()) == 2)
     start = time.monotonic()
     out = router.generate(prompt_token_ids=[[1, 2, 3]],
                           sampling_params=SamplingParams(max_tokens=4, **GREEDY))[0]
@@ -270,7 +262,7 @@ def test_stalled_last_decode_worker_aborts_with_a_reason(router, fakes):
     router, address = router
     frozen = fakes(frozen=True)
     frozen.heartbeat(address)
-    _wait(router.ready)
+    wait_until(router.ready)
     start = time.monotonic()
     out = router.generate(prompt_token_ids=[[1, 2, 3]],
                           sampling_params=SamplingParams(max_tokens=4, **GREEDY))[0]
@@ -306,7 +298,7 @@ def test_malformed_decode_event_fails_the_request_over_to_another_worker(router,
     try:
         for w in (bad, good):
             w.heartbeat(address)
-        _wait(lambda: len(router.live_workers()) == 2)
+        wait_until(lambda: len(router.live_workers()) == 2)
         out = router.generate(prompt_token_ids=[[1, 2, 3]],
                               sampling_params=SamplingParams(max_tokens=3, **GREEDY, **params))[0]
     finally:
@@ -344,7 +336,7 @@ def test_stats_fan_out_is_parallel_and_bounded(router, fakes):
         w.heartbeat(address)
     answering = fakes()
     answering.heartbeat(address)
-    _wait(lambda: len(router.live_workers()) == 5)
+    wait_until(lambda: len(router.live_workers()) == 5)
     start = time.monotonic()
     stats = router.stats()
     assert time.monotonic() - start < 3                  # 4 x 1 s if asked one by one
@@ -356,7 +348,7 @@ def test_static_workers_are_probed_and_checked_before_use(fakes):
     router = Router(default_model_dir(), RouterConfig(max_model_len=512, heartbeat_s=0.1),
                     decode=(good.info.address, small.info.address))
     try:
-        _wait(router.ready)
+        wait_until(router.ready)
         time.sleep(0.3)                                  # a few more probes
         assert router.live_workers() == {good.info.address: "decode"}
     finally:
@@ -392,22 +384,10 @@ def test_mtls_register_and_role_client(tmp_path, fakes):
 
 # ---- a real engine behind a RoleServer (worker side) --------------------------------------
 
-MAX_MODEL_LEN = 128
-
-
-def _worker(path, mesh="decode=1", auth=AUTH):
-    from jaxpd.llm import LLM
-    from jaxpd.serving.role_server import RoleServer, RoleService
-
-    llm = LLM(path, mesh=mesh, max_model_len=MAX_MODEL_LEN, slots_per_shard=2)
-    server = RoleServer(RoleService(llm.engine, "", "grpc"), "127.0.0.1", 0, auth)
-    server.start()
-    return llm, server
-
 
 @pytest.fixture(scope="module")
 def decode_worker(tiny_hf_model):
-    llm, server = _worker(tiny_hf_model[0])
+    llm, server = start_worker(tiny_hf_model[0])
     yield llm, server, RoleClient(server.address, AUTH)
     server.stop(0)
     llm.shutdown()
@@ -473,7 +453,7 @@ def test_forged_decode_requests_are_invalid_argument_and_engine_keeps_serving(de
 
 
 def test_forged_prefill_requests_are_invalid_argument(tiny_hf_model):
-    llm, server = _worker(tiny_hf_model[0], mesh="prefill=1")
+    llm, server = start_worker(tiny_hf_model[0], mesh="prefill=1")
     try:
         client = RoleClient(server.address, AUTH)
         for wire, word in FORGED[:6]:
@@ -534,7 +514,7 @@ def test_cluster_token_router_to_real_worker_in_process(decode_worker, tiny_hf_m
     try:
         address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
         server.register_with(address, heartbeat_s=0.2)
-        _wait(router.ready, timeout=20)
+        wait_until(router.ready, timeout=20)
         prompts = [[5, 6, 7], [9] * 20, [11, 12]]
         outs = router.generate(prompt_token_ids=prompts,
                                sampling_params=SamplingParams(max_tokens=6, **GREEDY))
@@ -562,7 +542,7 @@ def test_mismatch_router_larger_than_worker_is_refused_and_worker_stops(decode_w
 
 
 def test_dead_engine_health_not_serving_and_unavailable(tiny_hf_model):
-    llm, server = _worker(tiny_hf_model[0])
+    llm, server = start_worker(tiny_hf_model[0])
     try:
         client = RoleClient(server.address, AUTH)
         assert client.info(timeout=5)["role"] == "decode"
@@ -570,11 +550,11 @@ def test_dead_engine_health_not_serving_and_unavailable(tiny_hf_model):
         def boom(**_):
             raise RuntimeError("injected engine failure")
         llm.engine.decode_loop.iterate = boom
-        _wait(lambda: llm.engine.error is not None)
+        wait_until(lambda: llm.engine.error is not None)
         with NO_AUTH.channel(server.address) as channel:     # health needs no token
             check = lambda: health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=5).status
-            _wait(lambda: check() == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
+            wait_until(lambda: check() == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
         assert _code(lambda: client.info(timeout=5))[0] == grpc.StatusCode.UNAVAILABLE
         code, details = _code(lambda: list(client.decode(_wire(), local=True)))
         assert code == grpc.StatusCode.UNAVAILABLE and "injected" in details
@@ -667,13 +647,13 @@ def test_rolling_update_new_requests_go_to_the_newest_paired_version(router, fak
     v1_spare = fakes(model=MODEL_A, token=7)
     for w in v1:
         w.heartbeat(address)
-    _wait(router.ready)
+    wait_until(router.ready)
     v2 = [fakes(model=MODEL_B, token=8), fakes(role="prefill", model=MODEL_B)]
     v2[0].heartbeat(address)
-    _wait(lambda: len(router.live_workers()) == 3)
+    wait_until(lambda: len(router.live_workers()) == 3)
     assert router.serving_model() == MODEL_A       # v2 has no prefill worker yet
     v2[1].heartbeat(address)
-    _wait(lambda: router.serving_model() == MODEL_B)
+    wait_until(lambda: router.serving_model() == MODEL_B)
     out = router.generate(prompt_token_ids=[[1, 2]],
                           sampling_params=SamplingParams(max_tokens=3, **GREEDY))[0]
     assert out.token_ids == [8, 8, 8] and v2[1].prefill_calls == 1
@@ -684,21 +664,21 @@ def test_rolling_update_new_requests_go_to_the_newest_paired_version(router, fak
         for w in (frozen, v1_spare):
             w.heartbeat(address2)
         v1[1].register(address2)
-        _wait(lambda: len(router2.live_workers()) == 3)
+        wait_until(lambda: len(router2.live_workers()) == 3)
         r = router2.submit(router2.make_requests(
             prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=3, **GREEDY))[0])
-        _wait(lambda: frozen.decode_calls == 1)
+        wait_until(lambda: frozen.decode_calls == 1)
         for w in (fakes(model=MODEL_B, token=8), fakes(role="prefill", model=MODEL_B)):
             w.heartbeat(address2)
-        _wait(lambda: router2.serving_model() == MODEL_B)
-        _wait(lambda: r.is_final, timeout=15)       # the stall (0.6 s) fails it over
+        wait_until(lambda: router2.serving_model() == MODEL_B)
+        wait_until(lambda: r.is_final, timeout=15)       # the stall (0.6 s) fails it over
         assert r.output_ids == [7, 7, 7] and v1_spare.decode_calls == 1
         v1_spare.stop_heartbeat()
         frozen.stop_heartbeat()
-        _wait(lambda: MODEL_A[:12] not in {v["model"] for v in router2.versions()}, timeout=5)
+        wait_until(lambda: MODEL_A[:12] not in {v["model"] for v in router2.versions()}, timeout=5)
         late = router2.submit(router2.make_requests(
             prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=2, **GREEDY))[0])
-        _wait(lambda: late.is_final)
+        wait_until(lambda: late.is_final)
         assert late.output_ids == [8, 8]            # new requests: v2
     finally:
         router2.shutdown()

@@ -6,7 +6,6 @@ workers of one checkpoint and of a copy with one k_proj weight negated (every sh
 same), as separate processes: mismatched prefill and decode workers, and a rolling
 update from one to the other under streaming load.
 """
-import copy
 import os
 import shutil
 import time
@@ -18,19 +17,8 @@ from jaxpd.models.config import ModelConfig
 from jaxpd.models.fingerprint import model_fingerprint, weights_digest
 from jaxpd.serving.role_rpc import RoleClient
 from tests.engine_fixtures import mixed_prompts, reference
-
-
-def negated_copy(hf, path: str, layer: int = 0):
-    """`hf` with one k_proj weight negated, saved at `path`: same shapes and dtypes,
-    other KV (and other tokens)."""
-    import torch
-
-    other = copy.deepcopy(hf)
-    with torch.no_grad():
-        k = other.model.layers[layer].self_attn.k_proj.weight
-        k.copy_(-k)
-    other.save_pretrained(path)
-    return other
+from tests.support.checkpoints import negated_copy
+from tests.support.deployments import COMMON, free_port, generate_all
 
 
 def fingerprint(path, **kwargs):
@@ -79,7 +67,6 @@ def test_prefill_and_decode_of_other_weights_are_never_paired(tiny_hf_model, pro
     request is prefilled by the decode worker itself and its tokens are exactly that
     model's greedy tokens; the prefill worker computes nothing; health names the idle
     prefill worker's model."""
-    from tests.test_router import COMMON, _free_port, _generate_all
 
     path, hf = tiny_hf_model
     other_path = str(tmp_path / "other")
@@ -89,7 +76,7 @@ def test_prefill_and_decode_of_other_weights_are_never_paired(tiny_hf_model, pro
     expected = reference(other, prompts, max_tokens)
     assert expected != reference(hf, prompts, max_tokens)   # the weights do matter
 
-    port = _free_port()
+    port = free_port()
     router = procs.start(["--role", "router", "--model", path, "--port", str(port),
                           "--internal_port", "0"] + COMMON)
     internal = procs.wait_line(router, r"internal plane on (\S+)").group(1)
@@ -103,7 +90,7 @@ def test_prefill_and_decode_of_other_weights_are_never_paired(tiny_hf_model, pro
     for a in addresses:
         procs.wait_line(router, rf"worker {a} joined")
     procs.wait_line(router, r"jaxpd serving")
-    results = _generate_all(f"127.0.0.1:{port}", prompts, max_tokens)
+    results = generate_all(f"127.0.0.1:{port}", prompts, max_tokens)
     assert [list(r.token_ids) for r in results] == expected, procs.tails()
 
     import json
@@ -139,7 +126,6 @@ def test_rolling_update_under_streaming_load_keeps_every_stream_on_one_version(
     import threading
 
     from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
-    from tests.test_router import COMMON, _free_port
 
     path, hf = tiny_hf_model
     v2_path = str(tmp_path / "v2")
@@ -150,7 +136,7 @@ def test_rolling_update_under_streaming_load_keeps_every_stream_on_one_version(
                 "v2": reference(v2, prompts, [max_tokens] * 3)}
     assert all(a != b for a, b in zip(expected["v1"], expected["v2"]))
 
-    port = _free_port()
+    port = free_port()
     router = procs.start(["--role", "router", "--model", path, "--port", str(port),
                           "--internal_port", "0"] + COMMON)
     internal = procs.wait_line(router, r"internal plane on (\S+)").group(1)

@@ -8,16 +8,16 @@ over and no page leaking on the decode side.
 """
 import re
 import signal
-import socket
 import time
 
 import pytest
 
 from jaxpd.engine.page_allocator import pages_for
-from jaxpd.models.source import model_config_and_tokenizer
 from jaxpd.serving.role_rpc import RoleClient
 from tests.engine_fixtures import mixed_prompts, reference
-from tests.test_router import COMMON, PATIENT_ROUTER, _free_port, _generate_all
+from tests.support.checkpoints import negated_copy
+from tests.support.deployments import (COMMON, PATIENT_ROUTER, coordinator, free_port,
+                                       generate_all, page_bytes)
 
 pytestmark = pytest.mark.slow
 NUM = 16
@@ -32,21 +32,15 @@ def model(hf_models):
     return path, prompts, max_tokens, reference(hf, prompts, max_tokens)
 
 
-def _coordinator() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
 def _deployment(procs, path, transport):
-    router_port = _free_port()
+    router_port = free_port()
     router = procs.start(["--role", "router", "--model", path, "--port", str(router_port),
                           "--internal_port", "0"] + COMMON + PATIENT_ROUTER)
     internal = procs.wait_line(router, r"internal plane on (\S+)").group(1)
     common = COMMON + ["--kv_transport", transport, "--router", internal]
     # Prompts of 128+ tokens go layer-wise, in two parts (each offered as pieces too).
     group = ["--role", "prefill", "--mesh", "prefill=4", "--model", path, "--port", "0",
-             "--num_processes", "2", "--coordinator", _coordinator(), "--layerwise_parts", "2",
+             "--num_processes", "2", "--coordinator", coordinator(), "--layerwise_parts", "2",
              "--layerwise_min_tokens", "128"] + common
     leader = procs.start(group + ["--process_id", "0"])
     follower = procs.start(group + ["--process_id", "1"])
@@ -64,11 +58,6 @@ def _deployment(procs, path, transport):
     return f"127.0.0.1:{router_port}", router, leader, follower, decode
 
 
-def _page_bytes(path, page_size=16):
-    cfg = model_config_and_tokenizer(path)[0]
-    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * 4
-
-
 # The transfer server: each process offers its own kv heads; the gRPC stream: the
 # leader gathers them and sends the whole KV.
 @pytest.mark.parametrize("transport", ["transfer_server", "grpc"])
@@ -78,12 +67,12 @@ def test_prefill_mesh_of_two_processes_matches_transformers_then_survives_a_lost
     addr, router, leader, follower, decode_proc = _deployment(procs, path, transport)
     decode = RoleClient(procs.wait_line(decode_proc, r"decode worker on (\S+)").group(1))
     before = decode.info(timeout=10)
-    outs = _generate_all(addr, prompts, max_tokens)
+    outs = generate_all(addr, prompts, max_tokens)
     assert [list(o.token_ids) for o in outs] == expected
     after = decode.info(timeout=10)
     assert after["transfers"] - before["transfers"] == NUM
     moved = after["transfer_bytes"] - before["transfer_bytes"]
-    assert moved == sum(pages_for(len(p), 16) for p in prompts) * _page_bytes(path)
+    assert moved == sum(pages_for(len(p), 16) for p in prompts) * page_bytes(path)
     # Each handoff (a layer-wise one: each of its two parts) came as two pieces, each
     # process's own kv heads from that process.
     layerwise = after["layerwise_transfers"] - before["layerwise_transfers"]
@@ -99,7 +88,7 @@ def test_prefill_mesh_of_two_processes_matches_transformers_then_survives_a_lost
     assert time.monotonic() - start < 30
     assert any(re.search(r"prefill role stopped: follower process 1 has not answered", line)
                for line in leader.lines), "".join(leader.lines)
-    outs = _generate_all(addr, prompts[:8], max_tokens[:8])
+    outs = generate_all(addr, prompts[:8], max_tokens[:8])
     assert [list(o.token_ids) for o in outs] == expected[:8]
     deadline = time.monotonic() + 30
     while True:                       # every slot and page given back
@@ -117,7 +106,7 @@ def test_sigterm_to_the_whole_role_while_it_compiles_stops_every_process_cleanly
     leader stops between two compiled steps and tells its follower)."""
     path = model[0]
     group = ["--role", "prefill", "--mesh", "prefill=4", "--model", path, "--port", "0",
-             "--num_processes", "2", "--coordinator", _coordinator(), "--max_model_len",
+             "--num_processes", "2", "--coordinator", coordinator(), "--max_model_len",
              "160", "--host", "127.0.0.1"]
     leader = procs.start(group + ["--process_id", "0"])
     follower = procs.start(group + ["--process_id", "1"])
@@ -134,13 +123,12 @@ def test_follower_of_another_checkpoint_refuses_to_join_and_says_so(model, hf_mo
     """Two processes of one prefill mesh, the follower's checkpoint with one k_proj
     weight negated (every shape the same): the follower refuses to join, naming both
     fingerprints, and the leader's role stops rather than compute with mixed weights."""
-    from tests.test_model_identity import negated_copy
 
     path, hf = hf_models("llama_tied")
     other = str(tmp_path / "other")
     negated_copy(hf, other)
     group = ["--role", "prefill", "--mesh", "prefill=4", "--port", "0", "--num_processes",
-             "2", "--coordinator", _coordinator(), "--max_model_len", "160", "--host",
+             "2", "--coordinator", coordinator(), "--max_model_len", "160", "--host",
              "127.0.0.1", "--nowarmup", "--follower_timeout_s", "3"]
     leader = procs.start(group + ["--model", path, "--process_id", "0"])
     follower = procs.start(group + ["--model", other, "--process_id", "1"])

@@ -20,8 +20,8 @@ from jaxpd.engine.page_allocator import pages_for
 from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
 from jaxpd.serving.role_rpc import RoleClient
 from tests.engine_fixtures import mixed_prompts, reference
-from tests.test_multihost import _coordinator, _page_bytes
-from tests.test_router import COMMON, PATIENT_ROUTER, _free_port, _generate_all
+from tests.support.deployments import (COMMON, PATIENT_ROUTER, coordinator, free_port,
+                                       generate_all, page_bytes)
 
 pytestmark = pytest.mark.slow
 NUM = 16
@@ -39,7 +39,7 @@ def model(tiny_hf_model):
 
 def _deployment(procs, path, mesh="decode=2", transport="transfer_server", other_decode=False,
                 prefill_processes=1):
-    router_port = _free_port()
+    router_port = free_port()
     router = procs.start(["--role", "router", "--model", path, "--port", str(router_port),
                           "--internal_port", "0"] + COMMON + PATIENT_ROUTER
                          # By load alone: with prefix routing a repeated prompt goes to
@@ -53,13 +53,13 @@ def _deployment(procs, path, mesh="decode=2", transport="transfer_server", other
         prefill = procs.start(prefill_group + ["--mesh", "prefill=1"])
     else:                             # tp over the processes, one device each
         prefill_group += ["--mesh", f"prefill={prefill_processes}", "--num_processes",
-                          str(prefill_processes), "--coordinator", _coordinator()]
+                          str(prefill_processes), "--coordinator", coordinator()]
         prefill = procs.start(prefill_group + ["--process_id", "0"])
         for i in range(1, prefill_processes):
             procs.start(prefill_group + ["--process_id", str(i)])
     group = ["--role", "decode", "--mesh", mesh, "--model", path, "--port", "0",
              "--slots_per_shard", "4", "--num_processes", "2",
-             "--coordinator", _coordinator()] + common
+             "--coordinator", coordinator()] + common
     leader = procs.start(group + ["--process_id", "0"])
     follower = procs.start(group + ["--process_id", "1"])
     procs.wait_line(follower, rf"decode follower 1/2 of the mesh {mesh}")
@@ -90,7 +90,7 @@ def test_decode_mesh_of_two_processes_matches_transformers_then_stops_on_a_lost_
     addr, router, prefill, leader, follower, _ = _deployment(procs, path)
     decode = RoleClient(procs.wait_line(leader, r"decode worker on (\S+)").group(1))
     before = decode.info(timeout=10)
-    outs = _generate_all(addr, prompts, max_tokens)
+    outs = generate_all(addr, prompts, max_tokens)
     assert [list(o.token_ids) for o in outs] == expected, procs.tails()
     # Log-probabilities come back through the steps' all-gather too: greedy, each
     # token is its own most likely one.
@@ -102,7 +102,7 @@ def test_decode_mesh_of_two_processes_matches_transformers_then_stops_on_a_lost_
     assert after["transfers"] - before["transfers"] == NUM + 3
     moved = after["transfer_bytes"] - before["transfer_bytes"]
     assert moved == sum(pages_for(len(p), 16) for p in prompts + prompts[:3]) * \
-        _page_bytes(path)
+        page_bytes(path)
     deadline = time.monotonic() + 30
     while True:                       # every slot and page given back on the leader
         info = decode.info(timeout=10)
@@ -114,7 +114,7 @@ def test_decode_mesh_of_two_processes_matches_transformers_then_stops_on_a_lost_
     # The prefill worker dies: the router sends requests to the decode role, which
     # prefills them on its own mesh (the decode mesh's prefill, led and replayed too).
     prefill.send_signal(signal.SIGKILL)
-    outs = _generate_all(addr, prompts[:8], max_tokens[:8])
+    outs = generate_all(addr, prompts[:8], max_tokens[:8])
     assert [list(o.token_ids) for o in outs] == expected[:8], procs.tails()
     info = decode.info(timeout=10)
     assert info["transfers"] == after["transfers"]                      # none arrived
@@ -124,7 +124,7 @@ def test_decode_mesh_of_two_processes_matches_transformers_then_stops_on_a_lost_
     # why; with no other decode worker, the router aborts its requests with a reason.
     holder = {}
     t = threading.Thread(target=lambda: holder.update(
-        outs=_generate_all(addr, prompts[:8], long_tokens[:8])))
+        outs=generate_all(addr, prompts[:8], long_tokens[:8])))
     t.start()
     while decode.info(timeout=10)["free_slots"] > before["free_slots"] - 2:
         assert t.is_alive(), "requests finished before the follower was killed"
@@ -159,7 +159,7 @@ def test_decode_mesh_2x2_over_two_processes_fails_over_to_another_decode_worker(
     role = RoleClient(procs.wait_line(leader, r"decode worker on (\S+)").group(1))
     spare = RoleClient(procs.wait_line(other, r"decode worker on (\S+)").group(1))
     idle = spare.info(timeout=10)
-    outs = _generate_all(addr, prompts, max_tokens)
+    outs = generate_all(addr, prompts, max_tokens)
     assert [list(o.token_ids) for o in outs] == expected, procs.tails()
     served = [w.info(timeout=10) for w in (role, spare)]
     assert served[0]["transfers"] > 0                      # the role served its share
@@ -170,7 +170,7 @@ def test_decode_mesh_2x2_over_two_processes_fails_over_to_another_decode_worker(
 
     empty, holder = role.info(timeout=10)["free_slots"], {}
     t = threading.Thread(target=lambda: holder.update(
-        outs=_generate_all(addr, prompts[:8], long_tokens[:8], timeout=180)))
+        outs=generate_all(addr, prompts[:8], long_tokens[:8], timeout=180)))
     t.start()
     # Kill as soon as the role decodes one. Waiting for two flaked (fresh-clone CI, 1
     # of 890): the router picks the worker with fewest calls in flight, and the role,
@@ -202,7 +202,7 @@ def test_warmed_up_decode_role_stops_cleanly_on_sigterm(model, procs):
     3 pages a slot, inserts of 1, 2 and 3), then SIGTERM to both processes stops them,
     the leader telling its follower."""
     group = ["--role", "decode", "--mesh", "decode=2", "--model", model[0], "--port", "0",
-             "--num_processes", "2", "--coordinator", _coordinator(), "--max_model_len",
+             "--num_processes", "2", "--coordinator", coordinator(), "--max_model_len",
              "48", "--max_prefill_batch", "1", "--host", "127.0.0.1"]
     leader = procs.start(group + ["--process_id", "0"])
     follower = procs.start(group + ["--process_id", "1"])

@@ -124,12 +124,12 @@ def test_a_page_id_outside_the_pool_is_read_as_the_reference_reads_it():
 
 
 def test_build_is_cached_per_source_and_reports_a_failed_compiler(tmp_path, monkeypatch):
-    monkeypatch.setenv("JAXPD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("JAXPD_CACHE", str(tmp_path))
     path = native_attention._build()
     assert path.parent == tmp_path / "native" and path.exists()
     built = path.stat().st_mtime_ns
     assert native_attention._build() == path and path.stat().st_mtime_ns == built
-    monkeypatch.setenv("JAXPD_CACHE_DIR", str(tmp_path / "other"))
+    monkeypatch.setenv("JAXPD_CACHE", str(tmp_path / "other"))
     monkeypatch.setenv("CXX", "false")                   # a compiler that always fails
     with pytest.raises(RuntimeError, match="false failed"):
         native_attention._build()

@@ -34,11 +34,90 @@ def _python(code: str, *flags: str, cwd: str = ROOT, env=None) -> subprocess.Com
 @pytest.mark.parametrize("module", ["jaxpd", "jaxpd.metrics", "jaxpd.errors",
                                     "jaxpd.sharding.spec", "jaxpd.config", "jaxpd.frontend",
                                     "jaxpd.models.config", "jaxpd.models.tokenizer",
-                                    "jaxpd.transfer.wire", "jaxpd.serving.router"])
+                                    "jaxpd.transfer.wire", "jaxpd.serving.router",
+                                    "jaxpd.paths", "jaxpd.serving.config_flags",
+                                    "jaxpd.sharding.cpu_devices", "jaxpd.models.fingerprint"])
 def test_pure_modules_load_no_jax(module):
     out = _python(f"import {module}; {SHOW_HEAVY}")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"importing {module} loaded {out.stdout}"
+
+
+def test_no_test_module_imports_another():
+    """Shared test helpers live in tests/support/ or the fixture modules: a test module
+    imports no other test module (nor its fixtures, which would run twice)."""
+    import ast
+    tests = os.path.join(ROOT, "tests")
+    importers = []
+    for dirpath, _, files in os.walk(tests):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            with open(path) as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                modules = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                           [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                if isinstance(node, ast.ImportFrom) and node.module in ("tests", None):
+                    modules += [a.name for a in node.names]
+                for module in modules:
+                    if module.rsplit(".", 1)[-1].startswith("test_"):
+                        importers.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} "
+                                         f"imports {module}")
+    assert importers == []
+
+
+def _package_imports(path: str) -> list[tuple[int, str, list[str]]]:
+    """(line, module, names) of every `from jaxpd... import ...` in the file at `path`,
+    whether at the top or inside a function."""
+    import ast
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    return [(n.lineno, n.module, [a.name for a in n.names]) for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("jaxpd")]
+
+
+def _package_modules() -> dict[str, str]:
+    """jaxpd module name -> source path, for the package and the three root layers."""
+    found = {}
+    for top, package in (("jaxpd", "jaxpd"), ("models", "jaxpd.models"),
+                         ("sharding", "jaxpd.sharding"), ("transfer", "jaxpd.transfer")):
+        for dirpath, dirs, files in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = [d for d in dirs if d not in ("models", "__pycache__")
+                       or dirpath != os.path.join(ROOT, "jaxpd")]
+            for name in files:
+                if name.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(dirpath, name[:-3]),
+                                          os.path.join(ROOT, top)).replace(os.sep, ".")
+                    module = package if rel == "__init__" else f"{package}.{rel}"
+                    found[module.removesuffix(".__init__")] = os.path.join(dirpath, name)
+    return found
+
+
+# Owned by another change in flight (the router's relay); checked once it lands.
+_ROUTER = ("jaxpd.serving.router", "jaxpd.serving.router_flow")
+
+
+def test_no_private_name_is_imported_across_modules():
+    imports = []
+    for module, path in _package_modules().items():
+        if module in _ROUTER:
+            continue
+        for line, source, names in _package_imports(path):
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private and source != module:
+                imports.append(f"{module}:{line} imports {private} from {source}")
+    assert imports == []
+
+
+def test_no_import_circles_between_package_modules():
+    modules = _package_modules()
+    edges = {m: {s for _, s, _ in _package_imports(p) if s in modules and s != m}
+             for m, p in modules.items() if m not in _ROUTER}
+    circles = sorted(f"{a} <-> {b}" for a in edges for b in edges[a]
+                     if a < b and a in edges.get(b, ()))
+    assert circles == []
 
 
 def test_lazy_exports_still_resolve():

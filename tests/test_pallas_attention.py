@@ -77,12 +77,70 @@ def test_tpu_kernel_matches_reference(g, page_size):
     np.testing.assert_allclose(out, paged_attention(*args), atol=3e-2)
 
 
+# The shapes the engine serves: head dims 64 and 128, GQA ratios 1, 4 and 8, page sizes
+# 16, 32 and 64, ragged lengths (1 token, a full table, a tail of null pages, shared
+# pages) over a table as wide as a decode context width. Each value appears with each
+# other dimension at least once; the fast tier keeps one case of each kernel.
+_ENGINE_SHAPES = [(128, 4, 16), (64, 1, 16), (64, 8, 32), (128, 1, 32), (64, 4, 64),
+                  (128, 8, 64)]
+
+
+def _engine_params(fast):
+    return [pytest.param(*shape, marks=() if shape == fast else _slow) for shape in _ENGINE_SHAPES]
+
+
+def _engine_case(h, g, page_size, dtype=jnp.float32):
+    return _case(h + 10 * g + page_size, b=4, kh=2, g=g, h=h, page_size=page_size,
+                 max_pages=8, num_pages=17, dtype=dtype)
+
+
+@pytest.mark.parametrize("h,g,page_size", _engine_params(fast=(128, 4, 16)))
+def test_gpu_kernel_at_engine_shapes(h, g, page_size):
+    args = _engine_case(h, g, page_size)
+    out = paged_attention_gpu(*args, interpret=True)
+    np.testing.assert_allclose(out, paged_attention(*args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("h,g,page_size", _engine_params(fast=(128, 4, 16)))
+def test_tpu_kernel_at_engine_shapes(h, g, page_size):
+    args = _engine_case(h, g, page_size)
+    out = paged_attention_tpu(*args, interpret=True)
+    np.testing.assert_allclose(out, paged_attention(*_bf16_kv(*args)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_kernels_in_bfloat16_at_an_engine_shape(impl):
+    """The TPU and GPU serving dtype, at the TPU kernel's head dim."""
+    args = _engine_case(128, 4, 16, dtype=jnp.bfloat16)
+    out = jax.jit(decode_attention(impl, interpret=True))(*args)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32),
+                               np.asarray(paged_attention(*args), np.float32), atol=2e-2)
+
+
 @pytest.mark.parametrize("impl,platform,expected", [
     ("auto", "gpu", "reference"), ("auto", "cuda", "reference"),
     ("auto", "tpu", "reference"), ("reference", "tpu", "reference"),
     ("pallas_gpu", "gpu", "pallas_gpu"), ("pallas_tpu", "tpu", "pallas_tpu")])
 def test_attention_impl_resolves_by_platform(impl, platform, expected):
     assert resolve_attention_impl(impl, platform) == expected
+
+
+@pytest.mark.parametrize("platform,dtype,head_dim,expected", [
+    ("tpu", "bfloat16", 128, "pallas_tpu"), ("tpu", "bfloat16", 256, "pallas_tpu"),
+    ("tpu", "bfloat16", 64, "reference"),     # Mosaic tiles the head dim by 128 lanes
+    ("tpu", "float32", 128, "reference"),     # the kernel would compute K, V in bfloat16
+    ("cuda", "bfloat16", 128, "reference"), ("gpu", "float32", 64, "reference")])
+def test_auto_picks_the_tpu_kernel_where_it_lowers(platform, dtype, head_dim, expected):
+    assert resolve_attention_impl("auto", platform, dtype=dtype, head_dim=head_dim) == expected
+
+
+def test_the_tpu_kernel_is_refused_for_a_head_dim_it_cannot_tile():
+    with pytest.raises(ValueError, match="multiple of 128.*is 64"):
+        resolve_attention_impl("pallas_tpu", "tpu", dtype="bfloat16", head_dim=64)
+    assert resolve_attention_impl("pallas_tpu", "cpu", interpret=True, head_dim=64) == \
+        "pallas_tpu"
 
 
 def test_attention_impl_refuses_what_cannot_run():

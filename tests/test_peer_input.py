@@ -32,8 +32,8 @@ from jaxpd.transfer.layout import describe
 from jaxpd.transfer.wire import (MAX_MESSAGE_BYTES, WIRE_VERSION, MalformedMessage,
                                  WireVersionError, pack, unpack_checked)
 from tests.fake_runner import FakeRunner, InlineExecutor, pages
-from tests.test_decode_loop import (LAYERS, MAX_MODEL_LEN, PAGE_SIZE, assert_no_page_held,
-                                    make, run)
+from tests.support.decode_env import (LAYERS, MAX_MODEL_LEN, PAGE_SIZE, assert_no_page_held,
+                                      make, run)
 
 
 @pytest.fixture

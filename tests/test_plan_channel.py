@@ -15,38 +15,7 @@ from jaxpd.engine.multihost import Follower, FollowerWatch, PlanChannel, PlanErr
 from jaxpd.engine.multihost_prefill import LeaderPrefillRunner, PrefillReplay
 from jaxpd.engine.sampler import SamplingArrays
 from jaxpd.serving.launch_flags import define_flags, multihost_error
-
-TOKEN = b"plan-token-0123456789abcdef"
-
-
-class Store:
-    """jax.distributed's client, in memory: the calls `PlanChannel` makes."""
-
-    def __init__(self):
-        self.data, self.lock = {}, threading.Condition()
-
-    def key_value_set_bytes(self, key, value, allow_overwrite=False):
-        with self.lock:
-            if key in self.data and not allow_overwrite:
-                raise RuntimeError(f"ALREADY_EXISTS: {key}")
-            self.data[key] = bytes(value)
-            self.lock.notify_all()
-
-    def blocking_key_value_get_bytes(self, key, timeout_in_ms):
-        with self.lock:
-            if not self.lock.wait_for(lambda: key in self.data, timeout_in_ms / 1000):
-                raise RuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
-            return self.data[key]
-
-    def key_value_try_get_bytes(self, key):
-        with self.lock:
-            if key not in self.data:
-                raise RuntimeError(f"NOT_FOUND: {key}")
-            return self.data[key]
-
-    def key_value_delete(self, key):
-        with self.lock:
-            self.data.pop(key, None)
+from tests.support.plan_store import TOKEN, Store, pair
 
 
 class Recorder:
@@ -64,12 +33,6 @@ class Recorder:
         return [(np.zeros(1), np.zeros(1)) for _ in rows]
 
 
-def _pair(store, key=TOKEN, num=2):
-    leader = PlanChannel(ProcessGroup(num, 0, "127.0.0.1:1"), key, client=store)
-    follower = PlanChannel(ProcessGroup(num, 1, "127.0.0.1:1"), key, client=store)
-    return leader, follower
-
-
 def _batch(b=2, t=8):
     tokens = np.arange(b * t, dtype=np.int32).reshape(b, t)
     return tokens, np.full(b, t, np.int32), SamplingArrays.empty(b)
@@ -83,7 +46,7 @@ class _Local:
 
 def test_follower_replays_the_leaders_calls_in_order_and_stops_when_told():
     store = Store()
-    leader_ch, follower_ch = _pair(store)
+    leader_ch, follower_ch = pair(store)
     leader_runner, follower_runner = Recorder(), Recorder()
     leader_runner.take_rows = lambda k, v, rows: [(_Local(), _Local()) for _ in rows]
     lead = LeaderPrefillRunner(leader_runner, leader_ch)
@@ -105,8 +68,8 @@ def test_follower_replays_the_leaders_calls_in_order_and_stops_when_told():
 
 def test_unsigned_or_wrongly_signed_plan_is_refused():
     store = Store()
-    stranger, _ = _pair(store, key=b"another-token-0123456789")
-    _, follower_ch = _pair(store)
+    stranger, _ = pair(store, key=b"another-token-0123456789")
+    _, follower_ch = pair(store)
     stranger.publish({"op": "stop"})
     with pytest.raises(PlanError, match="not signed with this role's cluster token"):
         follower_ch.receive(threading.Event())
@@ -114,7 +77,7 @@ def test_unsigned_or_wrongly_signed_plan_is_refused():
 
 def test_replayed_plan_under_another_number_is_refused():
     store = Store()
-    leader_ch, follower_ch = _pair(store)
+    leader_ch, follower_ch = pair(store)
     leader_ch.publish({"op": "stop"})
     store.key_value_set_bytes("jaxpd/plan/1", store.data["jaxpd/plan/0"])
     assert follower_ch.receive(threading.Event()) == {"op": "stop"}
@@ -135,7 +98,7 @@ def test_replayed_plan_under_another_number_is_refused():
 ])
 def test_malformed_plan_is_refused_by_name(message, match):
     store = Store()
-    leader_ch, follower_ch = _pair(store)
+    leader_ch, follower_ch = pair(store)
     leader_ch.publish(message)
     with pytest.raises(PlanError, match=match):
         Follower(follower_ch).run(PrefillReplay(Recorder()), threading.Event())
@@ -146,7 +109,7 @@ def test_malformed_plan_is_refused_by_name(message, match):
                                         ([[0, True, 1]], "lists of 3"), ("rows", "lists of 3")])
 def test_malformed_take_after_a_run_is_refused_by_name(rows, match):
     store = Store()
-    leader_ch, follower_ch = _pair(store)
+    leader_ch, follower_ch = pair(store)
     LeaderPrefillRunner(Recorder(), leader_ch).run(*_batch())
     leader_ch.publish({"op": "take", "rows": rows})
     with pytest.raises(PlanError, match=match):
@@ -155,7 +118,7 @@ def test_malformed_take_after_a_run_is_refused_by_name(rows, match):
 
 def test_undecodable_plan_is_refused():
     store = Store()
-    _, follower_ch = _pair(store, key=None)
+    _, follower_ch = pair(store, key=None)
     store.key_value_set_bytes("jaxpd/plan/0", b"\xc1 not msgpack")
     with pytest.raises(PlanError, match="does not decode"):
         follower_ch.receive(threading.Event())
@@ -166,14 +129,14 @@ def test_undecodable_plan_is_refused():
 
 def test_receive_returns_none_once_stopped():
     stop = threading.Event()
-    _, follower_ch = _pair(Store())
+    _, follower_ch = pair(Store())
     threading.Timer(0.1, stop.set).start()
     assert follower_ch.receive(stop, poll_ms=20) is None
 
 
 def test_plans_every_follower_finished_are_deleted_from_the_store():
     store = Store()
-    leader_ch, follower_ch = _pair(store)
+    leader_ch, follower_ch = pair(store)
     for i in range(3 * PlanChannel.WINDOW):
         leader_ch.publish({"op": "noop", "i": i})
         if i == 2 * PlanChannel.WINDOW - 1:
@@ -185,7 +148,7 @@ def test_plans_every_follower_finished_are_deleted_from_the_store():
 
 def test_watch_reports_a_follower_that_stops_beating():
     store = Store()
-    leader_ch, follower_ch = _pair(store)
+    leader_ch, follower_ch = pair(store)
     follower = Follower(follower_ch).start()
     lost = []
     watch = FollowerWatch(leader_ch, lost.append, dead_s=1.0)
@@ -202,7 +165,7 @@ def test_watch_reports_a_follower_that_stops_beating():
 
 def test_watch_reports_a_follower_that_is_behind_and_stuck():
     store = Store()
-    leader_ch, follower_ch = _pair(store)
+    leader_ch, follower_ch = pair(store)
     leader_ch.publish({"op": "noop"})
     follower = Follower(follower_ch).start()            # beats, never acks plan 0
     lost = []

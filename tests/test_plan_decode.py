@@ -14,7 +14,7 @@ from jaxpd.engine import multihost_decode
 from jaxpd.engine.multihost import Follower, PlanError
 from jaxpd.engine.multihost_decode import DecodeReplay, LeaderDecodeRunner, insert_from_host
 from jaxpd.engine.sampler import SamplingArrays
-from tests.test_plan_channel import Store, _pair
+from tests.support.plan_store import Store, pair
 
 SLOTS, PAGES, WIDTH, VOCAB = 4, 8, 3, 50
 POOL = (2, 2 * PAGES, 4, 1, 2)                    # [L, D * pages per shard, S, K, H]
@@ -81,7 +81,7 @@ def test_follower_replays_steps_inserts_and_penalties_and_pages_come_by_all_gath
     """Each dp shard within one process: every insert's pages sit on the leader's shard
     0 and move by an all-gather; the plan carries only page ids."""
     store = Store()
-    leader_ch, follower_ch = _pair(store)
+    leader_ch, follower_ch = pair(store)
     lead = LeaderDecodeRunner(Runner(), leader_ch)
     lead.step(*_step_args())
     lead.insert(1, [7], _pages(1), _pages(1) + 1)        # the follower's shard
@@ -106,7 +106,7 @@ def test_pages_for_a_shard_spanning_processes_travel_in_the_plan(inserts):
     """decode=1x2 across 2 processes (tp over them): no shard is the leader's alone, so
     the pages ride along in the plan to the follower, which holds half of the shard."""
     store = Store()
-    leader_ch, follower_ch = _pair(store)
+    leader_ch, follower_ch = pair(store)
     both = ((0, 1), (0, 1))
     lead = LeaderDecodeRunner(Runner(both), leader_ch)
     lead.insert(0, [1, 2], _pages(2), _pages(2) + 1)
@@ -186,7 +186,7 @@ def _insert(**fields):
 ])
 def test_malformed_decode_plan_is_refused_by_name(message, match, inserts):
     store = Store()
-    leader_ch, follower_ch = _pair(store)
+    leader_ch, follower_ch = pair(store)
     leader_ch.publish(message)
     replay = DecodeReplay(Runner(), None, CONFIG, VOCAB, process=1)
     with pytest.raises(PlanError, match=match):

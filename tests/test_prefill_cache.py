@@ -1,12 +1,12 @@
 """The prefill mesh's own prefix cache (issue 15, `engine.prefill_cache`): only the
 uncached tokens computed, on every mesh of the engine test, against transformers.
-(Split from test_prefix_cache.py, whose helpers these share, so that xdist's
+(Split from test_prefix_cache.py, sharing its helpers in tests/support, so that xdist's
 one-file-per-worker scheduling has two halves to balance.)"""
 import numpy as np
 import pytest
 
 from jaxpd import LLM
-from tests.test_prefix_cache import _chat, _chats_at_once, _check_pool, _conversation, _page_bytes
+from tests.support.prefix_chats import chat, chats_at_once, check_pool, conversation, page_bytes
 
 
 @pytest.mark.slow
@@ -24,11 +24,11 @@ def test_the_prefill_mesh_computes_only_what_its_own_cache_lacks(tiny_hf_model):
     users = [rng.integers(3, 256, n).tolist() for n in (5, 14, 23, 90)]
     with LLM(path, mesh="prefill=2,decode=1x2", max_model_len=256, slots_per_shard=2,
              enable_prefix_caching=True, prefix_extend_below=0) as llm:
-        page = _page_bytes(llm)
+        page = page_bytes(llm)
         conv, previous, hits = list(system), 0, []
         for t, user in enumerate(users):
             before = llm.stats()
-            conv = _chat(llm, hf_model, conv, [user], logprobs=2)
+            conv = chat(llm, hf_model, conv, [user], logprobs=2)
             after = llm.stats()
             prompt = len(conv) - 6
             d = {k: after[k] - before[k] for k in ("prefill_tokens", "prefill_cache_hit_tokens",
@@ -49,7 +49,7 @@ def test_the_prefill_mesh_computes_only_what_its_own_cache_lacks(tiny_hf_model):
         stats = llm.stats()
         assert stats["prefill_pages_cached"] >= previous // 16
         assert stats["prefix_skip_misses"] == 0 and stats["prefix_evictions"] == 0
-        _check_pool(llm)
+        check_pool(llm)
 
 
 @pytest.mark.slow
@@ -63,15 +63,15 @@ def test_concurrent_chats_with_the_cache_match_hf_on_every_mesh_of_the_engine_te
     rng = np.random.default_rng(8)
     # A long system prompt: each turn's new tokens fit a quarter of its bucket, so the
     # prefill mesh's hits pay (`PrefillLoop._run_cached`).
-    chats = [_conversation(rng, turns=3, system_len=100) for _ in range(2)]
+    chats = [conversation(rng, turns=3, system_len=100) for _ in range(2)]
     with LLM(path, mesh=mesh, max_model_len=256, slots_per_shard=2,
              enable_prefix_caching=True, prefix_extend_below=0) as llm:
-        _chats_at_once(llm, hf_model, chats)
+        chats_at_once(llm, hf_model, chats)
         stats = llm.stats()
         assert stats["finished"] == 6 and stats["aborted"] == 0
         assert stats["prefix_hit_tokens"] > 0
         assert (stats["prefill_cache_hit_tokens"] > 0) == (not mesh.startswith("colocated"))
-        _check_pool(llm)
+        check_pool(llm)
 
 
 def test_a_prefill_cache_too_small_for_the_largest_batch_is_refused(tiny_hf_model):

@@ -3,7 +3,6 @@ decode mesh's prefill with context -- against transformers, with the page accoun
 checked after every engine test."""
 import time
 import types
-from concurrent import futures
 
 import numpy as np
 import pytest
@@ -13,8 +12,9 @@ from jaxpd.engine.background_compile import settle
 from jaxpd.engine.page_allocator import PageAllocator, page_hashes
 from jaxpd.engine.scheduler import DecodeScheduler
 from jaxpd.request import Request, State
-from tests.engine_fixtures import assert_all_pages_free, wait_idle
 from tests.hf_fixtures import hf_greedy
+from tests.support.prefix_chats import (chat, chats_at_once, check_pool, conversation,
+                                        greedy, page_bytes, start_workers)
 
 ROOT = b"test-root"
 
@@ -135,56 +135,19 @@ def test_scheduler_counts_cached_pages_as_room_but_not_the_ones_it_shares():
 
 # ---- the engine, against transformers ----------------------------------------------
 
-def _greedy(n, **kw):
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
-
-
-def _conversation(rng, turns, system_len=37):
-    """A shared system prompt, then user turns of growing length (page boundaries
-    crossed at every turn with page_size 16)."""
-    system = rng.integers(3, 256, system_len).tolist()
-    return system, [rng.integers(3, 256, 5 + 9 * t).tolist() for t in range(turns)]
-
-
-def _chat(llm, hf_model, system, users, max_tokens=6, **kw):
-    """Run the conversation turn by turn; each turn's prompt is everything so far. Every
-    answer equals transformers' greedy continuation of the same ids."""
-    conv = list(system)
-    for user in users:
-        conv += user
-        out = llm.generate(prompt_token_ids=[conv], sampling_params=_greedy(max_tokens, **kw))[0]
-        assert out.token_ids == hf_greedy(hf_model, conv, max_tokens)
-        conv += out.token_ids
-    return conv
-
-
-def _chats_at_once(llm, hf_model, chats) -> None:
-    """`_chat` each (system, users) of `chats` on its own thread; a failure in any
-    fails the test."""
-    with futures.ThreadPoolExecutor(len(chats)) as pool:
-        for done in [pool.submit(_chat, llm, hf_model, s, u) for s, u in chats]:
-            done.result()
-
-
-def _check_pool(llm):
-    wait_idle(llm)
-    for a in llm.engine.decode_scheduler.allocators:
-        a.check()
-    assert_all_pages_free(llm)
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["prefill=2,decode=1x2"])   # colocated: the warm-up test
 def test_multiturn_greedy_matches_hf_and_computes_only_the_new_tokens(tiny_hf_model, mesh):
     path, hf_model = tiny_hf_model
-    system, users = _conversation(np.random.default_rng(0), turns=4)
+    system, users = conversation(np.random.default_rng(0), turns=4)
     with LLM(path, mesh=mesh, max_model_len=192, slots_per_shard=2,
              enable_prefix_caching=True) as llm:
         conv = list(system)
         for t, user in enumerate(users):
             before = llm.stats()
             conv += user
-            out = llm.generate(prompt_token_ids=[conv], sampling_params=_greedy(6))[0]
+            out = llm.generate(prompt_token_ids=[conv], sampling_params=greedy(6))[0]
             assert out.token_ids == hf_greedy(hf_model, conv, 6)
             after = llm.stats()
             computed = after["prefill_tokens"] - before["prefill_tokens"]
@@ -200,7 +163,7 @@ def test_multiturn_greedy_matches_hf_and_computes_only_the_new_tokens(tiny_hf_mo
                 assert after["local_prefills"] > before["local_prefills"]   # no trip
             conv += out.token_ids
         assert llm.stats()["prefix_evictions"] == 0
-        _check_pool(llm)
+        check_pool(llm)
         assert llm.stats()["pages_cached"] > 0
 
 
@@ -228,7 +191,7 @@ def test_cache_off_and_on_agree_with_concurrent_sharers_and_a_tiny_pool(tiny_hf_
              pages_per_shard=13, enable_prefix_caching=True, **extra) as llm:
         for round_ in range(2):
             outs = llm.generate(prompt_token_ids=prompts,
-                                sampling_params=[_greedy(8)] * len(prompts))
+                                sampling_params=[greedy(8)] * len(prompts))
             assert [o.token_ids for o in outs] == expected
         stats = llm.stats()
         assert stats["prefix_hit_tokens"] > 0 and stats["prefix_evictions"] > 0
@@ -236,7 +199,7 @@ def test_cache_off_and_on_agree_with_concurrent_sharers_and_a_tiny_pool(tiny_hf_
         cache = llm.engine.prefill_cache
         if cache is not None:
             assert stats["prefill_cache_hit_tokens"] > 0 and cache.allocator.num_evictions > 0
-        _check_pool(llm)
+        check_pool(llm)
 
 
 @pytest.mark.slow
@@ -248,8 +211,8 @@ def test_abort_and_preemption_of_requests_sharing_pages_release_exactly_their_re
     prompts = [system + rng.integers(3, 256, 3).tolist() for _ in range(4)]
     with LLM(path, mesh="colocated=1", max_model_len=128, slots_per_shard=4,
              pages_per_shard=13, enable_prefix_caching=True) as llm:
-        llm.generate(prompt_token_ids=[system + [5]], sampling_params=[_greedy(1)])
-        reqs = [llm.submit(llm.make_request(prompt_token_ids=p, sampling_params=_greedy(60)))
+        llm.generate(prompt_token_ids=[system + [5]], sampling_params=[greedy(1)])
+        reqs = [llm.submit(llm.make_request(prompt_token_ids=p, sampling_params=greedy(60)))
                 for p in prompts]
         llm.abort(reqs[0].request_id)
         outs = [llm._wait(r) for r in reqs]
@@ -259,29 +222,7 @@ def test_abort_and_preemption_of_requests_sharing_pages_release_exactly_their_re
         for p, o in zip(prompts[1:], outs[1:]):
             assert o.token_ids == hf_greedy(hf_model, p, 60)
         assert llm.stats()["preemptions"] > 0
-        _check_pool(llm)
-
-
-def start_workers(workers: list, path, router_address, auth, roles) -> None:
-    """In-process workers of `roles` ("prefill=1" or "decode=1" meshes, prefix caching
-    on, gRPC KV) registered with the router at `router_address` (heartbeat 0.2 s);
-    each (llm, server, connector) is appended to `workers` as it starts (the caller
-    stops them, started or not)."""
-    from jaxpd.serving.role_server import RoleServer, RoleService, make_connector
-    for role in roles:
-        connector, kv_address = make_connector(role, "grpc", "127.0.0.1", auth)
-        llm = LLM(path, mesh=f"{role}=1", max_model_len=192, slots_per_shard=2,
-                  connector=connector, enable_prefix_caching=True)
-        server = RoleServer(RoleService(llm.engine, kv_address, "grpc"), "127.0.0.1", 0, auth)
-        server.start()
-        server.register_with(router_address, heartbeat_s=0.2)
-        workers.append((llm, server, connector))
-
-
-def _page_bytes(llm) -> int:
-    """Bytes one page of k and v takes in transit (float32, uncompressed)."""
-    cfg = llm.engine.model.cfg
-    return 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4
+        check_pool(llm)
 
 
 @pytest.mark.slow
@@ -290,14 +231,14 @@ def test_a_handoff_carries_only_the_pages_the_decode_side_does_not_hold(tiny_hf_
     handoff leaves out the cached prefix the decode side holds (bytes moved are exactly
     the rest), which the decode side maps instead of inserting."""
     path, hf_model = tiny_hf_model
-    system, users = _conversation(np.random.default_rng(3), turns=3)
+    system, users = conversation(np.random.default_rng(3), turns=3)
     with LLM(path, mesh="prefill=1,decode=1", max_model_len=192, slots_per_shard=2,
              enable_prefix_caching=True, prefix_extend_below=0) as llm:
-        page = _page_bytes(llm)
+        page = page_bytes(llm)
         conv, moved, saved = list(system), [], []
         for user in users:
             before = llm.stats()
-            conv = _chat(llm, hf_model, conv, [user])
+            conv = chat(llm, hf_model, conv, [user])
             after = llm.stats()
             moved.append(after["transfer_bytes"] - before["transfer_bytes"])
             saved.append(after["prefix_saved_bytes"] - before["prefix_saved_bytes"])
@@ -308,7 +249,7 @@ def test_a_handoff_carries_only_the_pages_the_decode_side_does_not_hold(tiny_hf_
         stats = llm.stats()
         assert stats["transfers"] == 3 and stats["local_prefills"] == 0
         assert stats["prefix_hit_tokens"] > 0 and stats["prefix_skip_misses"] == 0
-        _check_pool(llm)
+        check_pool(llm)
 
 
 @pytest.mark.slow
@@ -320,7 +261,7 @@ def test_a_handoff_whose_cached_pages_were_evicted_meanwhile_is_prefilled_again(
     it is refused, the request is prefilled again with every page, and its tokens are
     still transformers'."""
     path, hf_model = tiny_hf_model
-    system, users = _conversation(np.random.default_rng(4), turns=2)
+    system, users = conversation(np.random.default_rng(4), turns=2)
     with LLM(path, mesh="prefill=1,decode=1", max_model_len=192, slots_per_shard=2,
              enable_prefix_caching=True, prefix_extend_below=0) as llm:
         loop = llm.engine.decode_loop
@@ -332,9 +273,9 @@ def test_a_handoff_whose_cached_pages_were_evicted_meanwhile_is_prefilled_again(
             admit()
 
         loop._admit = admit_after_evicting
-        conv = _chat(llm, hf_model, system, users[:1])
+        conv = chat(llm, hf_model, system, users[:1])
         before = llm.stats()
-        conv = _chat(llm, hf_model, conv, users[1:])
+        conv = chat(llm, hf_model, conv, users[1:])
         after = llm.stats()
         assert dropped and dropped[0] >= 2            # the prefix was cached, then was not
         assert after["prefix_skip_misses"] - before["prefix_skip_misses"] == 1
@@ -342,15 +283,15 @@ def test_a_handoff_whose_cached_pages_were_evicted_meanwhile_is_prefilled_again(
         # The second prefill sent every page of the prompt.
         prompt = len(conv) - 6
         assert after["transfer_bytes"] - before["transfer_bytes"] == (
-            -(-prompt // 16) * _page_bytes(llm))
+            -(-prompt // 16) * page_bytes(llm))
         assert after["finished"] - before["finished"] == 1 and after["aborted"] == 0
-        _check_pool(llm)
+        check_pool(llm)
 
 
 @pytest.mark.slow
 def test_penalties_and_logprobs_through_the_cache_equal_the_uncached_path(tiny_hf_model):
     path, _ = tiny_hf_model
-    system, users = _conversation(np.random.default_rng(4), turns=3)
+    system, users = conversation(np.random.default_rng(4), turns=3)
     params = dict(repetition_penalty=1.3, presence_penalty=0.4, logprobs=3)
 
     def run(cache, **kw):
@@ -360,12 +301,12 @@ def test_penalties_and_logprobs_through_the_cache_equal_the_uncached_path(tiny_h
             for user in users:
                 conv += user
                 out = llm.generate(prompt_token_ids=[conv],
-                                   sampling_params=_greedy(8, **params))[0]
+                                   sampling_params=greedy(8, **params))[0]
                 answers.append((out.token_ids, [lp[0] for lp in out.logprobs]))
                 conv += out.token_ids
             if cache:
                 assert llm.stats()["prefix_hit_tokens"] > 0
-                _check_pool(llm)
+                check_pool(llm)
             return answers
 
     # Later turns prefilled with context on the decode mesh, then on the prefill mesh
@@ -548,8 +489,8 @@ def test_router_sends_each_turn_to_the_decode_worker_holding_the_conversation(ti
         while len(router.live_workers()) < 3:
             assert time.monotonic() < deadline, "workers did not register"
             time.sleep(0.05)
-        system, users = _conversation(np.random.default_rng(5), turns=3, system_len=38)
-        conv = _chat(router, hf_model, system, users)
+        system, users = conversation(np.random.default_rng(5), turns=3, system_len=38)
+        conv = chat(router, hf_model, system, users)
         counts = router.counters.snapshot()
         assert counts["prefix_routed"] == 1 and counts["decode_prefills"] == 0
         decoders = sorted(workers[1:], key=lambda w: w[0].stats()["prefix_hit_tokens"])
@@ -557,9 +498,9 @@ def test_router_sends_each_turn_to_the_decode_worker_holding_the_conversation(ti
         holder, holder_server, _ = decoders[1]
         held = holder.stats()
         assert held["transfers"] == 2 and held["prefix_skip_misses"] == 0
-        assert held["prefix_saved_bytes"] == 4 * _page_bytes(workers[0][0])
+        assert held["prefix_saved_bytes"] == 4 * page_bytes(workers[0][0])
         for llm, _, _ in workers[1:]:
-            _check_pool(llm)
+            check_pool(llm)
         # What the workers advertise with their heartbeats: the holder's cache holds
         # the whole chat but its last token; the prefill worker's, the last prompt.
         index, query = router.prefix, router.prefix.query(conv)
@@ -595,16 +536,16 @@ def test_warmup_covers_every_prefill_with_context_a_colocated_chat_needs(tiny_hf
     width) run only programs warm-up compiled."""
     path, hf_model = tiny_hf_model
     rng = np.random.default_rng(6)
-    chats = [_conversation(rng, turns=2, system_len=70) for _ in range(3)]
+    chats = [conversation(rng, turns=2, system_len=70) for _ in range(3)]
     with LLM(path, mesh="colocated=1", max_model_len=128, page_size=8, slots_per_shard=3,
              max_prefill_batch=1, enable_prefix_caching=True, warmup=True) as llm:
         compiled = llm.engine.counter.counts()
-        _chats_at_once(llm, hf_model, chats)
+        chats_at_once(llm, hf_model, chats)
         assert llm.stats()["prefix_hit_tokens"] > 0
         after = llm.engine.counter.counts()
         for program in ("extend", "decode"):
             assert after[program] == compiled[program], program
-        _check_pool(llm)
+        check_pool(llm)
 
 
 def test_closing_a_background_compiler_waits_for_the_compile_in_progress():
@@ -652,9 +593,9 @@ def test_programs_with_a_prefix_compile_in_the_background_after_warmup(tiny_hf_m
         compiled = llm.engine.counter.counts()
         assert "extend" not in compiled
         seen = []
-        for chat in range(2):
+        for _ in range(2):
             before = llm.stats()
-            _chat(llm, hf_model, *_conversation(rng, turns=2, system_len=70))
+            chat(llm, hf_model, *conversation(rng, turns=2, system_len=70))
             after = llm.stats()
             seen.append({k: after[k] - before[k] for k in (
                 "prefill_cache_cold_batches", "prefill_cache_hit_tokens", "local_prefills")})
@@ -671,4 +612,4 @@ def test_programs_with_a_prefix_compile_in_the_background_after_warmup(tiny_hf_m
             assert after[program] == compiled[program], program
         assert "extend" not in after
         assert after.get("prefill_cached_background", 0) + after.get("extend_background", 0) > 0
-        _check_pool(llm)
+        check_pool(llm)

@@ -10,8 +10,8 @@ import pytest
 
 from jaxpd.transfer.connector import TransferError
 from tests.engine_fixtures import wait_idle
-from tests.test_prefix_cache import (_chat, _check_pool, _conversation, _page_bytes,
-                                     start_workers)
+from tests.support.prefix_chats import (chat, check_pool, conversation, page_bytes,
+                                        start_workers)
 
 PAGE = 16
 
@@ -84,11 +84,11 @@ def test_prefill_worker_killed_mid_conversation_fails_over_and_accounting_is_exa
         start_workers(workers, path, address, auth, ["prefill", "prefill", "decode"])
         _until(lambda: len(router.live_workers()) == 3, 30, "workers did not register")
         prefillers, (decode_llm, decode_server, _) = workers[:2], workers[2]
-        page = _page_bytes(decode_llm)
-        system, users = _conversation(np.random.default_rng(7), turns=3)
+        page = page_bytes(decode_llm)
+        system, users = conversation(np.random.default_rng(7), turns=3)
 
         # ---- turn 1: normal -------------------------------------------------------
-        conv = _chat(router, hf_model, system, users[:1])
+        conv = chat(router, hf_model, system, users[:1])
         served = [w for w in prefillers if w[0].stats()["prefill_batches"] > 0]
         assert len(served) == 1
         victim = served[0]
@@ -118,12 +118,12 @@ def test_prefill_worker_killed_mid_conversation_fails_over_and_accounting_is_exa
 
         def turn2():
             try:
-                out2["conv"] = _chat(router, hf_model, conv, users[1:2])
+                out2["conv"] = chat(router, hf_model, conv, users[1:2])
             except BaseException as e:   # noqa: B902 -- re-raised in the test thread
                 out2["error"] = e
 
-        chat = threading.Thread(target=turn2, name="turn2")
-        chat.start()
+        turn2_thread = threading.Thread(target=turn2, name="turn2")
+        turn2_thread.start()
         assert blocked.wait(60), "turn 2 did not reach the prefill worker of turn 1"
         assert held[0].num_tokens == len(prompt2)
         # The decode worker holds turn 1's full pages (prompt and answer, its last
@@ -145,8 +145,8 @@ def test_prefill_worker_killed_mid_conversation_fails_over_and_accounting_is_exa
         release.set()
         killer.join(60)
         assert not killer.is_alive()
-        chat.join(120)
-        assert not chat.is_alive()
+        turn2_thread.join(120)
+        assert not turn2_thread.is_alive()
         if "error" in out2:
             raise out2["error"]
         conv = out2["conv"]
@@ -157,7 +157,7 @@ def test_prefill_worker_killed_mid_conversation_fails_over_and_accounting_is_exa
                "the killed prefill worker was not dropped")
         skip3 = synced_skip(router, decode_llm, decode_server, conv)
         prompts = [len(system) + len(users[0]), len(prompt2), len(conv) + len(users[2])]
-        conv = _chat(router, hf_model, conv, users[2:])
+        conv = chat(router, hf_model, conv, users[2:])
 
         # ---- afterwards ----------------------------------------------------------
         assert router.live_workers() == {survivor[1].address: "prefill",
@@ -168,7 +168,7 @@ def test_prefill_worker_killed_mid_conversation_fails_over_and_accounting_is_exa
         assert counts["prefill_failovers"] == 1 and counts["workers_dropped"] == 1, counts
         assert counts["decode_prefills"] == 0 and counts["prefix_routed"] == 0, counts
 
-        _check_pool(decode_llm)
+        check_pool(decode_llm)
         d = decode_llm.stats()
         assert d["transfers"] == 3 and d["local_prefills"] == 0, d
         assert d["transfer_failures"] == 0 and d["handoffs_rejected"] == 0, d

@@ -12,8 +12,8 @@ import pytest
 from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
 from jaxpd.serving.role_rpc import RoleClient
 from tests.hf_fixtures import hf_greedy
-from tests.test_prefix_cache import _conversation
-from tests.test_router import _deployment
+from tests.support.deployments import deployment
+from tests.support.prefix_chats import conversation
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 6
@@ -32,11 +32,11 @@ def test_chats_across_processes_match_transformers_with_both_caches(tiny_hf_mode
     transformers'. Afterwards the decode worker holds no slot and no page."""
     path, hf_model = tiny_hf_model
     caching = ["--enable_prefix_caching", "--prefix_extend_below", "0"]
-    addr, _, workers = _deployment(procs, path, extra=caching, router_extra=caching)
+    addr, _, workers = deployment(procs, path, extra=caching, router_extra=caching)
     rng = np.random.default_rng(9)
     # A long system prompt, so that a turn's new tokens fit a quarter of its bucket
     # and the prefill process's hits pay (`PrefillLoop._run_cached`).
-    chats = [_conversation(rng, turns=3, system_len=100) for _ in range(2)]
+    chats = [conversation(rng, turns=3, system_len=100) for _ in range(2)]
     errors, prompt_tokens = [], []
 
     def chat(system, users):

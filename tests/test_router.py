@@ -6,9 +6,6 @@ a reason; no process may hang past its timeout.
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,14 +14,9 @@ import pytest
 
 from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
 from jaxpd.serving.role_rpc import RoleClient
-from tests.engine_fixtures import mixed_prompts, reference
-from jaxpd.transfer import jax_compat
+from tests.support.deployments import LAYERWISE, NUM, deployment, generate_all, router_model
 
 pytestmark = pytest.mark.slow
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NUM = 8
-COMMON = ["--max_model_len", "160", "--nowarmup", "--host", "127.0.0.1", "--http_port", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -32,135 +24,24 @@ def model(tiny_hf_model):
     return router_model(tiny_hf_model)
 
 
-def router_model(tiny_hf_model):
-    """(path, prompts, max tokens, their reference tokens, longer max tokens, theirs)."""
-    path, hf = tiny_hf_model
-    prompts = mixed_prompts(NUM, 256, seed=5)
-    max_tokens = [6 + 2 * i for i in range(NUM)]
-    long_tokens = [min(n * 4, 160 - len(p)) for p, n in zip(prompts, max_tokens)]
-    return (path, prompts, max_tokens, reference(hf, prompts, max_tokens), long_tokens,
-            reference(hf, prompts, long_tokens))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Procs:
-    """Started processes, all killed at the end whatever happens."""
-
-    def __init__(self):
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, args, fault=None, env=None) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
-        env.pop("XLA_FLAGS", None)
-        cmd = ([sys.executable, os.path.join(ROOT, "tests", "fault_launch.py"), fault] if fault
-               else [sys.executable, "-m", "jaxpd.launch"])
-        p = subprocess.Popen(cmd + args, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-        p.lines = []
-        threading.Thread(target=lambda: [p.lines.append(l) for l in p.stdout], daemon=True).start()
-        self.procs.append(p)
-        return p
-
-    def wait_line(self, p, pattern, timeout=180) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(p.lines):
-                m = re.search(pattern, line)
-                if m:
-                    return m
-            assert p.poll() is None, "".join(p.lines)
-            time.sleep(0.05)
-        raise AssertionError(f"no {pattern!r} in:\n{''.join(p.lines)}")
-
-    def tails(self, n: int = 30) -> str:
-        """The last `n` lines of every process, for a failing assertion's message."""
-        return "\n".join(f"--- {' '.join(p.args[-12:])}\n" + "".join(p.lines[-n:])
-                         for p in self.procs)
-
-    def close(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
-def _deployment(procs, path, num_decode=1, prefill_fault=None, transport="transfer_server",
-                extra=(), router_extra=(), env=None):
-    """Router first (it needs no jax: up at once), then workers that register on its
-    internal port; returns once every worker has joined and the router serves."""
-    if transport == "transfer_server" and jax_compat.unavailable_reason() is not None:
-        pytest.skip(jax_compat.unavailable_reason())
-    router_port = _free_port()
-    router_addr = f"127.0.0.1:{router_port}"
-    router = procs.start(["--role", "router", "--model", path, "--port", str(router_port),
-                          "--internal_port", "0"] + COMMON + list(router_extra), env=env)
-    internal = procs.wait_line(router, r"internal plane on (\S+)").group(1)
-    common = COMMON + ["--kv_transport", transport, "--router", internal] + list(extra)
-    workers = [procs.start(["--role", "prefill", "--mesh", "prefill=2", "--model", path,
-                            "--port", "0"] + common, fault=prefill_fault, env=env)]
-    workers += [procs.start(["--role", "decode", "--mesh", "decode=2", "--model", path,
-                             "--port", "0", "--slots_per_shard", "4"] + common, env=env)
-                for _ in range(num_decode)]
-    for w in workers:
-        address = procs.wait_line(w, r"worker on (\S+)").group(1)
-        procs.wait_line(router, rf"worker {re.escape(address)} joined")
-    procs.wait_line(router, r"jaxpd serving")
-    return router_addr, router, workers
-
-
-def _generate_all(addr, prompts, max_tokens, timeout=120):
-    results = [None] * len(prompts)
-    with grpc.insecure_channel(addr) as channel:
-        stub = jaxpd_pb2_grpc.GenerationStub(channel)
-
-        def one(i):
-            req = jaxpd_pb2.GenerateRequest(token_ids=jaxpd_pb2.TokenIds(ids=prompts[i]),
-                                            max_tokens=max_tokens[i], temperature=0.0,
-                                            ignore_eos=True)
-            results[i] = stub.Complete(req, timeout=timeout)
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout + 5)
-    return results
-
-
 @pytest.mark.parametrize("transport", ["transfer_server", "grpc"])
 def test_router_prefill_decode_processes_match_single_process(model, procs, transport):
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
-    addr, router, _ = _deployment(procs, path, transport=transport)
-    outs = _generate_all(addr, prompts, max_tokens)
+    addr, router, _ = deployment(procs, path, transport=transport)
+    outs = generate_all(addr, prompts, max_tokens)
     assert [list(o.token_ids) for o in outs] == expected
     assert all(o.finish_reason == "length" for o in outs)
     router.send_signal(signal.SIGTERM)
     assert router.wait(timeout=60) == 0
 
 
-# Prompts of 32+ tokens (most of them) go layer-wise in 2 parts; the rest whole.
-LAYERWISE = ["--layerwise_min_tokens", "32", "--layerwise_parts", "2"]
-# For tests where a prefill worker dies: the decode worker's liveness is not under test,
-# and it compiles on first use (--nowarmup) on cores another test process shares, so a
-# short stall clock could drop the only decode worker mid-compile (seen once in CI).
-PATIENT_ROUTER = ["--stall_timeout_s", "60", "--lease_s", "30"]
-
-
 @pytest.mark.parametrize("transport", ["transfer_server", "grpc"])
 def test_router_layerwise_transfer_matches_single_process(model, procs, transport):
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
-    addr, router, workers = _deployment(procs, path, transport=transport, extra=LAYERWISE)
+    addr, router, workers = deployment(procs, path, transport=transport, extra=LAYERWISE)
     decode = RoleClient(procs.wait_line(workers[1], r"decode worker on (\S+)").group(1))
     before = decode.info(timeout=10)
-    outs = _generate_all(addr, prompts, max_tokens)
+    outs = generate_all(addr, prompts, max_tokens)
     assert [list(o.token_ids) for o in outs] == expected
     after = decode.info(timeout=10)
     assert (after["free_slots"], after["free_pages"]) == (before["free_slots"], before["free_pages"])
@@ -171,11 +52,11 @@ def test_router_layerwise_transfer_matches_single_process(model, procs, transpor
 
 def test_decode_worker_killed_fails_over_to_another(model, procs):
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
-    addr, _, workers = _deployment(procs, path, num_decode=2)
+    addr, _, workers = deployment(procs, path, num_decode=2)
     holder = {}
 
     def run():
-        holder["outs"] = _generate_all(addr, prompts, long_tokens)
+        holder["outs"] = generate_all(addr, prompts, long_tokens)
 
     t = threading.Thread(target=run)
     t.start()
@@ -205,9 +86,9 @@ def test_decode_worker_killed_fails_over_to_another(model, procs):
 
 def test_last_decode_worker_killed_aborts_with_a_reason(model, procs):
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
-    addr, _, workers = _deployment(procs, path)
+    addr, _, workers = deployment(procs, path)
     holder = {}
-    t = threading.Thread(target=lambda: holder.update(outs=_generate_all(addr, prompts, long_tokens)))
+    t = threading.Thread(target=lambda: holder.update(outs=generate_all(addr, prompts, long_tokens)))
     t.start()
     client = RoleClient(procs.wait_line(workers[1], r"decode worker on (\S+)").group(1))
     deadline = time.monotonic() + 120
@@ -233,10 +114,10 @@ def test_cluster_token_deployment_matches_single_process(model, procs):
     on a token-authenticated plane; strangers are refused by every worker."""
     from jaxpd.auth import InternalAuth
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
-    addr, router, workers = _deployment(procs, path, transport="grpc",
+    addr, router, workers = deployment(procs, path, transport="grpc",
                                         env={"JAXPD_CLUSTER_TOKEN": TOKEN})
     assert "(auth: cluster token)" in "".join(router.lines)
-    outs = _generate_all(addr, prompts, max_tokens)
+    outs = generate_all(addr, prompts, max_tokens)
     assert [list(o.token_ids) for o in outs] == expected
     decode = procs.wait_line(workers[1], r"decode worker on (\S+)").group(1)
     assert RoleClient(decode, InternalAuth(token=TOKEN)).info(timeout=10)["transfers"] == NUM
@@ -263,14 +144,14 @@ def test_sigstop_decode_worker_calls_end_then_it_rejoins(model, procs):
     # Routing by load alone: with prefix routing the survivor holds every prompt of the
     # stream it took over, and the rejoined worker's "serves again" check would see the
     # repeats all sent to the holder (CI once: no transfer to the rejoined worker).
-    addr, router, workers = _deployment(procs, path, num_decode=2, transport="grpc",
+    addr, router, workers = deployment(procs, path, num_decode=2, transport="grpc",
                                         extra=liveness,
                                         router_extra=liveness + ["--noenable_prefix_caching"])
     clients = [RoleClient(procs.wait_line(w, r"decode worker on (\S+)").group(1))
                for w in workers[1:]]
     holder = {}
     t = threading.Thread(target=lambda: holder.update(
-        outs=_generate_all(addr, prompts, long_tokens, timeout=120)))
+        outs=generate_all(addr, prompts, long_tokens, timeout=120)))
     t.start()
     deadline = time.monotonic() + 120
     victim = None
@@ -299,7 +180,7 @@ def test_sigstop_decode_worker_calls_end_then_it_rejoins(model, procs):
         assert time.monotonic() < deadline, "".join(router.lines)
         time.sleep(0.05)
     before = clients[victim].info(timeout=10)["transfers"]
-    outs = _generate_all(addr, prompts, max_tokens)
+    outs = generate_all(addr, prompts, max_tokens)
     assert [list(o.token_ids) for o in outs] == expected
     assert clients[victim].info(timeout=10)["transfers"] > before    # it serves again
     assert survivor.info(timeout=10)["free_slots"] == 8

@@ -2,7 +2,7 @@
 before, between or after the parts of a layer-wise transfer, before its offer, after
 it, or on its ack. The decode side holds a slot (and maybe some of a request's layers)
 when it happens; the request is prefilled again and finishes with the same tokens.
-(Split from test_router.py, whose helpers these share, so that xdist's
+(Split from test_router.py, sharing its helpers in tests/support, so that xdist's
 one-file-per-worker scheduling has two halves to balance.)
 """
 import signal
@@ -11,8 +11,8 @@ import time
 import pytest
 
 from jaxpd.serving.role_rpc import RoleClient
-from tests.test_router import (LAYERWISE, PATIENT_ROUTER, _deployment, _generate_all,
-                               router_model)
+from tests.support.deployments import (LAYERWISE, PATIENT_ROUTER, deployment, generate_all,
+                                       router_model)
 
 pytestmark = pytest.mark.slow
 
@@ -31,9 +31,9 @@ def test_prefill_worker_killed_between_layer_parts_requests_still_finish(model, 
     """The decode side holds a slot with some of a request's layers when the prefill
     worker dies: the request is prefilled again and finishes with the same tokens."""
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
-    addr, _, workers = _deployment(procs, path, prefill_fault=fault, extra=LAYERWISE,
+    addr, _, workers = deployment(procs, path, prefill_fault=fault, extra=LAYERWISE,
                                    transport=transport, router_extra=PATIENT_ROUTER)
-    outs = _generate_all(addr, prompts, max_tokens)
+    outs = generate_all(addr, prompts, max_tokens)
     assert workers[0].wait(timeout=60) == -signal.SIGKILL
     assert [list(o.token_ids) for o in outs] == expected, (
         [(o.finish_reason, o.metrics.abort_reason) for o in outs], procs.tails())
@@ -52,9 +52,9 @@ def test_prefill_worker_killed_between_layer_parts_requests_still_finish(model, 
                                              ("die_on_ack:3", "transfer_server")])
 def test_prefill_worker_killed_requests_still_finish(model, procs, fault, transport):
     path, prompts, max_tokens, expected, long_tokens, expected_long = model
-    addr, _, workers = _deployment(procs, path, prefill_fault=fault, transport=transport,
+    addr, _, workers = deployment(procs, path, prefill_fault=fault, transport=transport,
                                    router_extra=PATIENT_ROUTER)
-    outs = _generate_all(addr, prompts, max_tokens)
+    outs = generate_all(addr, prompts, max_tokens)
     assert workers[0].wait(timeout=60) == -signal.SIGKILL
     # The requests the dead worker held were prefilled again on the decode worker.
     assert [list(o.token_ids) for o in outs] == expected, (

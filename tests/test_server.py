@@ -31,35 +31,12 @@ from jaxpd.config import EngineConfig
 from jaxpd.outputs import RequestMetrics
 from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
 from jaxpd.serving.server import SERVICE_NAME, InferenceServer
-from tests.engine_fixtures import assert_all_pages_free, build_hf_model, mixed_prompts, wait_idle
+from tests.engine_fixtures import assert_all_pages_free, mixed_prompts, wait_idle
+from tests.support.server_model import VOCAB, build_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB = 256
-SENTENCES = ["the quick brown fox jumps over the lazy dog",
-             "a small model serves every prompt it is given",
-             "prefill and decode run on separate meshes"]
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING
-
-
-def build_tokenizer(path: str, vocab_size: int = VOCAB) -> None:
-    """A word-level tokenizer.json filling the model's whole vocabulary: the words of
-    SENTENCES, then filler words, so every id the model can emit decodes to text."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for word in sorted({w for s in SENTENCES for w in s.split()}):
-        vocab[word] = len(vocab)
-    vocab.update({f"w{i}": i for i in range(len(vocab), vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(os.path.join(path, "tokenizer.json"))
-
-
-def build_model(path: str) -> str:
-    build_hf_model("llama_gqa", path, vocab_size=VOCAB)
-    build_tokenizer(path)
-    return path
 
 
 def greedy(n: int, **kw) -> SamplingParams:

@@ -15,7 +15,7 @@ from jaxpd import LLM
 from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
 from jaxpd.serving.server import InferenceServer
 from tests.engine_fixtures import assert_all_pages_free
-from tests.test_server import SENTENCES, VOCAB, build_model
+from tests.support.server_model import SENTENCES, VOCAB, build_model
 
 pytestmark = pytest.mark.slow
 

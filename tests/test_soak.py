@@ -19,7 +19,7 @@ import pytest
 from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
 from jaxpd.serving.role_rpc import RoleClient
 from jaxpd.auth import InternalAuth
-from tests.test_router import COMMON, _deployment, model  # noqa: F401 (a fixture)
+from tests.support.deployments import deployment, router_model
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +28,11 @@ TRAFFIC_S = 30.0
 CLIENTS = 6
 MARGIN_S = 5.0                     # a call may end this much after its deadline
 LIVENESS = ["--heartbeat_s", "0.3", "--lease_s", "1.5", "--stall_timeout_s", "2"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_hf_model):
+    return router_model(tiny_hf_model)
 
 
 @dataclasses.dataclass
@@ -91,7 +96,7 @@ def _wait_busy(client: RoleClient, auth_timeout: float = 60.0) -> None:
 def test_soak_router_deployment_with_cancels_deadlines_kill_and_sigstop(model, procs):
     path, prompts, _, _, long_tokens, expected_long = model
     env = {"JAXPD_CLUSTER_TOKEN": TOKEN}
-    addr, router, workers = _deployment(procs, path, num_decode=2, transport="grpc",
+    addr, router, workers = deployment(procs, path, num_decode=2, transport="grpc",
                                         extra=LIVENESS, router_extra=LIVENESS, env=env)
     auth = InternalAuth(token=TOKEN)
     address_of = lambda w: procs.wait_line(w, r"worker on (\S+)").group(1)

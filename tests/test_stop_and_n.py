@@ -256,20 +256,20 @@ def test_router_relays_a_stop_string_matched_on_the_decode_worker(llm):
     """The worker (own engine, default model) ends the request on the stop string; the
     router finishes its own request with that reason and cuts the text the same way."""
     from jaxpd.serving.router import Router, RouterConfig
-    from tests.test_internal_plane import AUTH, _wait, _worker
+    from tests.support.internal_plane import AUTH, start_worker, wait_until
     ids, text, stop = _stop_in_the_middle(llm)
-    worker, server = _worker(default_model_dir(), mesh="decode=1")
+    worker, server = start_worker(default_model_dir(), mesh="decode=1")
     router = Router(default_model_dir(), RouterConfig(max_model_len=128, heartbeat_s=1.0),
                     auth=AUTH)
     try:
         server.register_with(f"127.0.0.1:{router.listen('127.0.0.1', 0)}", heartbeat_s=0.2)
-        _wait(router.ready, timeout=20)
+        wait_until(router.ready, timeout=20)
         params = SamplingParams(max_tokens=24, stop=[stop], n=2, **GREEDY)
         outs = router.generate(PROMPT, params)
         assert [(o.finish_reason, o.text, o.index) for o in outs] == \
             [("stop", text[:text.index(stop)], 0), ("stop", text[:text.index(stop)], 1)]
         assert all(o.token_ids == ids[:len(o.token_ids)] for o in outs)
-        _wait(lambda: worker.stats()["pages_used"] == 0, timeout=10)
+        wait_until(lambda: worker.stats()["pages_used"] == 0, timeout=10)
     finally:
         router.shutdown()
         server.stop(0)

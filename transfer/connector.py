@@ -154,6 +154,10 @@ class KVReceiver(Protocol):
     def close(self) -> None:
         """Release queues, servers and threads."""
 
+    # Optional: `expect_model(fingerprint)`, for a receiver whose bytes arrive before
+    # `receive` hands the handoff on (the gRPC stream): the decode pool's model, so it
+    # compares a handoff's fingerprint in its control header before it takes any page.
+
 
 class Connector(KVSender, KVReceiver, Protocol):
     """Both ends in one object: an in-process pipe (`DevicePutConnector`)."""

@@ -10,6 +10,12 @@ The receiver answers an empty map, or a status the sender raises as an error:
 FAILED_PRECONDITION version skew, DATA_LOSS fewer/more bytes than announced or a
 crc32 mismatch, INVALID_ARGUMENT malformed header, RESOURCE_EXHAUSTED queue full.
 A damaged stream is never queued, so it can only cost a retry, not wrong tokens.
+The header is the stream's control message: a receiver told its model
+(`expect_model`) compares the header's fingerprint with it before it reads one byte of
+the body. A stream of another model is answered OK with its body unread, and queued
+bodiless (`StreamedKVHandoff.refused`) so the decode loop refuses it like any other
+handoff of another model (`transfer.inbound.ModelMismatch`): counted, nothing placed,
+the request prefilled again on the decode side.
 The header is peer input: one over `MAX_HEADER_SIZE` is refused before it is decoded,
 it is decoded with `unpack_checked`'s limits (version first), and the body's buffer
 grows with the bytes that actually arrive, never to the size a header announces.
@@ -104,6 +110,9 @@ class StreamedKVHandoff(KVHandoff):
     `stream_seconds`: first to last message, so stats cover the whole move.
     """
     stream_seconds: float = dataclasses.field(kw_only=True)
+    # Why the body was never read ("": it was): k and v are then only
+    # `jax.ShapeDtypeStruct`s and `place` refuses.
+    refused: str = dataclasses.field(default="", kw_only=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,8 +216,11 @@ def _parse_header(message: bytes, max_bytes: int) -> _Header:
 
 
 def decode_handoff(messages: Iterable[bytes],
-                   max_bytes: int = GrpcStreamOptions.max_handoff_bytes) -> StreamedKVHandoff:
-    """Rebuild a handoff from stream messages; raise rather than return damaged pages."""
+                   max_bytes: int = GrpcStreamOptions.max_handoff_bytes,
+                   fingerprint: str = "") -> StreamedKVHandoff:
+    """Rebuild a handoff from stream messages; raise rather than return damaged pages.
+    With `fingerprint` set, a header naming another model ends the reading there: the
+    handoff comes back bodiless, `refused` saying why (nothing past the header is read)."""
     it = iter(messages)
     try:
         first = next(it)
@@ -217,6 +229,15 @@ def decode_handoff(messages: Iterable[bytes],
     start = time.perf_counter()
     header = _parse_header(first, max_bytes)
     total, who = header.num_bytes, repr(header.request_id)
+    if fingerprint and header.fingerprint != fingerprint:
+        k, v = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in header.arrays)
+        return StreamedKVHandoff(
+            request_id=header.request_id, num_tokens=header.num_tokens,
+            first_token=header.first_token, k=k, v=v, payload=header.payload,
+            part=header.part, first_page=header.first_page,
+            fingerprint=header.fingerprint, stream_seconds=time.perf_counter() - start,
+            refused=f"{who}: the stream names model {header.fingerprint[:12]!r}, this "
+                    f"receiver takes {fingerprint[:12]!r}: its body was not read")
     # Grown as bytes arrive: a header that announces gigabytes and sends none costs none.
     buf = bytearray()
     offset, crc = 0, 0
@@ -314,6 +335,7 @@ class GrpcReceiver:
                  options: GrpcStreamOptions = GrpcStreamOptions(), auth: InternalAuth = NO_AUTH):
         self.options = options
         self.num_failed = 0
+        self.fingerprint = ""      # the model it takes (`expect_model`); "": any
         self._closed = False
         self._lock = threading.Lock()
         self._queue: queue.Queue[StreamedKVHandoff] = queue.Queue(maxsize=options.max_pending)
@@ -331,9 +353,16 @@ class GrpcReceiver:
         self.address = f"{address.rsplit(':', 1)[0]}:{port}"
         self._server.start()
 
+    def expect_model(self, fingerprint: str) -> None:
+        """The model (`models.fingerprint`) this receiver's decode pool serves: a stream
+        whose header names another is not read past its header (see the module doc).
+        "": every stream is read (the decode loop still checks each handoff)."""
+        self.fingerprint = fingerprint
+
     def _serve(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> dict:
         try:
-            handoff = decode_handoff(messages, self.options.max_handoff_bytes)
+            handoff = decode_handoff(messages, self.options.max_handoff_bytes,
+                                     self.fingerprint)
             if self._closed:
                 raise BackpressureError("decode side is closed")
             try:
@@ -365,6 +394,8 @@ class GrpcReceiver:
     def place(self, handoff: StreamedKVHandoff, sharding: jax.sharding.Sharding
               ) -> tuple[jax.Array, jax.Array, TransferStats]:
         """Host pages onto `sharding`; the stats include the time spent streaming."""
+        if handoff.refused:
+            raise TransferError(handoff.refused)
         start = time.perf_counter()
         k, v = jax.block_until_ready(jax.device_put((handoff.k, handoff.v), sharding))
         seconds = time.perf_counter() - start + handoff.stream_seconds

@@ -119,8 +119,19 @@ def add_hyphen_spellings(parser: argparse.ArgumentParser,
                 table[name] = action
 
 
+CHUNKED = ":chunked="   # colocated=N:chunked=T, a colocated run with chunked prefill
+
+
+def run_mesh(name: str) -> tuple[str, dict]:
+    """(mesh, engine options) of a run's name: `colocated=8:chunked=512` is mesh
+    colocated=8 with `chunked_prefill_tokens=512`."""
+    mesh, sep, tokens = name.partition(CHUNKED)
+    return mesh, ({"chunked_prefill_tokens": int(tokens)} if sep else {})
+
+
 def serving_mesh(text: str) -> str:
-    """The canonical spelling of a mesh that serves alone: both phases, or colocated.
+    """The canonical spelling of a mesh that serves alone: both phases, or colocated
+    (`colocated=N:chunked=T` with chunked prefill of T tokens per step).
 
     A single-phase spec (`prefill=4`) is one process of a multi-process deployment and
     cannot serve a request by itself, so a benchmark refuses it.
@@ -128,10 +139,18 @@ def serving_mesh(text: str) -> str:
     from jaxpd.sharding.spec import AUTO, parse_mesh_spec
     if text == AUTO:
         return text
-    spec = parse_mesh_spec(text)
+    mesh, sep, tokens = text.partition(CHUNKED)
+    spec = parse_mesh_spec(mesh)
     if not (spec.has_prefill and spec.has_decode):
         raise ValueError(f"mesh {text!r} has only one phase; a benchmark needs "
                          f"'prefill=P,decode=D' or 'colocated=N'")
+    if sep:
+        if not spec.colocated:
+            raise ValueError(f"{text!r}: chunked prefill is a colocated mesh's "
+                             f"('colocated=N:chunked=T')")
+        if not tokens.isdigit() or int(tokens) < 16 or int(tokens) & (int(tokens) - 1):
+            raise ValueError(f"{text!r}: chunked=T takes a power of two >= 16")
+        return f"{spec}{CHUNKED}{int(tokens)}"
     return str(spec)
 
 
@@ -169,8 +188,9 @@ def parse_compare(text: str) -> list[str]:
         elif part.startswith(("colocated=", "prefill=", "decode=", "elastic=")):
             out.append(serving_mesh(part))
         else:
-            raise ValueError(f"bad entry {part!r} in {text!r}: expected 'hf', 'colocated=N', "
-                             f"'prefill=P,decode=D' or 'elastic=N[,prefill=P]'")
+                raise ValueError(f"bad entry {part!r} in {text!r}: expected 'hf', 'colocated=N', "
+                             f"'colocated=N:chunked=T', 'prefill=P,decode=D' or "
+                             f"'elastic=N[,prefill=P]'")
         i += 1
     if len(set(out)) != len(out):
         raise ValueError(f"{text!r} names a run twice")
@@ -298,4 +318,5 @@ def num_devices_needed(args: argparse.Namespace) -> int:
     """Devices of the largest mesh to run: the virtual CPU devices to ask for ("auto":
     two, one per role, as on CPU)."""
     from jaxpd.sharding.spec import AUTO, parse_mesh_spec
-    return max(2 if m == AUTO else parse_mesh_spec(m).num_devices for m in meshes_of(args))
+    return max(2 if m == AUTO else parse_mesh_spec(run_mesh(m)[0]).num_devices
+               for m in meshes_of(args))

@@ -30,7 +30,7 @@ from jaxpd.bench.args import (HF, VLLM_ALIASES, add_deployment_flags,  # noqa: F
                               add_hyphen_spellings, add_workload_flags,
                               backends_of, compare_flag, describe_devices, mesh_flag,
                               meshes_of, nonnegative_int, num_devices_needed, positive_float,
-                              positive_int, resolve_model, whole_numbers)
+                              positive_int, resolve_model, run_mesh, whole_numbers)
 from jaxpd.bench.elastic import add_elastic_flags, format_decisions
 from jaxpd.bench.driver import (Backend, BenchRequest, EngineBackend, Progress, RunResult,
                                 ensure_cpu_devices, make_bench_requests)
@@ -70,7 +70,8 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
                    help="the engine mesh under test")
     s.add_argument("--compare", type=compare_flag, default=["colocated=8"],
                    help="comma-separated baselines run on the same requests: meshes "
-                        "(colocated=N, prefill=P,decode=D) and/or 'hf'; 'none' for none")
+                        "(colocated=N, colocated=N:chunked=T with chunked prefill of T "
+                        "tokens per step, prefill=P,decode=D) and/or 'hf'; 'none' for none")
     add_deployment_flags(s)
     s.add_argument("--handoff_wait_ms", type=float, default=None,
                    help="engine handoff_wait_ms (the prefill side's wait for the transfer "
@@ -128,7 +129,7 @@ def check_meshes(args: argparse.Namespace, error: Callable[[str], object]) -> No
         error(f"--compare: {args.mesh} is already the --mesh under test")
     if args.decode_slots is not None:
         for mesh in meshes_of(args) + ([args.process_mesh] if args.processes else []):
-            dp = 1 if mesh == AUTO else parse_mesh_spec(mesh).decode_dp
+            dp = 1 if mesh == AUTO else parse_mesh_spec(run_mesh(mesh)[0]).decode_dp
             if args.decode_slots % dp:
                 error(f"--decode_slots={args.decode_slots} does not split evenly over "
                       f"the {dp} decode shards of {mesh}")
@@ -298,7 +299,7 @@ class Benchmark:
                                     self.options_for(self.args.process_mesh), self.warmup,
                                     prompt_lens, compile_ahead=bool(self.warmup))
         from jaxpd.sharding.spec import parse_mesh_spec
-        if parse_mesh_spec(name).elastic:
+        if parse_mesh_spec(run_mesh(name)[0]).elastic:
             from jaxpd.bench.elastic import ElasticBackend
             a = self.args
             return ElasticBackend(self.model_dir, name, self.options_for(name), self.warmup,
@@ -306,8 +307,10 @@ class Benchmark:
                                   slo_tpot_s=a.slo_tpot, interval_s=a.elastic_interval_s,
                                   sustain_s=a.elastic_sustain_s, dwell_s=a.elastic_dwell_s,
                                   step=a.elastic_step)
-        return EngineBackend(self.model_dir, name, self.options_for(name), self.warmup,
-                             prompt_lens, compile_ahead=bool(self.warmup))
+        mesh, options = run_mesh(name)
+        return EngineBackend(self.model_dir, mesh, {**self.options_for(mesh), **options},
+                             self.warmup, prompt_lens, compile_ahead=bool(self.warmup),
+                             name=name)
 
     def decode_slots(self) -> int:
         """Decode slots of the mesh under test (what `hf`'s batch matches by default)."""

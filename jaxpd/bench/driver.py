@@ -29,7 +29,7 @@ from jaxpd.bench.workload import WorkloadRequest
 
 # Ids below this are often special (pad/bos/eos) in small vocabularies; real text
 # rarely hits them, so random prompts avoid them too.
-_FIRST_ORDINARY_ID = 3
+FIRST_ORDINARY_ID = 3     # below: the special tokens a random prompt must avoid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +48,12 @@ def make_bench_requests(workload: Sequence[WorkloadRequest], vocab_size: int,
     The ids depend on the seed and each request's index and length only, never on
     the rate, so a rate sweep re-times the same prompts.
     """
-    if vocab_size <= _FIRST_ORDINARY_ID:
+    if vocab_size <= FIRST_ORDINARY_ID:
         raise ValueError(f"vocab_size={vocab_size} is too small for random prompts")
     out = []
     for w in workload:
         rng = np.random.default_rng([seed, w.index])
-        ids = rng.integers(_FIRST_ORDINARY_ID, vocab_size, size=w.prompt_len)
+        ids = rng.integers(FIRST_ORDINARY_ID, vocab_size, size=w.prompt_len)
         out.append(BenchRequest(w.index, w.arrival_s, tuple(int(i) for i in ids), w.output_len))
     return out
 
@@ -156,14 +156,14 @@ class FrontendBackend:
         if warmup_requests:
             self.front.generate(
                 prompt_token_ids=[list(reversed(r.prompt_ids)) for r in warmup_requests],
-                sampling_params=[_greedy(r.output_len) for r in warmup_requests])
+                sampling_params=[greedy(r.output_len) for r in warmup_requests])
         rows = 0
         for n, size in self.prefill_shapes(warm_prompt_lens):
             # Submitted together, they wait (bucket_timeout_ms) and run as one batch.
-            prompts = [[_FIRST_ORDINARY_ID + (rows + j) % 97] + [_FIRST_ORDINARY_ID] * (n - 1)
+            prompts = [[FIRST_ORDINARY_ID + (rows + j) % 97] + [FIRST_ORDINARY_ID] * (n - 1)
                        for j in range(size)]
             rows += size
-            self.front.generate(prompt_token_ids=prompts, sampling_params=_greedy(2))
+            self.front.generate(prompt_token_ids=prompts, sampling_params=greedy(2))
         self._wait_idle()
         self.settle()
 
@@ -192,7 +192,7 @@ class FrontendBackend:
         front = self.front
         # Validate everything before the clock starts: a bad request is a usage error.
         made = [(r, front.make_request(prompt_token_ids=list(r.prompt_ids),
-                                       sampling_params=_greedy(r.output_len)))
+                                       sampling_params=greedy(r.output_len)))
                 for r in requests]
         submitted: queue.Queue = queue.Queue()
         before = self.counters()
@@ -240,16 +240,20 @@ class EngineBackend(FrontendBackend):
 
     def __init__(self, model_dir: str, mesh: str, engine_options: dict,
                  warmup_requests: Sequence[BenchRequest] = (),
-                 warm_prompt_lens: Sequence[int] = (), compile_ahead: bool = True):
+                 warm_prompt_lens: Sequence[int] = (), compile_ahead: bool = True,
+                 name: str | None = None):
         from jaxpd.llm import LLM
-        self.name = mesh
+        self.name = name or mesh
         self.front = self.llm = LLM(model_dir, mesh=mesh, warmup=compile_ahead,
                                     **engine_options)
         if compile_ahead:
             self.warm(warmup_requests, warm_prompt_lens)
 
     def prefill_shapes(self, prompt_lens: Sequence[int]) -> list[tuple[int, int]]:
-        return padded_prefill_shapes(self.llm.engine.prefill_scheduler, prompt_lens)
+        engine = self.llm.engine
+        if engine.prefill_loop is None:     # every prompt prefilled into its slot
+            return []
+        return padded_prefill_shapes(engine.prefill_scheduler, prompt_lens)
 
     def is_idle(self) -> bool:
         return self.llm.engine.is_idle()
@@ -262,7 +266,7 @@ class EngineBackend(FrontendBackend):
         return self.llm.stats()
 
     def counters_delta(self, before: dict, after: dict) -> dict:
-        return _stats_delta(before, after)
+        return stats_delta(before, after)
 
 
 def padded_prefill_shapes(scheduler, prompt_lens: Sequence[int]) -> list[tuple[int, int]]:
@@ -276,12 +280,13 @@ def padded_prefill_shapes(scheduler, prompt_lens: Sequence[int]) -> list[tuple[i
 
 
 # Engine counters that accumulate over the engine's life; a run reports its own share.
-def _stats_delta(before: EngineStats, after: EngineStats) -> dict:
+def stats_delta(before: EngineStats, after: EngineStats) -> dict:
     """`after` with every counter replaced by its growth since `before`."""
     return {k: (v - before[k] if k in COUNTERS else v) for k, v in after.items()}
 
 
-def _greedy(max_tokens: int):
+def greedy(max_tokens: int):
+    """Greedy sampling of exactly `max_tokens` tokens (EOS ignored)."""
     from jaxpd.sampling_params import SamplingParams
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
@@ -294,11 +299,7 @@ def ensure_cpu_devices(num_devices: int) -> None:
     only concerns the host platform; accelerators ignore the flag.
     """
     import os
-    import re
-    flag = "--xla_force_host_platform_device_count"
-    flags = os.environ.get("XLA_FLAGS", "")
-    found = re.search(rf"{flag}=(\d+)", flags)
-    if found and int(found.group(1)) >= num_devices:
-        return
-    flags = re.sub(rf"{flag}=\d+", "", flags)
-    os.environ["XLA_FLAGS"] = f"{flags} {flag}={num_devices}".strip()
+
+    from jaxpd.sharding.cpu_devices import xla_flags_with_count
+    os.environ["XLA_FLAGS"] = xla_flags_with_count(os.environ.get("XLA_FLAGS", ""),
+                                                   num_devices, at_least=True)

@@ -21,6 +21,8 @@ import time
 
 import numpy as np
 
+from jaxpd.sharding.cpu_devices import xla_flags_with_count
+
 SHAPES = [(1, 64), (8, 128), (8, 512), (4, 1024)]      # (batch rows, bucket tokens)
 STEPS = [(8, 8), (32, 16), (64, 64)]                   # (decode slots, block-table width)
 # (name, [L, S, K, H] of a page, dtype, page counts): the built-in default model on CPU
@@ -30,7 +32,7 @@ PAGES = [("default", (6, 16, 4, 32), "float32", (1, 4, 16)),
 
 
 def _role(process_id: int, coordinator: str, repeats: int, token: str) -> None:
-    from jaxpd.engine.multihost import PlanChannel, ProcessGroup, _pack_array, initialize
+    from jaxpd.engine.multihost import PlanChannel, ProcessGroup, pack_array, initialize
     from jaxpd.engine.multihost_decode import insert_message, step_message
     from jaxpd.engine.sampler import SamplingArrays
     group = ProcessGroup(2, process_id, coordinator)
@@ -51,10 +53,10 @@ def _role(process_id: int, coordinator: str, repeats: int, token: str) -> None:
         lengths = np.full(batch, length, np.int32)
         sampling = SamplingArrays.empty(batch)
         for _ in range(repeats):
-            for message in ({"op": "run", "tokens": _pack_array(tokens),
-                             "lengths": _pack_array(lengths),
-                             "floats": _pack_array(sampling.floats),
-                             "ints": _pack_array(sampling.ints)},
+            for message in ({"op": "run", "tokens": pack_array(tokens),
+                             "lengths": pack_array(lengths),
+                             "floats": pack_array(sampling.floats),
+                             "ints": pack_array(sampling.ints)},
                             {"op": "take", "rows": [[i, 0, length // 16] for i in range(batch)]}):
                 _timed(channel, message, rows, batch=batch, tokens=length, op=message["op"])
             time.sleep(0.002)
@@ -117,7 +119,8 @@ def main(argv=None) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         coordinator = f"127.0.0.1:{s.getsockname()[1]}"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ,
+           "XLA_FLAGS": xla_flags_with_count(os.environ.get("XLA_FLAGS", ""), 1)}
     procs = [subprocess.Popen([sys.executable, "-m", "jaxpd.bench.plan_traffic", "--role",
                                str(i), "--coordinator", coordinator, "--repeats",
                                str(a.repeats)], stdout=subprocess.PIPE, text=True, env=env)

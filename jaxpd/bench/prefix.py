@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from jaxpd.bench.driver import _FIRST_ORDINARY_ID, _greedy, _stats_delta, timeline_of
+from jaxpd.bench.driver import FIRST_ORDINARY_ID, greedy, stats_delta, timeline_of
 from jaxpd.bench.workload import parse_length_mix
 from jaxpd.engine.background_compile import settle
 from jaxpd.metrics import meets_slo, summarize
@@ -46,7 +46,7 @@ class Chat:
 def make_chats(args: argparse.Namespace, vocab_size: int) -> list[Chat]:
     """The workload's clients, fixed by `--seed` (the same for every run)."""
     rng = np.random.default_rng(args.seed)
-    draw = lambda n: tuple(int(i) for i in rng.integers(_FIRST_ORDINARY_ID, vocab_size, n))
+    draw = lambda n: tuple(int(i) for i in rng.integers(FIRST_ORDINARY_ID, vocab_size, n))
     if args.workload == "multiturn":
         system, count = draw(args.system_len), args.conversations
         turns = [[system + draw(args.user_len)] + [draw(args.user_len)
@@ -75,17 +75,6 @@ def worker_counters(router) -> dict:
     return total
 
 
-def settle_workers(router, timeout_s: float = 300.0) -> None:
-    """Wait until no worker of `router`'s deployment compiles in the background (the
-    prefix cache's programs its warm-up asked for: `engine.background_compile`)."""
-    deadline = time.monotonic() + timeout_s
-    while any(info.get("compiles_pending", 0) for workers in router.stats()["workers"].values()
-              for info in workers):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"workers still compiling after {timeout_s:g} s")
-        time.sleep(0.2)
-
-
 def serve(llm, chats: list[Chat], output_len: int, think_s: float, stats=None,
           slo: tuple[float, float] = (1.0, 0.1)) -> dict:
     """Run every chat (a thread each) against `llm` (an `LLM` or a `Router`); the run's
@@ -103,7 +92,7 @@ def serve(llm, chats: list[Chat], output_len: int, think_s: float, stats=None,
         history: list[int] = []
         for turn, new in enumerate(chat.turns):
             history = history + list(new)
-            r = llm.make_request(prompt_token_ids=history, sampling_params=_greedy(output_len))
+            r = llm.make_request(prompt_token_ids=history, sampling_params=greedy(output_len))
             r.timings.arrival = time.perf_counter()
             llm.submit(r)
             for _ in llm.events(r):
@@ -119,7 +108,7 @@ def serve(llm, chats: list[Chat], output_len: int, think_s: float, stats=None,
         t.start()
     for t in threads:
         t.join()
-    stats = _stats_delta(before, stats_of())
+    stats = stats_delta(before, stats_of())
     timelines = [timeline_of(r.timings, origin) for _, _, r, _ in done]
     duration = max(t.finish_s for t in timelines) - min(t.arrival_s for t in timelines)
     queried = stats.get("prefix_query_tokens", 0)
@@ -195,7 +184,7 @@ def _serve_deployment(args: argparse.Namespace, model_dir: str, chats: list[Chat
             stats = lambda: worker_counters(backend.front)
             if warm:
                 serve(backend.front, make_chats(_warm_args(args), vocab), output_len, 0.0, stats)
-                settle_workers(backend.front)
+                backend.settle()
             run = serve(backend.front, chats, output_len, args.think_s, stats,
                         slo=(args.slo_ttft, args.slo_tpot))
         finally:

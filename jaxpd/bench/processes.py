@@ -68,7 +68,7 @@ def make_deployment(mesh: str, prefill_cpus: str | None, decode_cpus: str | None
     sets split the CPUs this process may use: the first half (rounded up) for prefill,
     the rest for decode. ValueError naming the flag when a set is empty, names CPUs this
     process may not use, or the two overlap (isolation is the point of the deployment)."""
-    from jaxpd.serving.launch_flags import parse_cpus
+    from jaxpd.sharding.cpu_devices import parse_cpus
     from jaxpd.sharding.spec import parse_mesh_spec
     spec = parse_mesh_spec(mesh)
     if spec.colocated or not (spec.has_prefill and spec.has_decode):
@@ -127,6 +127,17 @@ def worker_flags(deployment: Deployment, model_dir: str, options: dict,
                                  "--cpus", deployment.decode_cpus]]
 
 
+def settle_workers(router, timeout_s: float = 300.0) -> None:
+    """Wait until no worker of `router`'s deployment compiles in the background (the
+    prefix cache's programs its warm-up asked for: `engine.background_compile`)."""
+    deadline = time.monotonic() + timeout_s
+    while any(info.get("compiles_pending", 0) for workers in router.stats()["workers"].values()
+              for info in workers):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers still compiling after {timeout_s:g} s")
+        time.sleep(0.2)
+
+
 class ProcessesBackend(FrontendBackend):
     """A `Router` in this process in front of the deployment's two pinned workers,
     started (and warmed up: every bucket compiled) before any clock starts."""
@@ -171,7 +182,6 @@ class ProcessesBackend(FrontendBackend):
         return self.front.stats()
 
     def settle(self) -> None:
-        from jaxpd.bench.prefix import settle_workers
         settle_workers(self.front)
 
     def counters_delta(self, before: dict, after: dict) -> dict:

@@ -23,6 +23,8 @@ import sys
 import threading
 import time
 
+from jaxpd.sharding.cpu_devices import xla_flags_with_count
+
 SHAPE_SKH = (16, 8, 128)
 NUM_LAYERS = 8
 BYTES_PER_PAGE = 2 * NUM_LAYERS * 16 * 8 * 128 * 4  # k and v, float32
@@ -117,8 +119,8 @@ class _Child:
     """A `python -m jaxpd.bench.transfer --child ...` process with `num_devices` CPUs."""
 
     def __init__(self, args: list[str], num_devices: int):
-        env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}")
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags_with_count(
+            os.environ.get("XLA_FLAGS", ""), num_devices))
         self.proc = subprocess.Popen(
             ["timeout", "-s", "KILL", str(CHILD_TIMEOUT_S), sys.executable, "-m",
              "jaxpd.bench.transfer", *args],

@@ -59,10 +59,16 @@ class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig,
                  connector: Connector | KVSender | KVReceiver | None = None,
                  warmup: bool = False, progress: Callable[[str], None] | None = None,
-                 plan: PlanChannel | None = None):
+                 plan: PlanChannel | None = None, lower_for: str | None = None):
         """`plan`: this one-role mesh spans processes (`engine.multihost`): its leader
-        publishes every program it dispatches; a follower starts no thread (`follow`)."""
-        self.model, self.config = model, config
+        publishes every program it dispatches; a follower starts no thread (`follow`).
+        `lower_for`: a platform ("tpu", "cuda", "cpu") whose programs this engine builds
+        to be lowered, not run (`jaxpd.export`, on a mesh of stand-in devices of the
+        same shape): attention resolves for that platform, and nothing is warmed up or
+        started."""
+        if lower_for is not None and warmup:
+            raise ValueError("an engine built to be lowered (lower_for) runs no warm-up")
+        self.model, self.config, self.lower_for = model, config, lower_for
         spec = config.mesh
         if plan is not None and (spec.has_prefill == spec.has_decode or
                                  config.enable_prefix_caching):
@@ -75,6 +81,10 @@ class Engine:
         self.caching = config.enable_prefix_caching and spec.has_decode
         self.prefill_caching = (config.enable_prefix_caching and spec.has_prefill
                                 and not spec.colocated)
+        # Colocated with chunks: every prompt is prefilled into its slot on the one mesh
+        # (`ExtendLoop`), at most `chunked_prefill_tokens` between two decode steps.
+        self.chunk_in_slots = config.chunked_prefill_tokens is not None and \
+            config.buckets[-1] > config.chunked_prefill_tokens
         self.prefix_root = self._prefix_root()
         # What this engine's caches hold, for the router (a worker's heartbeat).
         self.cache_journal = CacheJournal(self.prefix_root) if self.prefix_root else None
@@ -100,12 +110,13 @@ class Engine:
             has_local_prefill=spec.has_decode and not spec.colocated and (
                 config.local_prefill_below > 0 or not spec.has_prefill),
             cached_tokens=self._cached_tokens if self.caching else None,
-            extend_all=spec.colocated or not spec.has_prefill, page_size=config.page_size,
+            extend_all=(spec.colocated or not spec.has_prefill) and (
+                self.caching or self.chunk_in_slots), page_size=config.page_size,
             extend_below=config.prefix_extend_below)
         self._transfers = futures.ThreadPoolExecutor(4, thread_name_prefix="jaxpd-transfer")
         self.prefill_loop = self.local_loop = self.decode_loop = self.prefill_cache = None
         self.decode_scheduler = self.decode_runner = None
-        if spec.has_prefill and not (self.caching and spec.colocated):
+        if spec.has_prefill and not (spec.colocated and (self.caching or self.chunk_in_slots)):
             self._build_prefill()
         if spec.has_decode:
             self._build_decode()
@@ -121,7 +132,8 @@ class Engine:
         self.resplit_lock, self.lifecycle_lock = threading.Lock(), threading.Lock()
         self._error: BaseException | None = None
         self._threads: list[threading.Thread] = []
-        self.resume_threads()
+        if lower_for is None:
+            self.resume_threads()
 
     def resume_threads(self) -> None:
         """Start this mesh's loop threads (again, after `pause_threads`)."""
@@ -153,8 +165,9 @@ class Engine:
         attention kernels for its devices: `resolve_attention_impl`)."""
         c = self.config
         return (*place_params(self.model.cfg, self.model.params, mesh, self.dtype, fuse=fuse),
-                resolve_attention_impl(c.attention_impl, mesh.devices.flat[0].platform,
-                                       c.attention_interpret, c.dtype))
+                resolve_attention_impl(c.attention_impl,
+                                       self.lower_for or mesh.devices.flat[0].platform,
+                                       c.attention_interpret, c.dtype, self.model.cfg.head_dim))
 
     def _prefill_scheduler(self, buckets: list[int], chunked: bool = False) -> PrefillScheduler:
         c = self.config
@@ -241,6 +254,9 @@ class Engine:
             self.prefix_root if self.caching else None, self.cache_journal)
         receiver = self.connector
         handoffs = self._handoff_spec(compressed=False)
+        expect_model = getattr(receiver, "expect_model", None)
+        if expect_model is not None and not spec.has_prefill:
+            expect_model(self.fingerprint)      # refused before its pages are taken
         if c.kv_transfer_dtype is not None:
             receiver = CompressingReceiver(receiver, c.kv_transfer_dtype, self._page_shape(),
                                            c.dtype)
@@ -270,14 +286,15 @@ class Engine:
                                       self.requests, self.counters, c.pages_per_slot,
                                       c.decode_context_step,
                                       by_length=attention != "reference")
-        if self.caching:
+        if self.caching or self.chunk_in_slots:
             every = self.requests.extends_all
             loop = self.decode_loop.extend = ExtendLoop(
                 self.decode_runner, self.decode_scheduler, self.requests.extend_inbox,
                 self.counters, c.buckets, c.max_prefill_batch, c.max_prefill_tokens,
                 c.pages_per_slot, c.decode_context_step, self.decode_loop.take_ready,
                 expected_below=None if every else max(c.prefix_extend_below, c.local_prefill_below),
-                expects_fresh=every or c.local_prefill_below > 0)
+                expects_fresh=every or c.local_prefill_below > 0,
+                chunk_tokens=c.chunked_prefill_tokens if self.chunk_in_slots else None)
             self.requests.extend_ready = loop.ready_for
 
     def _prefix_root(self) -> bytes | None:

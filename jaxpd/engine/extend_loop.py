@@ -12,6 +12,14 @@ the next decode step with the first token sampled.
 It owns no thread: the decode loop calls `run_once` between steps, on the thread that
 alone touches the pool. Batches are FIFO: the oldest request that finds no slot yet
 holds the others back, as handoffs do in `DecodeLoop._admit`.
+
+**Chunks** (`chunk_tokens`, colocated serving's `chunked_prefill_tokens`): a call
+computes at most that many padded tokens, and a request with more to compute takes
+that many per call, each chunk attending to the pages the chunks before it wrote into
+its slot. Its slot and pages are reserved for the whole prompt at admission; between
+two chunks the decode loop runs a step for every other slot, so a long prompt delays a
+running stream by one chunk, not by its whole prefill. Requests part-way through are
+continued first, oldest first; only the last chunk samples.
 """
 from __future__ import annotations
 
@@ -23,11 +31,26 @@ from typing import Callable
 import jax
 import numpy as np
 
+import dataclasses
+
 from jaxpd.engine.runner import DecodeRunner
 from jaxpd.engine.sampler import SamplingArrays
 from jaxpd.engine.scheduler import DecodeScheduler, batch_buckets
 from jaxpd.request import Request, State
 from jaxpd.stats import StatsCounter
+
+
+@dataclasses.dataclass
+class _Row:
+    """One request's share of a call: tokens [start, start + count) into `slot`."""
+    slot: int
+    request: Request
+    start: int
+    count: int
+
+    @property
+    def final(self) -> bool:
+        return self.start + self.count == self.request.num_tokens
 
 
 class ExtendLoop:
@@ -38,14 +61,21 @@ class ExtendLoop:
     prefill mesh beside it sends only short rests here), so warm-up compiles only
     their buckets; None: any length (colocated, or a decode-only process).
     `expects_fresh`: requests may come with nothing cached (else warm-up compiles only
-    programs with a prefix)."""
+    programs with a prefix). `chunk_tokens`: a request computes at most this many
+    tokens per call (a bucket; `max_tokens` is then at most it), None: all at once."""
 
     def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler,
                  inbox: queue.SimpleQueue, stats: StatsCounter, buckets: list[int],
                  max_batch: int, max_tokens: int, max_pages_per_slot: int, context_step: int,
                  on_ready: Callable[[int, Request, int], None], expected_below: int | None = None,
-                 expects_fresh: bool = True):
+                 expects_fresh: bool = True, chunk_tokens: int | None = None):
         self.runner, self.scheduler, self.inbox, self.stats = runner, scheduler, inbox, stats
+        if chunk_tokens is not None:
+            if chunk_tokens not in buckets:
+                raise ValueError(f"chunk_tokens={chunk_tokens} is not a bucket of {buckets}")
+            buckets = [b for b in buckets if b <= chunk_tokens]
+            max_tokens = min(max_tokens, chunk_tokens)
+        self.chunk_tokens = chunk_tokens
         self.buckets, self.batch_sizes = buckets, batch_buckets(max_batch)
         # (A rest longer than expected, its prefix evicted since it was routed, runs
         # in a bucket compiled on first use.)
@@ -58,10 +88,13 @@ class ExtendLoop:
         self.max_pages_per_slot, self.context_step = max_pages_per_slot, context_step
         self.on_ready, self.expects_fresh = on_ready, expects_fresh
         self.waiting: collections.deque[Request] = collections.deque()
+        # Requests part-way through their chunks, oldest first: (row of the next chunk
+        # but for its count, the slot object it was admitted into).
+        self.chunking: collections.deque[tuple[_Row, object]] = collections.deque()
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and self.inbox.empty()
+        return not self.waiting and not self.chunking and self.inbox.empty()
 
     def width(self, num_pages: int) -> int:
         """Pages of cached prefix a call reads for rows of at most `num_pages` prefix
@@ -109,22 +142,52 @@ class ExtendLoop:
         return next(b for b in self.buckets if num_tokens <= b)
 
     def run_once(self) -> bool:
-        """Admit and compute one batch of the waiting requests that fit now."""
+        """Compute one call: the next chunks of requests part-way through, then the
+        oldest waiting requests that fit a slot and the call's limits."""
         while True:
             try:
                 self.waiting.append(self.inbox.get_nowait())
             except queue.Empty:
                 break
-        batch = self._admit()
+        batch = self._continued()
+        batch += self._admit(batch)
         if batch:
             self._run(batch)
         return bool(batch)
 
-    def _admit(self) -> list[tuple[int, Request, int]]:
-        """(slot, request, cached tokens) of the oldest waiting requests that fit a slot
-        and the call's limits, now PREFILLING with their pages reserved."""
-        batch: list[tuple[int, Request, int]] = []
-        per_shard = collections.Counter()
+    def _count(self, request: Request, start: int) -> int:
+        rest = request.num_tokens - start
+        return rest if self.chunk_tokens is None else min(rest, self.chunk_tokens)
+
+    def _fits(self, batch: list[_Row], row: _Row) -> bool:
+        """Whether `row` joins `batch` within a shard's rows and the padded tokens."""
+        per_shard = collections.Counter(self.scheduler.shard_of(r.slot) for r in batch)
+        per_shard[self.scheduler.shard_of(row.slot)] += 1
+        if max(per_shard.values()) > self.max_batch:
+            return False
+        rows = self.scheduler.num_shards * self._padded(max(per_shard.values()))
+        return not batch or rows * self.bucket_for(max(r.count for r in batch + [row])) \
+            <= self.max_tokens
+
+    def _continued(self) -> list[_Row]:
+        """The next chunk of each request part-way through that still holds its slot
+        (one aborted or preempted meanwhile is dropped: its slot was released)."""
+        batch: list[_Row] = []
+        for _ in range(len(self.chunking)):
+            row, held = self.chunking.popleft()
+            if self.scheduler.slots[row.slot] is not held or row.request.is_final:
+                continue
+            row.count = self._count(row.request, row.start)
+            if self._fits(batch, row):
+                batch.append(row)
+            else:
+                self.chunking.append((row, held))
+        return batch
+
+    def _admit(self, batch: list[_Row]) -> list[_Row]:
+        """Rows for the oldest waiting requests that fit a slot and the call's limits
+        beside `batch`, now PREFILLING with their pages reserved."""
+        admitted: list[_Row] = []
         page_size = self.scheduler.page_size
         while self.waiting:
             r = self.waiting[0]
@@ -137,34 +200,28 @@ class ExtendLoop:
             if found is None:
                 break
             slot, shared = found
-            shard = self.scheduler.shard_of(slot)
-            counts = per_shard.copy()
-            counts[shard] += 1
-            if counts[shard] > self.max_batch:
-                break
-            uncached = [n - len(shared) * page_size] + [r.num_tokens - c for _, r, c in batch]
-            rows = self.scheduler.num_shards * self._padded(max(counts.values()))
-            if batch and rows * self.bucket_for(max(uncached)) > self.max_tokens:
+            cached = len(shared) * page_size
+            row = _Row(slot, r, cached, self._count(r, cached))
+            if not self._fits(batch + admitted, row):
                 break
             self.waiting.popleft()
             if not r.transition(State.PREFILLING):
                 continue                       # aborted since it was queued
             self.scheduler.admit(slot, r, n, ready=False, shared=shared)
-            per_shard[shard] += 1
-            batch.append((slot, r, len(shared) * page_size))
-            self.stats.add(prefix_query_tokens=n, prefix_hit_tokens=len(shared) * page_size)
-        return batch
+            admitted.append(row)
+            self.stats.add(prefix_query_tokens=n, prefix_hit_tokens=cached)
+        return admitted
 
     def _padded(self, n: int) -> int:
         return next(s for s in self.batch_sizes if s >= n)
 
-    def _run(self, batch: list[tuple[int, Request, int]]) -> None:
+    def _run(self, batch: list[_Row]) -> None:
         sched = self.scheduler
-        per_shard = collections.Counter(sched.shard_of(slot) for slot, _, _ in batch)
+        per_shard = collections.Counter(sched.shard_of(row.slot) for row in batch)
         r_pad = self._padded(max(per_shard.values()))
-        length = self.bucket_for(max(r.num_tokens - cached for _, r, cached in batch))
+        length = self.bucket_for(max(row.count for row in batch))
         page_size = sched.page_size
-        width = self.width(max(cached for _, _, cached in batch) // page_size)
+        width = self.width(max(row.start for row in batch) // page_size)
         rows = sched.num_shards * r_pad
         tokens = np.zeros((rows, length), np.int32)
         starts = np.zeros(rows, np.int32)
@@ -174,39 +231,49 @@ class ExtendLoop:
         row_slots = np.zeros(rows, np.int32)
         sampling = SamplingArrays.empty(rows)
         placed = collections.Counter()
-        row_of = []
-        for slot, r, cached in batch:
+        index_of = []
+        for row in batch:
+            r, slot, start, count = row.request, row.slot, row.start, row.count
             shard = sched.shard_of(slot)
-            row = shard * r_pad + placed[shard]
+            i = shard * r_pad + placed[shard]
             placed[shard] += 1
-            new = r.prefill_ids[cached:]
-            tokens[row, :len(new)] = new
-            starts[row], lengths[row] = cached, len(new)
+            tokens[i, :count] = r.prefill_ids[start:start + count]
+            starts[i], lengths[i] = start, count
             pages = sched.slots[slot].pages
-            prefix_tables[row, :cached // page_size] = pages[:cached // page_size]
-            own = pages[cached // page_size:][:-(-len(new) // page_size)]
-            new_tables[row, :len(own)] = own   # (a slot may hold pages for what it decodes)
-            row_slots[row] = slot % sched.slots_per_shard
-            sampling.set_row(row, r)
-            if r.params.has_penalties:
-                self.runner.set_penalties(slot, r.prompt_ids, r.output_ids)
+            prefix_tables[i, :start // page_size] = pages[:start // page_size]
+            own = pages[start // page_size:][:-(-count // page_size)]
+            new_tables[i, :len(own)] = own     # (a slot may hold pages for what it decodes)
+            row_slots[i] = slot % sched.slots_per_shard
+            if row.final:                      # earlier chunks' samples are not read
+                sampling.set_row(i, r)
+                if r.params.has_penalties:
+                    self.runner.set_penalties(slot, r.prompt_ids, r.output_ids)
             if r.timings.prefill_start is None:
                 r.timings.prefill_start = time.perf_counter()
             r.timings.local_prefill = True
-            row_of.append(row)
-        computed = sum(r.num_tokens - cached for _, r, cached in batch)
-        self.stats.add(prefill_batches=1, prefill_tokens=computed,
-                       prefill_padded_tokens=tokens.size, local_prefills=len(batch))
+            index_of.append(i)
+        self.stats.add(prefill_batches=1, prefill_tokens=sum(row.count for row in batch),
+                       prefill_padded_tokens=tokens.size,
+                       local_prefills=sum(row.final for row in batch))
         first, logprobs = self.runner.extend(tokens, starts, lengths, prefix_tables, new_tables,
                                              row_slots, sampling)
+        for row in batch:
+            if not row.final:
+                self.chunking.append((_Row(row.slot, row.request, row.start + row.count, 0),
+                                      sched.slots[row.slot]))
+        if not any(row.final for row in batch):
+            return                             # the next call queues behind this one
         first = np.asarray(first)
         logprobs = jax.device_get(logprobs) if sampling.wants_logprobs else None
         now = time.perf_counter()
-        for (slot, r, _), row in zip(batch, row_of):
+        for row, i in zip(batch, index_of):
+            if not row.final:
+                continue
+            slot, r = row.slot, row.request
             if r.timings.prefill_end is None:
                 r.timings.prefill_end = now
-            token = int(first[row])
-            lp = None if logprobs is None else logprobs.of_row(row, r)
+            token = int(first[i])
+            lp = None if logprobs is None else logprobs.of_row(i, r)
             s = sched.slots[slot]
             if s is None or s.request is not r:
                 continue                       # released meanwhile (cannot happen today)

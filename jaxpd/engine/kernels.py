@@ -34,6 +34,11 @@ def prefill_attention(impl: str, mesh: Mesh, rules, head_dim: int):
     return per_shard
 
 
+def prefill_kernel(attention) -> str:
+    """The name of the core `prefill_attention` returned: "native" or "reference"."""
+    return "reference" if attention is causal_attention else "native"
+
+
 def kernel_per_tp_shard(attention, kv_axis: str | None):
     """`attention` (a Pallas or native kernel) run on each tp shard's own kv heads. A kernel is
     opaque to GSPMD, which would gather a kv-head-sharded pool onto every device for

@@ -96,11 +96,14 @@ def _client():
     return distributed.global_state.client
 
 
-def _pack_array(a: np.ndarray) -> list:
+def pack_array(a: np.ndarray) -> list:
+    """An array as a plan field: [dtype name, shape, C-order bytes]."""
     return [a.dtype.name, list(a.shape), np.ascontiguousarray(a).tobytes()]
 
 
-def _unpack_array(value, name: str, max_elements: int = _MAX_ELEMENTS) -> np.ndarray:
+def unpack_array(value, name: str, max_elements: int = _MAX_ELEMENTS) -> np.ndarray:
+    """A plan field `name` back as an array, checked (a known dtype, at most
+    `max_elements`, bytes matching the shape); `PlanError` otherwise."""
     if not (isinstance(value, list) and len(value) == 3):
         raise PlanError(f"plan field {name}: not an array")
     dtype, shape, data = value

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpd.engine.multihost import PlanChannel, PlanError, _pack_array, _unpack_array
+from jaxpd.engine.multihost import PlanChannel, PlanError, pack_array, unpack_array
 from jaxpd.engine.multihost_prefill import LeaderPrefillRunner, PrefillReplay
 from jaxpd.engine.runner import DecodeRunner
 from jaxpd.engine.sampler import SamplingArrays
@@ -131,10 +131,10 @@ def insert_from_host(runner, shard: int, page_ids: list[int], k: np.ndarray | No
 def step_message(host_tokens, fed_from_host, positions, block_tables,
                  sampling: SamplingArrays, rows) -> dict:
     """The plan message of one decode step (`DecodeRunner.step`'s host inputs)."""
-    return {"op": "step", "tokens": _pack_array(host_tokens), "fed": _pack_array(fed_from_host),
-            "positions": _pack_array(positions), "tables": _pack_array(block_tables),
-            "floats": _pack_array(sampling.floats), "ints": _pack_array(sampling.ints),
-            "rows": _pack_array(rows)}
+    return {"op": "step", "tokens": pack_array(host_tokens), "fed": pack_array(fed_from_host),
+            "positions": pack_array(positions), "tables": pack_array(block_tables),
+            "floats": pack_array(sampling.floats), "ints": pack_array(sampling.ints),
+            "rows": pack_array(rows)}
 
 
 def insert_message(shard: int, page_ids: list[int], k: np.ndarray, v: np.ndarray,
@@ -143,8 +143,8 @@ def insert_message(shard: int, page_ids: list[int], k: np.ndarray, v: np.ndarray
     follower holds a device of dp shard `shard` and they do not move by an all-gather
     from the leader's shard `src`)."""
     return {"op": "insert", "shard": shard, "ids": [int(i) for i in page_ids], "src": src,
-            "k": _pack_array(k) if with_pages else None,
-            "v": _pack_array(v) if with_pages else None}
+            "k": pack_array(k) if with_pages else None,
+            "v": pack_array(v) if with_pages else None}
 
 
 class LeaderDecodeRunner:
@@ -195,8 +195,8 @@ class LeaderDecodeRunner:
 
     def set_penalties(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         self.channel.publish({"op": "penalties", "slot": slot,
-                              "prompt": _pack_array(np.asarray(prompt_ids, np.int32)),
-                              "output": _pack_array(np.asarray(output_ids, np.int32))})
+                              "prompt": pack_array(np.asarray(prompt_ids, np.int32)),
+                              "output": pack_array(np.asarray(output_ids, np.int32))})
         self._runner.set_penalties(slot, prompt_ids, output_ids)
 
     def take(self, shard, page_ids):
@@ -215,7 +215,7 @@ def _int(value, name: str, below: int) -> int:
 def _ints(msg: dict, name: str, shape: tuple, below: int, max_elements: int = 1 << 24
           ) -> np.ndarray:
     """An int32 array field of `shape` (-1: any length) whose values lie in [0, below)."""
-    a = _unpack_array(msg.get(name), name, max_elements)
+    a = unpack_array(msg.get(name), name, max_elements)
     if a.dtype != np.int32 or a.ndim != len(shape) or any(
             want not in (-1, got) for want, got in zip(shape, a.shape)):
         raise PlanError(f"plan field {name}: expected int32 {list(shape)}, got "
@@ -268,9 +268,9 @@ class DecodeReplay:
         tokens = _ints(msg, "tokens", (b,), self.vocab)
         positions = _ints(msg, "positions", (b,), self.max_position)
         tables = _ints(msg, "tables", (b, -1), r.pages_per_shard)
-        fed = _unpack_array(msg.get("fed"), "fed")
-        floats = _unpack_array(msg.get("floats"), "floats")
-        ints = _unpack_array(msg.get("ints"), "ints")
+        fed = unpack_array(msg.get("fed"), "fed")
+        floats = unpack_array(msg.get("floats"), "floats")
+        ints = unpack_array(msg.get("ints"), "ints")
         if not 1 <= tables.shape[1] <= self.max_pages or fed.dtype != np.bool_ or \
                 fed.shape != (b,) or floats.shape != (b, 6) or floats.dtype != np.float32 or \
                 ints.shape != (b, 4) or ints.dtype != np.int32:
@@ -303,7 +303,7 @@ class DecodeReplay:
             if not self._mine[shard]:
                 pages.append(None)          # none of this process's devices: not needed
                 continue
-            a = _unpack_array(msg.get(name), name, int(np.prod(shape)))
+            a = unpack_array(msg.get(name), name, int(np.prod(shape)))
             if a.shape != shape or a.dtype != pool.dtype:
                 raise PlanError(f"plan field {name}: expected {pool.dtype}{list(shape)}, got "
                                 f"{a.dtype.name}{list(a.shape)}")

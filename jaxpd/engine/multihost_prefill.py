@@ -11,7 +11,7 @@ import secrets
 
 import numpy as np
 
-from jaxpd.engine.multihost import PlanChannel, PlanError, _pack_array, _unpack_array
+from jaxpd.engine.multihost import PlanChannel, PlanError, pack_array, unpack_array
 from jaxpd.engine.sampler import SamplingArrays
 
 
@@ -31,10 +31,10 @@ class LeaderPrefillRunner:
         return getattr(self._runner, name)
 
     def run(self, tokens: np.ndarray, lengths: np.ndarray, sampling: SamplingArrays):
-        self.channel.publish({"op": "run", "tokens": _pack_array(tokens),
-                              "lengths": _pack_array(lengths),
-                              "floats": _pack_array(sampling.floats),
-                              "ints": _pack_array(sampling.ints)})
+        self.channel.publish({"op": "run", "tokens": pack_array(tokens),
+                              "lengths": pack_array(lengths),
+                              "floats": pack_array(sampling.floats),
+                              "ints": pack_array(sampling.ints)})
         return self._runner.run(tokens, lengths, sampling)
 
     def take_rows(self, k, v, rows: list[tuple[int, int, int]]):
@@ -52,10 +52,10 @@ class LeaderPrefillRunner:
 
     def run_layerwise(self, tokens, lengths, sampling, groups, rows):
         base = secrets.randbits(63)
-        self.channel.publish({"op": "layerwise", "base": base, "tokens": _pack_array(tokens),
-                              "lengths": _pack_array(lengths),
-                              "floats": _pack_array(sampling.floats),
-                              "ints": _pack_array(sampling.ints),
+        self.channel.publish({"op": "layerwise", "base": base, "tokens": pack_array(tokens),
+                              "lengths": pack_array(lengths),
+                              "floats": pack_array(sampling.floats),
+                              "ints": pack_array(sampling.ints),
                               "groups": [list(g) for g in groups],
                               "rows": [list(r) for r in rows]})
         first, logprobs, parts = self._runner.run_layerwise(tokens, lengths, sampling, groups,
@@ -73,7 +73,7 @@ def _local(x):
 
 def _batch(msg: dict):
     """A run message's (tokens, lengths, sampling rows), checked."""
-    tokens, lengths, floats, ints = (_unpack_array(msg.get(name), name)
+    tokens, lengths, floats, ints = (unpack_array(msg.get(name), name)
                                      for name in ("tokens", "lengths", "floats", "ints"))
     b = tokens.shape[0] if tokens.ndim == 2 else -1
     if b < 1 or lengths.shape != (b,) or floats.shape != (b, 6) or ints.shape != (b, 4) or \

@@ -97,6 +97,14 @@ class SlotPenalties:
     def set_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         """Slot `slot`'s rows from its request's prompt and output so far. The rows are
         built on the host ([V] each, once per insert) so one program serves every length."""
+        self.counts, self.prompt = self._set_row(*self.set_slot_args(slot, prompt_ids, output_ids))
+
+    @property
+    def set_row_program(self):
+        """The jitted program `set_slot` dispatches (`set_slot_args` are its arguments)."""
+        return self._set_row
+
+    def set_slot_args(self, slot: int, prompt_ids: list[int], output_ids: list[int]):
         row_counts = np.bincount(np.asarray(output_ids, np.int64), minlength=self.vocab
                                  ).astype(np.int32)
         row_prompt = np.zeros(self.vocab, bool)
@@ -105,4 +113,4 @@ class SlotPenalties:
         target[slot // self.slots_per_shard] = slot % self.slots_per_shard
         target = jax.device_put(target, self.sharding)
         rows = jax.device_put((row_counts, row_prompt), self._replicated)
-        self.counts, self.prompt = self._set_row(self.counts, self.prompt, target, *rows)
+        return (self.counts, self.prompt, target, *rows)

@@ -35,7 +35,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpd.engine.background_compile import BackgroundCompiler
-from jaxpd.engine.kernels import prefill_attention
+from jaxpd.engine.kernels import prefill_attention, prefill_kernel
+from jaxpd.engine.program import Program
 from jaxpd.engine.page_allocator import CacheJournal, PageAllocator, page_hashes, pages_for
 from jaxpd.engine.penalties import prefill_context
 from jaxpd.engine.runner import CompileCounter
@@ -109,9 +110,9 @@ class PrefillCache:
         shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pages)
         self.k_pool, self.v_pool = zeros(), zeros()
-        model = Llama(cfg, dtype, fused,
-                      prefill_attention=prefill_attention(attention_impl, mesh, rules,
-                                                          cfg.head_dim))
+        attention = prefill_attention(attention_impl, mesh, rules, cfg.head_dim)
+        self.kernel = prefill_kernel(attention)
+        model = Llama(cfg, dtype, fused, prefill_attention=attention)
 
         def extend(params, k_pool, v_pool, tokens, starts, lengths, prefix_tables, new_tables,
                    sampling):
@@ -172,16 +173,12 @@ class PrefillCache:
                                    lambda: self._lower(rows, length, width))
 
     def _lower(self, rows: int, length: int, width: int):
-        spec = lambda shape, sharding=self._replicated: jax.ShapeDtypeStruct(  # noqa: E731
-            shape, np.int32, sharding=sharding)
-        pool = jax.ShapeDtypeStruct(self.k_pool.shape, self.k_pool.dtype,
-                                    sharding=self.k_pool.sharding)
-        sampling = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                               sharding=self._replicated),
-                                SamplingArrays.empty(rows))
-        return self._extend.lower(self.params, pool, pool, spec((rows, length)), spec((rows,)),
-                                  spec((rows,)), spec((rows, width)),
-                                  spec((rows, pages_for(length, self.page_size))), sampling)
+        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        program = self.run_program(zeros(rows, length), zeros(rows), zeros(rows),
+                                   zeros(rows, width),
+                                   zeros(rows, pages_for(length, self.page_size)),
+                                   SamplingArrays.empty(rows))
+        return self._extend.lower(*program.abstract_args())
 
     def hashes(self, token_ids: list[int]) -> list[bytes]:
         return page_hashes(token_ids, self.page_size, self.root) if self.reuse else []
@@ -227,11 +224,22 @@ class PrefillCache:
         if program is None:
             self.counter.note(self.name, key)
             program = self._extend
-        inputs = jax.device_put((tokens, starts, lengths, prefix_tables, new_tables, sampling),
-                                self._replicated)
-        first, logprobs, self.k_pool, self.v_pool = program(
-            self.params, self.k_pool, self.v_pool, *inputs)
+        first, logprobs, self.k_pool, self.v_pool = program(*self._run_args(
+            tokens, starts, lengths, prefix_tables, new_tables, sampling))
         return (np.asarray(first), jax.device_get(logprobs) if sampling.wants_logprobs else None)
+
+    def _run_args(self, tokens, starts, lengths, prefix_tables, new_tables, sampling):
+        return (self.params, self.k_pool, self.v_pool,
+                *jax.device_put((tokens, starts, lengths, prefix_tables, new_tables, sampling),
+                                self._replicated))
+
+    def run_program(self, tokens, starts, lengths, prefix_tables, new_tables,
+                    sampling: SamplingArrays) -> Program:
+        """The program `run` dispatches for these inputs' shapes."""
+        (b, t), w = tokens.shape, prefix_tables.shape[1]
+        return Program(f"{self.name}_b{b}_t{t}_w{w}", self._extend,
+                       self._run_args(tokens, starts, lengths, prefix_tables, new_tables,
+                                      sampling), self.kernel)
 
     def run_chunk(self, tokens: np.ndarray, start: int, length: int, prefix_table: np.ndarray,
                   new_table: np.ndarray, sampling: SamplingArrays, context: np.ndarray):
@@ -243,13 +251,24 @@ class PrefillCache:
         first token means anything."""
         key = (tokens.shape, prefix_table.shape)
         self.counter.note(f"{self.name}_chunk", key)
+        first, logprobs, self.k_pool, self.v_pool = self._extend_chunk(*self._chunk_args(
+            tokens, start, length, prefix_table, new_table, sampling, context))
+        return (np.asarray(first), jax.device_get(logprobs) if sampling.wants_logprobs else None)
+
+    def _chunk_args(self, tokens, start, length, prefix_table, new_table, sampling, context):
         starts, lengths = np.array([start], np.int32), np.array([length], np.int32)
         context_lengths = np.array([start + length], np.int32)
-        inputs = jax.device_put((tokens, starts, lengths, prefix_table, new_table, sampling,
-                                 context, context_lengths), self._replicated)
-        first, logprobs, self.k_pool, self.v_pool = self._extend_chunk(
-            self.params, self.k_pool, self.v_pool, *inputs)
-        return (np.asarray(first), jax.device_get(logprobs) if sampling.wants_logprobs else None)
+        return (self.params, self.k_pool, self.v_pool,
+                *jax.device_put((tokens, starts, lengths, prefix_table, new_table, sampling,
+                                 context, context_lengths), self._replicated))
+
+    def chunk_program(self, tokens, start, length, prefix_table, new_table,
+                      sampling: SamplingArrays, context) -> Program:
+        """The program `run_chunk` dispatches for these inputs' shapes."""
+        t, w = tokens.shape[1], prefix_table.shape[1]
+        return Program(f"{self.name}_chunk_t{t}_w{w}", self._extend_chunk,
+                       self._chunk_args(tokens, start, length, prefix_table, new_table,
+                                        sampling, context), self.kernel)
 
     def context_width(self) -> int:
         """Tokens of `run_chunk`'s `context`: the longest request's pages."""
@@ -266,12 +285,17 @@ class PrefillCache:
         """The K and V of these pages, then padding pages up to `coarse_ceil` of their
         count (what a handoff carries: `KVHandoff`), [L, m, S, K, H] each, for the
         connector. One program per padded count (`take_sizes`, all warmed up)."""
-        m = coarse_ceil(len(page_ids))
-        ids = np.zeros(m, np.int32)            # padding: the null page
+        self.counter.note(f"{self.name}_take", coarse_ceil(len(page_ids)))
+        return self._take(*self._take_args(page_ids))
+
+    def _take_args(self, page_ids: list[int]):
+        ids = np.zeros(coarse_ceil(len(page_ids)), np.int32)     # padding: the null page
         ids[:len(page_ids)] = page_ids
-        self.counter.note(f"{self.name}_take", m)
-        ids = jax.device_put(ids, self._replicated)
-        return self._take(self.k_pool, self.v_pool, ids)
+        return self.k_pool, self.v_pool, jax.device_put(ids, self._replicated)
+
+    def take_program(self, m: int) -> Program:
+        """The program `take` dispatches for `m` padded pages."""
+        return Program(f"{self.name}_take_m{m}", self._take, self._take_args([0] * m))
 
     def take_sizes(self) -> list[int]:
         """Every padded count `take` can cut (a request's pages, at most `max_pages`)."""

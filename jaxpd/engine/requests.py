@@ -49,12 +49,13 @@ class Requests:
     `cached_tokens` (prefix caching on): how many of a request's tokens the decode mesh
     holds cached (a hint read from another thread; the decode loop decides for real).
     Then every request the decode mesh prefills goes to `extend_inbox` (prefilled into
-    its slot with context, `ExtendLoop`): all of them when `extend_all` (colocated, or
-    no prefill mesh here); else the short ones, and one whose prefix is cached there
+    its slot with context, `ExtendLoop`); else the short ones, and one whose prefix is cached there
     and whose uncached rest is below `extend_below` tokens: a follow-up turn costs its
     new tokens, not a trip through the prefill mesh. One that goes through the prefill
     mesh anyway carries the hint as `kv_skip_pages` (of `page_size` tokens): its
     handoff leaves those pages out (the decode loop checks it still holds them).
+    `extend_all`: every request goes to `extend_inbox` (colocated with the cache or
+    with chunks, or a decode-only process with the cache).
     """
 
     def __init__(self, stats: StatsCounter, max_queued: int, limits: Limits, *,
@@ -205,10 +206,12 @@ class Requests:
         a decode-only process)."""
         local = self.has_local_prefill and (not self.has_prefill
                                      or request.num_tokens < self._local_below)
-        if self._cached_tokens is None or self.remote_decode:
+        if self.extends_all:
+            self.extend_inbox.put(request)
+        elif self._cached_tokens is None or self.remote_decode:
             # (A prefill-only process: the router's hint came with the request.)
             (self.local_inbox if local else self.prefill_inbox).put(request)
-        elif self.extends_all or local:
+        elif local:
             self.extend_inbox.put(request)
         else:
             # A prefix cached on the decode mesh: the rest prefilled there when short,

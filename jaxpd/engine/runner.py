@@ -27,11 +27,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpd.engine.background_compile import BackgroundCompiler
+from jaxpd.engine.program import Program
 from jaxpd.sizes import coarse_ceil
 from jaxpd.engine.penalties import SlotPenalties, count_sampled, prefill_context
 from jaxpd.engine.sampler import Logprobs, SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
-from jaxpd.engine.kernels import kernel_per_tp_shard, prefill_attention
+from jaxpd.engine.kernels import kernel_per_tp_shard, prefill_attention, prefill_kernel
 from jaxpd.models.llama import Llama, prefill_blocks
 from jaxpd.models.pallas_attention import decode_attention
 from jaxpd.sharding.compat import shard_map
@@ -70,6 +71,7 @@ class PrefillRunner:
         self.cfg, self.params, self.mesh, self.page_size = cfg, params, mesh, page_size
         self.counter, self.name = counter, name
         attention = prefill_attention(attention_impl, mesh, rules, cfg.head_dim)
+        self.kernel = prefill_kernel(attention)
         model = Llama(cfg, dtype, fused, prefill_attention=attention)
         replicated = NamedSharding(mesh, P())
 
@@ -115,10 +117,39 @@ class PrefillRunner:
         some row asks for them (else None: not read back), k, v [L, B, T, K, H] on the
         mesh)."""
         self.counter.note(self.name, tokens.shape)
-        inputs = jax.device_put((tokens, lengths, sampling), self._replicated)
-        first, logprobs, k, v = self._prefill(self.params, *inputs)
+        first, logprobs, k, v = self._prefill(*self._run_args(tokens, lengths, sampling))
         return (np.asarray(first), jax.device_get(logprobs) if sampling.wants_logprobs else None,
                 k, v)
+
+    def _run_args(self, tokens, lengths, sampling):
+        return (self.params, *jax.device_put((tokens, lengths, sampling), self._replicated))
+
+    def run_program(self, tokens: np.ndarray, lengths: np.ndarray,
+                    sampling: SamplingArrays) -> Program:
+        """The program `run` dispatches for these inputs' shapes."""
+        b, t = tokens.shape
+        return Program(f"{self.name}_b{b}_t{t}", self._prefill,
+                       self._run_args(tokens, lengths, sampling), self.kernel)
+
+    def layerwise_programs(self, tokens: np.ndarray, lengths: np.ndarray,
+                           sampling: SamplingArrays, groups: list[tuple[int, int]]
+                           ) -> list[Program]:
+        """The programs `run_layerwise` dispatches for these inputs' shapes (embed, one
+        per distinct group size, head; the page cuts of its rows are `take_pages`')."""
+        b, t = tokens.shape
+        inputs = jax.device_put((tokens, lengths, sampling), self._replicated)
+        x = jax.eval_shape(self._embed, self.params, inputs[0])
+        x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated)
+        programs = [Program(f"{self.name}_embed_b{b}_t{t}", self._embed,
+                            (self.params, inputs[0]))]
+        for size in sorted({stop - start for start, stop in groups}):
+            start = next(s for s, e in groups if e - s == size)
+            layers = [self.params[f"layers_{i}"] for i in range(start, start + size)]
+            programs.append(Program(f"{self.name}_blocks{size}_b{b}_t{t}", self._blocks,
+                                    (layers, x), self.kernel))
+        programs.append(Program(f"{self.name}_head_b{b}_t{t}", self._head,
+                                (self.params, x, *inputs)))
+        return programs
 
     def run_layerwise(self, tokens: np.ndarray, lengths: np.ndarray, sampling: SamplingArrays,
                       groups: list[tuple[int, int]], rows: list[tuple[int, int]]):
@@ -179,7 +210,7 @@ class DecodeRunner:
         self.cfg, self.params, self.mesh = cfg, params, mesh
         self.page_size, self.counter = page_size, counter
         self.pages_per_shard = pages_per_shard
-        self.attention_impl = attention_impl
+        self.attention_impl = self.kernel = attention_impl
         self.num_shards = mesh.shape["dp"]
         kv_axis = dict(rules).get("kv_heads")
         self.pool_spec = P(None, "dp", None, kv_axis, None)          # [L, P, S, K, H]
@@ -263,12 +294,23 @@ class DecodeRunner:
             raise ValueError(f"insert of {n} pages takes coarse_ceil({n}) = {coarse_ceil(n)} "
                              f"padded pages, got {m}")
         self.counter.note("insert", m)
+        self.k_pool, self.v_pool = self._insert(*self._insert_args(shard, page_ids, k_pages,
+                                                                   v_pages))
+
+    def _insert_args(self, shard: int, page_ids: list[int], k_pages, v_pages):
+        m = k_pages.shape[1]
         ids = np.zeros((self.num_shards, m), np.int32)
-        ids[shard, :n] = page_ids           # padding rows write the null page 0
+        ids[shard, :len(page_ids)] = page_ids           # padding rows write the null page 0
         ids = jax.device_put(ids.reshape(-1), self.slot_sharding)
-        k_new = self._assemble(shard, k_pages)
-        v_new = self._assemble(shard, v_pages)
-        self.k_pool, self.v_pool = self._insert(self.k_pool, self.v_pool, k_new, v_new, ids)
+        return (self.k_pool, self.v_pool, self._assemble(shard, k_pages),
+                self._assemble(shard, v_pages), ids)
+
+    def insert_program(self, m: int) -> Program:
+        """The program `insert` dispatches for `m` padded pages."""
+        pages = jax.device_put(jnp.zeros(self.pages_shape(m), self.k_pool.dtype),
+                               self.shard_sharding(0))
+        return Program(f"insert_m{m}", self._insert,
+                       self._insert_args(0, [0] * m, pages, pages))
 
     def pages_shape(self, m: int) -> tuple[int, ...]:
         """[L, m, S, K, H]: `m` pages of this pool."""
@@ -278,11 +320,23 @@ class DecodeRunner:
         """Copies of `shard`'s [L, m, S, K, H] pages at `page_ids`, padded (with its null
         page) to m = `coarse_ceil` of their count as a handoff is: an elastic re-split
         moves a decoding request's KV with them."""
-        m = coarse_ceil(len(page_ids))
-        self.counter.note("take", m)
-        ids = np.zeros(m, np.int32)
+        self.counter.note("take", coarse_ceil(len(page_ids)))
+        return self._take(*self._take_args(shard, page_ids))
+
+    def _take_args(self, shard: int, page_ids: list[int]):
+        ids = np.zeros(coarse_ceil(len(page_ids)), np.int32)
         ids[:len(page_ids)] = page_ids
-        return self._take(self.k_pool, self.v_pool, ids + shard * self.pages_per_shard)
+        return self.k_pool, self.v_pool, ids + shard * self.pages_per_shard
+
+    def take_program(self, m: int) -> Program:
+        """The program `take` dispatches for `m` padded pages."""
+        return Program(f"take_m{m}", self._take, self._take_args(0, [0] * m),
+                       host_sharding=NamedSharding(self.mesh, P()))
+
+    def penalties_program(self) -> Program:
+        """The program `set_penalties` dispatches (one for every slot and length)."""
+        p = self.penalties
+        return Program("penalties_set_slot", p.set_row_program, p.set_slot_args(0, [], []))
 
     def set_penalties(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         """The penalty context of the request just inserted at `slot` (one with penalties)."""
@@ -296,14 +350,25 @@ class DecodeRunner:
         padding); None: every slot, in order. Returns the rows' next tokens [D x b] and
         their `Logprobs`, on device (read them back only when some row asked). One
         program per (b, context width)."""
-        if rows is None:
-            rows = self.every_slot()
         self.counter.note("decode", block_tables.shape)
         p = self.penalties
         nxt, logprobs, self.k_pool, self.v_pool, p.counts, self.prev_tokens = self._step(
-            self.params, self.k_pool, self.v_pool, p.counts, p.prompt, self.prev_tokens,
-            rows, host_tokens, fed_from_host, positions, block_tables, sampling)
+            *self._step_args(host_tokens, fed_from_host, positions, block_tables, sampling, rows))
         return nxt, logprobs
+
+    def _step_args(self, host_tokens, fed_from_host, positions, block_tables, sampling, rows):
+        rows = self.every_slot() if rows is None else rows
+        p = self.penalties
+        return (self.params, self.k_pool, self.v_pool, p.counts, p.prompt, self.prev_tokens,
+                rows, host_tokens, fed_from_host, positions, block_tables, sampling)
+
+    def step_program(self, host_tokens, fed_from_host, positions, block_tables,
+                     sampling: SamplingArrays, rows=None) -> Program:
+        """The program `step` dispatches for these inputs' shapes."""
+        n, w = block_tables.shape
+        return Program(f"decode_rows{n}_w{w}", self._step,
+                       self._step_args(host_tokens, fed_from_host, positions, block_tables,
+                                       sampling, rows), self.kernel, self.slot_sharding)
 
     def every_slot(self) -> np.ndarray:
         """`step`'s rows for every slot, in order: each shard's local slot ids."""
@@ -323,11 +388,24 @@ class DecodeRunner:
         if program is None:
             self.counter.note("extend", key)
             program = self._extend
-        p = self.penalties
-        nxt, logprobs, self.k_pool, self.v_pool = program(
-            self.params, self.k_pool, self.v_pool, p.counts, p.prompt, tokens, starts,
-            lengths, prefix_tables, new_tables, row_slots, sampling)
+        nxt, logprobs, self.k_pool, self.v_pool = program(*self._extend_args(
+            tokens, starts, lengths, prefix_tables, new_tables, row_slots, sampling))
         return nxt, logprobs
+
+    def _extend_args(self, tokens, starts, lengths, prefix_tables, new_tables, row_slots,
+                     sampling):
+        p = self.penalties
+        return (self.params, self.k_pool, self.v_pool, p.counts, p.prompt, tokens, starts,
+                lengths, prefix_tables, new_tables, row_slots, sampling)
+
+    def extend_program(self, tokens, starts, lengths, prefix_tables, new_tables, row_slots,
+                       sampling: SamplingArrays) -> Program:
+        """The program `extend` dispatches for these inputs' shapes (the decode
+        mesh's prefill with a cached prefix; prefill attention is the reference)."""
+        (rows, t), w = tokens.shape, prefix_tables.shape[1]
+        return Program(f"extend_rows{rows}_t{t}_w{w}", self._extend,
+                       self._extend_args(tokens, starts, lengths, prefix_tables, new_tables,
+                                         row_slots, sampling), "reference", self.slot_sharding)
 
     def start_background_extend(self) -> None:
         """From now on `extend_ready` asks for a program it lacks, compiled on a thread
@@ -344,16 +422,11 @@ class DecodeRunner:
                                           lambda: self._lower_extend(rows, length, width))
 
     def _lower_extend(self, rows: int, length: int, width: int):
-        like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-        rows_of = lambda *shape, dtype=np.int32: jax.ShapeDtypeStruct(  # noqa: E731
-            shape, dtype, sharding=self.slot_sharding)
-        sampling = jax.tree.map(lambda a: rows_of(*a.shape, dtype=a.dtype),
-                                SamplingArrays.empty(rows))
-        p = self.penalties
-        return self._extend.lower(
-            self.params, like(self.k_pool), like(self.v_pool), like(p.counts), like(p.prompt),
-            rows_of(rows, length), rows_of(rows), rows_of(rows), rows_of(rows, width),
-            rows_of(rows, -(-length // self.page_size)), rows_of(rows), sampling)
+        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        program = self.extend_program(
+            zeros(rows, length), zeros(rows), zeros(rows), zeros(rows, width),
+            zeros(rows, -(-length // self.page_size)), zeros(rows), SamplingArrays.empty(rows))
+        return self._extend.lower(*program.abstract_args())
 
     def close(self, timeout_s: float = 120.0) -> None:
         """Stop the background compiles (`BackgroundCompiler.close`)."""

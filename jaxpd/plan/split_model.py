@@ -35,10 +35,8 @@ What it assumes:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from jaxpd.plan.controller import Signals
+from jaxpd.plan.signals import Signals
 
 
 class _Average:

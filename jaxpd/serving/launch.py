@@ -30,9 +30,10 @@ import time
 
 from absl import app, flags
 
-from jaxpd.serving.launch_flags import (_role_auth, define_flags, engine_options,  # noqa: F401
-                                        elastic_error, internal_auth, multihost_error,
-                                        parse_cpus, pin_cpus, set_cpu_device_count)
+from jaxpd.serving.launch_flags import (role_auth, define_flags, engine_options,  # noqa: F401
+                                        elastic_error, internal_auth, multihost_error)
+from jaxpd.sharding.cpu_devices import (parse_cpus, pin_cpus,  # noqa: F401
+                                        set_cpu_device_count)
 from jaxpd.sharding.spec import AUTO, auto_mesh
 
 
@@ -101,7 +102,7 @@ def _run_role(fv: flags.FlagValues, stop: threading.Event, group=None) -> int:
     """A prefill or decode role of a multi-process deployment (`group`: this process's
     place in a role spanning processes): 2 for bad auth flags or an open plane, 1 when
     it cannot start or the router refuses it."""
-    auth = _role_auth(fv, f"the {fv.role} worker")
+    auth = role_auth(fv, f"the {fv.role} worker")
     if auth is None:
         return 2
     from jaxpd.serving.worker import serve_role
@@ -265,7 +266,7 @@ def _run_router(fv: flags.FlagValues) -> int:
     from jaxpd.serving.router import Router, RouterConfig
     from jaxpd.serving.server import InferenceServer
 
-    auth = _role_auth(fv, "the router's internal port")
+    auth = role_auth(fv, "the router's internal port")
     if auth is None:
         return 2
     stop = _stop_on_signals()

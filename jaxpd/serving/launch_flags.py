@@ -1,20 +1,21 @@
-"""The flags of `python -m jaxpd.launch` and what is derived from them before jax loads:
-the virtual CPU device count, CPU pinning, the internal plane's credentials, the
-engine options. Plain Python (absl flags): importing this loads no jax."""
+"""The flags of `python -m jaxpd.launch` that are not `EngineConfig`'s (those are
+generated from its fields: `config_flags`), written here once: serving, roles, the
+router, auth; and what is derived from them: the internal plane's credentials, the
+engine options, the checks of flag combinations. CPU devices and pinning:
+`jaxpd.sharding.cpu_devices`. Plain Python (absl flags): importing this loads no jax."""
 from __future__ import annotations
 
-import os
-import re
 import sys
 
 from absl import flags
 
-from jaxpd.config import EngineConfig
+from jaxpd.serving.config_flags import config_options, define_config_flags
 
 
 def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     """Define the launcher's flags on `fv` (the global FLAGS when run as a program)."""
     _define_serving_flags(fv)
+    define_config_flags(fv)
     _define_engine_flags(fv)
     _define_role_flags(fv)
     _define_auth_flags(fv)
@@ -25,13 +26,6 @@ def _define_serving_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("model", None, "Hugging Face checkpoint directory of a Llama-family "
                         "model (default: the built-in model, jaxpd.default_model_dir()).",
                         flag_values=fv)
-    flags.DEFINE_string("mesh", "auto", "Mesh spec: prefill=P,decode=D[xT], colocated=N, "
-                        "elastic=N, or auto: on CPU one device per role (prefill=1,decode=1, "
-                        "or the role's =1), which is fastest there; on accelerators the "
-                        "devices split in half (a role takes them all).", flag_values=fv)
-    flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
-                      "Dtype of the weights and the KV cache; auto: float32 on CPU, bfloat16 "
-                      "on TPU/GPU.", flag_values=fv)
     flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (gRPC and /metrics).",
                         flag_values=fv)
     flags.DEFINE_integer("port", 50051, "gRPC port; 0 picks a free one and prints it.",
@@ -77,33 +71,12 @@ def _define_serving_flags(fv: flags.FlagValues) -> None:
 
 
 def _define_engine_flags(fv: flags.FlagValues) -> None:
-    """`EngineConfig` knobs and admission control."""
-    flags.DEFINE_integer("max_model_len", None, "Prompt + generated tokens per request "
-                         "(default: the model's max_position_embeddings, capped by what "
-                         "--kv_cache_gb holds).", lower_bound=2, flag_values=fv)
+    """Engine options beside `EngineConfig`'s fields (whose flags `config_flags`
+    generates): the KV budget, the compile cache, admission SLOs, the elastic split."""
     flags.DEFINE_float("kv_cache_gb", None, "GB of KV each pool may hold (each decode dp "
                        "shard's and the prefill mesh's; default: 2 on CPU, half a device's "
                        "memory on accelerators); sets the pages per shard.", lower_bound=0.001,
                        flag_values=fv)
-    flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page (a power of two).",
-                         lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("slots_per_shard", EngineConfig.slots_per_shard,
-                         "Decode slots per decode dp shard.",
-                         lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("decode_context_step", 8, "A decode step computes its context in "
-                         "multiples of this many pages (one compiled program per width).",
-                         lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("max_prefill_batch", 8, "Most requests in one prefill batch.",
-                         lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("prefill_chunk_tokens", EngineConfig.prefill_chunk_tokens,
-                         "A prefill mesh prefills a prompt longer than this (a power of two) "
-                         "in chunks of this many tokens, each attending to the earlier ones.",
-                         lower_bound=16, flag_values=fv)
-    flags.DEFINE_float("bucket_timeout_ms", 5.0, "Longest wait for a prefill batch to fill.",
-                       lower_bound=0, flag_values=fv)
-    flags.DEFINE_integer("max_queued", 4096, "Requests waiting for prefill (on a router and "
-                         "behind the HTTP API: requests in flight) before new ones get "
-                         "RESOURCE_EXHAUSTED / 429.", lower_bound=1, flag_values=fv)
     flags.DEFINE_float("slo_ttft_ms", 0.0, "Reject (RESOURCE_EXHAUSTED) a request whose "
                        "predicted TTFT exceeds this; 0 = off.", lower_bound=0, flag_values=fv)
     flags.DEFINE_float("slo_tpot_ms", 0.0, "With --elastic: the time-per-output-token SLO "
@@ -126,46 +99,10 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                        "starting scaling, time per unit of work ~ (devices now / after) ** "
                        "this, in [0, 1] (1: ideal); each move then measures it.",
                        lower_bound=0, upper_bound=1, flag_values=fv)
-    flags.DEFINE_integer("layerwise_min_tokens", 0, "Prefill buckets of at least this many "
-                         "tokens send their KV layer group by layer group, each as soon as it "
-                         "is computed, overlapping the transfer with the rest of the prefill; "
-                         "0 = always whole.", lower_bound=0, flag_values=fv)
-    flags.DEFINE_integer("layerwise_parts", 4, "Layer groups of a layer-wise transfer.",
-                         lower_bound=2, flag_values=fv)
-    flags.DEFINE_enum("kv_transfer_dtype", None, ["int8", "fp8"], "Compress KV in transit "
-                      "(per-page scales; lossy). Unset: send it as stored.", flag_values=fv)
     flags.DEFINE_string("compilation_cache_dir", None, "Keep compiled programs here and "
                         "load them on the next start ('none': off). Default: "
-                        "$JAX_COMPILATION_CACHE_DIR, else $JAXPD_CACHE/xla (~/.cache/jaxpd/xla).",
+                        "$JAX_COMPILATION_CACHE_DIR, else $JAXPD_CACHE/xla (jaxpd.paths).",
                         flag_values=fv)
-    flags.DEFINE_bool("enable_prefix_caching", None, "Cache full KV pages by content on "
-                      "the decode mesh and on the prefill mesh: a request sharing a cached "
-                      "prefix computes only the rest (on the decode mesh when the rest is "
-                      "short) and its handoff carries only the pages the decode side lacks. "
-                      "Default: on for disaggregated meshes (one process with prefill and "
-                      "decode meshes, and prefill or decode role processes), off for "
-                      "colocated, elastic, layer-wise, compressed and multi-process roles "
-                      "(--noenable_prefix_caching turns it off). On a router: "
-                      "route by the prefixes the workers' caches advertise unless "
-                      "--noenable_prefix_caching.",
-                      flag_values=fv)
-    flags.DEFINE_integer("prefix_extend_below", 256, "With prefix caching: a request whose "
-                         "uncached rest is shorter than this is prefilled on the decode mesh.",
-                         lower_bound=0, flag_values=fv)
-    flags.DEFINE_integer("prefill_cache_pages", None, "With prefix caching: pages of the "
-                         "prefill mesh's own cache. Default: as many as a decode shard's "
-                         "pool, at least what its largest prefill batch needs.", lower_bound=2,
-                         flag_values=fv)
-    flags.DEFINE_integer("local_prefill_below", 0, "Prompts shorter than this are prefilled "
-                         "on the decode mesh itself (no transfer); 0 = never.", lower_bound=0,
-                         flag_values=fv)
-    flags.DEFINE_enum("attention_impl", "auto",
-                      ["auto", "reference", "native", "pallas_gpu", "pallas_tpu"],
-                      "Attention core: 'auto' is 'native' on CPU (C++ kernels built on first "
-                      "use, for decode, and for prefill where the CPU has AVX-512; the jnp "
-                      "reference where they cannot be built) and the jnp "
-                      "reference elsewhere (the Pallas kernels are opt-in until checked on a "
-                      "device).", flag_values=fv)
 
 
 def _define_role_flags(fv: flags.FlagValues) -> None:
@@ -184,10 +121,6 @@ def _define_role_flags(fv: flags.FlagValues) -> None:
                       "(workers may also register themselves).", flag_values=fv)
     flags.DEFINE_list("decode_workers", [], "router role: host:port of decode workers.",
                       flag_values=fv)
-    flags.DEFINE_float("handoff_wait_ms", 200.0, "prefill role, transfer server: before its "
-                       "next batch, wait up to this long for the decode side to pull the last "
-                       "handoffs (the pull is served by this process; a long prefill would "
-                       "hold it up). 0: do not wait.", lower_bound=0, flag_values=fv)
     flags.DEFINE_enum("kv_transport", "transfer_server", ["transfer_server", "grpc"],
                       "prefill/decode roles: how KV pages cross processes (the JAX transfer "
                       "server, or a gRPC byte stream where it is unavailable).", flag_values=fv)
@@ -254,7 +187,7 @@ def internal_auth(fv: flags.FlagValues):
         tls_server_name=fv.tls_server_name, insecure=fv.insecure_internal)
 
 
-def _role_auth(fv: flags.FlagValues, what: str):
+def role_auth(fv: flags.FlagValues, what: str):
     """The internal auth of a role, checked against its --host; None (after printing
     why) when the flags are wrong or the plane would be open."""
     try:
@@ -332,72 +265,10 @@ def multihost_error(fv: flags.FlagValues) -> str | None:
     return None
 
 
-def set_cpu_device_count(mesh: str, environ=os.environ, processes: int = 1) -> int | None:
-    """On CPU (JAX_PLATFORMS unset or naming cpu), make XLA create as many virtual
-    devices as this process's share of `mesh` needs (`processes` share it equally),
-    replacing any count already in XLA_FLAGS. Returns the count, or None when the
-    platform is not CPU. Must run before jax initialises."""
-    # Plain Python: loads no jax. The launcher owns its process, so its mesh flag decides
-    # (a count already in XLA_FLAGS is replaced), and its route is XLA_FLAGS, which the
-    # processes it starts inherit; `LLM` asks the same count through jax's config.
-    from jaxpd.sharding.cpu_devices import COUNT_FLAG, cpu_devices_needed, platforms_allow_cpu
-
-    if not platforms_allow_cpu(environ.get("JAX_PLATFORMS")):
-        return None
-    num = cpu_devices_needed(mesh, processes)
-    rest = re.sub(COUNT_FLAG + r"=\S+", "", environ.get("XLA_FLAGS", "")).split()
-    environ["XLA_FLAGS"] = " ".join(rest + [f"{COUNT_FLAG}={num}"])
-    return num
-
-
-def parse_cpus(spec: str, allowed: set[int] | None = None) -> set[int]:
-    """"0", "1-3", "0,2-3" -> the CPU ids. ValueError naming --cpus for anything else,
-    or for CPUs outside `allowed` (default: those this process may run on)."""
-    cpus: set[int] = set()
-    for part in spec.split(","):
-        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
-        if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
-            raise ValueError(f"--cpus must be CPU ids and ranges like '0' or '1-3,5', got {spec!r}")
-        cpus.update(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
-    allowed = os.sched_getaffinity(0) if allowed is None else set(allowed)
-    if not cpus <= allowed:
-        raise ValueError(f"--cpus {spec!r} names CPUs {sorted(cpus - allowed)} this process may "
-                         f"not use (allowed: {sorted(allowed)})")
-    return cpus
-
-
-def pin_cpus(spec: str | None) -> set[int] | None:
-    """Run this process on `spec`'s CPUs only. Before jax starts: XLA:CPU sizes its
-    thread pool from the CPUs the process may use, so a role pinned to a core set
-    computes on those cores alone (one process per role is what isolates prefill from
-    decode on a CPU: one process's devices share one pool)."""
-    if spec is None:
-        return None
-    cpus = parse_cpus(spec)
-    os.sched_setaffinity(0, cpus)
-    return cpus
-
-
 def engine_options(fv: flags.FlagValues) -> dict:
-    """`LLM` keyword arguments from the flags (unset ones keep the LLM's defaults)."""
-    options = dict(mesh=fv.mesh, dtype=fv.dtype, page_size=fv.page_size,
-                   slots_per_shard=fv.slots_per_shard, max_prefill_batch=fv.max_prefill_batch,
-                   prefill_chunk_tokens=fv.prefill_chunk_tokens,
-                   bucket_timeout_ms=fv.bucket_timeout_ms, max_queued=fv.max_queued,
-                   layerwise_min_tokens=fv.layerwise_min_tokens,
-                   layerwise_parts=fv.layerwise_parts, kv_transfer_dtype=fv.kv_transfer_dtype,
-                   local_prefill_below=fv.local_prefill_below,
-                   # Unset on a role spanning processes: off (not supported there yet).
-                   enable_prefix_caching=(False if fv.num_processes > 1 and
-                                          fv.enable_prefix_caching is None
-                                          else fv.enable_prefix_caching),
-                   prefix_extend_below=fv.prefix_extend_below,
-                   decode_context_step=fv.decode_context_step,
-                   attention_impl=fv.attention_impl, handoff_wait_ms=fv.handoff_wait_ms)
-    if fv.max_model_len is not None:
-        options["max_model_len"] = fv.max_model_len
+    """`LLM` keyword arguments from the flags: `EngineConfig`'s (`config_flags`) and the
+    KV budget (unset ones keep the LLM's defaults)."""
+    options = config_options(fv, processes=fv.num_processes)
     if fv.kv_cache_gb is not None:
         options["kv_cache_memory"] = int(fv.kv_cache_gb * 1e9)
-    if fv.prefill_cache_pages is not None:
-        options["prefill_cache_pages"] = fv.prefill_cache_pages
     return options

@@ -1,0 +1,48 @@
+"""`Program`: one jitted program an engine serves, with the arguments a call passes it.
+
+A runner builds a `Program` with the same argument builder its serving call uses, so
+what `jaxpd.export` lowers (its `abstract_args`) is what warm-up compiles and a request
+runs: same shapes, dtypes and shardings, same donated state.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import numpy as np
+
+# Which attention core a program runs: "reference", "native", "pallas_gpu",
+# "pallas_tpu", or "none" for programs without attention (page moves, penalties).
+NO_KERNEL = "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """`fn` (jitted) called with `args`: arrays on the mesh (params, pools, inputs put
+    where the serving call puts them) and host numpy inputs (which the program places
+    by its `shard_map` specs: `host_sharding`). `kernel`: its attention core."""
+    name: str
+    fn: Callable
+    args: tuple
+    kernel: str = NO_KERNEL
+    host_sharding: jax.sharding.Sharding | None = None
+
+    def abstract_args(self) -> tuple:
+        """`args` as `jax.ShapeDtypeStruct`s with their shardings (what lowering needs)."""
+        def spec(x):
+            sharding = getattr(x, "sharding", None) or self.host_sharding
+            return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+        return jax.tree.map(spec, self.args)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramSpec:
+    """One entry of the serving set (`warmup.serving_programs`): `warm` runs it once
+    through the runner's serving call (compiling it); `build` makes its `Program`(s)
+    for lowering. `background`: compiled on first demand while serving (prefix
+    programs), not at warm-up; still served, so still exported."""
+    describe: str
+    warm: Callable[[], object]
+    build: Callable[[], list[Program]]
+    background: bool = False
