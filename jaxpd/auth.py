@@ -140,19 +140,39 @@ class InternalAuth:
 
     def channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
         """A channel whose every call carries this process's credentials."""
-        options = list(options)
-        if self.tls:
-            creds = grpc.ssl_channel_credentials(root_certificates=self.tls_ca,
-                                                 private_key=self.tls_key,
-                                                 certificate_chain=self.tls_cert)
-            if self.tls_server_name:
-                options.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        creds, options = self._client_credentials(options)
+        if creds is not None:
             channel = grpc.secure_channel(address, creds, options=options)
         else:
             channel = grpc.insecure_channel(address, options=options)
         if self.token is not None:
             channel = grpc.intercept_channel(channel, _TokenClientInterceptor(self.token))
         return channel
+
+    def aio_channel(self, address: str, options: Sequence[tuple[str, Any]] = ()
+                    ) -> grpc.aio.Channel:
+        """An asyncio channel with this process's TLS credentials (make it on the loop
+        that uses it); every call on it passes `metadata` for the token."""
+        creds, options = self._client_credentials(options)
+        if creds is not None:
+            return grpc.aio.secure_channel(address, creds, options=options)
+        return grpc.aio.insecure_channel(address, options=options)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The call metadata an `aio_channel` call carries."""
+        return ((TOKEN_METADATA, self.token),) if self.token is not None else ()
+
+    def _client_credentials(self, options: Sequence[tuple[str, Any]]):
+        options = list(options)
+        if not self.tls:
+            return None, options
+        creds = grpc.ssl_channel_credentials(root_certificates=self.tls_ca,
+                                             private_key=self.tls_key,
+                                             certificate_chain=self.tls_cert)
+        if self.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        return creds, options
 
 
 NO_AUTH = InternalAuth()

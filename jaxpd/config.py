@@ -195,8 +195,9 @@ class EngineConfig:
     pages_per_shard: int | None = knob(
         None, "KV pages per decode dp shard's pool (default: what --kv_cache_gb holds, at "
         "most enough for every slot to reach max_model_len).", lower_bound=2)
-    max_queued: int = knob(1024, "Requests waiting for prefill before new ones get "
-                           "RESOURCE_EXHAUSTED.", lower_bound=1)
+    max_queued: int = knob(4096, "Requests waiting for prefill (on a router and behind "
+                           "the HTTP API: requests in flight) before new ones get "
+                           "RESOURCE_EXHAUSTED / 429.", lower_bound=1)
     local_prefill_below: int = knob(
         0, "Prompts shorter than this are prefilled on the decode mesh itself (no "
         "transfer); 0 = never.", lower_bound=0)

@@ -7,12 +7,11 @@ and in how a dead back end shows (`failure`).
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from jaxpd.chat import render_chat
 from jaxpd.config import EngineConfig
+from jaxpd.output_sink import EventQueue, MergedEvents
 from jaxpd.outputs import CompletionOutput, RequestMetrics, StreamDelta
 from jaxpd.request import Request
 from jaxpd.sampling_params import SamplingParams
@@ -21,8 +20,6 @@ from jaxpd.validation import (MAX_REQUEST_ID_LEN, check_request, check_request_i
                               check_text_size, default_max_prompt_bytes)
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.tokenizer import Tokenizer
-
-_POLL_S = 0.5
 
 
 class Frontend:
@@ -174,58 +171,69 @@ class Frontend:
                 self.abort(r.request_id, "stream closed")
 
     def deltas(self, request: Request) -> Iterator[StreamDelta]:
-        """`events(request)` as `StreamDelta`s: the text of the new tokens (stop strings
-        applied: text that may begin one is held back until it is known not to) and
-        their log-probabilities when the request asked for them."""
+        """`events(request)` as `StreamDelta`s (`delta_maker`)."""
+        make = self.delta_maker(request)
+        for ids, finish in self.events(request):
+            yield make(ids, finish)
+
+    def delta_maker(self, request: Request) -> Callable[[list[int], str | None], StreamDelta]:
+        """A function from one event of `request` to its `StreamDelta`: the text of the
+        new tokens (stop strings applied: text that may begin one is held back until it
+        is known not to) and their log-probabilities when the request asked for them.
+        Events go through it in order, once each."""
         text = TextStream(self.tokenizer, request.params.stop) if self.tokenizer else None
         seen = 0
-        for ids, finish in self.events(request):
+
+        def make(ids: list[int], finish: str | None) -> StreamDelta:
+            nonlocal seen
             new = text.push(ids) if text else ""
             if finish is not None and text:
                 new += text.finish()
             logprobs = None
             if request.logprobs is not None:
                 logprobs, seen = request.logprobs[seen:seen + len(ids)], seen + len(ids)
-            yield StreamDelta(request.request_id, ids, new, finish, logprobs)
+            return StreamDelta(request.request_id, ids, new, finish, logprobs)
+        return make
 
-    def merged_deltas(self, requests: Sequence[Request]) -> Iterator[tuple[int, StreamDelta]]:
-        """(index in `requests`, delta) of several requests as they come (one thread
-        per request beyond the first follows its events); ends when all have ended."""
+    @staticmethod
+    def merge_events(requests: Sequence[Request], max_buffered: int | None = None
+                     ) -> MergedEvents | None:
+        """Give several not yet submitted requests one blocking queue for their events
+        (`merged_deltas` then waits on it with one thread); None for a single request."""
+        if len(requests) == 1:
+            if max_buffered is not None:
+                requests[0].events = EventQueue(max_buffered)
+            return None
+        merged = MergedEvents(len(requests), max_buffered)
+        for r, sink in zip(requests, merged.sinks):
+            r.events = sink
+        return merged
+
+    def merged_deltas(self, requests: Sequence[Request], merged: MergedEvents | None = None
+                      ) -> Iterator[tuple[int, StreamDelta]]:
+        """(index in `requests`, delta) of several requests as they come, read by the
+        calling thread alone from `merged` (what `merge_events` gave them before they
+        were submitted; one request needs none); ends when all have ended."""
         if len(requests) == 1:
             for d in self.deltas(requests[0]):
                 yield 0, d
             return
-        inbox: queue.SimpleQueue = queue.SimpleQueue()
-
-        def follow(i: int, r: Request) -> None:
-            try:
-                for d in self.deltas(r):
-                    inbox.put((i, d))
-            except BaseException as e:   # noqa: BLE001 -- re-raised by the consumer
-                inbox.put((i, e))
-
-        for i, r in enumerate(requests):
-            threading.Thread(target=follow, args=(i, r), name="jaxpd-samples",
-                             daemon=True).start()
+        if merged is None:
+            raise ValueError("several requests stream together only through the "
+                             "MergedEvents that merge_events gave them before submit")
+        makers = [self.delta_maker(r) for r in requests]
         live = len(requests)
         while live:
-            i, d = inbox.get()
-            if isinstance(d, BaseException):
-                raise d
-            yield i, d
-            live -= d.finish_reason is not None
+            i, (ids, finish) = merged.get()
+            yield i, makers[i](ids, finish)
+            live -= finish is not None
 
     def events(self, request: Request) -> Iterator[tuple[list[int], str | None]]:
-        """(new token ids, finish reason or None) until the request ends; never hangs on a
-        dead engine (the engine aborts every live request when it fails)."""
+        """(new token ids, finish reason or None) until the request ends, from its
+        `EventQueue` (the default sink). Never hangs on a dead back end: one that fails
+        aborts every live request, and `submit` refuses once it has failed."""
         while True:
-            try:
-                ids, finish = request.events.get(timeout=_POLL_S)
-            except queue.Empty:
-                error = self.failure()
-                if error is not None and not request.is_final:
-                    request.abort(f"failed: {error!r}")
-                continue
+            ids, finish = request.events.get()
             yield ids, finish
             if finish is not None:
                 return

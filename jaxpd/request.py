@@ -20,10 +20,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import queue
 import threading
 import time
 
+from jaxpd.output_sink import SLOW_READER, EventQueue, OutputSink
 from jaxpd.sampling_params import SamplingParams
 from jaxpd.text import StopText
 
@@ -144,7 +144,9 @@ class Request:
         self.finish_reason: str | None = None   # "stop" | "length" | "abort"
         self.abort_reason: str | None = None
         self.timings = Timings(arrival=time.perf_counter())
-        self.events: queue.SimpleQueue = queue.SimpleQueue()  # (new_ids, finished) for streams
+        # (new ids, finish reason or None) for its stream: the consumer may give it another
+        # sink before it is submitted (`jaxpd.output_sink`).
+        self.events: OutputSink = EventQueue()
         self._lock = threading.Lock()
         self.destination: str | None = None   # decode peer for its KV (multi-process)
         # Prefix caching: leading full pages its decode side is believed to hold, which
@@ -279,7 +281,8 @@ class Request:
         The token, the stop checks and the move to FINISHED, with their events, are one
         step under the request's lock: an `abort` from another thread lands before it
         (no token is taken) or after it (the abort is a no-op), and a stream sees the
-        events in the order the changes happened."""
+        events in the order the changes happened. A sink past its bound (a slow reader)
+        aborts the request here, with `SLOW_READER`."""
         with self._lock:
             if self.state in FINAL:
                 return True
@@ -294,7 +297,10 @@ class Request:
                 reason = "stop"
             elif len(self.output_ids) >= self.params.max_tokens:
                 reason = "length"
-            self.events.put(([token], None))
+            if not self.events.put(([token], None)):
+                self.abort_reason = SLOW_READER
+                self._end(State.ABORTED, "abort", now)
+                return True
             if reason is None:
                 return False
             self._end(State.FINISHED, reason, now)

@@ -193,6 +193,20 @@ def test_closing_a_stream_aborts_it_and_frees_its_pages(client, llm):
         time.sleep(0.05)
 
 
+def test_a_reader_that_stops_reading_is_cut_off_and_its_pages_freed(llm):
+    """The engine never waits for a stream's reader: past the sink's bound the request
+    aborts with the reason, and its slot and pages are freed."""
+    from jaxpd.output_sink import SLOW_READER, EventQueue
+    r = llm.make_request("The cat", sampling_params=SamplingParams(
+        max_tokens=40, temperature=0, ignore_eos=True))
+    r.events = EventQueue(max_buffered=4)
+    llm.submit(r)              # ... and nobody reads its events
+    wait_for(lambda: r.is_final, timeout_s=60)
+    # the token whose event went past the bound is the last one taken
+    assert r.abort_reason == SLOW_READER and len(r.output_ids) == 5
+    wait_all_free(llm)
+
+
 def test_health_and_metrics(server, llm):
     status, _, body = request(server.port, "GET", "/health")
     health = json.loads(body)

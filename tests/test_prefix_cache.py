@@ -432,36 +432,37 @@ def test_prefix_index_applies_advertisements_in_order_and_expires_beliefs():
 
 
 def test_router_prefers_the_prefill_worker_holding_the_prompt_unless_it_is_busier():
-    """`RequestFlow._prefill_order`: tokens to compute (all but the prefix a worker is
+    """`RequestFlow.prefill_order`: tokens to compute (all but the prefix a worker is
     believed to hold) plus its queue in requests of this length."""
     from jaxpd.serving.prefix_index import PrefixIndex
-    from jaxpd.serving.router import _Worker
+    from jaxpd.serving.router import RouterConfig
     from jaxpd.serving.router_flow import RequestFlow
+    from jaxpd.serving.worker_pool import Worker
 
-    class Flow(RequestFlow):
+    class Pool:          # the one WorkerPool method prefill_order asks
         def __init__(self, workers):
-            self.prefix, self.workers = PrefixIndex(16), workers
+            self.workers = workers
 
-        def _live_workers(self, role, exclude=(), model=None):
+        def live(self, role, exclude=(), model=None):
             return list(self.workers)
 
-    a, b = (_Worker("prefill", name, None, static=True) for name in ("a", "b"))
-    decoder = _Worker("decode", "d", None, static=True)
+    a, b = (Worker("prefill", name, None, static=True) for name in ("a", "b"))
+    decoder = Worker("decode", "d", None, static=True)
     decoder.info = types.SimpleNamespace(model="m")
-    flow = Flow([a, b])
+    flow = RequestFlow(Pool([a, b]), RouterConfig(), None, PrefixIndex(16), 100, None)
     ids = list(range(3, 83))                               # 80 tokens, 5 pages
     r = Request("r", ids, SamplingParams(max_tokens=1))
     query = flow.prefix.query(ids)
-    assert flow._prefill_order(r, decoder, query) == [a, b]         # nothing cached: in order
+    assert flow.prefill_order(r, decoder, query) == [a, b]         # nothing cached: in order
     flow.prefix.record("b", ids[:48])                      # b holds 3 pages of it ...
-    assert flow._prefill_order(r, decoder, query) == [a, b]         # ... but has no cache on
+    assert flow.prefill_order(r, decoder, query) == [a, b]         # ... but has no cache on
     for worker in ("a", "b"):
         assert flow.prefix.advertise(worker, _empty_advert())
     flow.prefix.record("b", ids[:48])                      # with its cache on
-    assert flow._prefill_order(r, decoder, query) == [b, a]
+    assert flow.prefill_order(r, decoder, query) == [b, a]
     b.load["queue"] = 1                                    # ... but has one queued
-    assert flow._prefill_order(r, decoder, query) == [a, b]
-    assert flow._prefill_order(r, decoder, None) == [a, b]          # no prefix routing: by load
+    assert flow.prefill_order(r, decoder, query) == [a, b]
+    assert flow.prefill_order(r, decoder, None) == [a, b]          # no prefix routing: by load
 
 
 @pytest.mark.slow

@@ -101,7 +101,7 @@ def test_prefill_worker_killed_mid_conversation_fails_over_and_accounting_is_exa
         # dead process's would: nothing reaches the decode side.
         # Both prefill workers idle in the router's view (a heartbeat since turn 1): at
         # equal load, turn 1's worker wins by the prompt prefix its cache holds.
-        _until(lambda: all(w.load["queue"] == 0 for w in router._live_workers("prefill")),
+        _until(lambda: all(w.load["queue"] == 0 for w in router.workers.live("prefill")),
                10, "prefill workers' load not refreshed")
         skip2 = synced_skip(router, decode_llm, decode_server, conv)
         blocked, held = threading.Event(), []

@@ -354,6 +354,9 @@ class Engine:
             raise RuntimeError("engine is shut down")
         request.watch_stop_strings(self.model.tokenizer)
         self.requests.submit(request)
+        error = self._error
+        if error is not None:    # failed meanwhile: `fail`'s abort_all may have missed it
+            self.requests.abort(request.request_id, f"failed: {error!r}")
         return request
 
     def register(self, request: Request) -> None:

@@ -14,8 +14,16 @@ this process) or anything with its interface (`make_request`, `submit`, `abort`,
 - overload is RESOURCE_EXHAUSTED before any work is done: more than
   `max_concurrent_rpcs` Generate/Complete calls at once, the engine's bounded queue
   (`QueueFull`), or the predicted TTFT above the SLO (`jaxpd.admission`);
-- a cancelled call or a passed deadline aborts the request at once (an RPC callback),
-  so its slot and pages are freed by the engine's next iteration.
+- a cancelled call or a passed deadline aborts the request at once (the handler is
+  cancelled, and an RPC done-callback), so its slot and pages are freed by the engine's
+  next iteration.
+
+The handlers are coroutines on the server's `grpc.aio` event loop: a request's events
+reach it through an `AsyncOutputs` (the engine's thread hands them over without
+blocking), so a call in flight costs no thread. What blocks runs on small pools:
+tokenizing and submitting on `prep_pool`, Stats (a router asks every worker) on
+`control_pool`. A stream whose client reads slower than tokens come is cut off past
+`max_buffered` unread events (`SLOW_READER`).
 
 Request ids: the front end always runs a request under an id it assigns itself
 (`req-` + 64 random bits in an engine). A client-chosen `request_id` is validated
@@ -26,17 +34,19 @@ another's request. Unset, the response carries the assigned id.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
-from typing import TYPE_CHECKING, Callable
+from concurrent import futures
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from jaxpd.serving.admission import AdmissionController
-from jaxpd.outputs import RequestMetrics
+from jaxpd.outputs import RequestMetrics, StreamDelta
 from jaxpd.errors import QueueFull
-from jaxpd.serving.pool import ShrinkingThreadPool, on_pool
+from jaxpd.output_sink import MAX_BUFFERED, AsyncOutputs
 from jaxpd.serving.prometheus import ServingMetrics
 from jaxpd.serving.proto import jaxpd_pb2
 from jaxpd.request import Request, State
@@ -48,7 +58,6 @@ if TYPE_CHECKING:
 
 _SERVICE = jaxpd_pb2.DESCRIPTOR.services_by_name["Generation"]
 SERVICE_NAME = _SERVICE.full_name
-_CONTROL_METHODS = ("ModelInfo", "Stats")
 # A call cancelled with less than this left before its deadline ended by the deadline.
 DEADLINE_SLACK_S = 0.5
 
@@ -61,15 +70,29 @@ class _Reject(Exception):
         self.code, self.message = code, message
 
 
-def _parsing(behaviour: Callable, request_class) -> Callable:
+def _parse(data: bytes, request_class):
+    try:
+        return request_class.FromString(data), None
+    except DecodeError as e:
+        return None, f"the request is not a valid {request_class.DESCRIPTOR.full_name}: {e}"
+
+
+def _parsing(behaviour: Callable, request_class, streaming: bool) -> Callable:
     """`behaviour` taking the request's bytes: what does not parse is INVALID_ARGUMENT."""
-    def handle(data: bytes, context):
-        try:
-            request = request_class.FromString(data)
-        except DecodeError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"the request is not a valid {request_class.DESCRIPTOR.full_name}: {e}")
-        return behaviour(request, context)
+    if streaming:
+        async def handle_stream(data: bytes, context):
+            request, error = _parse(data, request_class)
+            if error is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+            async for reply in behaviour(request, context):
+                yield reply
+        return handle_stream
+
+    async def handle(data: bytes, context):
+        request, error = _parse(data, request_class)
+        if error is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        return await behaviour(request, context)
     return handle
 
 
@@ -78,16 +101,19 @@ class GenerationServicer:
 
     `max_generating`: Generate/Complete calls at once (more: RESOURCE_EXHAUSTED).
     `max_prompt_bytes`: longest prompt/Tokenize text; None: derived from the front
-    end's max_prompt_len (`default_max_prompt_bytes`)."""
+    end's max_prompt_len (`default_max_prompt_bytes`). `max_buffered`: events of one
+    request the client has not read yet; past it the request aborts (`SLOW_READER`)."""
 
     def __init__(self, admission: AdmissionController, metrics: ServingMetrics,
-                 max_generating: int = 128, max_prompt_bytes: int | None = None):
+                 max_generating: int = 4096, max_prompt_bytes: int | None = None,
+                 max_buffered: int = MAX_BUFFERED):
         if max_generating < 1:
             raise ValueError(f"max_concurrent_rpcs must be >= 1, got {max_generating}")
         if max_prompt_bytes is not None and max_prompt_bytes < 1:
             raise ValueError(f"max_prompt_bytes must be >= 1, got {max_prompt_bytes}")
         self.admission, self.metrics = admission, metrics
         self.max_generating, self._max_prompt_bytes = max_generating, max_prompt_bytes
+        self.max_buffered = max_buffered
         self.llm: LLM | None = None
         self._lock = threading.Lock()
         self._generation_done = threading.Condition(self._lock)
@@ -128,32 +154,35 @@ class GenerationServicer:
             return self._max_prompt_bytes
         return default_max_prompt_bytes(self.llm.config.max_prompt_len)
 
-    def handlers(self, control_pool: ShrinkingThreadPool) -> grpc.GenericRpcHandler:
-        """The Generation service, every method as the proto declares it, parsing its
-        requests itself; ModelInfo and Stats run on `control_pool`."""
+    def handlers(self, prep_pool: futures.Executor, control_pool: futures.Executor
+                 ) -> grpc.GenericRpcHandler:
+        """The Generation service for a `grpc.aio` server, every method as the proto
+        declares it, parsing its requests itself; tokenizing and submitting run on
+        `prep_pool`, Stats on `control_pool`."""
+        self._prep_pool, self._control_pool = prep_pool, control_pool
         methods = {}
         for method in _SERVICE.methods:
             request_class = getattr(jaxpd_pb2, method.input_type.name)
             response_class = getattr(jaxpd_pb2, method.output_type.name)
-            behaviour = _parsing(getattr(self, method.name), request_class)
-            if method.name in _CONTROL_METHODS:
-                behaviour = on_pool(behaviour, control_pool)
+            behaviour = _parsing(getattr(self, method.name), request_class,
+                                 method.server_streaming)
             make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
                     else grpc.unary_unary_rpc_method_handler)
             methods[method.name] = make(behaviour, request_deserializer=None,
                                         response_serializer=response_class.SerializeToString)
         return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
 
+    @staticmethod
+    async def _on(pool: futures.Executor, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
     # ---- RPCs ---------------------------------------------------------------------
 
-    def Generate(self, request, context):
-        with self._generation_slot(context):
+    async def Generate(self, request, context):
+        async with self._generation_slot(context):
+            requests, label, outputs = await self._start(request, context)
             try:
-                requests, label = self._start(request, context)
-            except _Reject as e:
-                context.abort(e.code, e.message)
-            try:
-                for i, d in self.llm.merged_deltas(requests):
+                async for i, d in self._deltas(requests, outputs):
                     reply = jaxpd_pb2.GenerateResponse(
                         request_id=label or requests[i].request_id, token_ids=d.token_ids,
                         text=d.text, index=i, logprobs=logprobs_message(d.logprobs))
@@ -163,19 +192,16 @@ class GenerationServicer:
                     yield reply
             finally:
                 for r in requests:
-                    self._finish(r)
+                    self._finish(r, self._end_reason(context))
 
-    def Complete(self, request, context):
-        with self._generation_slot(context):
+    async def Complete(self, request, context):
+        async with self._generation_slot(context):
+            requests, label, outputs = await self._start(request, context)
             try:
-                requests, label = self._start(request, context)
-            except _Reject as e:
-                context.abort(e.code, e.message)
-            try:
+                async for _ in self._deltas(requests, outputs):
+                    pass
                 samples = []
                 for i, r in enumerate(requests):
-                    for _ in self.llm.events(r):
-                        pass
                     out = self.llm.completion(r, i)
                     samples.append(jaxpd_pb2.Sample(
                         index=i, request_id=label or r.request_id, token_ids=out.token_ids,
@@ -189,21 +215,22 @@ class GenerationServicer:
                     logprobs=first.logprobs, samples=samples)
             finally:
                 for r in requests:
-                    self._finish(r)
+                    self._finish(r, self._end_reason(context))
 
-    def Tokenize(self, request, context):
-        llm = self._llm(context)
+    async def Tokenize(self, request, context):
+        llm = await self._llm(context)
         if llm.tokenizer is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          "this model has no tokenizer.json; send token_ids instead")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this model has no tokenizer.json; send token_ids instead")
         try:
             check_text_size(request.text, self.max_prompt_bytes, "text")
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return jaxpd_pb2.TokenizeResponse(token_ids=llm.tokenizer.encode(request.text))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        ids = await self._on(self._prep_pool, llm.tokenizer.encode, request.text)
+        return jaxpd_pb2.TokenizeResponse(token_ids=ids)
 
-    def ModelInfo(self, request, context):
-        llm = self._llm(context)
+    async def ModelInfo(self, request, context):
+        llm = await self._llm(context)
         cfg = llm.config
         return jaxpd_pb2.ModelInfoResponse(
             model_path=llm.model_path, vocab_size=llm.model_config.vocab_size,
@@ -212,10 +239,11 @@ class GenerationServicer:
             has_tokenizer=llm.tokenizer is not None, dtype=cfg.dtype, page_size=cfg.page_size,
             fingerprint=(llm.fingerprint or "")[:12])
 
-    def Stats(self, request, context):
-        self._llm(context)
+    async def Stats(self, request, context):
+        await self._llm(context)
         fields = jaxpd_pb2.StatsResponse.DESCRIPTOR.fields_by_name
-        return jaxpd_pb2.StatsResponse(**{k: v for k, v in self.stats().items()
+        stats = await self._on(self._control_pool, self.stats)
+        return jaxpd_pb2.StatsResponse(**{k: v for k, v in stats.items()
                                           if k in fields and v is not None})
 
     def stats(self) -> dict:
@@ -233,13 +261,13 @@ class GenerationServicer:
 
     # ---- helpers ------------------------------------------------------------------
 
-    def _llm(self, context) -> LLM:
+    async def _llm(self, context) -> LLM:
         if self.llm is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         return self.llm
 
-    @contextlib.contextmanager
-    def _generation_slot(self, context):
+    @contextlib.asynccontextmanager
+    async def _generation_slot(self, context):
         """Hold one of `max_generating` slots while the handler runs, or refuse it; the
         call stays open (`wait_generation_done`) until grpc has ended it."""
         with self._lock:
@@ -249,13 +277,12 @@ class GenerationServicer:
             else:
                 self._num_generating += 1
         if full:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{self.max_generating} Generate/Complete calls are in flight "
-                          f"(max_concurrent_rpcs={self.max_generating})")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.max_generating} Generate/Complete calls are in flight "
+                                f"(max_concurrent_rpcs={self.max_generating})")
         with self._lock:
             self._num_open_calls += 1
-        if not context.add_callback(self._call_ended):
-            self._call_ended()   # the RPC already ended before we could register
+        context.add_done_callback(lambda _: self._call_ended())
         try:
             yield
         finally:
@@ -267,6 +294,27 @@ class GenerationServicer:
         with self._generation_done:
             self._num_open_calls -= 1
             self._generation_done.notify_all()
+
+    def _end_reason(self, context) -> str:
+        """Why a call's requests are aborted when it ends before they do. A client ends
+        its call at its own deadline, which is earlier than ours by the time its request
+        took to reach us: a cancel that close to our deadline is the deadline."""
+        if self._draining:
+            return "shutdown"
+        left = context.time_remaining()
+        if left is not None and left <= DEADLINE_SLACK_S:
+            return "deadline exceeded"
+        return "cancelled"
+
+    async def _deltas(self, requests: list[Request], outputs: AsyncOutputs
+                      ) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """(index, delta) of `requests` as their events reach `outputs`."""
+        makers = [self.llm.delta_maker(r) for r in requests]
+        live = len(requests)
+        while live:
+            i, (ids, finish) = await outputs.get()
+            yield i, makers[i](ids, finish)
+            live -= finish is not None
 
     def _make_requests(self, msg: jaxpd_pb2.GenerateRequest) -> tuple[list[Request], str | None]:
         """Validate and build (one request per sample) under ids the front end assigns;
@@ -299,16 +347,38 @@ class GenerationServicer:
                 raise ValueError("prompt encodes to no tokens")
         return llm.make_requests(prompt_token_ids=ids, sampling_params=params), client_id
 
-    def _start(self, msg: jaxpd_pb2.GenerateRequest, context) -> tuple[list[Request], str | None]:
-        """Validate, admit, submit (every sample, or none), and arrange for cancellation
-        to abort them. Returns the requests and the client's id to echo, if it gave one."""
-        llm = self._llm(context)
+    async def _start(self, msg: jaxpd_pb2.GenerateRequest, context
+                     ) -> tuple[list[Request], str | None, AsyncOutputs]:
+        """Validate, admit, submit (every sample, or none), and arrange for the call's
+        end to abort them; a refusal aborts the call. Returns the requests, the
+        client's id to echo (if it gave one) and where their events go."""
+        llm = await self._llm(context)
         if self._draining:
-            raise _Reject(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        loop = asyncio.get_running_loop()
+        try:
+            requests, client_id, outputs = await self._on(self._prep_pool, self._submit_all,
+                                                          llm, msg, loop)
+        except _Reject as e:
+            await context.abort(e.code, e.message)
+        # At once on a cancel or a passed deadline (the handler may be waiting for the
+        # next token); a no-op after a normal end.
+        context.add_done_callback(
+            lambda _: [self._finish(r, self._end_reason(context)) for r in requests])
+        return requests, client_id, outputs
+
+    def _submit_all(self, llm: LLM, msg: jaxpd_pb2.GenerateRequest,
+                    loop: asyncio.AbstractEventLoop
+                    ) -> tuple[list[Request], str | None, AsyncOutputs]:
+        """Blocking (tokenizer, front end): build and submit every sample or none,
+        their events going to one `AsyncOutputs` on `loop`. Raises _Reject."""
         try:
             requests, client_id = self._make_requests(msg)
         except ValueError as e:
             raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        outputs = AsyncOutputs(loop, len(requests), self.max_buffered)
+        for r, sink in zip(requests, outputs.sinks):
+            r.events = sink
         submitted = []
         try:
             for r in requests:
@@ -318,26 +388,7 @@ class GenerationServicer:
             for r in submitted:
                 self._finish(r, "a sibling sample was refused")
             raise
-
-        def on_rpc_done():
-            # Runs when the RPC ends for any reason: at once on a cancel or a passed
-            # deadline (the handler may still be blocked waiting for the next token),
-            # and as a no-op after a normal end. A client ends its call at its own
-            # deadline, which is earlier than ours by the time its request took to reach
-            # us: a cancel that close to our deadline is the deadline.
-            left = context.time_remaining()
-            if self._draining:
-                reason = "shutdown"
-            elif left is not None and left <= DEADLINE_SLACK_S:
-                reason = "deadline exceeded"
-            else:
-                reason = "cancelled"
-            for r in requests:
-                self._finish(r, reason)
-
-        if not context.add_callback(on_rpc_done):
-            on_rpc_done()   # the RPC already ended before we could register
-        return requests, client_id
+        return requests, client_id, outputs
 
     def _submit_one(self, llm: LLM, r: Request) -> None:
         with self._lock:

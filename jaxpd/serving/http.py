@@ -18,15 +18,18 @@ before any parsing), 429 with Retry-After when admission refuses (the engine's q
 full, the predicted TTFT is over the SLO, or `max_concurrent` requests are running),
 503 before `attach` (loading, compiling), while draining, or when the back end died.
 
-Threads: uvicorn runs its event loop on one named thread (`jaxpd-http`); tokenizing
-and submitting run on the loop's worker threads (`run_in_threadpool`), and each running
-sample has one `jaxpd-http-events` thread iterating the blocking `Frontend.deltas`
-(detokenising) and handing them to the loop, so the loop never blocks; at most
-`max_concurrent` of them (`jaxpd.serving.openai_service`). A client that goes away (the stream's generator is closed, or the disconnect is
-seen while waiting) aborts its request, and the engine frees its slot and pages.
+Threads: uvicorn runs its event loop on one named thread (`jaxpd-http`); tokenizing,
+submitting, /health and /metrics run on the service's few `jaxpd-http-prep` threads,
+and every request's events reach the loop through an `AsyncOutputs`
+(`jaxpd.serving.openai_service`): the thread count does not grow with the streams. A
+client that goes away (the stream's generator is cancelled, or the disconnect message
+arrives while a whole answer is awaited) aborts its requests at once, and the engine
+frees their slots and pages; one that stops reading a stream is cut off past
+`max_buffered` unread events (the request aborts: `SLOW_READER`).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -37,8 +40,8 @@ import uvicorn
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
 
+from jaxpd.output_sink import AsyncOutputs
 from jaxpd.request import Request
 from jaxpd.serving import openai_api as api
 from jaxpd.serving.openai_service import OpenAIService
@@ -51,6 +54,9 @@ if TYPE_CHECKING:
 __all__ = ["HttpServer", "OpenAIService", "build_app"]
 
 _FINAL_MESSAGE_S = 2.0     # at stop, for aborted streams to send their last event
+# uvicorn answers 503 past this many connections beyond the requests in flight: room for
+# idle keep-alive connections and clients slow to send (one costs a socket, no thread).
+_SPARE_CONNECTIONS = 16384
 _START_TIMEOUT_S = 30.0
 
 
@@ -102,8 +108,10 @@ def _encode(fe: Frontend, text) -> list[int]:
     return ids
 
 
-def _prepare(svc: OpenAIService, body: api.CompletionBody | api.ChatBody) -> list[Request]:
-    """Validate, tokenize, admit and submit (blocking): the requests in choice order."""
+def _prepare(svc: OpenAIService, body: api.CompletionBody | api.ChatBody,
+             loop: asyncio.AbstractEventLoop) -> tuple[list[Request], AsyncOutputs]:
+    """Validate, tokenize, admit and submit (blocking): the requests in choice order
+    and where their events go."""
     svc.require_frontend()
     svc.check_model(body.model)
     field = api.unsupported(body)
@@ -123,7 +131,7 @@ def _prepare(svc: OpenAIService, body: api.CompletionBody | api.ChatBody) -> lis
         if len(prompts) * params.n > svc.max_concurrent:
             raise api.bad(f"n: {len(prompts)} prompts x n={params.n} samples is more than "
                           f"the {svc.max_concurrent} requests this server runs at once", "n")
-        return svc.start(prompts, params)
+        return svc.start(prompts, params, loop)
     except ValueError as e:
         raise api.value_error(e, _SAMPLING_FIELDS, rename) from None
 
@@ -167,12 +175,12 @@ def build_app(svc: OpenAIService, render_metrics: Callable[[], str] | None = Non
 
     @app.get("/health")
     async def health():
-        code, body = await run_in_threadpool(svc.health)
+        code, body = await svc.run(svc.health)
         return JSONResponse(body, status_code=code)
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(await run_in_threadpool(render), media_type=CONTENT_TYPE)
+        return PlainTextResponse(await svc.run(render), media_type=CONTENT_TYPE)
 
     if not openai_routes:
         return app
@@ -197,14 +205,15 @@ def build_app(svc: OpenAIService, render_metrics: Callable[[], str] | None = Non
             body = kind.model_validate(data)
         except ValidationError as e:
             raise api.validation_error(e) from None
-        requests = await run_in_threadpool(_prepare, svc, body)
+        requests, outputs = await svc.run(_prepare, svc, body, asyncio.get_running_loop())
         if body.stream:
-            return StreamingResponse(_stream(svc, requests, body, http),
+            return StreamingResponse(_stream(svc, requests, outputs, body),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            async for _ in svc.deltas(requests, http):
-                pass
+            async with svc.watching(http, requests):
+                async for _ in svc.deltas(requests, outputs):
+                    pass
         finally:
             for r in requests:
                 svc.finish(r)
@@ -226,10 +235,11 @@ def build_app(svc: OpenAIService, render_metrics: Callable[[], str] | None = Non
     return app
 
 
-async def _stream(svc: OpenAIService, requests: list[Request], body: api.Body,
-                  http: HttpRequest) -> AsyncIterator[bytes]:
+async def _stream(svc: OpenAIService, requests: list[Request], outputs: AsyncOutputs,
+                  body: api.Body) -> AsyncIterator[bytes]:
     """The SSE chunks of a request's samples (each chunk carries one choice, by index);
-    closing it (the client left) aborts what still runs."""
+    closing it (the client left: Starlette cancels the response) aborts what still
+    runs."""
     chat = isinstance(body, api.ChatBody)
     tokenizer = svc.frontend.tokenizer
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + requests[0].request_id,
@@ -249,7 +259,7 @@ async def _stream(svc: OpenAIService, requests: list[Request], body: api.Body,
         if chat:
             for i in range(len(requests)):
                 yield chunk(i, "", None, role=True)
-        async for i, d in svc.deltas(requests, http):
+        async for i, d in svc.deltas(requests, outputs):
             if d.finish_reason == "abort":
                 yield api.sse(_aborted(requests[i]).body())
                 break
@@ -291,7 +301,7 @@ class HttpServer:
         config = uvicorn.Config(build_app(service, render_metrics, openai_routes),
                                 log_level="warning",
                                 lifespan="off", timeout_graceful_shutdown=_FINAL_MESSAGE_S,
-                                limit_concurrency=2 * service.max_concurrent + 64,
+                                limit_concurrency=service.max_concurrent + _SPARE_CONNECTIONS,
                                 **(ssl or {}))
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]},
@@ -326,3 +336,4 @@ class HttpServer:
         self._uvicorn.should_exit = True
         self._thread.join(_FINAL_MESSAGE_S + 5)
         self._sock.close()
+        svc.close()

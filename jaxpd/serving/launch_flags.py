@@ -57,10 +57,10 @@ def _define_serving_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("public_tls_client_ca", None, "PEM CA: public clients must present a "
                         "certificate it signed (mutual TLS on the public ports).",
                         flag_values=fv)
-    flags.DEFINE_integer("max_concurrent_rpcs", 128, "Concurrent Generate/Complete calls "
-                         "(one thread each) before more get RESOURCE_EXHAUSTED; health, "
-                         "ModelInfo and Stats have threads of their own.", lower_bound=1,
-                         flag_values=fv)
+    flags.DEFINE_integer("max_concurrent_rpcs", 4096, "Concurrent Generate/Complete calls "
+                         "before more get RESOURCE_EXHAUSTED (a call holds no thread: what "
+                         "the engine cannot run yet waits in its queue, --max_queued).",
+                         lower_bound=1, flag_values=fv)
     flags.DEFINE_integer("max_prompt_bytes", 0, "Longest prompt or Tokenize text in UTF-8 "
                          "bytes, refused before tokenizing; 0 = 32 bytes per token of "
                          "max_prompt_len, at least 64 KiB.", lower_bound=0, flag_values=fv)

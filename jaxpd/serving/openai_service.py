@@ -2,7 +2,10 @@
 admission, latency histograms, the requests in flight, draining, and /health's numbers.
 
 Every HTTP request becomes one engine request per sample (`n`) per prompt, admitted
-together or not at all; `deltas` follows them for the event loop, one thread each.
+together or not at all. Their events go to one `AsyncOutputs` on the server's event
+loop (the engine's thread hands them over without blocking), where `deltas` turns them
+into text: no thread per request. What blocks -- tokenizing, submitting, /health and
+/metrics -- runs on `_PREP_THREADS` threads (`jaxpd-http-prep`).
 """
 from __future__ import annotations
 
@@ -15,18 +18,21 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 from fastapi import Request as HttpRequest
 
 from jaxpd.errors import QueueFull
+from jaxpd.output_sink import MAX_BUFFERED, AsyncOutputs
 from jaxpd.outputs import RequestMetrics, StreamDelta
 from jaxpd.request import Request, State
 from jaxpd.sampling_params import SamplingParams
 from jaxpd.serving import openai_api as api
 from jaxpd.serving.admission import AdmissionController
+from jaxpd.serving.pool import ShrinkingThreadPool
 from jaxpd.serving.prometheus import ServingMetrics
 from jaxpd.validation import default_max_prompt_bytes
 
 if TYPE_CHECKING:
     from jaxpd.frontend import Frontend
 
-_DISCONNECT_POLL_S = 0.5   # while waiting for a token, check the client is still there
+_PREP_THREADS = 4          # tokenizing and submitting: short blocking steps
+MAX_IN_FLIGHT = 4096       # requests in flight (the launcher passes --max_queued)
 
 
 class OpenAIService:
@@ -35,13 +41,18 @@ class OpenAIService:
 
     `admission` and `metrics` may be shared with the gRPC server of the same process
     (one TTFT estimate, one set of histograms); `base_stats` then is that server's
-    `stats`, to which the counts of HTTP requests are added for /metrics."""
+    `stats`, to which the counts of HTTP requests are added for /metrics.
+    `max_concurrent`: requests in flight at once (beyond it 429); below it, what the
+    front end cannot run yet waits in its own bounded queue (`max_queued`).
+    `max_buffered`: events of one request the client has not read yet; past it the
+    request aborts (`SLOW_READER`)."""
 
     def __init__(self, role: str = "single", model_names: tuple[str, ...] = (),
                  admission: AdmissionController | None = None,
                  metrics: ServingMetrics | None = None,
                  base_stats: Callable[[], dict] | None = None,
-                 max_concurrent: int = 128, max_body_bytes: int | None = None):
+                 max_concurrent: int = MAX_IN_FLIGHT, max_body_bytes: int | None = None,
+                 max_buffered: int = MAX_BUFFERED):
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
         if max_body_bytes is not None and max_body_bytes < 1:
@@ -49,7 +60,8 @@ class OpenAIService:
         self.role = role
         self.admission = admission or AdmissionController()
         self.metrics = metrics or ServingMetrics()
-        self.max_concurrent = max_concurrent
+        self.max_concurrent, self.max_buffered = max_concurrent, max_buffered
+        self.pool = ShrinkingThreadPool(_PREP_THREADS, "jaxpd-http-prep")
         self._model_names = tuple(n for n in model_names if n)
         self._base_stats = base_stats
         self._max_body_bytes = max_body_bytes
@@ -66,6 +78,9 @@ class OpenAIService:
 
     def attach(self, frontend: Frontend) -> None:
         self.frontend, self.serving = frontend, True
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
 
     def abort_all(self, reason: str) -> None:
         with self._lock:
@@ -154,12 +169,21 @@ class OpenAIService:
             raise api.unavailable(f"the engine failed: {error!r}")
         return self.frontend
 
-    def start(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
+    async def run(self, fn: Callable, *args):
+        """`fn(*args)` on the service's threads (it blocks: tokenizing, submitting)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def start(self, prompts: list[list[int]], params: SamplingParams,
+              loop: asyncio.AbstractEventLoop) -> tuple[list[Request], AsyncOutputs]:
         """Build, admit and submit every sample of every prompt, or none (blocking: run
-        it off the event loop). Requests in choice order: prompt-major, `n` per prompt."""
+        it off the event loop); their events go to the `AsyncOutputs` returned, on
+        `loop`. Requests in choice order: prompt-major, `n` per prompt."""
         fe = self.require_frontend()
         requests = [r for ids in prompts
                     for r in fe.make_requests(prompt_token_ids=ids, sampling_params=params)]
+        sinks = AsyncOutputs(loop, len(requests), self.max_buffered)
+        for r, sink in zip(requests, sinks.sinks):
+            r.events = sink
         submitted = []
         try:
             for r in requests:
@@ -169,7 +193,7 @@ class OpenAIService:
             for r in submitted:
                 self.finish(r, "a sibling sample was refused")
             raise
-        return requests
+        return requests, sinks
 
     def _start_one(self, fe: Frontend, r: Request) -> None:
         with self._lock:
@@ -217,42 +241,32 @@ class OpenAIService:
             self._in_flight.pop(r.request_id, None)
             self._done.notify_all()
 
-    async def deltas(self, requests: list[Request], http: HttpRequest
+    async def deltas(self, requests: list[Request], outputs: AsyncOutputs
                      ) -> AsyncIterator[tuple[int, StreamDelta]]:
-        """(index, delta) of `requests` as they come, without blocking the loop: one
-        thread per request follows `Frontend.deltas` (detokenising off the loop). Ends
-        when every request has ended, or early (without their final deltas) when the
-        client has gone away."""
-        loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue = asyncio.Queue()
-        fe = self.frontend
-
-        def put(item) -> None:
-            with contextlib.suppress(RuntimeError):   # the loop is closed: nobody listens
-                loop.call_soon_threadsafe(inbox.put_nowait, item)
-
-        def follow(i: int, r: Request) -> None:
-            try:
-                for d in fe.deltas(r):
-                    put((i, d))
-            except Exception as e:   # noqa: BLE001 -- handed to the loop, raised there
-                put((i, e))
-
-        for i, r in enumerate(requests):
-            threading.Thread(target=follow, args=(i, r), name="jaxpd-http-events",
-                             daemon=True).start()
+        """(index, delta) of `requests` as their events reach `outputs` (detokenised on
+        the loop: a few tokens at a time); ends when every request has ended."""
+        makers = [self.frontend.delta_maker(r) for r in requests]
         live = len(requests)
         while live:
-            try:
-                i, d = await asyncio.wait_for(inbox.get(), _DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    return
-                continue
-            if isinstance(d, Exception):
-                raise d
-            yield i, d
-            live -= d.finish_reason is not None
+            i, (ids, finish) = await outputs.get()
+            yield i, makers[i](ids, finish)
+            live -= finish is not None
+
+    @contextlib.asynccontextmanager
+    async def watching(self, http: HttpRequest, requests: list[Request]):
+        """While the body runs, a client that goes away aborts `requests` at once (the
+        body is read already, so the next ASGI message is the disconnect)."""
+        async def watch() -> None:
+            while (await http.receive())["type"] != "http.disconnect":
+                pass
+            for r in requests:
+                self.finish(r, "client disconnected")
+
+        task = asyncio.get_running_loop().create_task(watch())
+        try:
+            yield
+        finally:
+            task.cancel()
 
 
 def _occupancy(stats: dict) -> dict:

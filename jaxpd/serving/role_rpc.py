@@ -211,6 +211,49 @@ class RoleClient:
         self._channel.close()
 
 
+class AsyncRoleClient:
+    """The router's asyncio handle on one worker, for its event loop (make it there):
+    the calls that run a request. Each call can be cancelled (`.cancel()`, on the
+    loop), and awaiting a cancelled one raises `asyncio.CancelledError`."""
+
+    def __init__(self, address: str, auth: InternalAuth = NO_AUTH):
+        self.address = address
+        self._channel = auth.aio_channel(address, options=CLIENT_KEEPALIVE)
+        self._metadata = auth.metadata
+        call = lambda kind, name: getattr(self._channel, kind)(
+            f"/{ROLE_SERVICE}/{name}", request_serializer=pack,
+            response_deserializer=unpack)
+        self._prefill = call("unary_unary", "Prefill")
+        self._decode = call("unary_stream", "Decode")
+        self._reprefill = call("unary_unary", "Reprefill")
+        self._abort = call("unary_unary", "Abort")
+
+    def prefill(self, request: dict, destination: str, timeout: float, epoch: int = 1
+                ) -> grpc.aio.UnaryUnaryCall:
+        """Awaiting it gives {"status": ...}."""
+        return self._prefill(_msg(request=request, destination=destination, epoch=epoch),
+                             timeout=timeout, metadata=self._metadata)
+
+    def decode(self, request: dict, local: bool = False, epoch: int = 1
+               ) -> grpc.aio.UnaryStreamCall:
+        """`await .read()`: {"registered": True} first, then events, then grpc.aio.EOF."""
+        return self._decode(_msg(request=request, local=local, epoch=epoch),
+                            metadata=self._metadata)
+
+    async def reprefill(self, request_id: str, timeout: float, epoch: int = 1) -> bool:
+        answer = await self._reprefill(_msg(request_id=request_id, epoch=epoch),
+                                       timeout=timeout, metadata=self._metadata)
+        return bool(answer["ok"])
+
+    async def abort(self, request_id: str, reason: str, timeout: float, epoch: int = 1) -> bool:
+        answer = await self._abort(_msg(request_id=request_id, reason=reason, epoch=epoch),
+                                   timeout=timeout, metadata=self._metadata)
+        return bool(answer["aborted"])
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
 def register(router_address: str, info: WorkerInfo, load: dict, auth: InternalAuth,
              timeout: float, prefix: dict | None = None) -> dict:
     """Announce (or re-announce: the heartbeat) a worker to the router, with what its

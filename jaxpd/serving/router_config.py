@@ -13,7 +13,7 @@ class RouterConfig:
     liveness clocks. dtype "auto": the first worker admitted fixes it for the rest."""
     max_model_len: int = 1024
     max_prompt_len: int | None = None
-    max_queued: int = 1024
+    max_queued: int = 4096
     rpc_timeout_s: float = 10.0
     prefill_timeout_s: float = 120.0
     dtype: str = "auto"
@@ -22,7 +22,7 @@ class RouterConfig:
     lease_s: float | None = None       # default: 3 * heartbeat_s
     stall_timeout_s: float = 5.0       # a decode stream silent this long is a lost worker
     info_timeout_s: float = 1.0        # Info fan-out of stats()
-    # Score workers by the prefix their caches advertise (`RequestFlow._choose_decoder`);
+    # Score workers by the prefix their caches advertise (`RequestFlow.choose_decoder`);
     # a worker whose cache is off advertises nothing and is chosen by load alone.
     prefix_routing: bool = True
     prefix_extend_below: int = 256

@@ -1,32 +1,73 @@
-"""How the router runs one request (a `Router` method set, split from the worker pool
-in `jaxpd.serving.router`): pick a decode worker and open its stream, have a prefill
-worker send the KV there (or the decode worker prefill itself), relay the tokens, and
-fail over to another decode worker when the stream breaks. A request keeps the model
-version (fingerprint) it started on: every worker it meets serves that fingerprint."""
+"""How the router runs one request, as a coroutine on the router's event loop: pick a
+decode worker and open its stream, have a prefill worker send the KV there (or the
+decode worker prefill itself), relay the tokens, and fail over to another decode
+worker when the stream breaks. A request keeps the model version (fingerprint) it
+started on: every worker it meets serves that fingerprint.
+
+`RequestFlow` is handed the `WorkerPool` it chooses from and reports its calls to (so
+losing a worker cancels them). Every worker call is a `grpc.aio` call on the loop
+(`AsyncRoleClient`, one per worker address, made on the loop): a request in flight
+costs a coroutine, not a thread.
+"""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import grpc
 
 from jaxpd.request import Request, State
-from jaxpd.serving.prefix_index import PrefixQuery
-from jaxpd.serving.role_rpc import check_tokens
-
-if TYPE_CHECKING:
-    from jaxpd.serving.router import _Worker
+from jaxpd.auth import InternalAuth
+from jaxpd.serving.prefix_index import PrefixIndex, PrefixQuery
+from jaxpd.serving.role_rpc import AsyncRoleClient, check_tokens
+from jaxpd.serving.router_config import RouterConfig
+from jaxpd.serving.worker_pool import Call, Worker, WorkerPool
+from jaxpd.stats import StatsCounter
 
 _log = logging.getLogger("jaxpd.serving.router")
 
 
-class RequestFlow:
-    """Mixed into `Router`; uses its worker pool (`_live_workers`, `_track`, ...)."""
+class _EndedEarly(Exception):
+    """A decode stream ended without a final event."""
 
-    def _run(self, r: Request) -> None:
+
+def _cancelled_by_us() -> bool:
+    """A CancelledError came from a call we cancelled, not from cancelling our task."""
+    task = asyncio.current_task()
+    return task is None or not task.cancelling()
+
+
+class RequestFlow:
+    """Runs requests against `workers` (see the module docstring)."""
+
+    def __init__(self, workers: WorkerPool, config: RouterConfig, counters: StatsCounter,
+                 prefix: PrefixIndex | None, vocab_size: int, auth: InternalAuth):
+        self.workers, self.config, self.counters = workers, config, counters
+        self.prefix, self.vocab_size, self.auth = prefix, vocab_size, auth
+        self._clients: dict[str, AsyncRoleClient] = {}   # by address; touched on the loop only
+
+    def client(self, w: Worker) -> AsyncRoleClient:
+        """On the loop: `w`'s asyncio client (one per address, kept across epochs)."""
+        if w.address not in self._clients:
+            self._clients[w.address] = AsyncRoleClient(w.address, self.auth)
+        return self._clients[w.address]
+
+    async def close(self) -> None:
+        """On the loop: close every worker channel."""
+        clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            await c.close()
+
+    def _track(self, r: Request, w: Worker, handle, watched: bool,
+               destination: Worker | None = None) -> Call:
+        return self.workers.track(r.request_id, w, handle, asyncio.get_running_loop(),
+                                  watched, destination)
+
+    async def run(self, r: Request) -> None:
+        """Run `r` until it is final; never raises (an error aborts it with the reason)."""
         try:
-            self._run_until_final(r)
+            await self._run_until_final(r)
         except Exception as e:   # never leave a request hanging
             _log.exception("router failed on %s", r.request_id)
             if r.abort(f"failed: {e!r}"):
@@ -36,12 +77,12 @@ class RequestFlow:
         if r.state is State.FINISHED:
             self.counters.add(finished=1)
 
-    def _run_until_final(self, r: Request) -> None:
+    async def _run_until_final(self, r: Request) -> None:
         tried: set[str] = set()
         query = self.prefix.query(r.prefill_ids) if self.prefix is not None else None
-        model = self.serving_model()
+        model = self.workers.serving_model()
         while not r.is_final:
-            decoders = [] if model is None else self._live_workers("decode", tried, model)
+            decoders = [] if model is None else self.workers.live("decode", tried, model)
             if not decoders:
                 why = ("failed: no decode worker reachable" if model is None else
                        f"failed: no decode worker of model {model[:12]} (the version this "
@@ -49,52 +90,66 @@ class RequestFlow:
                 if r.abort(why):
                     self.counters.add(aborted=1)
                 return
-            decoder, cached = self._choose_decoder(decoders, query)
-            call = self._track(r, decoder, decoder.client.decode(
-                r.to_wire(), epoch=decoder.info.epoch), watched=True)
+            decoder, cached = self.choose_decoder(decoders, query)
+            client = self.client(decoder)
+            call = self._track(r, decoder, client.decode(r.to_wire(), epoch=decoder.info.epoch),
+                               watched=True)
             try:
                 if r.is_final:                                 # aborted meanwhile
                     call.handle.cancel()
                     return
-                next(call.handle)                              # registered there
+                if await call.handle.read() is grpc.aio.EOF:   # else: registered there
+                    raise _EndedEarly("its stream ended before it began")
                 if not r.is_final:
                     call.last_seen = None                      # not read while prefilling
                     if cached and r.num_tokens - cached < self.config.prefix_extend_below:
                         # Its prefix is cached there and the rest is short: no trip
                         # through a prefill worker (conditional disaggregation).
                         self.counters.add(prefix_routed=1)
-                        decoder.client.reprefill(r.request_id, timeout=self.config.rpc_timeout_s,
-                                                 epoch=decoder.info.epoch)
+                        await client.reprefill(r.request_id, timeout=self.config.rpc_timeout_s,
+                                               epoch=decoder.info.epoch)
                     else:
                         # Its handoff leaves out the pages the decoder is believed to
                         # hold (it checks, and prefills the request itself if not).
                         r.kv_skip_pages = min(cached, r.num_tokens - 1) // self.config.page_size
-                        self._prefill(r, decoder, query)
+                        await self._prefill(r, decoder, query)
                     call.last_seen = time.monotonic()
-                for event in call.handle:
+                while True:
+                    event = await call.handle.read()
+                    if event is grpc.aio.EOF:
+                        break
                     call.last_seen = time.monotonic()
-                    if self._relay(r, event):
+                    if self.relay(r, event):
                         if self.prefix is not None and r.state is State.FINISHED:
                             # KV is written for all of it but the last token.
                             self.prefix.record(decoder.address, r.prefill_ids[:-1])
                         return
-                why = "its stream ended early"
-            except ValueError as e:                            # from `_relay`
-                self._cancel(call, f"it sent a malformed event: {e}")
+                raise _EndedEarly("its stream ended early")
+            except _EndedEarly as e:
+                why = str(e)
+            except ValueError as e:                            # from `relay`
+                call.cancel(f"it sent a malformed event: {e}")
                 why = call.why
+            except asyncio.CancelledError:
+                if not _cancelled_by_us():
+                    call.handle.cancel()
+                    raise
+                if r.is_final:
+                    return                                     # aborted: we cancelled it
+                why = call.why or "cancelled"
             except grpc.RpcError as e:
                 if r.is_final:
-                    return                                     # we cancelled it
+                    return
                 why = call.why or str(e.code())
             finally:
-                self._untrack(call)
+                self.workers.untrack(call)
             _log.warning("decode worker %s lost %s (%s); re-running elsewhere",
                          decoder.address, r.request_id, why)
             tried.add(decoder.address)
             self.counters.add(decode_failovers=1)
 
-    def _choose_decoder(self, decoders: list[_Worker], query: PrefixQuery | None
-                        ) -> tuple[_Worker, int]:
+    def choose_decoder(self, decoders: list[Worker], query: PrefixQuery | None
+                       ) -> tuple[Worker, int]:
         """The least loaded decode worker, unless one believed to hold a prefix of the
         request (`query`) has a free slot: then the one holding the longest. Returns it
         and the prefix tokens it is believed to hold."""
@@ -108,35 +163,38 @@ class RequestFlow:
         best = max(roomy, key=lambda w: (cached[w.address], -w.num_calls))
         return best, cached[best.address]
 
-    def _prefill_order(self, r: Request, decoder: _Worker, query: PrefixQuery | None
-                       ) -> list[_Worker]:
+    def prefill_order(self, r: Request, decoder: Worker, query: PrefixQuery | None
+                      ) -> list[Worker]:
         """Prefill workers of `decoder`'s fingerprint (another model's KV would be
         meaningless there), cheapest first: the tokens each would compute (all but the
         prefix its cache is believed to hold, `prefix_index`) plus its queue, counted in
         requests of this one's length (Dynamo's "blocks to compute + load"). Without
         prefix routing, the least loaded first."""
-        workers = self._live_workers("prefill", model=decoder.info.model)
+        workers = self.workers.live("prefill", model=decoder.info.model)
         if query is None:
             return sorted(workers, key=lambda w: w.load["queue"] + w.num_calls)
         n = r.num_tokens
 
-        def cost(w: _Worker) -> int:
+        def cost(w: Worker) -> int:
             cached = min(self.prefix.cached_tokens(w.address, query), n - 1)
             return n - cached + (w.load["queue"] + w.num_calls) * n
         return sorted(workers, key=cost)
 
-    def _prefill(self, r: Request, decoder: _Worker, query: PrefixQuery | None) -> None:
-        for p in self._prefill_order(r, decoder, query):
-            call = self._track(r, p, p.client.prefill(r.to_wire(), decoder.info.kv_address,
-                                                      timeout=self.config.prefill_timeout_s,
-                                                      epoch=p.info.epoch),
-                               watched=False, destination=decoder)
+    async def _prefill(self, r: Request, decoder: Worker, query: PrefixQuery | None) -> None:
+        client = self.client(decoder)
+        for p in self.prefill_order(r, decoder, query):
+            call = self._track(r, p, self.client(p).prefill(
+                r.to_wire(), decoder.info.kv_address, timeout=self.config.prefill_timeout_s,
+                epoch=p.info.epoch), watched=False, destination=decoder)
             try:
-                out = call.handle.result()
+                out = await call.handle
                 finished = out.get("status") == "finished"     # its first token ended it
                 if finished:
-                    tokens = check_tokens(out, self.model_config.vocab_size, r.params.logprobs)
-            except (grpc.RpcError, grpc.FutureCancelledError, ValueError) as e:
+                    tokens = check_tokens(out, self.vocab_size, r.params.logprobs)
+            except (grpc.RpcError, asyncio.CancelledError, ValueError) as e:
+                if isinstance(e, asyncio.CancelledError) and not _cancelled_by_us():
+                    call.handle.cancel()
+                    raise
                 if r.is_final or not decoder.live:
                     return          # (the decode stream, cancelled too, fails it over)
                 why = call.why or (e.code() if isinstance(e, grpc.RpcError) else
@@ -146,7 +204,7 @@ class RequestFlow:
                 self.counters.add(prefill_failovers=1)
                 continue
             finally:
-                self._untrack(call)
+                self.workers.untrack(call)
             if self.prefix is not None:
                 # Its cache now holds the prompt's full pages (when it has one).
                 self.prefix.record(p.address, r.prefill_ids)
@@ -156,18 +214,18 @@ class RequestFlow:
                     r.append_token(t, now, logprobs)
                 if out.get("finish_reason") in ("stop", "length"):
                     r.finish(out["finish_reason"])
-                decoder.client.abort(r.request_id, "finished at prefill",
-                                     timeout=self.config.rpc_timeout_s, epoch=decoder.info.epoch)
+                await client.abort(r.request_id, "finished at prefill",
+                                   timeout=self.config.rpc_timeout_s, epoch=decoder.info.epoch)
             return
         # No prefill worker could: the decode worker prefills it on its own mesh.
         self.counters.add(decode_prefills=1)
-        decoder.client.reprefill(r.request_id, timeout=self.config.rpc_timeout_s,
-                                 epoch=decoder.info.epoch)
+        await client.reprefill(r.request_id, timeout=self.config.rpc_timeout_s,
+                               epoch=decoder.info.epoch)
 
-    def _relay(self, r: Request, event: dict) -> bool:
+    def relay(self, r: Request, event: dict) -> bool:
         """Apply one decode event ({"alive"} carries nothing); True once the request is
         final. A malformed event raises ValueError before anything is applied."""
-        tokens = check_tokens(event, self.model_config.vocab_size, r.params.logprobs)
+        tokens = check_tokens(event, self.vocab_size, r.params.logprobs)
         now = time.perf_counter()
         for t, logprobs in tokens:
             if r.append_token(t, now, logprobs):
