@@ -112,7 +112,7 @@ def test_sigint_aborts_a_stream_past_the_shutdown_timeout_and_exits_zero(procs):
 @pytest.mark.slow
 def test_sigint_while_starting_stops_the_warm_up_and_exits_zero(procs):
     p = procs.start(["--port=0", "--http_port=-1"])   # the full warm-up: many steps
-    procs.wait_line(p, r"compiling prefill", timeout=_WAIT_S)
+    procs.wait_line(p, r"compiling \d+/\d+: ", timeout=_WAIT_S)
     p.send_signal(signal.SIGINT)
     assert p.wait(_WAIT_S) == 0, procs.tails()
     out = "".join(p.lines)
