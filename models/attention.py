@@ -16,8 +16,7 @@ import jax.numpy as jnp
 _MASKED = -1e30
 # Query tokens per block of a causal prompt: each block attends only to the keys up to
 # its own end, so a long prompt computes about half the T x T scores and holds one
-# block's of them at a time. On XLA:CPU, 1,024 tokens of the built-in model prefill in
-# 126 ms instead of 386 (64: 132 ms, 256: 156 ms; BENCHMARKS.md section 14).
+# block's of them at a time.
 QUERY_BLOCK = 128
 
 

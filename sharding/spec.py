@@ -6,7 +6,7 @@ Spec grammar (comma-separated `role=size` parts):
   colocated=N             one set of N devices doing both phases, interleaved
   prefill=P  /  decode=D  one phase only: a process of a multi-process deployment
   elastic=N[,prefill=P]   N devices split prefill=P,decode=N-P (default P = N // 2),
-                          a split `LLM.resplit` moves while serving (issue 17)
+                          a split `LLM.resplit` moves while serving
 
 Plain Python, no jax import: the launcher must count the devices a spec needs before
 jax starts (it sets XLA_FLAGS from it), and the router, planner and config validation
@@ -91,9 +91,8 @@ def auto_mesh(platform: str, num_devices: int, role: str | None = None) -> str:
 
     On CPU, one device per role: a process's XLA:CPU devices share one thread pool over
     every core, so one device already computes with all of them; more virtual devices
-    add collectives (tp) or read the weights once per shard (dp) for no extra compute
-    (BENCHMARKS.md section 14: `prefill=4,decode=4` at 0.6x `prefill=1,decode=1` in
-    output tokens/s on 2 cores); with only one device (jax started before anyone asked
+    add collectives (tp) or read the weights once per shard (dp) for no extra compute;
+    with only one device (jax started before anyone asked
     for two, `jaxpd.sharding.cpu_devices`), colocated on it. On accelerators, the devices
     split in half: tp prefill, dp decode (one device: colocated)."""
     if role not in (None, "prefill", "decode"):

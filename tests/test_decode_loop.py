@@ -184,8 +184,8 @@ def test_a_request_from_another_process_learns_its_first_token_from_the_handoff(
 
 
 def test_handoffs_from_another_process_are_pulled_before_they_have_a_slot(pool):
-    """The prefill process serves the pull and waits for it before its next batch
-    (issue 12): a handoff waiting for a slot is pulled at once, onto shard 0, up to
+    """The prefill process serves the pull and waits for it before its next batch: a
+    handoff waiting for a slot is pulled at once, onto shard 0, up to
     `max_prefetch` of them; admitted later, its pages are the ones inserted."""
     env = make(pool, slots=1, remote=True)
     env.loop.max_prefetch = 1

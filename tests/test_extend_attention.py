@@ -1,4 +1,4 @@
-"""Prefill with context (`Llama.extend`, issue 15): the cached prefix and the new tokens
+"""Prefill with context (`Llama.extend`): the cached prefix and the new tokens
 are attended apart (`causal_attention(prefix=)`) and merged in one softmax; the result
 must be what a plain causal pass over the whole sequence computes."""
 import jax

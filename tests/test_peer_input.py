@@ -1,4 +1,4 @@
-"""Peer input is untrusted (issue 13): forged handoffs, requests and control messages
+"""Peer input is untrusted: forged handoffs, requests and control messages
 fail that request or that call with a reason, never an engine loop, never a hang, and
 leave no page behind.
 

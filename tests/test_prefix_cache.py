@@ -1,4 +1,4 @@
-"""Prefix caching (issue 15): content-addressed pages, sharing, eviction, and the
+"""Prefix caching: content-addressed pages, sharing, eviction, and the
 decode mesh's prefill with context -- against transformers, with the page accounting
 checked after every engine test."""
 import time

@@ -1,4 +1,4 @@
-"""Prefix caching under faults (issue 15): a prefill worker killed in the middle of a
+"""Prefix caching under faults: a prefill worker killed in the middle of a
 conversation served with prefix routing. Every turn still equals transformers' greedy
 continuation, and afterwards the surviving workers' page accounting is exact and their
 counters (and the router's) say what happened."""

@@ -1,4 +1,4 @@
-"""Prefix caching across processes (issue 15): a router, a prefill worker and a decode
+"""Prefix caching across processes: a router, a prefill worker and a decode
 worker as separate processes on 127.0.0.1, every one with `--enable_prefix_caching`.
 Greedy tokens equal transformers'; each side's cache shows in its counters; nothing
 is held afterwards."""

@@ -1,4 +1,4 @@
-"""The public server's bounds, probed as an attacker would (issue 13, findings 5, 7, 9, 10),
+"""The public server's bounds, probed as an attacker would,
 against a real `InferenceServer` over a hand-checkable front end (no jax): requests wait
 until the test releases them, then get `max_tokens` copies of one token.
 

@@ -1,5 +1,5 @@
 """A worker that switches role while requests stream through the router on both roles
-(`SwitchRole`, `Router.switch_role`; issue 17), on the split controller's decision
+(`SwitchRole`, `Router.switch_role`), on the split controller's decision
 (`--role router --elastic`: `ElasticDriver` + `RouterSplit`): every request finishes
 with transformers' greedy tokens, nothing leaks on any worker, the worker serves its
 new role at a new epoch, and calls meant for its old epoch are refused."""

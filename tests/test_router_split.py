@@ -1,4 +1,4 @@
-"""`--role router --elastic` (issue 17): the actuator that moves one worker's role at a
+"""`--role router --elastic`: the actuator that moves one worker's role at a
 time (`RouterSplit`) on a fake router, the deployment totals the router's /metrics
 carry, and the launcher's flags. The switch itself, driven by the controller while
 requests stream, is in test_role_switch."""

@@ -1,4 +1,4 @@
-"""Penalties, min_p and log-probabilities on device (issue 14 §4).
+"""Penalties, min_p and log-probabilities on device.
 
 The sampler against numpy references on random logits (one compiled call holds every
 kind of row), the wire form of log-probabilities, then the engine end to end against

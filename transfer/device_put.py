@@ -3,10 +3,8 @@
 Why `send` stages the pages on the decode mesh at once: left to `place` (called on a
 `jaxpd-transfer` thread once the decode loop has a slot for the request), the copy is
 issued after the prefill loop may have dispatched its next batch, and whether it then
-waits behind that batch is up to the runtime's ordering (issue 12 measured first ->
-second token gaps of 0.8-1.6 s, gone when the pages were copied before the next
-batch; on jax 0.10.2 XLA:CPU, a copy of a ready buffer was seen not to wait for a
-program running on its source device). Staging makes the order ours: the engine gives
+waits behind that batch is up to the runtime's ordering: the request's second token
+then waits for a whole prefill batch. Staging makes the order ours: the engine gives
 the connector a staging sharding on the decode mesh (`stage_on`: dp shard 0's page
 layout), and `send` issues `jax.device_put(pages, staging)` before it returns, i.e.
 before the prefill loop can dispatch anything else; the copy runs asynchronously.

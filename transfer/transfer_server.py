@@ -43,7 +43,7 @@ on the prefill devices, so a pull is not ordered behind a later prefill batch; a
 on CPU (checksums on by default) `send` reads the pages to host before it returns,
 before the next batch is dispatched. What a long prefill can still take from a pull
 in a CPU prefill process is CPU time: pin the roles to separate cores. Not yet
-measured across processes (issue 12).
+measured across processes.
 
 Integrity (`verify_checksums`): the sender puts a crc32 of every page of k and v in
 the Offer (`transfer.checksum`), and the receiver checks the pulled arrays against
@@ -196,7 +196,7 @@ class TransferServerSender(Endpoint):
         """Wait up to `timeout` seconds for every offer made so far to be acked (pulled,
         or refused); returns how many still wait. The prefill loop calls it before its
         next batch: the pull is served by this process, and a long prefill dispatched
-        first would hold it up (issue 12's handoff stall, across processes)."""
+        first would hold it up."""
         deadline = time.monotonic() + timeout
         with self._lock:
             waiting = set(self._pending)

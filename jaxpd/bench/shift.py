@@ -1,6 +1,6 @@
 """`python -m jaxpd.bench --workload shift`: the report of each phase of a workload
 whose length mix changes mid-run (`workload.make_shift_workload`), beside the whole
-run's -- what an elastic prefill/decode split (issue 17) has to win, phase by phase."""
+run's -- what an elastic prefill/decode split has to win, phase by phase."""
 from __future__ import annotations
 
 import numpy as np

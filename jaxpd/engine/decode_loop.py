@@ -169,7 +169,7 @@ class DecodeLoop:
     def _prefetch_waiting(self) -> None:
         """Handoffs from another process that wait for a slot start moving at once,
         onto dp shard 0: their pages are served by the prefill process, whose next batch
-        waits for the pull (issue 12's handoff stall), so the pull must not wait for a
+        waits for the pull, so the pull must not wait for a
         slot to free. At most `max_prefetch` of them hold pages outside the pool this
         way, oldest first; once admitted, `Inbound` moves them to their slot's shard."""
         started = sum(i.started for i, _ in self.pending)

@@ -1,4 +1,4 @@
-"""The elastic split's controller (issue 17): live signals in; out, now and then, a
+"""The elastic split's controller: live signals in; out, now and then, a
 decision to move devices between prefill and decode, with its reason.
 
 Pure Python, no clock of its own (each `Signals` carries its time), so a recorded or

@@ -1,4 +1,4 @@
-"""The elastic split's live latency model (issue 17): by what factor each role's pressure
+"""The elastic split's live latency model: by what factor each role's pressure
 would change if `step` devices moved, from what the serving metrics measured at the
 split now. The planner fits its models offline, from profiles; this one is refreshed
 from every observation, so it knows the load and the split the deployment has now.

@@ -1,6 +1,6 @@
 """`PrefixIndex`: which worker holds which prefixes, as the router sees them.
 
-Prefix-aware routing (issue 15) sends turn N+1 of a conversation to the decode worker
+Prefix-aware routing sends turn N+1 of a conversation to the decode worker
 whose prefix cache holds turn N, and lets that worker prefill the short rest itself;
 when the rest goes through a prefill worker, the one whose own cache holds the most of
 the prompt is preferred (weighed against its queue).

@@ -1,4 +1,4 @@
-"""A worker process that changes role (issue 17): `SwitchRole`, on the router's command.
+"""A worker process that changes role: `SwitchRole`, on the router's command.
 
 The worker, in order:
 1. **Drains.** New `Prefill` and `Decode` calls are refused (UNAVAILABLE, saying why;

@@ -41,7 +41,7 @@ with none left it is aborted with a reason. Nothing is dropped silently, nothing
 forever: every unary RPC has a deadline, a stream is watched, and every call is
 cancelled on abort.
 
-A worker changes role on `switch_role(address, role)` (issue 17; `role_switch`): the
+A worker changes role on `switch_role(address, role)` (`role_switch`): the
 router stops choosing it at once, the worker drains and rebuilds, and its next
 heartbeat re-registers it in the new role at a new epoch; the old registration is
 dropped like a lost worker (calls still open on it fail over), and every call names

@@ -1,5 +1,5 @@
 """`--role router --elastic`: the split controller acting on a multi-process deployment
-by switching one worker's role at a time (issue 17).
+by switching one worker's role at a time.
 
 The router's /metrics (the served requests' TTFT and TPOT, and the sums below) feed the
 same `SplitController` and `ElasticDriver` as an elastic mesh in one process; here the

@@ -3,7 +3,7 @@
 // One query token per slot against the pages its block table names, read in place from
 // the whole [L, P, page_size, K, H] pool: no gathered copy of the context, no transpose,
 // no padded width. XLA:CPU's code for the jnp reference spends most of a decode step
-// gathering pages into a [B, S, K, H] copy (BENCHMARKS.md section 3); this reads each
+// gathering pages into a [B, S, K, H] copy; this reads each
 // token's keys and values once, every kv head together (one contiguous K*H row each).
 //
 // Same semantics as models/attention.py:paged_attention: keys at index >= length are
@@ -156,8 +156,8 @@ inline __m512i TokenLanes() {
 // together: 16 scores per head by SumEach16, an online softmax (a running max and sum per
 // head, the accumulator rescaled when the max grows), values added into per-head
 // accumulators held as kH / 16 vectors. The next page is asked for a slice per head, so
-// the requests spread over the page's work (BENCHMARKS.md section 14b: 2.3-2.8x on the
-// kernel at 32 x 512, most of it the spread requests).
+// the requests spread over the page's work (a burst of requests at a page's start
+// stalls the core).
 template <int64_t kH>
 void AttendSlots512(const Problem& pr, int64_t begin, int64_t end) {
   constexpr int64_t V = kH / 16;
