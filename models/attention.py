@@ -72,7 +72,7 @@ def _causal_block(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, start: int,
     (k, v [B, C, K, H], visible [B, T or 1, C]) if given -> [B, T, N, H].
 
     The softmax is normalised after the values are summed ([T, H] divisions instead of
-    [T, S]), fewer on every prompt longer than the head dim."""
+    [T, S]): fewer whenever the keys outnumber the head dim."""
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     q = q.reshape(b, t, kh, n // kh, h)
