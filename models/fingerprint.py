@@ -33,6 +33,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 _ATTENTION_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "rope_theta", "rope_scaling",
                      "attention_bias")
+# Fields of the later families that change what K and V hold or which keys a layer
+# reads; named only when set, so a model without them keeps the fingerprint it had.
+_FAMILY_FIELDS = ("qk_norm", "attn_scale", "attn_softcap", "sliding_layers",
+                  "sliding_window", "rope_local_theta", "rope_linear_factor", "num_experts",
+                  "num_experts_per_tok", "sparse_layers")
 
 
 def short(fingerprint: str) -> str:
@@ -57,6 +62,10 @@ def model_fingerprint(path: str, cfg, kv_dtype: str, page_size: int,
     every host that holds the same files and serves them alike; different when any
     weight byte differs. Raises OSError when the files cannot be read."""
     attention = {name: _plain(getattr(cfg, name, None)) for name in _ATTENTION_FIELDS}
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)} \
+        if dataclasses.is_dataclass(cfg) else {}
+    attention.update({name: _plain(getattr(cfg, name)) for name in _FAMILY_FIELDS
+                      if hasattr(cfg, name) and getattr(cfg, name) != defaults.get(name)})
     parts = {"weights": weights_digest(path, cache_dir), "tokenizer": tokenizer_digest(path),
              "attention": attention, "kv_dtype": str(kv_dtype),
              "kv_transfer_dtype": kv_transfer_dtype or "", "page_size": int(page_size)}

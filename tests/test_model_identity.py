@@ -6,6 +6,7 @@ workers of one checkpoint and of a copy with one k_proj weight negated (every sh
 same), as separate processes: mismatched prefill and decode workers, and a rolling
 update from one to the other under streaming load.
 """
+import dataclasses
 import os
 import shutil
 import time
@@ -43,6 +44,22 @@ def test_fingerprint_tells_other_weights_dtype_and_pages_apart(tiny_hf_model, tm
     for change in (dict(kv_dtype="bfloat16"), dict(page_size=32),
                    dict(kv_transfer_dtype="int8")):
         assert fingerprint(path, **change) != base, change
+
+
+def test_fingerprint_names_a_window_or_experts_only_where_the_config_sets_them(
+        tiny_hf_model, tmp_path, monkeypatch):
+    path, _ = tiny_hf_model
+    monkeypatch.setenv("JAXPD_CACHE", str(tmp_path / "cache"))
+    cfg = ModelConfig.from_dir(path)
+    plain = model_fingerprint(path, cfg, "float32", 16)
+    # Defaults spelled out leave it as it was: models without the fields keep theirs.
+    same = dataclasses.replace(cfg, sliding_window=None, qk_norm=False)
+    assert model_fingerprint(path, same, "float32", 16) == plain
+    windowed = dataclasses.replace(cfg, sliding_window=8,
+                                   sliding_layers=(True,) * cfg.num_layers)
+    normed = dataclasses.replace(cfg, qk_norm=True)
+    prints = {model_fingerprint(path, c, "float32", 16) for c in (windowed, normed)}
+    assert len(prints) == 2 and plain not in prints
 
 
 def test_weights_digest_is_cached_and_follows_a_rewritten_file(tiny_hf_model, tmp_path):
