@@ -17,8 +17,8 @@ if [ "$model" != "-" ]; then
 fi
 mkdir -p "$out"
 python3 -m jaxpd.export "${common[@]}" --attention_impl "$kernel" --out "$out/programs" \
-  2>"$out/export.log" | head -n 1
+  2>"$out/export.log" | sed -n 1p
 python3 -m jaxpd.export "${common[@]}" --attention_impl reference --out "$out/reference" \
-  2>>"$out/export.log" | head -n 1
+  2>>"$out/export.log" | sed -n 1p
 python3 -m jaxpd.export.execute --programs "$out/programs" --reference "$out/reference" \
   ${match:+--match "$match"} 2>>"$out/export.log"

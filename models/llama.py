@@ -488,7 +488,7 @@ def can_fuse_quantized(params) -> bool:
         if not name.startswith("layers_"):
             continue
         for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
-            kinds = {p[w].fmt if is_quantized(p[w]) else None for w in group}
+            kinds = {p[w].fmt if is_quantized(p[w]) else None for w in group if w in p}
             if len(kinds) > 1:
                 return False
     return True

@@ -57,6 +57,7 @@ def _serve(path, mesh, prefix_caching, prompts):
 
 
 @pytest.mark.slow
+@pytest.mark.matrix     # the default run's `COVERING` cases include these meshes
 @pytest.mark.parametrize("name", ["qwen3", "gemma3", "qwen3_moe"])
 def test_greedy_matches_transformers_disaggregated(hf_models, name):
     """One representative per family on prefill=2,decode=2 (the decode mesh's experts

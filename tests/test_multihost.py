@@ -110,7 +110,7 @@ def test_sigterm_to_the_whole_role_while_it_compiles_stops_every_process_cleanly
              "160", "--host", "127.0.0.1"]
     leader = procs.start(group + ["--process_id", "0"])
     follower = procs.start(group + ["--process_id", "1"])
-    procs.wait_line(leader, r"compiling prefill 2/")
+    procs.wait_line(leader, r"compiling 2/\d+: prefill")
     for p in (leader, follower):
         p.send_signal(signal.SIGTERM)
     assert leader.wait(timeout=60) == 0, "".join(leader.lines)

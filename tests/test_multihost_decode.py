@@ -207,7 +207,8 @@ def test_warmed_up_decode_role_stops_cleanly_on_sigterm(model, procs):
     leader = procs.start(group + ["--process_id", "0"])
     follower = procs.start(group + ["--process_id", "1"])
     procs.wait_line(leader, r"decode worker on", timeout=300)
-    assert any("compiling page insert for 3 pages" in line for line in leader.lines)
+    assert any(re.search(r"compiling \d+/\d+: page insert for 3 pages", line)
+               for line in leader.lines)
     for p in (leader, follower):
         p.send_signal(signal.SIGTERM)
     assert leader.wait(timeout=60) == 0, "".join(leader.lines)

@@ -69,7 +69,7 @@ def llm(model_dir):
     messages = []
     with LLM(model_dir, mesh="prefill=1,decode=1", max_model_len=128, max_prefill_batch=4,
              slots_per_shard=8, warmup=True, progress=messages.append) as llm:
-        assert any("compiling prefill" in m for m in messages)
+        assert any(re.match(r"compiling \d+/\d+: prefill", m) for m in messages)
         yield llm
 
 
@@ -539,7 +539,8 @@ def test_launch_serves_until_sigterm_and_exits_zero(model_dir, tmp_path):
             port = port or (found and int(found.group(1)))
             time.sleep(0.1)
         text = log_path.read_text()
-        assert "compiling prefill" in text and "compiling decode" in text
+        assert re.search(r"compiling \d+/\d+: prefill", text)
+        assert re.search(r"compiling \d+/\d+: decode step", text)
         # every compiled program was written to the persistent cache (a restart loads them)
         assert len(os.listdir(tmp_path / "xla")) >= 3
         assert f"jaxpd serving {model_dir} on 127.0.0.1:{port} (mesh prefill=1,decode=1)" in text

@@ -17,6 +17,7 @@
 """
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Callable
 
@@ -109,6 +110,10 @@ class PrefillRunner:
         self._prefill = jax.jit(prefill, out_shardings=(replicated, replicated, kv, kv))
         self._embed = jax.jit(embed, out_shardings=replicated)
         self._blocks = jax.jit(blocks, out_shardings=(replicated, kv, kv), static_argnums=(2,))
+        # The same program with its layers' kinds bound, for lowering (`layerwise_programs`):
+        # an exported function takes arrays only.
+        self._blocks_of = lambda kinds: jax.jit(functools.partial(blocks, kinds=kinds),
+                                                out_shardings=(replicated, kv, kv))
         self._head = jax.jit(head, out_shardings=replicated)
         pages = replicated if gather_pages else kv
         self._take = jax.jit(self._take_pages, static_argnums=(3,), out_shardings=(pages, pages))
@@ -146,7 +151,8 @@ class PrefillRunner:
         for size in sorted({stop - start for start, stop in groups}):
             start = next(s for s, e in groups if e - s == size)
             layers = [self.params[f"layers_{i}"] for i in range(start, start + size)]
-            programs.append(Program(f"{self.name}_blocks{size}_b{b}_t{t}", self._blocks,
+            programs.append(Program(f"{self.name}_blocks{size}_b{b}_t{t}",
+                                    self._blocks_of(layer_kinds(self.cfg, start, start + size)),
                                     (layers, x), self.kernel))
         programs.append(Program(f"{self.name}_head_b{b}_t{t}", self._head,
                                 (self.params, x, *inputs)))
