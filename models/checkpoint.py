@@ -8,6 +8,7 @@ straight onto the shardings it is given.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 
@@ -20,6 +21,8 @@ from jaxpd.models import source
 from jaxpd.models.hf_io import DTYPES, load_hf_params, tree_get, tree_set
 from jaxpd.models.llama import abstract_params
 from jaxpd.models.tokenizer import Tokenizer
+
+_log = logging.getLogger(__name__)
 
 ORBAX_DIR = "params"
 
@@ -100,6 +103,12 @@ def _load_gguf(path: str, dtype: str, shardings, keep: bool = False) -> LoadedMo
         raise ValueError(f"dtype={dtype!r} is not supported; expected one of {sorted(DTYPES)}")
     f = gguf.GGUFFile(path)
     cfg, tokenizer = gguf.model_config(f), gguf.tokenizer(f)
+    unkept = gguf.unkept_tensor(f, cfg) if keep else None
+    if unkept is not None:
+        # "auto" keeps only what it serves as stored; anything else is served as float.
+        _log.warning("quantization=auto: tensor %r is %s, which is not served kept "
+                     "quantized; the whole file is dequantized to float", *unkept)
+        keep = False
     shapes, _ = abstract_params(cfg, DTYPES[dtype])
     params: dict = {}
     kept = False

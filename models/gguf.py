@@ -229,6 +229,20 @@ def weights(f: GGUFFile, cfg: ModelConfig, keep_quantized: bool = False
             yield ours, to_ours(dequantize(f, name))
 
 
+def unkept_tensor(f: GGUFFile, cfg: ModelConfig) -> tuple[str, str] | None:
+    """(name, quant type) of the first projection `weights(keep_quantized=True)` would
+    refuse (a quantized type not served kept), or None when every one can be kept."""
+    from jaxpd.models import quant
+
+    for _, name, _, rows in _mapping(cfg):
+        if rows is None or name not in f.tensors:
+            continue
+        qtype = f.tensors[name].tensor_type.name
+        if qtype not in _FLOAT_TYPES and qtype not in quant.GGUF_FORMATS:
+            return name, qtype
+    return None
+
+
 def _kept(f: GGUFFile, name: str, ours: str, rows: Callable):
     from jaxpd.models import quant
     from jaxpd.models.llama import QUANTIZABLE

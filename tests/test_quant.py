@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpd.models import checkpoint, quant
+from jaxpd.models import checkpoint
+from jaxpd.models import gguf as gguf_reader, quant
 from jaxpd.models.llama import Llama, fuse_params, quantize_params
 from tests.model_helpers import paged_greedy
 from tests.support.gguf_files import gguf_tensors, train_bpe, write_gguf
@@ -183,10 +184,15 @@ def test_native_product_matches_the_jnp_form(fmt, body):
     assert quant.native_matmul(big, w) is None       # a prefill's rows: the jnp form
 
 
-def test_unsupported_block_format_names_the_tensor_and_the_way_out(tmp_path, hf_llama, bpe):
+def test_unsupported_block_format_names_the_tensor_and_auto_serves_it_as_float(
+        tmp_path, hf_llama, bpe, caplog):
     path = write(tmp_path, hf_llama, Q.Q5_0, bpe)
+    f = gguf_reader.GGUFFile(path)
     with pytest.raises(ValueError, match=r"token_embd.weight.*Q5_0.*quantization='none'"):
-        checkpoint.load(path, quantization="auto")
+        list(gguf_reader.weights(f, gguf_reader.model_config(f), keep_quantized=True))
+    with caplog.at_level("WARNING"):
+        assert checkpoint.load(path, quantization="auto").quantization == "none"
+    assert "'token_embd.weight' is Q5_0" in caplog.text
     assert checkpoint.load(path, quantization="none").quantization == "none"
 
 
