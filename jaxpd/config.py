@@ -261,18 +261,12 @@ class EngineConfig:
                      "decode_context_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.prefill_chunk_tokens < self.min_bucket or \
-                self.prefill_chunk_tokens & (self.prefill_chunk_tokens - 1):
-            raise ValueError(f"prefill_chunk_tokens must be a power of two >= {self.min_bucket}, "
-                             f"got {self.prefill_chunk_tokens}")
+        self._check_bucket("prefill_chunk_tokens")
         if self.chunked_prefill_tokens is not None:
             if not self.mesh.colocated:
                 raise ValueError(f"chunked_prefill_tokens is for colocated meshes, not "
                                  f"{self.mesh}; a prefill mesh chunks by prefill_chunk_tokens")
-            if self.chunked_prefill_tokens < self.min_bucket or \
-                    self.chunked_prefill_tokens & (self.chunked_prefill_tokens - 1):
-                raise ValueError(f"chunked_prefill_tokens must be a power of two >= "
-                                 f"{self.min_bucket}, got {self.chunked_prefill_tokens}")
+            self._check_bucket("chunked_prefill_tokens")
         if self.bucket_timeout_ms < 0:
             raise ValueError(f"bucket_timeout_ms must be >= 0, got {self.bucket_timeout_ms}")
         if self.kv_transfer_dtype not in (None, "int8", "fp8"):
@@ -320,6 +314,12 @@ class EngineConfig:
         elif self.max_prefill_tokens < self.buckets[-1]:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} is below the largest "
                              f"bucket {self.buckets[-1]}")
+
+    def _check_bucket(self, name: str) -> None:
+        """A chunk size is a bucket: a power of two of at least `min_bucket`."""
+        value = getattr(self, name)
+        if value < self.min_bucket or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= {self.min_bucket}, got {value}")
 
     @property
     def pages_per_slot(self) -> int:

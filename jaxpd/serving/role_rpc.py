@@ -165,20 +165,27 @@ def check_tokens(answer: Any, vocab_size: int, logprobs: int | None
 
 # ---- clients ------------------------------------------------------------------------
 
+def _caller(channel):
+    """(kind, method) -> the channel's callable for the role service's `method`."""
+    return lambda kind, name: getattr(channel, kind)(
+        f"/{ROLE_SERVICE}/{name}", request_serializer=pack, response_deserializer=unpack)
+
+
+def _request_calls(call) -> tuple:
+    """The calls that run a request: Prefill, Decode (a stream), Reprefill, Abort."""
+    return (call("unary_unary", "Prefill"), call("unary_stream", "Decode"),
+            call("unary_unary", "Reprefill"), call("unary_unary", "Abort"))
+
+
 class RoleClient:
     """The router's handle on one worker process."""
 
     def __init__(self, address: str, auth: InternalAuth = NO_AUTH):
         self.address = address
         self._channel = auth.channel(address, options=CLIENT_KEEPALIVE)
-        call = lambda kind, name: getattr(self._channel, kind)(
-            f"/{ROLE_SERVICE}/{name}", request_serializer=pack,
-            response_deserializer=unpack)
+        call = _caller(self._channel)
         self._info = call("unary_unary", "Info")
-        self._prefill = call("unary_unary", "Prefill")
-        self._decode = call("unary_stream", "Decode")
-        self._reprefill = call("unary_unary", "Reprefill")
-        self._abort = call("unary_unary", "Abort")
+        self._prefill, self._decode, self._reprefill, self._abort = _request_calls(call)
         self._switch_role = call("unary_unary", "SwitchRole")
 
     def info(self, timeout: float) -> dict:
@@ -220,13 +227,8 @@ class AsyncRoleClient:
         self.address = address
         self._channel = auth.aio_channel(address, options=CLIENT_KEEPALIVE)
         self._metadata = auth.metadata
-        call = lambda kind, name: getattr(self._channel, kind)(
-            f"/{ROLE_SERVICE}/{name}", request_serializer=pack,
-            response_deserializer=unpack)
-        self._prefill = call("unary_unary", "Prefill")
-        self._decode = call("unary_stream", "Decode")
-        self._reprefill = call("unary_unary", "Reprefill")
-        self._abort = call("unary_unary", "Abort")
+        self._prefill, self._decode, self._reprefill, self._abort = _request_calls(
+            _caller(self._channel))
 
     def prefill(self, request: dict, destination: str, timeout: float, epoch: int = 1
                 ) -> grpc.aio.UnaryUnaryCall:
