@@ -24,7 +24,7 @@ from jaxpd.models import checkpoint, source
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.quant import is_quantized
 from tests.hf_fixtures import hf_greedy
-from tests.model_helpers import paged_greedy
+from tests.model_helpers import forward_greedy
 from tests.support.gguf_files import (converter_metadata, converter_tensors, train_bpe,
                                       write_gguf)
 
@@ -35,7 +35,7 @@ FAMILIES = {"gemma2_gguf": "gemma2", "gemma3_gguf": "gemma3", "qwen3_moe": "qwen
 # Gemma 3's one global layer in six needs six layers.
 NUM_LAYERS = {"gemma3_gguf": 6}
 NUM_NEW = 8
-PROMPT_LEN = 21     # past the Gemma fixtures' 8-token window, across a 16-token page
+PROMPT_LEN = 21     # past the Gemma fixtures' 8-token window
 
 
 @pytest.fixture(scope="module")
@@ -104,12 +104,16 @@ def test_f32_file_is_the_source_model(tmp_path, hf_models, bpe, name):
     assert loaded.cfg == expected
     assert loaded.cfg.rms_norm_eps == pytest.approx(model.config.rms_norm_eps)
     prompt = _prompt(loaded.cfg.vocab_size)
-    tokens, _ = paged_greedy(loaded.cfg, loaded.params, prompt, NUM_NEW)
+    tokens = forward_greedy(loaded.cfg, loaded.params, prompt, NUM_NEW)
     assert tokens == hf_greedy(model, prompt, NUM_NEW)
 
 
+# Q8_0 of gemma2 and qwen3moe repeat gemma3's and Mixtral's paths (kept Gemma
+# projections; float experts without a shared one): the `matrix` marker's.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=[pytest.mark.matrix] if name in ("gemma2_gguf", "qwen3_moe") else [])
+    for name in FAMILIES])
 def test_q8_0_file_serves_projections_kept_and_experts_as_float(tmp_path, hf_models, bpe,
                                                                 name, caplog):
     _, model = _source(hf_models, bpe, name)
@@ -126,8 +130,31 @@ def test_q8_0_file_serves_projections_kept_and_experts_as_float(tmp_path, hf_mod
     else:
         assert "dequantized to float" not in caplog.text
     prompt = _prompt(loaded.cfg.vocab_size)
-    tokens, _ = paged_greedy(loaded.cfg, loaded.params, prompt, NUM_NEW)
+    tokens = forward_greedy(loaded.cfg, loaded.params, prompt, NUM_NEW)
     assert tokens == hf_greedy(_rounded_through(model, Q.Q8_0), prompt, NUM_NEW)
+
+
+# Serving these families is the default run's in `tests/test_families.py` (from
+# safetensors); serving a GGUF file of them end to end -- kept Q8_0 projections beside
+# float experts split over the decode mesh -- is the `matrix` marker's.
+@pytest.mark.slow
+@pytest.mark.matrix
+@pytest.mark.parametrize("name,mesh", [("qwen2_moe_gguf", "prefill=2,decode=2x2"),
+                                       ("gemma3_gguf", "prefill=2,decode=2")])
+def test_llm_serves_a_q8_0_file(tmp_path, hf_models, bpe, name, mesh):
+    from jaxpd import LLM, SamplingParams
+    from tests.engine_fixtures import assert_all_pages_free
+
+    _, model = _source(hf_models, bpe, name)
+    path = write_family(tmp_path, hf_models, bpe, name, Q.Q8_0)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, len(bpe[0]), size=n).tolist() for n in (1, 9, PROMPT_LEN)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM(path, mesh=mesh, max_model_len=64, slots_per_shard=2) as llm:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=[params] * len(prompts))
+        assert_all_pages_free(llm)
+    reference = _rounded_through(model, Q.Q8_0)
+    assert [list(o.token_ids) for o in outs] == [hf_greedy(reference, p, 6) for p in prompts]
 
 
 # ---- what llama.cpp derives from the metadata -----------------------------------------
