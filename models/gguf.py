@@ -180,7 +180,8 @@ def model_config(f: GGUFFile) -> ModelConfig:
         model_type=model_type,
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=key("feed_forward_length"),
+        # Optional in a mixture of experts (no dense MLP): `_moe_fields` fills it in.
+        intermediate_size=key("feed_forward_length", 0 if num_experts else None),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=key("attention.head_count_kv", num_heads),
@@ -197,7 +198,7 @@ def model_config(f: GGUFFile) -> ModelConfig:
     if arch in _GEMMA:
         fields.update(_gemma_fields(f, arch, key, fields))
     if num_experts:
-        fields.update(_moe_fields(f, arch, key, num_experts, num_layers))
+        fields.update(_moe_fields(f, arch, key, num_experts, fields))
     return ModelConfig(**fields)
 
 
@@ -264,9 +265,9 @@ def _pattern_layers(f: GGUFFile, name: str, pattern, num_layers: int) -> tuple[b
     return _swa_layers(pattern, num_layers)
 
 
-def _moe_fields(f: GGUFFile, arch: str, key, num_experts: int, num_layers: int) -> dict:
+def _moe_fields(f: GGUFFile, arch: str, key, num_experts: int, fields: dict) -> dict:
     """Routing and expert sizes; every layer sparse, as llama.cpp builds these models."""
-    rules = _MOE[arch]
+    rules, num_layers, ffn = _MOE[arch], fields["num_layers"], fields["intermediate_size"]
     for i in range(num_layers):
         router = f"blk.{i}.ffn_gate_inp.weight"
         if router not in f.tensors:
@@ -304,8 +305,9 @@ def _moe_fields(f: GGUFFile, arch: str, key, num_experts: int, num_layers: int) 
     shared = 0
     if rules["shared"]:
         # llama.cpp: the shared expert is `feed_forward_length` wide unless stated.
-        shared = key("expert_shared_feed_forward_length", key("feed_forward_length"))
-    return dict(num_experts=int(num_experts), num_experts_per_tok=int(key("expert_used_count")),
+        shared = key("expert_shared_feed_forward_length", ffn or None)
+    return dict(intermediate_size=int(ffn or width),
+                num_experts=int(num_experts), num_experts_per_tok=int(key("expert_used_count")),
                 moe_intermediate_size=int(width), norm_topk_prob=rules["norm"],
                 shared_expert_intermediate_size=int(shared),
                 sparse_layers=(True,) * num_layers)
