@@ -109,15 +109,23 @@ def _load_gguf(path: str, dtype: str, shardings, keep: bool = False) -> LoadedMo
         _log.warning("quantization=auto: tensor %r is %s, which is not served kept "
                      "quantized; the whole file is dequantized to float", *unkept)
         keep = False
+    floats = gguf.float_served_quantized(f, cfg) if keep else []
+    if floats:
+        # Kept block formats serve projections only: expert weights run as float.
+        _log.warning("quantization=auto: %d mixture-of-experts tensors (%r is %s, ...) are "
+                     "not served kept quantized; they are dequantized to float at load, "
+                     "the other projections stay quantized", len(floats), *floats[0])
     shapes, _ = abstract_params(cfg, DTYPES[dtype])
     params: dict = {}
     kept = False
+    names = gguf.tensor_names(cfg)
     for ours, w in gguf.weights(f, cfg, keep_quantized=keep):
         want = tree_get(shapes, ours).shape
         got = w.float_shape if quant.is_quantized(w) else w.shape
         if tuple(got) != tuple(want):
-            raise ValueError(f"{path}: weight {'/'.join(ours)} has shape {tuple(got)} "
-                             f"after conversion, expected {tuple(want)} from the metadata")
+            raise ValueError(f"{path}: tensor {names[ours]!r} (weight {'/'.join(ours)}) has "
+                             f"shape {tuple(got)} after conversion, expected {tuple(want)} "
+                             f"from the metadata")
         sharding = tree_get(shardings, ours)
         if quant.is_quantized(w):
             kept = True

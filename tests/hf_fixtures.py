@@ -45,6 +45,25 @@ CONFIGS = {
                       moe_intermediate_size=32, norm_topk_prob=True, random_norms=True),
     "mixtral": dict(model_type="mixtral", num_attention_heads=4, num_key_value_heads=2,
                     num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    # What llama.cpp's GGUF files can hold (`tests/test_gguf_families.py`): it stores no
+    # `query_pre_attn_scalar` (head_dim is assumed), no layer types (gemma2 alternates
+    # from a local layer 0; gemma3 has every sixth layer global: build it with 6
+    # layers), and no dense layer in a Qwen mixture of experts.
+    "gemma2_gguf": dict(model_type="gemma2", num_attention_heads=4, num_key_value_heads=1,
+                        head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                        attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                        random_norms=True, attn_implementation="eager"),
+    "gemma3_gguf": dict(model_type="gemma3_text", num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                        rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                               "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear",
+                                                            "factor": 4.0,
+                                                            "rope_theta": 1000000.0}},
+                        random_norms=True),
+    "qwen2_moe_gguf": dict(model_type="qwen2_moe", num_attention_heads=4, num_key_value_heads=2,
+                           num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=48, norm_topk_prob=False),
     # Fewer experts than devices, top 1 not renormalised, a shared expert, and layer 1
     # dense (`mlp_only_layers`).
     "qwen2_moe": dict(model_type="qwen2_moe", num_attention_heads=4, num_key_value_heads=2,

@@ -46,3 +46,18 @@ def paged_greedy(cfg, params, prompt: list[int], num_new: int, page_size: int = 
         step_logits.append(np.asarray(lg[0]))
         out.append(int(jnp.argmax(lg[0])))
     return out, np.stack(step_logits) if step_logits else np.zeros((0, cfg.vocab_size))
+
+
+def forward_greedy(cfg, params, prompt: list[int], num_new: int) -> list[int]:
+    """Greedy tokens by full causal forwards over one buffer of len(prompt) + num_new
+    tokens (causal: the unwritten tail changes no earlier logit): one compiled program
+    per model, where `paged_greedy` runs the prefill op by op and compiles a decode
+    step -- for tests of what is loaded rather than of the paged cache."""
+    step = jax.jit(lambda p, t: Llama(cfg).apply({"params": p}, t, method=Llama.forward))
+    tokens = np.zeros((1, len(prompt) + num_new), np.int32)
+    tokens[0, :len(prompt)] = prompt
+    out = []
+    for t in range(len(prompt), len(prompt) + num_new):
+        out.append(int(jnp.argmax(step(params, jnp.asarray(tokens))[0, t - 1])))
+        tokens[0, t] = out[-1]
+    return out

@@ -1,6 +1,10 @@
 """Writing GGUF files as llama.cpp's converter writes them, for tests: a byte-level BPE
-vocabulary trained here, HF state dicts renamed and permuted, and `write_gguf`."""
+vocabulary trained here, HF state dicts renamed and permuted, a saved checkpoint's
+tensors and metadata as the converter turns them out (`converter_tensors`,
+`converter_metadata`), and `write_gguf`."""
 import json
+import os
+import re
 from typing import NamedTuple
 
 import gguf
@@ -73,9 +77,11 @@ def gguf_tensors(state: dict, hf_cfg, arch: str) -> dict:
 def write_gguf(path: str, tensors: dict, qtype, *, arch, vocab, block_count, hidden, ffn, heads,
                kv_heads, head_dim=None, rope_theta=10000.0, eps=1e-6, pre="gpt-2", extra=None,
                raw: dict | None = None) -> str:
-    """A GGUF file as llama.cpp writes it: 2-D weights in `qtype`, 1-D tensors F32.
-    `vocab`: the `bpe` or `spm` fixture; `extra`: more metadata, bool or uint32;
-    `raw`: name -> (uint8 blocks, qtype) written as they are."""
+    """A GGUF file as llama.cpp writes it: 2-D and 3-D weights in `qtype` (F16 where a
+    row does not split into its blocks), 1-D tensors and routers (`ffn_gate_inp`) F32.
+    `vocab`: the `bpe` or `spm` fixture; `extra`: more metadata, bool, uint32, float32,
+    string or array by the value's type; `raw`: name -> (uint8 blocks, qtype) written as
+    they are."""
     w = gguf.GGUFWriter(path, arch)
     w.add_name("tiny test model")
     w.add_block_count(block_count)
@@ -111,12 +117,14 @@ def write_gguf(path: str, tensors: dict, qtype, *, arch, vocab, block_count, hid
         w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
     for key, value in (extra or {}).items():
-        (w.add_bool if isinstance(value, bool) else w.add_uint32)(key, value)
+        add = {bool: w.add_bool, int: w.add_uint32, float: w.add_float32, str: w.add_string,
+               list: w.add_array}
+        add[type(value)](key, value)
     for name, t in tensors.items():
         t = np.asarray(t, np.float32)
-        if t.ndim == 1 or qtype == Q.F32:
+        if t.ndim == 1 or qtype == Q.F32 or name.endswith(".ffn_gate_inp.weight"):
             w.add_tensor(name, t)
-        elif qtype == Q.F16:
+        elif qtype == Q.F16 or t.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
             w.add_tensor(name, t.astype(np.float16))
         else:
             w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
@@ -127,3 +135,81 @@ def write_gguf(path: str, tensors: dict, qtype, *, arch, vocab, block_count, hid
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def converter_tensors(hf_dir: str, hf_cfg, arch: str) -> dict:
+    """The tensors llama.cpp's converter writes for the checkpoint saved in `hf_dir`
+    (`model.safetensors`, one tensor per expert as transformers saves it): names
+    through gguf's own `TensorNameMap`; q/k rows permuted for llama; each layer's
+    experts stacked [E, out, in] (Mixtral's w1/w2/w3 as its `LlamaModel` names them);
+    Gemma's norms + 1; gemma2's lm_head dropped; every tensor squeezed."""
+    from safetensors.numpy import load_file
+
+    state = load_file(os.path.join(hf_dir, "model.safetensors"))
+    arch_id = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(arch_id, hf_cfg.num_hidden_layers)
+    heads = {"q_proj": hf_cfg.num_attention_heads, "k_proj": hf_cfg.num_key_value_heads}
+    experts: dict = {}
+    out = {}
+    for hf_name, w in state.items():
+        if m := _EXPERT.match(hf_name):
+            experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = w
+            continue
+        if arch == "gemma2" and hf_name == "lm_head.weight":
+            continue
+        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
+            w = w + np.float32(1.0)
+        proj = hf_name.split(".")[-2]
+        if arch == "llama" and proj in heads and hf_name.endswith(".weight"):
+            w = llama_cpp_permute(w, heads[proj])
+        out[_gguf_name(names, hf_name)] = w.squeeze()
+    for (layer, proj), by_expert in sorted(experts.items()):
+        stacked = np.stack([by_expert[e] for e in sorted(by_expert)])
+        merged = (f"layers.{layer}.feed_forward.experts.{proj}.weight" if arch == "llama"
+                  else f"model.layers.{layer}.mlp.experts.{proj}.weight")
+        out[_gguf_name(names, merged)] = stacked
+    return out
+
+
+def _gguf_name(names, hf_name: str) -> str:
+    name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise KeyError(f"llama.cpp's converter maps no tensor for {hf_name!r}")
+    return name
+
+
+def converter_metadata(hf_cfg, arch: str) -> dict:
+    """The architecture metadata beyond `write_gguf`'s own keys that the converter
+    writes for `hf_cfg` (Gemma's window, softcaps and rope; the experts' counts and
+    sizes), as `write_gguf(extra=...)`."""
+    extra = {}
+    get = lambda name: getattr(hf_cfg, name, None)   # noqa: E731
+    if arch == "gemma2":
+        extra[f"{arch}.attention.sliding_window"] = int(get("sliding_window"))
+        extra[f"{arch}.attn_logit_softcapping"] = float(get("attn_logit_softcapping"))
+        extra[f"{arch}.final_logit_softcapping"] = float(get("final_logit_softcapping"))
+    if arch == "gemma3":
+        rope = get("rope_parameters") or {}
+        full, local = rope.get("full_attention", rope), rope.get("sliding_attention", {})
+        if full.get("rope_type") == "linear":
+            extra[f"{arch}.rope.scaling.type"] = "linear"
+            extra[f"{arch}.rope.scaling.factor"] = float(full["factor"])
+        if "rope_theta" in local:
+            extra[f"{arch}.rope.freq_base_swa"] = float(local["rope_theta"])
+        if get("sliding_window_pattern") != 1:
+            extra[f"{arch}.attention.sliding_window"] = int(get("sliding_window"))
+        if get("final_logit_softcapping"):
+            extra[f"{arch}.final_logit_softcapping"] = float(get("final_logit_softcapping"))
+    experts = get("num_local_experts") or get("num_experts")
+    if experts:
+        extra[f"{arch}.expert_count"] = int(experts)
+        extra[f"{arch}.expert_used_count"] = int(get("num_experts_per_tok"))
+    if arch in ("qwen2moe", "qwen3moe"):
+        extra[f"{arch}.expert_feed_forward_length"] = int(get("moe_intermediate_size"))
+    if arch == "qwen2moe" and get("shared_expert_intermediate_size"):
+        extra[f"{arch}.expert_shared_feed_forward_length"] = int(
+            get("shared_expert_intermediate_size"))
+    return extra
