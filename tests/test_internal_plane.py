@@ -481,6 +481,28 @@ def test_decode_stream_carries_each_tokens_logprobs(decode_worker):
         assert 0 >= top[0][1] >= top[1][1]
 
 
+def test_decode_streams_hold_no_worker_thread_and_a_cancel_frees_their_slots(decode_worker):
+    """Many Decode streams open at once on a worker with 2 slots (the rest queued):
+    none holds a worker thread, and cancelling them (the router gave up) aborts every
+    request, so the engine goes idle with all pages free."""
+    from tests.engine_fixtures import assert_all_pages_free
+    llm, server, client = decode_worker
+    num_streams = 24
+    threads_before = threading.active_count()
+    aborted_before = llm.stats()["aborted"]
+    streams = [client.decode(_wire(request_id=f"many-{i}", max_tokens=120), local=True)
+               for i in range(num_streams)]
+    assert [next(s) for s in streams] == [{"registered": True}] * num_streams
+    assert threading.active_count() < threads_before + num_streams // 2
+    for s in streams:
+        s.cancel()
+    assert_all_pages_free(llm)          # idle: every request ended
+    # Only those holding the 2 slots may have run to their end before the cancel.
+    assert llm.stats()["aborted"] - aborted_before >= num_streams - 2
+    after = _decode_all(client, _wire(request_id="after-cancels", max_tokens=5))
+    assert len(after[0]) == 5 and after[1] == "length"
+
+
 def test_stranger_cannot_abort_info_or_decode(decode_worker):
     llm, server, client = decode_worker
     stranger = RoleClient(server.address, NO_AUTH)
