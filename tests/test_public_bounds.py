@@ -493,3 +493,37 @@ def test_idle_connections_do_not_stop_new_requests_being_served(serve):
         for s in idle:
             s.close()
         http.stop(grace_s=0)
+
+
+def test_a_grpc_client_that_stops_reading_is_cut_off_with_the_reason(serve):
+    """A client that opens a stream and stops reading: once grpc's flow control holds
+    the server's writes, the stream's unread events pass the bound and the request
+    aborts itself with the reason, long before its max_tokens; the front end (here the
+    test's thread, standing in for the engine) is never blocked."""
+    from jaxpd.output_sink import SLOW_READER
+    max_tokens = 100_000
+    frontend = HeldFrontend()
+    frontend.config = EngineConfig(mesh="colocated=1", max_model_len=max_tokens + 64)
+    server, _ = serve(frontend)
+    server.servicer.max_buffered = 16
+    # A small receive window, not grown by bandwidth probes: grpc holds the server's
+    # writes after a few KB unread rather than after megabytes.
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}", options=[
+        ("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)])
+    stub = jaxpd_pb2_grpc.GenerationStub(channel)
+    stream = stub.Generate(gen_request([5], max_tokens=max_tokens), timeout=120)
+    wait_for(lambda: frontend.num_waiting() == 1, what="the stream's request")
+    (r,) = frontend.live.values()
+    num_taken = 0
+    while not r.is_final:
+        r.append_token(TOKEN, time.perf_counter())
+        num_taken += 1
+        # Paced like engine steps: the server sends what grpc lets it before the next
+        # token (the producer never waits on it for longer than a step).
+        step_end = time.monotonic() + 0.05
+        while r.events.items and time.monotonic() < step_end:
+            time.sleep(0.0002)
+    # Taken: what the window and the transport hold (a few dozen messages), plus the bound.
+    assert r.abort_reason == SLOW_READER and num_taken < max_tokens // 100
+    stream.cancel()
+    channel.close()
