@@ -310,6 +310,10 @@ def main() -> None:
         print(f"{r['streams']:>7} {r['completed']:>5}  {str(r['refused'] or '-'):<18}"
               f"{fmt(r['tokens_per_s']):>6}  {fmt(r['ttft_p50_s'], 1, 2):>8}  "
               f"{fmt(r['itl_p50_s'], 1e3)}/{fmt(r['itl_p90_s'], 1e3):<8}  {procs}")
+    for s in servers:               # a worker the router lost explains failed streams
+        for line in s.lines:
+            if " dropped: " in line:
+                print(f"{s.name}: {line}")
     print("on SIGTERM: " + ", ".join(f"{name} exit {v['exit_code']} after {v['exit_s']:.1f} s"
                                      for name, v in stops.items()))
     print(f"saved {args.out}")
