@@ -119,7 +119,11 @@ class InternalAuth:
         """Pass these to `grpc.server(..., interceptors=...)`."""
         return (_TokenInterceptor(self.token),) if self.token is not None else ()
 
-    def add_port(self, server: grpc.Server, address: str) -> int:
+    def aio_server_interceptors(self) -> tuple[grpc.aio.ServerInterceptor, ...]:
+        """Pass these to `grpc.aio.server(..., interceptors=...)`: the same check."""
+        return (_AioTokenInterceptor(self.token),) if self.token is not None else ()
+
+    def add_port(self, server: grpc.Server | grpc.aio.Server, address: str) -> int:
         """Bind `address` with this scheme's credentials; returns the port (OSError when
         it cannot bind)."""
         try:
@@ -196,11 +200,16 @@ def is_loopback(host: str) -> bool:
 
 # ---- the token on the wire ----------------------------------------------------------
 
-def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+def _deny(handler: grpc.RpcMethodHandler, message: str, aio: bool) -> grpc.RpcMethodHandler:
     """A handler of `handler`'s kind that answers UNAUTHENTICATED without decoding the
-    request (no deserializer: the caller's bytes are never parsed)."""
-    def abort(_request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    request (no deserializer: the caller's bytes are never parsed); a coroutine for a
+    `grpc.aio` server (`aio`)."""
+    if aio:
+        async def abort(_request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    else:
+        def abort(_request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
     kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
              (False, True): grpc.unary_stream_rpc_method_handler,
              (True, False): grpc.stream_unary_rpc_method_handler,
@@ -210,23 +219,39 @@ def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler
                 response_serializer=handler.response_serializer)
 
 
+def _refusal(token: bytes, details: grpc.HandlerCallDetails) -> str | None:
+    """Why a call is refused for its token (None: it may proceed)."""
+    if details.method.startswith(_EXEMPT_PREFIXES):
+        return None
+    sent = dict(details.invocation_metadata or ()).get(TOKEN_METADATA)
+    if sent is None:
+        return f"this internal service needs the cluster token (metadata {TOKEN_METADATA})"
+    if isinstance(sent, str):
+        sent = sent.encode("utf-8", "replace")
+    if not hmac.compare_digest(sent, token):
+        return "wrong cluster token"
+    return None
+
+
 class _TokenInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str):
         self._token = token.encode()
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails):
         handler = continuation(details)
-        if handler is None or details.method.startswith(_EXEMPT_PREFIXES):
-            return handler
-        sent = dict(details.invocation_metadata or ()).get(TOKEN_METADATA)
-        if sent is None:
-            return _deny(handler, f"this internal service needs the cluster token "
-                                  f"(metadata {TOKEN_METADATA})")
-        if isinstance(sent, str):
-            sent = sent.encode("utf-8", "replace")
-        if not hmac.compare_digest(sent, self._token):
-            return _deny(handler, "wrong cluster token")
-        return handler
+        refusal = None if handler is None else _refusal(self._token, details)
+        return handler if refusal is None else _deny(handler, refusal, aio=False)
+
+
+class _AioTokenInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, token: str):
+        self._token = token.encode()
+
+    async def intercept_service(self, continuation: Callable,
+                                details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        refusal = None if handler is None else _refusal(self._token, details)
+        return handler if refusal is None else _deny(handler, refusal, aio=True)
 
 
 class _TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor,

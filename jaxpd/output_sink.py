@@ -5,11 +5,11 @@ The thread that changes a request (an engine loop, the router's relay) puts each
 request's lock, so `put` never blocks and never calls back into the request. Sinks:
 
 - `EventQueue`: one request's events in a blocking queue, for whoever has a thread to
-  wait on anyway (the library's `LLM.generate` / `stream`, a role server's handler);
+  wait on anyway (the library's `LLM.generate` / `stream`);
 - `MergedEvents`: the events of several requests (one caller's `n` samples) in one
   blocking queue, tagged with the request's index: one waiting thread for all of them;
 - `AsyncOutputs`: the events of several requests for an asyncio event loop (the HTTP
-  and gRPC servers, the router's relay). `put` appends to the request's deque and, at
+  and gRPC servers, the router's relay, a role worker's calls). `put` appends to the request's deque and, at
   most once until the loop has run it, schedules a wake-up with
   `loop.call_soon_threadsafe`; the consumer awaits `get`. No thread per request, no
   polling interval.

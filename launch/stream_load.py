@@ -13,8 +13,11 @@ count and resident memory are read from /proc/PID/status every 50 ms.
 Reported per run: streams completed (every chunk up to `data: [DONE]`, with a
 finish_reason) and refused (the status, e.g. 429); peak threads per process; resident
 memory at rest and at the peak, and their difference per stream in flight at the peak;
+CPU time per output token (user + system, a figure other load on the host disturbs
+less than throughput does);
 output tokens per second (chunks with text, over the run's wall time); TTFT and ITL
-(gaps between a stream's chunks) p50/p90; open files per process. With --idle N, N TCP
+(gaps between a stream's chunks) p50/p90; open files per process; at the end, each
+process's exit code and time from SIGTERM to exit. With --idle N, N TCP
 connections to the HTTP port stay open and silent during the runs. A table is printed
 and everything is saved as JSON (--out).
 """
@@ -71,7 +74,9 @@ class Server:
                     raise TimeoutError(f"{self.name}: no line matching {pattern!r}")
                 self._cond.wait(1.0)
 
-    def stop(self) -> None:
+    def stop(self) -> dict:
+        """SIGTERM, then SIGKILL after 30 s: {"exit_code", "exit_s" (signal to exit)}."""
+        started = time.monotonic()
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -79,6 +84,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        return {"exit_code": self.proc.returncode, "exit_s": time.monotonic() - started}
 
 
 def status_of(pid: int) -> tuple[int, int, int]:
@@ -93,6 +99,13 @@ def status_of(pid: int) -> tuple[int, int, int]:
     return threads, rss, len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def cpu_s_of(pid: int) -> float:
+    """CPU seconds (user + system) a process has used, from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Sampler:
     """Peak threads and memory of some processes, read every `every_s` on a thread."""
 
@@ -101,6 +114,7 @@ class Sampler:
         self.peak = {name: {"threads": 0, "rss_kib": 0, "fds": 0} for name in pids}
         self.rest = {name: dict(zip(("threads", "rss_kib", "fds"), status_of(pid)))
                      for name, pid in pids.items()}
+        self.cpu_s = {name: cpu_s_of(pid) for name, pid in pids.items()}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -120,6 +134,7 @@ class Sampler:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+        self.cpu_s = {name: cpu_s_of(pid) - self.cpu_s[name] for name, pid in self.pids.items()}
 
 
 async def one_stream(port: int, body: dict, timeout_s: float) -> dict:
@@ -200,7 +215,9 @@ def summarize(results: list[dict], wall_s: float, sampler: Sampler, n: int) -> d
                        "rss_rest_mib": rest["rss_kib"] / 1024,
                        "rss_peak_mib": peak["rss_kib"] / 1024,
                        "kib_per_stream": (peak["rss_kib"] - rest["rss_kib"]) / n,
-                       "fds_rest": rest["fds"], "fds_peak": peak["fds"]}
+                       "fds_rest": rest["fds"], "fds_peak": peak["fds"],
+                       "cpu_ms_per_token": (1e3 * sampler.cpu_s[name] / tokens
+                                            if tokens else None)}
     return {"streams": n, "completed": len(completed), "refused": refused,
             "wall_s": wall_s, "tokens_per_s": tokens / wall_s if wall_s else None,
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p90_s": percentile(ttft, 0.9),
@@ -276,23 +293,29 @@ def main() -> None:
     try:
         runs = asyncio.run(all_runs(port, pids, args))
     finally:
-        for s in servers:
-            s.stop()
+        stops = {s.name: s.stop() for s in servers}
     report = {"deployment": args.deployment, "code": code, "max_tokens": args.max_tokens,
-              "idle_connections": args.idle, "runs": runs}
+              "idle_connections": args.idle, "runs": runs, "stops": stops}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     fmt = lambda x, scale=1.0, d=1: "-" if x is None else f"{x * scale:.{d}f}"
     print(f"{args.deployment} ({code}), max_tokens={args.max_tokens}, "
           f"idle connections={args.idle}")
     print("streams  done  refused             tok/s  TTFT p50  ITL p50/p90 ms  "
-          + "  ".join(f"{name} thr rest/peak, KiB/stream" for name in pids))
+          + "  ".join(f"{name} thr rest/peak, KiB/stream, CPU ms/token" for name in pids))
     for r in runs:
         procs = "  ".join(f"{v['threads_rest']}/{v['threads_peak']}, "
-                          f"{fmt(v['kib_per_stream'])}" for v in r["processes"].values())
+                          f"{fmt(v['kib_per_stream'])}, {fmt(v['cpu_ms_per_token'], 1, 2)}"
+                          for v in r["processes"].values())
         print(f"{r['streams']:>7} {r['completed']:>5}  {str(r['refused'] or '-'):<18}"
               f"{fmt(r['tokens_per_s']):>6}  {fmt(r['ttft_p50_s'], 1, 2):>8}  "
               f"{fmt(r['itl_p50_s'], 1e3)}/{fmt(r['itl_p90_s'], 1e3):<8}  {procs}")
+    for s in servers:               # a worker the router lost explains failed streams
+        for line in s.lines:
+            if " dropped: " in line:
+                print(f"{s.name}: {line}")
+    print("on SIGTERM: " + ", ".join(f"{name} exit {v['exit_code']} after {v['exit_s']:.1f} s"
+                                     for name, v in stops.items()))
     print(f"saved {args.out}")
 
 

@@ -481,6 +481,28 @@ def test_decode_stream_carries_each_tokens_logprobs(decode_worker):
         assert 0 >= top[0][1] >= top[1][1]
 
 
+def test_decode_streams_hold_no_worker_thread_and_a_cancel_frees_their_slots(decode_worker):
+    """Many Decode streams open at once on a worker with 2 slots (the rest queued):
+    none holds a worker thread, and cancelling them (the router gave up) aborts every
+    request, so the engine goes idle with all pages free."""
+    from tests.engine_fixtures import assert_all_pages_free
+    llm, server, client = decode_worker
+    num_streams = 24
+    threads_before = threading.active_count()
+    aborted_before = llm.stats()["aborted"]
+    streams = [client.decode(_wire(request_id=f"many-{i}", max_tokens=120), local=True)
+               for i in range(num_streams)]
+    assert [next(s) for s in streams] == [{"registered": True}] * num_streams
+    assert threading.active_count() < threads_before + num_streams // 2
+    for s in streams:
+        s.cancel()
+    assert_all_pages_free(llm)          # idle: every request ended
+    # Only those holding the 2 slots may have run to their end before the cancel.
+    assert llm.stats()["aborted"] - aborted_before >= num_streams - 2
+    after = _decode_all(client, _wire(request_id="after-cancels", max_tokens=5))
+    assert len(after[0]) == 5 and after[1] == "length"
+
+
 def test_stranger_cannot_abort_info_or_decode(decode_worker):
     llm, server, client = decode_worker
     stranger = RoleClient(server.address, NO_AUTH)
@@ -563,39 +585,51 @@ def test_dead_engine_health_not_serving_and_unavailable(tiny_hf_model):
         llm.shutdown()
 
 
-def test_worker_health_answers_while_every_stream_thread_is_busy():
-    """Health Check has its own threads on a worker: with every Decode-stream thread
-    held (max_workers=2, two streams that never end), a probe still gets SERVING."""
+def test_worker_threads_stay_bounded_and_health_answers_with_many_streams_open():
+    """A Decode stream in flight holds no thread on a worker: with many streams open
+    at once (each waiting, as a stream between tokens does), the worker's own threads
+    are its event loop and at most its small pool, and a health probe still answers.
+    Stopping with no grace cuts the streams off and joins the threads."""
+    import asyncio
     import types
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-    from jaxpd.serving.role_server import RoleServer
+    from jaxpd.serving.role_server import RPC_THREADS, RoleServer
 
+    num_streams = 64
     release = threading.Event()
 
-    def hold(_request, context):
+    async def hold(_request, context):
         yield b"started"
-        release.wait(30)
+        while not release.is_set():
+            await asyncio.sleep(0.05)
 
     service = types.SimpleNamespace(
-        engine=types.SimpleNamespace(error=None),
+        engine=types.SimpleNamespace(error=None), error=None,
         handlers=lambda: grpc.method_handlers_generic_handler(
             "t.Hold", {"Hold": grpc.unary_stream_rpc_method_handler(hold)}))
-    server = RoleServer(service, "127.0.0.1", 0, max_workers=2)
+    others = set(threading.enumerate())        # other tests' workers may still run
+    server = RoleServer(service, "127.0.0.1", 0)
     server.start()
+    worker_threads = lambda: [t.name for t in threading.enumerate()
+                              if t.name.startswith("jaxpd-worker") and t not in others]
     try:
         with grpc.insecure_channel(server.address) as channel:
-            streams = [channel.unary_stream("/t.Hold/Hold")(b"", timeout=30) for _ in range(2)]
-            assert [next(s) for s in streams] == [b"started", b"started"]   # both threads held
+            streams = [channel.unary_stream("/t.Hold/Hold")(b"", timeout=60)
+                       for _ in range(num_streams)]
+            assert [next(s) for s in streams] == [b"started"] * num_streams
+            assert len(worker_threads()) <= 1 + RPC_THREADS, worker_threads()
             check = health_pb2_grpc.HealthStub(channel).Check
             for _ in range(5):
                 assert check(health_pb2.HealthCheckRequest(), timeout=5).status == \
                     health_pb2.HealthCheckResponse.SERVING
-            release.set()
+            server.stop(0)         # no grace: every stream still open is cut off
             for s in streams:
-                assert list(s) == []
+                with pytest.raises(grpc.RpcError):
+                    list(s)
     finally:
         release.set()
         server.stop(0)
+    assert worker_threads() == []
 
 
 # ---- model versions: fingerprints decide who pairs with whom ----------------------------

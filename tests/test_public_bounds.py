@@ -4,6 +4,7 @@ until the test releases them, then get `max_tokens` copies of one token.
 
 Run them together with `-k "stranger or slowloris or oversized or garbage or shutdown"`.
 """
+import json
 import re
 import secrets
 import socket
@@ -439,3 +440,90 @@ def test_public_port_serves_tls_and_refuses_plaintext(tmp_path):
         define_flags(fv2)
         fv2(["launch", f"--public_tls_cert={pem.cert}"])
         _public_tls(fv2)
+
+
+def _idle_connections_to_open(num_ports: int, wanted: int = 2000, spare: int = 512) -> int:
+    """How many idle connections to hold on each of `num_ports` ports. Each costs this
+    process two descriptors (the client's socket and the server's accepted one), so the
+    soft fd limit is raised to the hard one where needed and the count kept `spare`
+    descriptors under it (grpc, jax and the test runner hold some). `wanted` is far
+    past every in-flight bound the test sets (8), and is as many as common default
+    hard limits (4,096 and up) allow on two ports; a 10,000-connection run is a
+    measurement (`launch/stream_load.py --idle`), not a test."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = spare + 2 * num_ports * wanted
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    return wanted if soft == resource.RLIM_INFINITY else min(wanted, (soft - spare) // (2 * num_ports))
+
+
+@pytest.mark.slow
+def test_idle_connections_do_not_stop_new_requests_being_served(serve):
+    """Thousands of TCP connections that never send a byte, held open on the HTTP port
+    and on the public gRPC port at once, take no request slot: a new request on each
+    port is still served, although both allow only 8 requests in flight."""
+    from jaxpd.serving.http import HttpServer, OpenAIService
+
+    frontend = HeldFrontend(held=False)
+    server, channel = serve(frontend, max_concurrent_rpcs=8)
+    http = HttpServer(OpenAIService(model_names=("held",), max_concurrent=8), port=0)
+    http.attach(frontend)
+    num_idle = _idle_connections_to_open(num_ports=2)
+    assert num_idle >= 200, "the fd limit leaves too few descriptors for this test"
+    idle = []
+    try:
+        for port in (http.port, server.port):
+            for _ in range(num_idle):
+                idle.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        stub = jaxpd_pb2_grpc.GenerationStub(channel)
+        reply = stub.Complete(gen_request(ids=[5, 6], max_tokens=3), timeout=60)
+        assert list(reply.token_ids) == [TOKEN] * 3 and reply.finish_reason == "length"
+        body = json.dumps({"model": "held", "prompt": [5, 6], "max_tokens": 3}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{http.port}/v1/completions",
+                                         data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer = json.loads(response.read())
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert answer["usage"]["completion_tokens"] == 3
+        assert all(s.fileno() >= 0 for s in idle)     # still open: none was refused
+    finally:
+        for s in idle:
+            s.close()
+        http.stop(grace_s=0)
+
+
+def test_a_grpc_client_that_stops_reading_is_cut_off_with_the_reason(serve):
+    """A client that opens a stream and stops reading: once grpc's flow control holds
+    the server's writes, the stream's unread events pass the bound and the request
+    aborts itself with the reason, long before its max_tokens; the front end (here the
+    test's thread, standing in for the engine) is never blocked."""
+    from jaxpd.output_sink import SLOW_READER
+    max_tokens = 100_000
+    frontend = HeldFrontend()
+    frontend.config = EngineConfig(mesh="colocated=1", max_model_len=max_tokens + 64)
+    server, _ = serve(frontend)
+    server.servicer.max_buffered = 16
+    # A small receive window, not grown by bandwidth probes: grpc holds the server's
+    # writes after a few KB unread rather than after megabytes.
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}", options=[
+        ("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)])
+    stub = jaxpd_pb2_grpc.GenerationStub(channel)
+    stream = stub.Generate(gen_request([5], max_tokens=max_tokens), timeout=120)
+    wait_for(lambda: frontend.num_waiting() == 1, what="the stream's request")
+    (r,) = frontend.live.values()
+    num_taken = 0
+    while not r.is_final:
+        r.append_token(TOKEN, time.perf_counter())
+        num_taken += 1
+        # Paced like engine steps: the server sends what grpc lets it before the next
+        # token (the producer never waits on it for longer than a step).
+        step_end = time.monotonic() + 0.05
+        while r.events.items and time.monotonic() < step_end:
+            time.sleep(0.0002)
+    # Taken: what the window and the transport hold (a few dozen messages), plus the bound.
+    assert r.abort_reason == SLOW_READER and num_taken < max_tokens // 100
+    stream.cancel()
+    channel.close()

@@ -6,10 +6,8 @@ their stacks) for life. Here a thread starts only when every running thread is b
 (at most `max_workers`), and exits after `idle_s` without work; a burst costs threads
 for the burst only.
 
-It subclasses `ThreadPoolExecutor` because grpc picks a per-method pool only when the
-method's `experimental_thread_pool` is one; it uses none of the parent's machinery.
-`on_pool` gives a method such a pool, and `health_handler` gives grpc.health.v1's Check
-one, so a health probe never waits behind long-lived streams.
+It subclasses `ThreadPoolExecutor` so that grpc takes it wherever it takes an executor
+(a server's pool, `run_in_executor`); it uses none of the parent's machinery.
 """
 from __future__ import annotations
 
@@ -17,10 +15,6 @@ import collections
 import threading
 import time
 from concurrent import futures
-from typing import Callable
-
-import grpc
-from grpc_health.v1 import health, health_pb2
 
 
 class ShrinkingThreadPool(futures.ThreadPoolExecutor):
@@ -100,25 +94,3 @@ class ShrinkingThreadPool(futures.ThreadPoolExecutor):
                 future.set_result(result)
             del future, fn, args, kwargs   # drop references before waiting again
 
-
-def on_pool(behaviour: Callable, pool: ShrinkingThreadPool) -> Callable:
-    """`behaviour`, run by grpc on `pool` instead of the server's own pool."""
-    def handle(request, context):
-        return behaviour(request, context)
-    handle.experimental_thread_pool = pool
-    return handle
-
-
-def health_handler(servicer: health.HealthServicer,
-                   pool: ShrinkingThreadPool) -> grpc.GenericRpcHandler:
-    """grpc.health.v1 served by `servicer`, with Check on `pool` (Watch holds no
-    thread): add it to a server instead of `add_HealthServicer_to_server`."""
-    request, response = health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
-    return grpc.method_handlers_generic_handler(health.SERVICE_NAME, {
-        "Check": grpc.unary_unary_rpc_method_handler(
-            on_pool(servicer.Check, pool), request_deserializer=request.FromString,
-            response_serializer=response.SerializeToString),
-        "Watch": grpc.unary_stream_rpc_method_handler(
-            servicer.Watch, request_deserializer=request.FromString,
-            response_serializer=response.SerializeToString),
-    })

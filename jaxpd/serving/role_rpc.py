@@ -22,11 +22,13 @@ call for another epoch (FAILED_PRECONDITION), so nothing meant for its old role 
 applied to its new one. All of them travel on the internal plane only: servers take `InternalAuth`'s
 interceptors and credentials, clients its channel. Bodies are decoded here, with size
 limits, so a malformed one is INVALID_ARGUMENT and a body of another wire version
-FAILED_PRECONDITION, before any handler runs.
+FAILED_PRECONDITION, before any handler runs; a handler refuses a call by raising
+`Refusal`.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Iterator
 
 import grpc
@@ -53,6 +55,15 @@ SERVER_KEEPALIVE = (("grpc.keepalive_permit_without_calls", 1),
                     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000))
 
 
+class Refusal(Exception):
+    """Answer the call with `code` and `message`: what a handler, or a check it calls,
+    raises to refuse it (the same for coroutine and blocking handlers)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 def unary_handler(fn):
     return grpc.unary_unary_rpc_method_handler(_checked(fn), response_serializer=pack)
 
@@ -61,15 +72,49 @@ def stream_handler(fn):
     return grpc.unary_stream_rpc_method_handler(_checked(fn), response_serializer=pack)
 
 
+def _unpacked(data: bytes, name: str) -> dict:
+    try:
+        return unpack_checked(data, name)
+    except WireVersionError as e:
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+    except MalformedMessage as e:
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+
 def _checked(fn):
+    """`fn(message, context)` taking the body's bytes: decoded first (`_unpacked`), and
+    a `Refusal` from either step answers the call. `fn` may be a plain function or
+    generator (grpc runs it on the server's thread pool), or, on a `grpc.aio` server, a
+    coroutine function or an async generator (run on the server's event loop)."""
+    name = fn.__name__
+    if inspect.isasyncgenfunction(fn):
+        async def serve_stream(data: bytes, context: grpc.aio.ServicerContext):
+            try:
+                async for reply in fn(_unpacked(data, name), context):
+                    yield reply
+            except Refusal as e:
+                await context.abort(e.code, e.message)
+        return serve_stream
+    if inspect.iscoroutinefunction(fn):
+        async def serve_async(data: bytes, context: grpc.aio.ServicerContext):
+            try:
+                return await fn(_unpacked(data, name), context)
+            except Refusal as e:
+                await context.abort(e.code, e.message)
+        return serve_async
+    if inspect.isgeneratorfunction(fn):
+        def serve_generator(data: bytes, context: grpc.ServicerContext):
+            try:
+                yield from fn(_unpacked(data, name), context)
+            except Refusal as e:
+                context.abort(e.code, e.message)
+        return serve_generator
+
     def serve(data: bytes, context: grpc.ServicerContext):
         try:
-            message = unpack_checked(data, fn.__name__)
-        except WireVersionError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except MalformedMessage as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return fn(message, context)
+            return fn(_unpacked(data, name), context)
+        except Refusal as e:
+            context.abort(e.code, e.message)
     return serve
 
 

@@ -8,7 +8,8 @@ prefilled right here) and streams its tokens (with their log-probabilities when 
 request asks for them), with an {"alive"} event after each
 second without one so the router can tell a slow request from a frozen worker. A
 cancelled RPC aborts the request, so its slot and pages are freed by the engine's
-next iteration.
+next iteration. A router that stops reading a stream is cut off past `max_buffered`
+unread events (`SLOW_READER`).
 
 On the router's command (`SwitchRole`) a worker drains and becomes the other role at a
 new epoch (`role_switch`); a call naming another epoch is refused.
@@ -17,37 +18,47 @@ Nothing a peer sends is trusted: every request is rebuilt from its wire form and
 checked by `jaxpd.validation` against this worker's own limits (INVALID_ARGUMENT
 naming the field) before the engine sees it, and every RPC is authenticated by the
 server's `InternalAuth`. A worker whose engine died answers UNAVAILABLE and its health
-turns NOT_SERVING (a `jaxpd-role-health` thread watches `engine.error`); it also stops
+turns NOT_SERVING (the event loop watches `engine.error`); it also stops
 heartbeating, so the router drops it when its lease runs out.
 
-Threads: the gRPC pool (`jaxpd-worker-*`), `jaxpd-role-health`, and `jaxpd-register`
+The server is `grpc.aio`: Prefill, Decode, Reprefill and Abort are coroutines on its
+event loop (what they do there is short and never blocks: validate, submit or
+register, abort), and a request's events reach them through an `AsyncOutputs`, so a
+call in flight costs no thread. Handlers that block (Info reads the engine's stats,
+SwitchRole drains and rebuilds) are plain functions grpc runs on a small pool. A
+handler refuses a call by raising `Refusal`. Threads, whatever the number of calls:
+`jaxpd-worker-loop` (the event loop: every call, health), `jaxpd-worker-rpc-*` (the
+blocking handlers, at most `RPC_THREADS`, idle ones exit) and `jaxpd-register`
 (register, then heartbeat every `heartbeat_s`; a refusal from the router is final).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
-import queue
 import threading
 from typing import Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from jaxpd.auth import NO_AUTH, InternalAuth
 from jaxpd.engine.background_compile import compilers
 from jaxpd.engine.engine import Engine
 from jaxpd.errors import QueueFull
+from jaxpd.output_sink import MAX_BUFFERED, AsyncOutputs
 from jaxpd.stats import COUNTERS
 from jaxpd.request import Request, State
-from jaxpd.serving.pool import ShrinkingThreadPool, health_handler
+from jaxpd.serving.pool import ShrinkingThreadPool
 from jaxpd.serving.role_switch import RoleSwitch
 from jaxpd.serving.role_rpc import (MAX_ADDRESS_LEN, MAX_REASON_LEN, ROLE_SERVICE,
-                                    SERVER_KEEPALIVE, WorkerInfo, register, router_identity,
-                                    stream_handler, unary_handler)
+                                    SERVER_KEEPALIVE, Refusal, WorkerInfo, register,
+                                    router_identity, stream_handler, unary_handler)
 from jaxpd.validation import check_request, check_request_id, check_token_ids
 
 _log = logging.getLogger(__name__)
 ALIVE_EVERY_S = 1.0
+RPC_THREADS = 8          # the blocking handlers' pool (Info, SwitchRole)
+MAX_CALLS = 16384        # grpc's backstop on calls at once
 # Refusals that retrying cannot cure: the worker stops and says why.
 _FINAL_REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
                    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
@@ -55,11 +66,12 @@ _FINAL_REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_
 
 class RoleService:
     def __init__(self, engine: Engine, kv_address: str, kv_transport: str = "grpc",
-                 alive_every_s: float = ALIVE_EVERY_S):
+                 alive_every_s: float = ALIVE_EVERY_S, max_buffered: int = MAX_BUFFERED):
         self.engine = engine
         self.kv_address = kv_address
         self.kv_transport = kv_transport
         self.alive_every_s = alive_every_s
+        self.max_buffered = max_buffered
         self.role = "prefill" if engine.prefill_loop is not None else "decode"
         self.tokenizer = router_identity(engine.model.path)
         self.epoch = 1                  # one more per role switch (`role_switch`)
@@ -92,7 +104,7 @@ class RoleService:
         return switch or self.engine.error
 
     def Info(self, msg, context) -> dict:
-        self._alive(context)
+        self._alive()
         s = self.engine.stats()
         return {**self.info("").to_wire(), **self.load(), "mesh": s.mesh,
                 "model_path": self.engine.model.path, "transfers": s.transfers,
@@ -102,50 +114,52 @@ class RoleService:
                 "counters": {name: s[name] for name in COUNTERS},
                 "compiles_pending": sum(c.pending for c in compilers(self.engine))}
 
-    def Prefill(self, msg, context) -> dict:
-        self._require("prefill", msg, context)
-        r = self._request(msg, context, State.WAITING)
+    async def Prefill(self, msg, context) -> dict:
+        self._require("prefill", msg)
+        r = self._request(msg, State.WAITING)
         destination = msg.get("destination")
         if not isinstance(destination, str) or not 0 < len(destination) <= MAX_ADDRESS_LEN:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"destination must be a host:port of at most {MAX_ADDRESS_LEN} "
                           f"characters")
         r.destination = destination
         held = len(r.output_ids)
-        self._submit(r, context)
-        context.add_callback(lambda: self.engine.abort(r.request_id, "router cancelled"))
+        outputs = self._outputs(r)
+        self._submit(r)
+        self._abort_at_end(r, context)
         tokens = []
         while True:
-            ids, finish = r.events.get()
+            _, (ids, finish) = await outputs.get()
             tokens += ids
             if finish == "handed_off":
                 return {"status": "handed_off"}
             if finish == "abort":
-                context.abort(grpc.StatusCode.UNAVAILABLE, r.abort_reason or "aborted")
+                raise Refusal(grpc.StatusCode.UNAVAILABLE, r.abort_reason or "aborted")
             if finish is not None:
                 return {"status": "finished", "token_ids": tokens, "finish_reason": finish,
                         **_logprobs_of(r, held, len(tokens))}
 
-    def Decode(self, msg, context):
-        self._require("decode", msg, context)
+    async def Decode(self, msg, context):
+        self._require("decode", msg)
         local = bool(msg.get("local"))
-        r = self._request(msg, context, State.WAITING if local else State.TRANSFERRING)
+        r = self._request(msg, State.WAITING if local else State.TRANSFERRING)
         sent = len(r.output_ids)            # tokens the router holds already (a failover)
+        outputs = self._outputs(r)
         if local:
-            self._submit(r, context)
+            self._submit(r)
         else:
-            self._alive(context)
-            self._unique(r, context)
+            self._unique(r)
             try:
                 self.engine.register(r)
             except ValueError as e:     # the same id registered meanwhile
-                context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-        context.add_callback(lambda: self.engine.abort(r.request_id, "router cancelled"))
+                raise Refusal(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
+        self._abort_at_end(r, context)
         yield {"registered": True}
         while True:
             try:
-                ids, finish = r.events.get(timeout=self.alive_every_s)
-            except queue.Empty:
+                async with asyncio.timeout(self.alive_every_s):
+                    _, (ids, finish) = await outputs.get()
+            except TimeoutError:
                 yield {"alive": True}       # lets the router tell slow from frozen
                 continue
             yield {"token_ids": ids, "finish": finish, "abort_reason": r.abort_reason,
@@ -154,54 +168,69 @@ class RoleService:
             if finish is not None:
                 return
 
-    def Reprefill(self, msg, context) -> dict:
-        self._require("decode", msg, context)
-        return {"ok": self.engine.reprefill(_request_id(msg, context))}
+    async def Reprefill(self, msg, context) -> dict:
+        self._require("decode", msg)
+        return {"ok": self.engine.reprefill(_request_id(msg))}
 
-    def Abort(self, msg, context) -> dict:
-        self.check_epoch(msg, context)
-        request_id = _request_id(msg, context)
+    async def Abort(self, msg, context) -> dict:
+        self.check_epoch(msg)
+        request_id = _request_id(msg)
         reason = msg.get("reason") or "cancelled"
         if not isinstance(reason, str) or len(reason) > MAX_REASON_LEN or not reason.isprintable():
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"reason must be printable text of at most {MAX_REASON_LEN} characters")
         return {"aborted": self.engine.abort(request_id, reason)}
 
-    # ---- checks -------------------------------------------------------------------
-
     def SwitchRole(self, msg, context) -> dict:
-        self._alive(context)
+        self._alive()
         if self.switcher is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           f"this {self.role} worker cannot switch roles (a mesh across "
                           f"processes, or started without one)")
-        return self.switcher.handle(msg, context)
+        return self.switcher.handle(msg)
 
-    def _alive(self, context) -> None:
+    # ---- a call's request ---------------------------------------------------------
+
+    def _outputs(self, r: Request) -> AsyncOutputs:
+        """Where `r`'s events go: a deque the calling coroutine awaits."""
+        outputs = AsyncOutputs(asyncio.get_running_loop(), 1, self.max_buffered)
+        r.events = outputs.sinks[0]
+        return outputs
+
+    def _abort_at_end(self, r: Request, context) -> None:
+        """The call's end aborts `r` if it still runs: at once on a cancel (the router
+        gave up, or the server stops), a no-op after a normal end."""
+        engine = self.engine
+        context.add_done_callback(
+            lambda _: r.is_final or engine.abort(r.request_id, "router cancelled"))
+
+    # ---- checks: each raises `Refusal` -------------------------------------------------
+
+    def _alive(self) -> None:
         if self.error is not None:
-            context.abort(grpc.StatusCode.UNAVAILABLE,
+            raise Refusal(grpc.StatusCode.UNAVAILABLE,
                           f"this {self.role} worker's engine failed: {self.error!r}")
 
-    def check_epoch(self, msg: dict, context) -> None:
+    def check_epoch(self, msg: dict) -> None:
         """A call for another epoch of this worker is refused: it was meant for the
         role it had before a switch (or a later one)."""
         epoch = msg.get("epoch", 1)
         if epoch != self.epoch:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           f"stale epoch: the call is for epoch {epoch!r} of this worker, "
                           f"which is now a {self.role} worker at epoch {self.epoch}")
 
-    def _require(self, role: str, msg: dict, context) -> None:
-        self._alive(context)
+    def _require(self, role: str, msg: dict) -> None:
+        self._alive()
         draining = self.switcher.draining if self.switcher is not None else None
         if draining is not None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, draining)
-        self.check_epoch(msg, context)
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, draining)
+        self.check_epoch(msg)
         if self.role != role:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           f"this is a {self.role} worker, not a {role} worker")
 
-    def _request(self, msg: dict, context, state: State) -> Request:
+    def _request(self, msg: dict, state: State) -> Request:
         """The request from its wire form, checked against this worker's own limits:
         a peer's request is as untrusted as a client's."""
         c, m = self.engine.config, self.engine.model.cfg
@@ -215,31 +244,32 @@ class RoleService:
             if not 0 <= r.seed < 2**63:
                 raise ValueError(f"seed must be in [0, 2**63), got {r.seed}")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {_describe(e)}")
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"bad request: {_describe(e)}") from None
         return r
 
-    def _unique(self, r: Request, context) -> None:
+    def _unique(self, r: Request) -> None:
         live = self.engine.requests.get(r.request_id)
         if live is not None and not live.is_final:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS,
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
                           f"request_id {r.request_id!r} is already in flight here")
 
-    def _submit(self, r: Request, context) -> None:
+    def _submit(self, r: Request) -> None:
         try:
             self.engine.submit(r)
         except QueueFull as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except ValueError as e:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
         except RuntimeError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, str(e)) from None
 
 
-def _request_id(msg: dict, context) -> str:
+def _request_id(msg: dict) -> str:
     try:
         return check_request_id(msg.get("request_id"))
     except ValueError as e:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
 
 def _logprobs_of(r: Request, start: int, count: int) -> dict:
@@ -257,39 +287,53 @@ def _describe(e: Exception) -> str:
 class RoleServer:
     """gRPC server of a worker: the Worker service plus standard health checking
     (SERVING once started: the engine is built and warm by then; NOT_SERVING once its
-    engine has failed). Every call is authenticated by `auth`."""
+    engine has failed). Every call is authenticated by `auth`. `max_calls`: calls at
+    once (grpc refuses more, RESOURCE_EXHAUSTED), a backstop only: the engine's own
+    queue bound refuses first."""
 
     def __init__(self, service: RoleService, host: str, port: int,
-                 auth: InternalAuth = NO_AUTH, max_workers: int = 1024):
+                 auth: InternalAuth = NO_AUTH, max_calls: int = MAX_CALLS):
         self.service = service
         self.auth = auth
-        # One thread per Decode stream (each request registered here holds one for its
-        # life): a shrinking pool, so a burst's threads go with the burst; health Check
-        # on a pool of its own, so a probe never waits behind streams.
-        self._pool = ShrinkingThreadPool(max_workers, "jaxpd-worker")
-        self._health_pool = ShrinkingThreadPool(2, "jaxpd-worker-health")
-        self._server = grpc.server(self._pool, interceptors=auth.server_interceptors(),
-                                   options=SERVER_KEEPALIVE)
-        self._health = health.HealthServicer()
-        self._server.add_generic_rpc_handlers((service.handlers(),
-                                               health_handler(self._health, self._health_pool)))
-        self.port = auth.add_port(self._server, f"{host}:{port}")
+        self._pool = ShrinkingThreadPool(RPC_THREADS, "jaxpd-worker-rpc")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever,
+                                        name="jaxpd-worker-loop", daemon=True)
+        self._thread.start()
+        try:
+            self.port = self._on_loop(self._bind(f"{host}:{port}", max_calls))
+        except BaseException:
+            self._close_loop()
+            raise
         self.address = f"{host}:{self.port}"
         self._stop = threading.Event()
+        self._watch: asyncio.Task | None = None
         self.refused: str | None = None     # why the router refused this worker
 
-    def start(self) -> None:
-        self._server.start()
-        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
-        threading.Thread(target=self._watch_engine, name="jaxpd-role-health",
-                         daemon=True).start()
+    def _on_loop(self, coro, timeout: float | None = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    def _watch_engine(self) -> None:
-        while not self._stop.wait(0.2):
-            if self.service.error is not None:
-                self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-                _log.error("engine failed (%r): health NOT_SERVING", self.service.error)
-                return
+    async def _bind(self, address: str, max_calls: int) -> int:
+        self._health = health.aio.HealthServicer()
+        self._server = grpc.aio.server(self._pool, options=SERVER_KEEPALIVE,
+                                       interceptors=self.auth.aio_server_interceptors(),
+                                       maximum_concurrent_rpcs=max_calls)
+        self._server.add_generic_rpc_handlers((self.service.handlers(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        return self.auth.add_port(self._server, address)
+
+    def start(self) -> None:
+        async def start():
+            await self._server.start()
+            await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+            self._watch = asyncio.get_running_loop().create_task(self._watch_engine())
+        self._on_loop(start())
+
+    async def _watch_engine(self) -> None:
+        while self.service.error is None:
+            await asyncio.sleep(0.2)
+        await self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        _log.error("engine failed (%r): health NOT_SERVING", self.service.error)
 
     def register_with(self, router_address: str, heartbeat_s: float = 1.0,
                       on_refused: Callable[[str], None] | None = None) -> threading.Thread:
@@ -331,11 +375,24 @@ class RoleServer:
         return t
 
     def stop(self, grace: float = 5.0) -> None:
+        """Health NOT_SERVING and new calls refused; calls in flight get `grace` seconds,
+        then are cancelled (their requests abort); the threads are joined. Idempotent."""
+        if self._stop.is_set():
+            return
         self._stop.set()
-        self._health.enter_graceful_shutdown()
-        self._server.stop(grace).wait()
+
+        async def stop():
+            await self._health.enter_graceful_shutdown()
+            await self._server.stop(grace)
+            if self._watch is not None:
+                self._watch.cancel()
+        self._on_loop(stop(), timeout=None)
+        self._close_loop()
+
+    def _close_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
         self._pool.shutdown(wait=True)
-        self._health_pool.shutdown(wait=True)
 
 
 def kv_options(host: str, offer_hosts: tuple[str, ...] = ()):

@@ -27,7 +27,7 @@ from typing import Callable
 
 import grpc
 
-from jaxpd.serving.role_rpc import ROLES
+from jaxpd.serving.role_rpc import ROLES, Refusal
 from jaxpd.sharding.spec import parse_mesh_spec
 
 _log = logging.getLogger(__name__)
@@ -56,23 +56,24 @@ class RoleSwitch:
         self.error: BaseException | None = None
         self._lock = threading.Lock()
 
-    def handle(self, msg: dict, context) -> dict:
-        """The `SwitchRole` RPC."""
+    def handle(self, msg: dict) -> dict:
+        """The `SwitchRole` RPC (blocking: it drains and rebuilds); refusals raise
+        `Refusal`."""
         service = self.service
         role = msg.get("role")
         if role not in ROLES:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"role must be one of {ROLES}, got {role!r}")
         if not self._lock.acquire(blocking=False):
-            context.abort(grpc.StatusCode.ABORTED, "a role switch is already in progress")
+            raise Refusal(grpc.StatusCode.ABORTED, "a role switch is already in progress")
         try:
-            service.check_epoch(msg, context)
+            service.check_epoch(msg)
             if role == service.role:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                               f"this worker is a {role} worker already (epoch {service.epoch})")
             self.switch(role)
             if self.error is not None:
-                context.abort(grpc.StatusCode.INTERNAL,
+                raise Refusal(grpc.StatusCode.INTERNAL,
                               f"the switch to {role} failed: {self.error!r}")
             return {"role": service.role, "epoch": service.epoch}
         finally:
