@@ -1,0 +1,139 @@
+"""Live migration of decoding requests between decode engines (`engine.migration`): a
+request cut out of one engine's pool goes on at another from its next token, through a
+real KV connector (the gRPC stream), with the same tokens as if it had not moved
+(greedy and seeded), no prefill of its prompt there, and no page held on either side.
+A forged migration handoff installs nothing and leaves the engine serving."""
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+from jaxpd import LLM, SamplingParams
+from jaxpd.engine.migration import take_decoding
+from jaxpd.request import Request, State
+from jaxpd.transfer.connector import KVHandoff
+from jaxpd.transfer.grpc_stream import GrpcReceiver, GrpcSender
+from tests.engine_fixtures import assert_all_pages_free, mixed_prompts
+from tests.hf_fixtures import hf_greedy
+
+MAX_MODEL_LEN = 96
+OPTIONS = dict(max_model_len=MAX_MODEL_LEN, slots_per_shard=4, migrate_on_drain=True)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_hf_model):
+    """(source: a prefill and a decode mesh in one process; target: a decode-only
+    engine taking KV over the gRPC stream; the sender the source's moves use)."""
+    path, _ = tiny_hf_model
+    receiver = GrpcReceiver(address="127.0.0.1:0")
+    source = LLM(path, mesh="prefill=1,decode=1", **OPTIONS)
+    target = LLM(path, mesh="decode=1", connector=receiver, **OPTIONS)
+    sender = GrpcSender()
+    yield source, target, receiver.address, sender
+    sender.close()
+    target.shutdown()
+    source.shutdown()
+
+
+def _params(i: int, max_tokens: int) -> SamplingParams:
+    if i % 2 == 0:
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.9, top_k=40, seed=100 + i,
+                          repetition_penalty=1.2, ignore_eos=True)
+
+
+def _wait(pred, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def _mirror(target: LLM, migrant_request: Request) -> Request:
+    """What a router does: register at the target a mirror of the request as its client
+    has it (prompt + every token so far)."""
+    mirror = Request.from_wire(migrant_request.to_wire(), State.TRANSFERRING)
+    target.engine.register(mirror)
+    return mirror
+
+
+@pytest.mark.slow
+def test_migrated_requests_finish_elsewhere_token_identically(engines, tiny_hf_model):
+    source, target, address, sender = engines
+    _, hf_model = tiny_hf_model
+    prompts = mixed_prompts(4, 256, seed=5)
+    max_tokens = [40 - i for i in range(len(prompts))]
+    requests = [source.submit(source.make_request(prompt_token_ids=p,
+                                                  sampling_params=_params(i, n)))
+                for i, (p, n) in enumerate(zip(prompts, max_tokens))]
+    _wait(lambda: all(len(r.output_ids) >= 3 for r in requests))
+    prefilled = source.stats()["prefill_tokens"]
+    migrants = take_decoding(source.engine)
+    assert {m.request.request_id for m in migrants} == {r.request_id for r in requests}
+    assert all(len(m.request.output_ids) < n for m, n in zip(migrants, max_tokens))
+    assert_all_pages_free(source)          # every page of a moved request is back
+    assert source.stats()["migrations_out"] == len(requests)
+    before = target.stats()
+    mirrors = []
+    for m in migrants:
+        mirrors.append(_mirror(target, m.request))
+        sender.send(dataclasses.replace(m.handoff, destination=address))
+    outputs = [target._wait(r) for r in mirrors]
+    # The same tokens as unmoved: greedy ones as transformers makes them, seeded ones as
+    # the source engine draws them when nothing moves.
+    by_id = {m.request.request_id: i for i, m in enumerate(migrants)}
+    unmoved = source.generate(prompt_token_ids=prompts,
+                              sampling_params=[_params(i, n) for i, n in enumerate(max_tokens)])
+    for m, out in zip(migrants, outputs):
+        i = [r.request_id for r in requests].index(m.request.request_id)
+        assert out.finish_reason == "length" and len(out.token_ids) == max_tokens[i]
+        assert out.token_ids[:len(m.request.output_ids)] == m.request.output_ids
+        assert out.token_ids == unmoved[i].token_ids, by_id
+        if i % 2 == 0:
+            assert out.token_ids == hf_greedy(hf_model, prompts[i], max_tokens[i])
+    after = target.stats()
+    # Not prefilled at the target, nor again at the source: the KV moved.
+    assert after["prefill_tokens"] == before["prefill_tokens"]
+    assert after["local_prefills"] == before["local_prefills"]
+    assert after["transfers"] - before["transfers"] == len(migrants)
+    assert after["transfer_failures"] == before["transfer_failures"]
+    assert source.stats()["prefill_tokens"] - prefilled == sum(map(len, prompts))  # `unmoved`
+    assert_all_pages_free(target)
+    assert_all_pages_free(source)
+    assert len(source.engine.requests) == 0
+
+
+def test_a_forged_migration_installs_nothing(engines):
+    source, target, address, sender = engines
+    cfg = target.model_config
+    before = target.stats()
+    shape = (cfg.num_layers, 1, target.config.page_size, cfg.num_kv_heads, cfg.head_dim)
+    pages = np.zeros(shape, np.float32)
+    prompt = list(range(3, 13))
+    forged = KVHandoff("nobody-registered-this", len(prompt), 5, pages, pages,
+                       {"request_id": "nobody-registered-this"}, fingerprint=target.fingerprint)
+    sender.send(dataclasses.replace(forged, destination=address))
+    # A registered request, and KV of another model or of the wrong length for it.
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    victim = Request("victim-1", prompt, params, state=State.TRANSFERRING)
+    victim.output_ids = [7, 8]
+    target.engine.register(victim)
+    wire = victim.to_wire(num_tokens=len(prompt) + 1)
+    for bad in (dataclasses.replace(forged, request_id="victim-1", payload=wire,
+                                    num_tokens=len(prompt) - 4),
+                dataclasses.replace(forged, request_id="victim-1", payload=wire,
+                                    num_tokens=len(prompt) + 1, fingerprint="0" * 64)):
+        sender.send(dataclasses.replace(bad, destination=address))
+    _wait(lambda: target.stats()["handoffs_rejected"] - before["handoffs_rejected"] >= 3)
+    stats = target.stats()
+    assert stats["handoffs_model_mismatch"] - before["handoffs_model_mismatch"] == 1
+    assert stats["transfers"] == before["transfers"]     # nothing was placed
+    assert target.failure() is None
+    # The registered request was never decoded from forged pages: prefilled again here
+    # from its prompt and output (greedy: the tokens the model makes after them).
+    out = target._wait(victim)
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+    assert out.token_ids[:2] == [7, 8]
+    assert target.stats()["transfers"] == before["transfers"]
+    assert_all_pages_free(target)
