@@ -12,10 +12,15 @@ import pytest
 from jaxpd import LLM, SamplingParams
 from jaxpd.engine.migration import take_decoding
 from jaxpd.request import Request, State
-from jaxpd.transfer.connector import KVHandoff
+from jaxpd.serving.migration import MigrationOutbox
+from jaxpd.serving.role_server import RoleServer, RoleService
+from jaxpd.serving.router import Router
+from jaxpd.serving.router_config import RouterConfig
+from jaxpd.transfer.connector import KVHandoff, TransferError
 from jaxpd.transfer.grpc_stream import GrpcReceiver, GrpcSender
 from tests.engine_fixtures import assert_all_pages_free, mixed_prompts
 from tests.hf_fixtures import hf_greedy
+from tests.support.internal_plane import AUTH, wait_until
 
 MAX_MODEL_LEN = 96
 OPTIONS = dict(max_model_len=MAX_MODEL_LEN, slots_per_shard=4, migrate_on_drain=True)
@@ -137,3 +142,112 @@ def test_a_forged_migration_installs_nothing(engines):
     assert out.token_ids[:2] == [7, 8]
     assert target.stats()["transfers"] == before["transfers"]
     assert_all_pages_free(target)
+
+
+# ---- behind a router: a drained decode worker's requests move on -------------------
+
+
+class _FailingFirst:
+    """A KV sender whose first send fails as if its target were gone."""
+
+    def __init__(self, inner):
+        self.inner, self.failed = inner, []
+
+    def send(self, handoff):
+        if not self.failed:
+            self.failed.append(handoff.request_id)
+            raise TransferError(f"{handoff.destination}: connection refused (injected)")
+        self.inner.send(handoff)
+
+    def close(self):
+        self.inner.close()
+
+
+def _worker(path, role: str, router_address: str | None, **options):
+    """(llm, server, service) of a role worker on the gRPC KV stream, registered with
+    the router at `router_address` (None: not yet)."""
+    if role == "prefill":
+        connector, kv_address = GrpcSender(auth=AUTH), ""
+    else:
+        connector = GrpcReceiver(address="127.0.0.1:0", auth=AUTH)
+        kv_address = connector.address
+    llm = LLM(path, mesh=f"{role}=1", connector=connector, max_model_len=MAX_MODEL_LEN,
+              slots_per_shard=4, **options)
+    service = RoleService(llm.engine, kv_address, "grpc")
+    if role == "decode":
+        service.migration = MigrationOutbox(llm.engine, AUTH)
+    server = RoleServer(service, "127.0.0.1", 0, AUTH)
+    server.start()
+    if router_address is not None:
+        server.register_with(router_address, heartbeat_s=0.2)
+    return llm, server, service
+
+
+@pytest.mark.slow
+def test_a_drained_decode_worker_moves_its_streams_behind_a_router(tiny_hf_model):
+    """Router, a prefill worker and two decode workers in one process: the first decode
+    worker drains (what SIGTERM and a role switch run) while its requests stream; they
+    finish at the second with the tokens they would have had, the prefill worker never
+    prefills their prompts again, and one move that fails is prefilled again instead
+    (counted, the reason logged)."""
+    path, hf_model = tiny_hf_model
+    router = Router(path, RouterConfig(max_model_len=MAX_MODEL_LEN, heartbeat_s=1.0,
+                                       prefix_routing=False), auth=AUTH)
+    made = []
+    try:
+        address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
+        made.append(_worker(path, "prefill", address))
+        made.append(_worker(path, "decode", address, migrate_on_drain=True))
+        made.append(_worker(path, "decode", None, migrate_on_drain=True))  # joins later
+        wait_until(lambda: len(router.live_workers()) == 2, timeout=60)
+        prompts = mixed_prompts(4, 256, seed=9)
+        max_tokens = [60 - i for i in range(len(prompts))]
+        params = [_params(i, n) for i, n in enumerate(max_tokens)]
+        requests = [router.submit(router.make_request(prompt_token_ids=p, sampling_params=q))
+                    for p, q in zip(prompts, params)]
+        (prefill, _, _), (drained, _, outbox_of), (target, _, _) = made
+        wait_until(lambda: all(len(r.output_ids) >= 3 for r in requests), timeout=120)
+        drained.engine.pause_threads()      # they stay mid-stream until the drain
+        made[2][1].register_with(address, heartbeat_s=0.2)
+        wait_until(lambda: len(router.live_workers()) == 3, timeout=60)
+        drained.engine.resume_threads()
+        prefilled = prefill.stats()["prefill_tokens"]
+        assert prefilled == sum(map(len, prompts))
+        outbox = outbox_of.migration
+        outbox._sender = _FailingFirst(GrpcSender(auth=AUTH))
+        outbox.drain(time.monotonic() + 120)
+        outputs = [router._wait(r) for r in requests]
+        failed = outbox._sender.failed
+        assert len(failed) == 1 and outbox.num_sent == len(requests) - 1
+        counts = router.counters.snapshot()
+        assert counts["migrations"] == len(requests) - 1 and counts["migration_fallbacks"] == 1
+        assert counts["decode_failovers"] == 0 and counts["aborted"] == 0
+        for i, out in enumerate(outputs):
+            assert out.finish_reason == "length" and len(out.token_ids) == max_tokens[i]
+            if i % 2 == 0:
+                assert out.token_ids == hf_greedy(hf_model, prompts[i], max_tokens[i])
+        # Seeded requests that moved drew what they draw unmoved (at the target).
+        again = [router.submit(router.make_request(prompt_token_ids=prompts[i],
+                                                   sampling_params=params[i]))
+                 for i in range(1, len(prompts), 2)]
+        for i, r in zip(range(1, len(prompts), 2), again):
+            if requests[i].request_id not in failed:
+                assert router._wait(r).token_ids == outputs[i].token_ids
+        # The prefill worker computed no prompt again but the one whose move failed
+        # (its prompt and output so far, `moved_back` tokens).
+        moved_back = [r for r in requests if r.request_id in failed][0]
+        redone = prefill.stats()["prefill_tokens"] - prefilled - sum(
+            len(prompts[i]) for i in range(1, len(prompts), 2))
+        assert len(moved_back.prompt_ids) < redone < moved_back.num_tokens
+        assert target.stats()["transfers"] >= len(requests)
+        assert drained.stats()["migrations_out"] == len(requests)
+        assert outbox.num_held == 0 and drained.engine.is_idle()
+        for llm in (drained, target):
+            assert_all_pages_free(llm)
+    finally:
+        router.shutdown()
+        for llm, server, service in made:
+            server.stop(0)
+            if service.migration is not None:
+                service.migration.close()
+            llm.shutdown()

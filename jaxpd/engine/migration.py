@@ -64,6 +64,13 @@ def take_decoding(engine, request_ids: set[str] | None = None) -> list[Migrant]:
     return migrants
 
 
+def has_decoding(engine) -> bool:
+    """Whether some request decodes on `engine`'s decode mesh (a hint, read from another
+    thread: `take_decoding` decides)."""
+    return any(s is not None and s.request.state is State.DECODING
+               for s in list(engine.decode_scheduler.slots))
+
+
 def _cut(engine, request_ids: set[str] | None) -> list[Migrant]:
     """With the threads paused (the step in flight already read back)."""
     sched, runner, page_size = engine.decode_scheduler, engine.decode_runner, \

@@ -40,6 +40,7 @@ from jaxpd.errors import QueueFull
 from jaxpd.stats import COUNTERS
 from jaxpd.request import Request, State
 from jaxpd.serving.pool import ShrinkingThreadPool, health_handler
+from jaxpd.serving.migration import MIGRATING, MigrationOutbox, NotHeld
 from jaxpd.serving.role_switch import RoleSwitch
 from jaxpd.serving.role_rpc import (MAX_ADDRESS_LEN, MAX_REASON_LEN, ROLE_SERVICE,
                                     SERVER_KEEPALIVE, WorkerInfo, register, router_identity,
@@ -64,6 +65,9 @@ class RoleService:
         self.tokenizer = router_identity(engine.model.path)
         self.epoch = 1                  # one more per role switch (`role_switch`)
         self.switcher: RoleSwitch | None = None     # None: this worker keeps its role
+        # A decode worker's running requests move out with their KV when it drains
+        # (`migration`); None: they are prefilled again elsewhere.
+        self.migration: MigrationOutbox | None = None
 
     def info(self, address: str) -> WorkerInfo:
         c, m = self.engine.config, self.engine.model.cfg
@@ -83,7 +87,8 @@ class RoleService:
         return grpc.method_handlers_generic_handler(ROLE_SERVICE, {
             "Info": unary_handler(self.Info), "Prefill": unary_handler(self.Prefill),
             "Decode": stream_handler(self.Decode), "Reprefill": unary_handler(self.Reprefill),
-            "Abort": unary_handler(self.Abort), "SwitchRole": unary_handler(self.SwitchRole)})
+            "Abort": unary_handler(self.Abort), "SwitchRole": unary_handler(self.SwitchRole),
+            "Migrate": unary_handler(self.Migrate)})
 
     @property
     def error(self) -> BaseException | None:
@@ -148,6 +153,9 @@ class RoleService:
             except queue.Empty:
                 yield {"alive": True}       # lets the router tell slow from frozen
                 continue
+            if finish == MIGRATING:         # it moves on with its KV (`Migrate`)
+                yield {"migrating": True}
+                return
             yield {"token_ids": ids, "finish": finish, "abort_reason": r.abort_reason,
                    **_logprobs_of(r, sent, len(ids))}
             sent += len(ids)
@@ -166,6 +174,29 @@ class RoleService:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"reason must be printable text of at most {MAX_REASON_LEN} characters")
         return {"aborted": self.engine.abort(request_id, reason)}
+
+    def Migrate(self, msg, context) -> dict:
+        """Send a migrating request's held KV to the decode worker at `destination`
+        (its KV address); UNAVAILABLE with the reason when the move fails."""
+        self.check_epoch(msg, context)
+        request_id = _request_id(msg, context)
+        destination = msg.get("destination")
+        if not isinstance(destination, str) or not 0 < len(destination) <= MAX_ADDRESS_LEN:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"destination must be a host:port of at most {MAX_ADDRESS_LEN} "
+                          f"characters")
+        if self.migration is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this worker moves no request (started without migrate_on_drain)")
+        try:
+            self.migration.send(request_id, destination)
+        except NotHeld as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except Exception as e:      # noqa: BLE001 -- a failed move is the router's to handle
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"moving {request_id!r} to {destination} failed: "
+                          f"{type(e).__name__}: {e}"[:MAX_REASON_LEN * 4])
+        return {"sent": True}
 
     # ---- checks -------------------------------------------------------------------
 
@@ -194,6 +225,8 @@ class RoleService:
     def _require(self, role: str, msg: dict, context) -> None:
         self._alive(context)
         draining = self.switcher.draining if self.switcher is not None else None
+        if draining is None and self.migration is not None:
+            draining = self.migration.draining
         if draining is not None:
             context.abort(grpc.StatusCode.UNAVAILABLE, draining)
         self.check_epoch(msg, context)
