@@ -6,6 +6,7 @@ A forged migration handoff installs nothing and leaves the engine serving."""
 import dataclasses
 import time
 
+import grpc
 import numpy as np
 import pytest
 
@@ -13,11 +14,13 @@ from jaxpd import LLM, SamplingParams
 from jaxpd.engine.migration import take_decoding
 from jaxpd.request import Request, State
 from jaxpd.serving.migration import MigrationOutbox
+from jaxpd.serving.role_rpc import ROLE_SERVICE
 from jaxpd.serving.role_server import RoleServer, RoleService
 from jaxpd.serving.router import Router
 from jaxpd.serving.router_config import RouterConfig
 from jaxpd.transfer.connector import KVHandoff, TransferError
 from jaxpd.transfer.grpc_stream import GrpcReceiver, GrpcSender
+from jaxpd.transfer.wire import WIRE_VERSION, pack, unpack
 from tests.engine_fixtures import assert_all_pages_free, mixed_prompts
 from tests.hf_fixtures import hf_greedy
 from tests.support.internal_plane import AUTH, wait_until
@@ -183,6 +186,27 @@ def _worker(path, role: str, router_address: str | None, **options):
     return llm, server, service
 
 
+def _forged_migrate_calls(address: str, kv_address: str, moved_id: str) -> None:
+    """`Migrate` is peer input: authenticated, its fields checked, and it sends only a
+    handoff the worker holds (a request moved already, or never held, is NOT_FOUND)."""
+    def call(body, channel):
+        method = channel.unary_unary(f"/{ROLE_SERVICE}/Migrate", request_serializer=pack,
+                                     response_deserializer=unpack)
+        with pytest.raises(grpc.RpcError) as e:
+            method({"wire_version": WIRE_VERSION, **body}, timeout=10)
+        return e.value.code()
+
+    good = {"request_id": moved_id, "destination": kv_address}
+    with AUTH.channel(address) as channel:
+        assert call(good, channel) == grpc.StatusCode.NOT_FOUND
+        for bad in ({"destination": kv_address}, {**good, "request_id": "x\x00\x1b"},
+                    {**good, "destination": 7}, {**good, "destination": "h" * 10_000}):
+            assert call(bad, channel) == grpc.StatusCode.INVALID_ARGUMENT
+        assert call({**good, "epoch": 2}, channel) == grpc.StatusCode.FAILED_PRECONDITION
+    with grpc.insecure_channel(address) as channel:
+        assert call(good, channel) == grpc.StatusCode.UNAUTHENTICATED
+
+
 @pytest.mark.slow
 def test_a_drained_decode_worker_moves_its_streams_behind_a_router(tiny_hf_model):
     """Router, a prefill worker and two decode workers in one process: the first decode
@@ -191,7 +215,9 @@ def test_a_drained_decode_worker_moves_its_streams_behind_a_router(tiny_hf_model
     prefills their prompts again, and one move that fails is prefilled again instead
     (counted, the reason logged)."""
     path, hf_model = tiny_hf_model
+    # Patient: a busy test machine must not drop a worker for a late heartbeat.
     router = Router(path, RouterConfig(max_model_len=MAX_MODEL_LEN, heartbeat_s=1.0,
+                                       lease_s=60.0, stall_timeout_s=60.0,
                                        prefix_routing=False), auth=AUTH)
     made = []
     try:
@@ -244,6 +270,7 @@ def test_a_drained_decode_worker_moves_its_streams_behind_a_router(tiny_hf_model
         assert outbox.num_held == 0 and drained.engine.is_idle()
         for llm in (drained, target):
             assert_all_pages_free(llm)
+        _forged_migrate_calls(made[1][1].address, made[2][2].kv_address, requests[0].request_id)
     finally:
         router.shutdown()
         for llm, server, service in made:
