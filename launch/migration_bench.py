@@ -3,9 +3,9 @@
 
     python launch/migration_bench.py --streams 8 --prompt_len 384 --max_tokens 128
 
-Workers start with --nowarmup; a first `warm` run (not reported) compiles every program
-the runs need into the persistent compile cache, so the reported runs load them from
-there. Per mode, this script runs a router in this process (it only relays) and starts
+Workers start with --nowarmup; a first run of each mode (`warm_*`, not reported)
+compiles every program the runs need into the persistent compile cache, so the reported
+runs load them from there. Per mode, this script runs a router in this process (it only relays) and starts
 one prefill and two decode workers (`python -m jaxpd.launch`, the built-in model unless
 --model, KV over the gRPC stream). N greedy streams are submitted; once every one has
 `--drain_after` tokens, the decode worker holding most of them gets SIGTERM. In
@@ -60,7 +60,7 @@ def run_mode(mode: str, args, prompts: list[list[int]]) -> dict:
               "--router", internal, "--kv_transport", "grpc", "--max_model_len",
               str(args.max_model_len), "--heartbeat_s", "0.5", "--nowarmup"] + \
         args.worker_args.split()
-    drain = (["--migrate_on_drain", "--shutdown_timeout_s", "60"] if mode != "reprefill"
+    drain = (["--migrate_on_drain", "--shutdown_timeout_s", "60"] if mode.endswith("migrate")
              else ["--shutdown_timeout_s", "0"])
     workers = [LaunchedWorker(["--role", "prefill", "--mesh", "prefill=1"] + common)]
     workers += [LaunchedWorker(["--role", "decode", "--mesh", "decode=1", "--slots_per_shard",
@@ -120,8 +120,8 @@ def main() -> int:
     p.add_argument("--drain_after", type=int, default=16,
                    help="tokens every stream has before the drain")
     p.add_argument("--max_model_len", type=int, default=640)
-    p.add_argument("--modes", default="warm,reprefill,migrate",
-                   help="'warm': a migrate run left out of the report, which fills the "
+    p.add_argument("--modes", default="warm_reprefill,warm_migrate,reprefill,migrate",
+                   help="'warm_<mode>': a run left out of the report, which fills the "
                    "persistent compile cache (workers start with --nowarmup)")
     p.add_argument("--worker_args", default="",
                    help="more flags for every worker, e.g. '--noenable_prefix_caching'")
@@ -132,7 +132,7 @@ def main() -> int:
     prompts = [[rng.randrange(3, 4000) for _ in range(args.prompt_len)]
                for _ in range(args.streams)]
     runs = [run_mode(m, args, prompts) for m in args.modes.split(",")]
-    runs = [r for r in runs if r["mode"] != "warm"]
+    runs = [r for r in runs if not r["mode"].startswith("warm")]
     same = all(r["tokens"] == runs[0]["tokens"] for r in runs)
     cols = ["mode", "moved", "stall_p50_ms", "stall_max_ms", "itl_p50_ms",
             "extra_latency_p50_ms", "prefill_tokens_after_drain", "migrations",

@@ -208,7 +208,7 @@ def _forged_migrate_calls(address: str, kv_address: str, moved_id: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_drained_decode_worker_moves_its_streams_behind_a_router(tiny_hf_model):
+def test_a_drained_decode_worker_migrates_its_streams_behind_a_router(tiny_hf_model):
     """Router, a prefill worker and two decode workers in one process: the first decode
     worker drains (what SIGTERM and a role switch run) while its requests stream; they
     finish at the second with the tokens they would have had, the prefill worker never

@@ -18,6 +18,9 @@ The worker side, `MigrationOutbox`:
 Requests still waiting for their KV or prefilling here when the drain starts become
 decoding and move on a later round. Only the gRPC KV stream carries a migration: its
 sender needs no server of its own on this side.
+
+No thread of its own: `drain` runs on the caller's (the worker's main thread on
+SIGTERM, the `SwitchRole` call's), `send` on the gRPC pool thread of a `Migrate` call.
 """
 from __future__ import annotations
 

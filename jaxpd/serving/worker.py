@@ -98,6 +98,8 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
         options = dict(llm_options, mesh=other_mesh(str(current[0].config.mesh), new_role))
         new = LLM(model, connector=conn, progress=say, **options)
         current[0] = new
+        if service.migration is not None:
+            service.migration.close()       # the old engine's: drained already
         service.migration = outbox(new.engine, new_role)
         if http is not None:
             http.service.attach(new)
