@@ -71,11 +71,12 @@ def test_migrated_requests_finish_elsewhere_token_identically(engines, tiny_hf_m
     source, target, address, sender = engines
     _, hf_model = tiny_hf_model
     prompts = mixed_prompts(4, 256, seed=5)
-    max_tokens = [40 - i for i in range(len(prompts))]
+    max_tokens = [16 - i for i in range(len(prompts))]
     requests = [source.submit(source.make_request(prompt_token_ids=p,
                                                   sampling_params=_params(i, n)))
                 for i, (p, n) in enumerate(zip(prompts, max_tokens))]
     _wait(lambda: all(len(r.output_ids) >= 3 for r in requests))
+    source.engine.pause_threads()          # mid-stream; `take_decoding` resumes them
     prefilled = source.stats()["prefill_tokens"]
     migrants = take_decoding(source.engine)
     assert {m.request.request_id for m in migrants} == {r.request_id for r in requests}
@@ -227,16 +228,15 @@ def test_a_drained_decode_worker_migrates_its_streams_behind_a_router(tiny_hf_mo
         made.append(_worker(path, "decode", None, migrate_on_drain=True))  # joins later
         wait_until(lambda: len(router.live_workers()) == 2, timeout=60)
         prompts = mixed_prompts(4, 256, seed=9)
-        max_tokens = [60 - i for i in range(len(prompts))]
+        max_tokens = [16 - i for i in range(len(prompts))]
         params = [_params(i, n) for i, n in enumerate(max_tokens)]
         requests = [router.submit(router.make_request(prompt_token_ids=p, sampling_params=q))
                     for p, q in zip(prompts, params)]
         (prefill, _, _), (drained, _, outbox_of), (target, _, _) = made
         wait_until(lambda: all(len(r.output_ids) >= 3 for r in requests), timeout=120)
-        drained.engine.pause_threads()      # they stay mid-stream until the drain
+        drained.engine.pause_threads()      # mid-stream until the drain resumes them
         made[2][1].register_with(address, heartbeat_s=0.2)
         wait_until(lambda: len(router.live_workers()) == 3, timeout=60)
-        drained.engine.resume_threads()
         prefilled = prefill.stats()["prefill_tokens"]
         assert prefilled == sum(map(len, prompts))
         outbox = outbox_of.migration
