@@ -58,7 +58,8 @@ def run_mode(mode: str, args, prompts: list[list[int]]) -> dict:
     internal = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
     common = ["--model", model, "--port", "0", "--host", "127.0.0.1", "--http_port", "-1",
               "--router", internal, "--kv_transport", "grpc", "--max_model_len",
-              str(args.max_model_len), "--heartbeat_s", "0.5", "--nowarmup"] + \
+              str(args.max_model_len), "--heartbeat_s", "0.5"] + \
+        ([] if args.warmup else ["--nowarmup"]) + \
         args.worker_args.split()
     drain = (["--migrate_on_drain", "--shutdown_timeout_s", "60"] if mode.endswith("migrate")
              else ["--shutdown_timeout_s", "0"])
@@ -80,6 +81,9 @@ def run_mode(mode: str, args, prompts: list[list[int]]) -> dict:
               for a in addresses[1:]}
         drained = max(on, key=lambda a: len(on[a]))
         moved = [r for r in on[drained] if not r.is_final]
+        import logging
+        logging.info("%s: SIGTERM to decode worker %s, %d of its requests streaming", mode,
+                     drained, len(moved))
         signalled = time.perf_counter()
         workers[1 + addresses[1:].index(drained)].proc.send_signal(signal.SIGTERM)
         outs = [router._wait(r) for r in requests]
@@ -109,6 +113,11 @@ def run_mode(mode: str, args, prompts: list[list[int]]) -> dict:
         router.shutdown()
         for w in workers:
             w.close()
+        if args.log_dir:
+            os.makedirs(args.log_dir, exist_ok=True)
+            for name, w in zip(("prefill", "decode0", "decode1"), workers):
+                with open(os.path.join(args.log_dir, f"{mode}-{name}.log"), "w") as f:
+                    f.writelines(w.lines)
 
 
 def main() -> int:
@@ -126,7 +135,13 @@ def main() -> int:
     p.add_argument("--worker_args", default="",
                    help="more flags for every worker, e.g. '--noenable_prefix_caching'")
     p.add_argument("--out", default="migration_bench.json")
+    p.add_argument("--log_dir", default=None, help="keep each worker's output here")
+    p.add_argument("--warmup", action="store_true",
+                   help="workers warm up (compile every program) before they serve; then "
+                   "pass --modes reprefill,migrate")
     args = p.parse_args()
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     import random
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 4000) for _ in range(args.prompt_len)]
