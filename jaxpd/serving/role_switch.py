@@ -4,9 +4,10 @@ The worker, in order:
 1. **Drains.** New `Prefill` and `Decode` calls are refused (UNAVAILABLE, saying why;
    the router has stopped choosing this worker already and fails such a call over).
    A decode worker with a `MigrationOutbox` moves its running requests out with their
-   KV (`serving.migration`). Requests it holds otherwise finish here: decode streams run to their end, prefills complete
-   their handoff. What is still running after `drain_s` is aborted with the reason
-   (the router fails it over: the decode side prefills it again).
+   KV (`serving.migration`). Requests it holds otherwise finish here: decode streams
+   run to their end, prefills complete their handoff. What is still running after
+   `drain_s` is aborted with the reason (the router fails it over: the decode side
+   prefills it again).
 2. **Rebuilds.** Its engine is shut down (pool, weights and connector freed) and a new
    one is built for the other role on the same devices (`other_mesh`), with a new
    connector (a decode worker's KV receiver listens on a new port).

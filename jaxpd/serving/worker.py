@@ -54,6 +54,8 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
     if migrate and transport != "grpc":
         raise ValueError("--migrate_on_drain moves KV over the gRPC stream: use it with "
                          "--kv_transport grpc")
+    if migrate and plan is not None:
+        raise ValueError("--migrate_on_drain is not supported on a mesh spanning processes")
     connector, kv_address = make_connector(role, transport, host, auth, kv_offer_hosts)
     watch = None
     if plan is not None:
