@@ -79,6 +79,13 @@ class EngineStats(collections.abc.Mapping):
                                  "receiving role would not gain enough).")
     resplit_moved_requests: int = _counter("Decoding requests whose KV a re-split moved to the "
                                            "new decode mesh (not recomputed).")
+    migrations_out: int = _counter("Decode worker: decoding requests whose KV and sampling "
+                                   "state were cut out of its pool to go on at another "
+                                   "decode worker (a drain).")
+    migrations: int = _counter("Router: requests moved to another decode worker with their "
+                               "KV, going on from their next token (not prefilled again).")
+    migration_fallbacks: int = _counter("Router: moves that failed (target gone, transfer "
+                                        "error): the request was prefilled again instead.")
     preemptions: int = _counter("Requests preempted for lack of pages.")
     finished: int = _counter("Requests finished (stop or length).",
                              metric="jaxpd_requests_finished_total")

@@ -171,6 +171,12 @@ class Requests:
                 self._live.pop(request.request_id, None)
             request.events.put(([], "handed_off"))
 
+    def forget(self, request: Request) -> None:
+        """It left this engine with its KV (a migration): it lives on elsewhere."""
+        with self._lock:
+            if self._live.get(request.request_id) is request:
+                del self._live[request.request_id]
+
     def abort(self, request_id: str, reason: str) -> bool:
         """Abort at once; its slot and pages are freed by the loops' next iteration."""
         r = self.get(request_id)

@@ -149,8 +149,9 @@ def _decode(engine) -> list[ProgramSpec]:
             runner.insert(0, [0] * m, pages, pages)
         specs.append(ProgramSpec(f"page insert for {m} pages", warm,
                                  lambda m=m: [runner.insert_program(m)]))
-    if cfg.mesh.elastic:
-        # A re-split cuts each decoding request's pages out of the pool (`engine.elastic`).
+    if cfg.mesh.elastic or cfg.migrate_on_drain:
+        # A re-split or a migration cuts each decoding request's pages out of the pool
+        # (`engine.elastic`, `engine.migration`).
         for m in coarse_sizes(cfg.pages_per_slot):
             specs.append(ProgramSpec(f"page take for {m} pages",
                                      lambda m=m: runner.take(0, [0] * m),

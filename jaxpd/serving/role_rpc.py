@@ -11,6 +11,9 @@ Python (msgpack, grpc, no jax): the router process imports this.
                       asks for them), and {"alive"} after each second without one
   Reprefill unary     request_id -> the decode worker prefills it itself
   Abort     unary     request_id, reason
+  Migrate   unary     request_id + destination -> a draining decode worker sends the
+                      request's held KV to that decode worker (`serving.migration`);
+                      its Decode stream ended with {"migrating"}
   SwitchRole unary    role -> the worker drains, rebuilds its engine for that role on
                       the same devices, and answers its new epoch (`role_switch`)
   Register  unary     (served by the router's internal port) `WorkerInfo` fields +
@@ -272,8 +275,9 @@ class AsyncRoleClient:
         self.address = address
         self._channel = auth.aio_channel(address, options=CLIENT_KEEPALIVE)
         self._metadata = auth.metadata
-        self._prefill, self._decode, self._reprefill, self._abort = _request_calls(
-            _caller(self._channel))
+        call = _caller(self._channel)
+        self._prefill, self._decode, self._reprefill, self._abort = _request_calls(call)
+        self._migrate = call("unary_unary", "Migrate")
 
     def prefill(self, request: dict, destination: str, timeout: float, epoch: int = 1
                 ) -> grpc.aio.UnaryUnaryCall:
@@ -296,6 +300,13 @@ class AsyncRoleClient:
         answer = await self._abort(_msg(request_id=request_id, reason=reason, epoch=epoch),
                                    timeout=timeout, metadata=self._metadata)
         return bool(answer["aborted"])
+
+    async def migrate(self, request_id: str, destination: str, timeout: float,
+                      epoch: int = 1) -> None:
+        """Have this (draining) decode worker send `request_id`'s KV to the decode
+        worker at KV address `destination`. Raises grpc.aio.AioRpcError saying why not."""
+        await self._migrate(_msg(request_id=request_id, destination=destination, epoch=epoch),
+                            timeout=timeout, metadata=self._metadata)
 
     async def close(self) -> None:
         await self._channel.close()

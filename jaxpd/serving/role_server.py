@@ -25,8 +25,8 @@ The server is `grpc.aio`: Prefill, Decode, Reprefill and Abort are coroutines on
 event loop (what they do there is short and never blocks: validate, submit or
 register, abort), and a request's events reach them through an `AsyncOutputs`, so a
 call in flight costs no thread. Handlers that block (Info reads the engine's stats,
-SwitchRole drains and rebuilds) are plain functions grpc runs on a small pool. A
-handler refuses a call by raising `Refusal`. Threads, whatever the number of calls:
+SwitchRole drains and rebuilds, Migrate sends a held request's KV) are plain
+functions grpc runs on a small pool. A handler refuses a call by raising `Refusal`. Threads, whatever the number of calls:
 `jaxpd-worker-loop` (the event loop: every call, health), `jaxpd-worker-rpc-*` (the
 blocking handlers, at most `RPC_THREADS`, idle ones exit) and `jaxpd-register`
 (register, then heartbeat every `heartbeat_s`; a refusal from the router is final).
@@ -49,6 +49,7 @@ from jaxpd.output_sink import MAX_BUFFERED, AsyncOutputs
 from jaxpd.stats import COUNTERS
 from jaxpd.request import Request, State
 from jaxpd.serving.pool import ShrinkingThreadPool
+from jaxpd.serving.migration import MIGRATING, MigrationOutbox, NotHeld
 from jaxpd.serving.role_switch import RoleSwitch
 from jaxpd.serving.role_rpc import (MAX_ADDRESS_LEN, MAX_REASON_LEN, ROLE_SERVICE,
                                     SERVER_KEEPALIVE, Refusal, WorkerInfo, register,
@@ -57,7 +58,7 @@ from jaxpd.validation import check_request, check_request_id, check_token_ids
 
 _log = logging.getLogger(__name__)
 ALIVE_EVERY_S = 1.0
-RPC_THREADS = 8          # the blocking handlers' pool (Info, SwitchRole)
+RPC_THREADS = 8          # the blocking handlers' pool (Info, SwitchRole, Migrate)
 MAX_CALLS = 16384        # grpc's backstop on calls at once
 # Refusals that retrying cannot cure: the worker stops and says why.
 _FINAL_REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
@@ -76,6 +77,9 @@ class RoleService:
         self.tokenizer = router_identity(engine.model.path)
         self.epoch = 1                  # one more per role switch (`role_switch`)
         self.switcher: RoleSwitch | None = None     # None: this worker keeps its role
+        # A decode worker's running requests move out with their KV when it drains
+        # (`migration`); None: they are prefilled again elsewhere.
+        self.migration: MigrationOutbox | None = None
 
     def info(self, address: str) -> WorkerInfo:
         c, m = self.engine.config, self.engine.model.cfg
@@ -95,7 +99,8 @@ class RoleService:
         return grpc.method_handlers_generic_handler(ROLE_SERVICE, {
             "Info": unary_handler(self.Info), "Prefill": unary_handler(self.Prefill),
             "Decode": stream_handler(self.Decode), "Reprefill": unary_handler(self.Reprefill),
-            "Abort": unary_handler(self.Abort), "SwitchRole": unary_handler(self.SwitchRole)})
+            "Abort": unary_handler(self.Abort), "SwitchRole": unary_handler(self.SwitchRole),
+            "Migrate": unary_handler(self.Migrate)})
 
     @property
     def error(self) -> BaseException | None:
@@ -162,6 +167,9 @@ class RoleService:
             except TimeoutError:
                 yield {"alive": True}       # lets the router tell slow from frozen
                 continue
+            if finish == MIGRATING:         # it moves on with its KV (`Migrate`)
+                yield {"migrating": True}
+                return
             yield {"token_ids": ids, "finish": finish, "abort_reason": r.abort_reason,
                    **_logprobs_of(r, sent, len(ids))}
             sent += len(ids)
@@ -180,6 +188,30 @@ class RoleService:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"reason must be printable text of at most {MAX_REASON_LEN} characters")
         return {"aborted": self.engine.abort(request_id, reason)}
+
+    def Migrate(self, msg, context) -> dict:
+        """Send a migrating request's held KV to the decode worker at `destination`
+        (its KV address); UNAVAILABLE with the reason when the move fails. It blocks
+        on the transfer, so grpc runs it on the blocking handlers' pool."""
+        self.check_epoch(msg)
+        request_id = _request_id(msg)
+        destination = msg.get("destination")
+        if not isinstance(destination, str) or not 0 < len(destination) <= MAX_ADDRESS_LEN:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"destination must be a host:port of at most {MAX_ADDRESS_LEN} "
+                          f"characters")
+        if self.migration is None:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this worker moves no request (started without migrate_on_drain)")
+        try:
+            self.migration.send(request_id, destination)
+        except NotHeld as e:
+            raise Refusal(grpc.StatusCode.NOT_FOUND, str(e)) from None
+        except Exception as e:      # noqa: BLE001 -- a failed move is the router's to handle
+            raise Refusal(grpc.StatusCode.UNAVAILABLE,
+                          f"moving {request_id!r} to {destination} failed: "
+                          f"{type(e).__name__}: {e}"[:MAX_REASON_LEN * 4]) from None
+        return {"sent": True}
 
     def SwitchRole(self, msg, context) -> dict:
         self._alive()
@@ -223,6 +255,8 @@ class RoleService:
     def _require(self, role: str, msg: dict) -> None:
         self._alive()
         draining = self.switcher.draining if self.switcher is not None else None
+        if draining is None and self.migration is not None:
+            draining = self.migration.draining
         if draining is not None:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, draining)
         self.check_epoch(msg)

@@ -3,9 +3,11 @@
 The worker, in order:
 1. **Drains.** New `Prefill` and `Decode` calls are refused (UNAVAILABLE, saying why;
    the router has stopped choosing this worker already and fails such a call over).
-   Requests it holds finish here: decode streams run to their end, prefills complete
-   their handoff. What is still running after `drain_s` is aborted with the reason
-   (the router fails it over: the decode side prefills it again).
+   A decode worker with a `MigrationOutbox` moves its running requests out with their
+   KV (`serving.migration`). Requests it holds otherwise finish here: decode streams
+   run to their end, prefills complete their handoff. What is still running after
+   `drain_s` is aborted with the reason (the router fails it over: the decode side
+   prefills it again).
 2. **Rebuilds.** Its engine is shut down (pool, weights and connector freed) and a new
    one is built for the other role on the same devices (`other_mesh`), with a new
    connector (a decode worker's KV receiver listens on a new port).
@@ -84,6 +86,9 @@ class RoleSwitch:
         self.draining = f"this worker is switching from {old} to {role}"
         _log.info("%s: draining", self.draining)
         deadline = time.monotonic() + self.drain_s
+        migration = getattr(service, "migration", None)
+        if migration is not None and service.role == "decode":
+            migration.drain(deadline, self.draining)   # its requests move out
         while not service.engine.is_idle() and time.monotonic() < deadline:
             time.sleep(0.02)
         service.engine.shutdown(f"aborted: {self.draining}")

@@ -103,7 +103,7 @@ class Router(Frontend):
         self._internal: grpc.Server | None = None
         self._closed = threading.Event()
         self.counters = StatsCounter(("requests_submitted", "finished", "aborted",
-                                      "decode_failovers",
+                                      "decode_failovers", "migrations", "migration_fallbacks",
                                       "prefill_failovers", "decode_prefills", "workers_dropped",
                                       "prefix_routed", "resplits", "split_vetoes"))
         self.prefix = PrefixIndex(config.page_size) if config.prefix_routing else None

@@ -32,6 +32,10 @@ class _EndedEarly(Exception):
     """A decode stream ended without a final event."""
 
 
+class _Migrating(Exception):
+    """A draining decode worker ended the stream to move the request with its KV."""
+
+
 def _cancelled_by_us() -> bool:
     """A CancelledError came from a call we cancelled, not from cancelling our task."""
     task = asyncio.current_task()
@@ -80,6 +84,7 @@ class RequestFlow:
     async def _run_until_final(self, r: Request) -> None:
         tried: set[str] = set()
         query = self.prefix.query(r.prefill_ids) if self.prefix is not None else None
+        source: Worker | None = None    # a draining decode worker holding r's KV for us
         model = self.workers.serving_model()
         while not r.is_final:
             decoders = [] if model is None else self.workers.live("decode", tried, model)
@@ -102,7 +107,10 @@ class RequestFlow:
                     raise _EndedEarly("its stream ended before it began")
                 if not r.is_final:
                     call.last_seen = None                      # not read while prefilling
-                    if cached and r.num_tokens - cached < self.config.prefix_extend_below:
+                    moved_from, source = source, None
+                    if moved_from is not None and await self._migrate(r, moved_from, decoder):
+                        pass                                   # its KV is on its way there
+                    elif cached and r.num_tokens - cached < self.config.prefix_extend_below:
                         # Its prefix is cached there and the rest is short: no trip
                         # through a prefill worker (conditional disaggregation).
                         self.counters.add(prefix_routed=1)
@@ -119,6 +127,8 @@ class RequestFlow:
                     if event is grpc.aio.EOF:
                         break
                     call.last_seen = time.monotonic()
+                    if isinstance(event, dict) and event.get("migrating") is True:
+                        raise _Migrating()
                     if self.relay(r, event):
                         if self.prefix is not None and r.state is State.FINISHED:
                             # KV is written for all of it but the last token.
@@ -127,6 +137,8 @@ class RequestFlow:
                 raise _EndedEarly("its stream ended early")
             except _EndedEarly as e:
                 why = str(e)
+            except _Migrating:
+                why, source = None, decoder
             except ValueError as e:                            # from `relay`
                 call.cancel(f"it sent a malformed event: {e}")
                 why = call.why
@@ -143,10 +155,31 @@ class RequestFlow:
                 why = call.why or str(e.code())
             finally:
                 self.workers.untrack(call)
+            tried.add(decoder.address)
+            if source is decoder:
+                _log.info("decode worker %s drains: moving %s with its KV", decoder.address,
+                          r.request_id)
+                continue
             _log.warning("decode worker %s lost %s (%s); re-running elsewhere",
                          decoder.address, r.request_id, why)
-            tried.add(decoder.address)
             self.counters.add(decode_failovers=1)
+
+    async def _migrate(self, r: Request, source: Worker, target: Worker) -> bool:
+        """Have draining `source` send r's KV to `target` (where r is registered and
+        waits for it); True once sent. False, with the reason logged and counted, when
+        the move failed: the caller prefills r again instead."""
+        try:
+            await self.client(source).migrate(r.request_id, target.info.kv_address,
+                                              timeout=self.config.prefill_timeout_s,
+                                              epoch=source.info.epoch)
+        except grpc.RpcError as e:
+            why = f"{e.code()}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else repr(e)
+            _log.warning("moving %s from %s to %s failed (%s); prefilling it again",
+                         r.request_id, source.address, target.address, why)
+            self.counters.add(migration_fallbacks=1)
+            return False
+        self.counters.add(migrations=1)
+        return True
 
     def choose_decoder(self, decoders: list[Worker], query: PrefixQuery | None
                        ) -> tuple[Worker, int]:

@@ -4,8 +4,10 @@ the router's command, switch role (`role_switch`), until stopped."""
 from __future__ import annotations
 
 import threading
+import time
 
 from jaxpd.auth import NO_AUTH, InternalAuth
+from jaxpd.serving.migration import MigrationOutbox
 from jaxpd.serving.role_server import RoleServer, RoleService, kv_options, make_connector
 from jaxpd.serving.role_switch import RoleSwitch, other_mesh
 
@@ -48,6 +50,12 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
         if not group.is_leader:
             return follow_leader(role, model, plan, stop, say, llm_options)
     auth.check_bind(host, f"the {role} worker")
+    migrate = bool(llm_options.get("migrate_on_drain"))
+    if migrate and transport != "grpc":
+        raise ValueError("--migrate_on_drain moves KV over the gRPC stream: use it with "
+                         "--kv_transport grpc")
+    if migrate and plan is not None:
+        raise ValueError("--migrate_on_drain is not supported on a mesh spanning processes")
     connector, kv_address = make_connector(role, transport, host, auth, kv_offer_hosts)
     watch = None
     if plan is not None:
@@ -78,6 +86,12 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
         return 0
     service = RoleService(llm.engine, kv_address, transport)
     server = RoleServer(service, host, port, auth)
+
+    def outbox(engine, new_role: str):
+        """A decode worker's running requests move out with their KV as it drains."""
+        return MigrationOutbox(engine, auth) if migrate and new_role == "decode" else None
+
+    service.migration = outbox(llm.engine, role)
     current, http = [llm], None
 
     def rebuild(new_role: str):
@@ -86,6 +100,9 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
         options = dict(llm_options, mesh=other_mesh(str(current[0].config.mesh), new_role))
         new = LLM(model, connector=conn, progress=say, **options)
         current[0] = new
+        if service.migration is not None:
+            service.migration.close()       # the old engine's: drained already
+        service.migration = outbox(new.engine, new_role)
         if http is not None:
             http.service.attach(new)
         say(f"jaxpd worker {server.address} is now a {new_role} worker (mesh "
@@ -116,6 +133,9 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
             watch.stop()
         if http is not None:
             http.service.draining = True
+        if service.migration is not None and service.error is None:
+            service.migration.drain(time.monotonic() + shutdown_timeout_s,
+                                    "this decode worker is shutting down")
         server.stop(shutdown_timeout_s)
         if http is not None:
             http.stop(0)

@@ -1,0 +1,291 @@
+"""Live migration of decoding requests between decode engines (`engine.migration`): a
+request cut out of one engine's pool goes on at another from its next token, through a
+real KV connector (the gRPC stream), with the same tokens as if it had not moved
+(greedy and seeded), no prefill of its prompt there, and no page held on either side.
+A forged migration handoff installs nothing and leaves the engine serving."""
+import dataclasses
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from jaxpd import LLM, SamplingParams
+from jaxpd.engine.migration import take_decoding
+from jaxpd.request import Request, State
+from jaxpd.serving.migration import MigrationOutbox
+from jaxpd.serving.role_rpc import ROLE_SERVICE
+from jaxpd.serving.role_server import RoleServer, RoleService
+from jaxpd.serving.router import Router
+from jaxpd.serving.router_config import RouterConfig
+from jaxpd.transfer.connector import KVHandoff, TransferError
+from jaxpd.transfer.grpc_stream import GrpcReceiver, GrpcSender
+from jaxpd.transfer.wire import WIRE_VERSION, pack, unpack
+from tests.engine_fixtures import assert_all_pages_free, mixed_prompts
+from tests.hf_fixtures import hf_greedy
+from tests.support.internal_plane import AUTH, wait_until
+
+MAX_MODEL_LEN = 96
+OPTIONS = dict(max_model_len=MAX_MODEL_LEN, slots_per_shard=4, migrate_on_drain=True)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_hf_model):
+    """(source: a prefill and a decode mesh in one process; target: a decode-only
+    engine taking KV over the gRPC stream; the sender the source's moves use)."""
+    path, _ = tiny_hf_model
+    receiver = GrpcReceiver(address="127.0.0.1:0")
+    source = LLM(path, mesh="prefill=1,decode=1", **OPTIONS)
+    target = LLM(path, mesh="decode=1", connector=receiver, **OPTIONS)
+    sender = GrpcSender()
+    yield source, target, receiver.address, sender
+    sender.close()
+    target.shutdown()
+    source.shutdown()
+
+
+def _params(i: int, max_tokens: int) -> SamplingParams:
+    if i % 2 == 0:
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.9, top_k=40, seed=100 + i,
+                          repetition_penalty=1.2, ignore_eos=True)
+
+
+def _wait(pred, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def _mirror(target: LLM, migrant_request: Request) -> Request:
+    """What a router does: register at the target a mirror of the request as its client
+    has it (prompt + every token so far)."""
+    mirror = Request.from_wire(migrant_request.to_wire(), State.TRANSFERRING)
+    target.engine.register(mirror)
+    return mirror
+
+
+# The router test below checks the same through the serving path; this one isolates
+# the engine's part (run it with -m matrix).
+@pytest.mark.matrix
+@pytest.mark.slow
+def test_migrated_requests_finish_elsewhere_token_identically(engines):
+    source, target, address, sender = engines
+    prompts = mixed_prompts(4, 256, seed=5)
+    max_tokens = [32 - i for i in range(len(prompts))]
+    requests = [source.submit(source.make_request(prompt_token_ids=p,
+                                                  sampling_params=_params(i, n)))
+                for i, (p, n) in enumerate(zip(prompts, max_tokens))]
+    _wait(lambda: all(len(r.output_ids) >= 3 for r in requests))
+    source.engine.pause_threads()          # mid-stream; `take_decoding` resumes them
+    assert not any(r.is_final for r in requests)
+    prefilled = source.stats()["prefill_tokens"]
+    migrants = take_decoding(source.engine)
+    assert {m.request.request_id for m in migrants} == {r.request_id for r in requests}
+    assert all(len(m.request.output_ids) < n for m, n in zip(migrants, max_tokens))
+    assert_all_pages_free(source)          # every page of a moved request is back
+    assert source.stats()["migrations_out"] == len(requests)
+    before = target.stats()
+    mirrors = []
+    for m in migrants:
+        mirrors.append(_mirror(target, m.request))
+        sender.send(dataclasses.replace(m.handoff, destination=address))
+    outputs = [target._wait(r) for r in mirrors]
+    # The same tokens as the source engine makes when nothing moves (greedy and seeded;
+    # greedy against transformers: the router test below).
+    by_id = {m.request.request_id: i for i, m in enumerate(migrants)}
+    unmoved = source.generate(prompt_token_ids=prompts,
+                              sampling_params=[_params(i, n) for i, n in enumerate(max_tokens)])
+    for m, out in zip(migrants, outputs):
+        i = [r.request_id for r in requests].index(m.request.request_id)
+        assert out.finish_reason == "length" and len(out.token_ids) == max_tokens[i]
+        assert out.token_ids[:len(m.request.output_ids)] == m.request.output_ids
+        assert out.token_ids == unmoved[i].token_ids, by_id
+    after = target.stats()
+    # Not prefilled at the target, nor again at the source: the KV moved.
+    assert after["prefill_tokens"] == before["prefill_tokens"]
+    assert after["local_prefills"] == before["local_prefills"]
+    assert after["transfers"] - before["transfers"] == len(migrants)
+    assert after["transfer_failures"] == before["transfer_failures"]
+    assert source.stats()["prefill_tokens"] - prefilled == sum(map(len, prompts))  # `unmoved`
+    assert_all_pages_free(target)
+    assert_all_pages_free(source)
+    assert len(source.engine.requests) == 0
+
+
+def test_a_forged_migration_installs_nothing(engines):
+    source, target, address, sender = engines
+    cfg = target.model_config
+    before = target.stats()
+    shape = (cfg.num_layers, 1, target.config.page_size, cfg.num_kv_heads, cfg.head_dim)
+    pages = np.zeros(shape, np.float32)
+    prompt = list(range(3, 13))
+    forged = KVHandoff("nobody-registered-this", len(prompt), 5, pages, pages,
+                       {"request_id": "nobody-registered-this"}, fingerprint=target.fingerprint)
+    sender.send(dataclasses.replace(forged, destination=address))
+    # A registered request, and KV of another model or of the wrong length for it.
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    victim = Request("victim-1", prompt, params, state=State.TRANSFERRING)
+    victim.output_ids = [7, 8]
+    target.engine.register(victim)
+    wire = victim.to_wire(num_tokens=len(prompt) + 1)
+    for bad in (dataclasses.replace(forged, request_id="victim-1", payload=wire,
+                                    num_tokens=len(prompt) - 4),
+                dataclasses.replace(forged, request_id="victim-1", payload=wire,
+                                    num_tokens=len(prompt) + 1, fingerprint="0" * 64)):
+        sender.send(dataclasses.replace(bad, destination=address))
+    _wait(lambda: target.stats()["handoffs_rejected"] - before["handoffs_rejected"] >= 3)
+    stats = target.stats()
+    assert stats["handoffs_model_mismatch"] - before["handoffs_model_mismatch"] == 1
+    assert stats["transfers"] == before["transfers"]     # nothing was placed
+    assert target.failure() is None
+    # The registered request was never decoded from forged pages: prefilled again here
+    # from its prompt and output (greedy: the tokens the model makes after them).
+    out = target._wait(victim)
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+    assert out.token_ids[:2] == [7, 8]
+    assert target.stats()["transfers"] == before["transfers"]
+    assert_all_pages_free(target)
+
+
+# ---- behind a router: a drained decode worker's requests move on -------------------
+
+
+class _FailingFirst:
+    """A KV sender whose first send fails as if its target were gone."""
+
+    def __init__(self, inner):
+        self.inner, self.failed = inner, []
+
+    def send(self, handoff):
+        if not self.failed:
+            self.failed.append(handoff.request_id)
+            raise TransferError(f"{handoff.destination}: connection refused (injected)")
+        self.inner.send(handoff)
+
+    def close(self):
+        self.inner.close()
+
+
+def _worker(path, role: str, router_address: str | None, **options):
+    """(llm, server, service) of a role worker on the gRPC KV stream, registered with
+    the router at `router_address` (None: not yet)."""
+    if role == "prefill":
+        connector, kv_address = GrpcSender(auth=AUTH), ""
+    else:
+        connector = GrpcReceiver(address="127.0.0.1:0", auth=AUTH)
+        kv_address = connector.address
+    llm = LLM(path, mesh=f"{role}=1", connector=connector, max_model_len=MAX_MODEL_LEN,
+              slots_per_shard=4, **options)
+    service = RoleService(llm.engine, kv_address, "grpc")
+    if role == "decode":
+        service.migration = MigrationOutbox(llm.engine, AUTH)
+    server = RoleServer(service, "127.0.0.1", 0, AUTH)
+    server.start()
+    if router_address is not None:
+        server.register_with(router_address, heartbeat_s=0.2)
+    return llm, server, service
+
+
+def _forged_migrate_calls(address: str, kv_address: str, moved_id: str) -> None:
+    """`Migrate` is peer input: authenticated, its fields checked, and it sends only a
+    handoff the worker holds (a request moved already, or never held, is NOT_FOUND)."""
+    def call(body, channel):
+        method = channel.unary_unary(f"/{ROLE_SERVICE}/Migrate", request_serializer=pack,
+                                     response_deserializer=unpack)
+        with pytest.raises(grpc.RpcError) as e:
+            method({"wire_version": WIRE_VERSION, **body}, timeout=10)
+        return e.value.code()
+
+    good = {"request_id": moved_id, "destination": kv_address}
+    with AUTH.channel(address) as channel:
+        assert call(good, channel) == grpc.StatusCode.NOT_FOUND
+        for bad in ({"destination": kv_address}, {**good, "request_id": "x\x00\x1b"},
+                    {**good, "destination": 7}, {**good, "destination": "h" * 10_000}):
+            assert call(bad, channel) == grpc.StatusCode.INVALID_ARGUMENT
+        assert call({**good, "epoch": 2}, channel) == grpc.StatusCode.FAILED_PRECONDITION
+    with grpc.insecure_channel(address) as channel:
+        assert call(good, channel) == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.slow
+def test_a_drained_decode_worker_migrates_its_streams_behind_a_router(tiny_hf_model):
+    """Router, a prefill worker and two decode workers in one process: the first decode
+    worker drains (what SIGTERM and a role switch run) while its requests stream; they
+    finish at the second with the tokens they would have had, the prefill worker never
+    prefills their prompts again, and one move that fails is prefilled again instead
+    (counted, the reason logged)."""
+    path, hf_model = tiny_hf_model
+    # Patient: a busy test machine must not drop a worker for a late heartbeat.
+    router = Router(path, RouterConfig(max_model_len=MAX_MODEL_LEN, heartbeat_s=1.0,
+                                       lease_s=60.0, stall_timeout_s=60.0,
+                                       prefix_routing=False), auth=AUTH)
+    made = []
+    try:
+        address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
+        made.append(_worker(path, "prefill", address))
+        made.append(_worker(path, "decode", address, migrate_on_drain=True))
+        made.append(_worker(path, "decode", None, migrate_on_drain=True))  # joins later
+        wait_until(lambda: len(router.live_workers()) == 2, timeout=60)
+        prompts = mixed_prompts(4, 256, seed=9)
+        max_tokens = [48 - i for i in range(len(prompts))]
+        params = [_params(i, n) for i, n in enumerate(max_tokens)]
+        requests = [router.submit(router.make_request(prompt_token_ids=p, sampling_params=q))
+                    for p, q in zip(prompts, params)]
+        (prefill, _, _), (drained, _, outbox_of), (target, _, _) = made
+        wait_until(lambda: all(len(r.output_ids) >= 3 for r in requests), timeout=120)
+        drained.engine.pause_threads()      # mid-stream until the drain resumes them
+        assert not any(r.is_final for r in requests)
+        made[2][1].register_with(address, heartbeat_s=0.2)
+        wait_until(lambda: len(router.live_workers()) == 3, timeout=60)
+        prefilled = prefill.stats()["prefill_tokens"]
+        assert prefilled == sum(map(len, prompts))
+        outbox = outbox_of.migration
+        outbox._sender = _FailingFirst(GrpcSender(auth=AUTH))
+        outbox.drain(time.monotonic() + 120)
+        outputs = [router._wait(r) for r in requests]
+        failed = outbox._sender.failed
+        assert len(failed) == 1 and outbox.num_sent == len(requests) - 1
+        counts = router.counters.snapshot()
+        assert counts["migrations"] == len(requests) - 1 and counts["migration_fallbacks"] == 1
+        assert counts["decode_failovers"] == 0 and counts["aborted"] == 0
+        for i, out in enumerate(outputs):
+            assert out.finish_reason == "length" and len(out.token_ids) == max_tokens[i]
+            if i % 2 == 0:
+                assert out.token_ids == hf_greedy(hf_model, prompts[i], max_tokens[i])
+        # Seeded requests that moved drew what they draw unmoved (at the target).
+        again = [router.submit(router.make_request(prompt_token_ids=prompts[i],
+                                                   sampling_params=params[i]))
+                 for i in range(1, len(prompts), 2)]
+        for i, r in zip(range(1, len(prompts), 2), again):
+            if requests[i].request_id not in failed:
+                assert router._wait(r).token_ids == outputs[i].token_ids
+        # The prefill worker computed no prompt again but the one whose move failed
+        # (its prompt and output so far, `moved_back` tokens).
+        moved_back = [r for r in requests if r.request_id in failed][0]
+        redone = prefill.stats()["prefill_tokens"] - prefilled - sum(
+            len(prompts[i]) for i in range(1, len(prompts), 2))
+        assert len(moved_back.prompt_ids) < redone < moved_back.num_tokens
+        assert target.stats()["transfers"] >= len(requests)
+        assert drained.stats()["migrations_out"] == len(requests)
+        assert outbox.num_held == 0 and drained.engine.is_idle()
+        for llm in (drained, target):
+            assert_all_pages_free(llm)
+        _forged_migrate_calls(made[1][1].address, made[2][2].kv_address, requests[0].request_id)
+    finally:
+        router.shutdown()
+        for llm, server, service in made:
+            server.stop(0)
+            if service.migration is not None:
+                service.migration.close()
+            llm.shutdown()
+
+
+def test_migrate_on_drain_needs_the_grpc_kv_stream():
+    import threading
+
+    from jaxpd.serving.worker import serve_role
+    with pytest.raises(ValueError, match="kv_transport grpc"):
+        serve_role("decode", None, "127.0.0.1", 0, None, "transfer_server", threading.Event(),
+                   print, {"migrate_on_drain": True})
