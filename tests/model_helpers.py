@@ -19,8 +19,10 @@ def paged_greedy(cfg, params, prompt: list[int], num_new: int, page_size: int = 
     bucket = bucket or max(16, 1 << (t - 1).bit_length())
     tokens = np.zeros((1, bucket), np.int32)
     tokens[0, :t] = prompt
-    logits, k, v = model.apply({"params": params}, jnp.asarray(tokens), jnp.asarray([t]),
-                               method=Llama.prefill)
+    # Jitted: op by op, every op of the model would compile alone.
+    logits, k, v = jax.jit(lambda p, tok, n: model.apply({"params": p}, tok, n,
+                                                         method=Llama.prefill))(
+        params, jnp.asarray(tokens), jnp.asarray([t]))
     out = [int(jnp.argmax(logits[0]))]
     total = t + num_new
     num_pages = -(-total // page_size)
