@@ -51,10 +51,8 @@ def write(tmp_path, hf_model, qtype, vocab, raw=None) -> str:
 
 
 def forward(cfg, params, tokens, fused=False):
-    """Logits of `tokens`, as one jitted program (op by op, every op compiles alone)."""
-    run = jax.jit(lambda p, t: Llama(cfg, fused=fused).apply({"params": p}, t,
-                                                              method=Llama.forward))
-    return np.asarray(run(params, jnp.asarray([tokens]))[0])
+    return np.asarray(Llama(cfg, fused=fused).apply({"params": params}, jnp.asarray([tokens]),
+                                                    method=Llama.forward)[0])
 
 
 @pytest.mark.slow
