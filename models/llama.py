@@ -563,6 +563,7 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.float32, fused: bool = False):
 def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):
     """Random params (normal(0.02) matrices, unit norms): tests and the placeholder model."""
     model = Llama(cfg, dtype)
-    variables = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, 1), jnp.int32),
-                           method=Llama.forward)
-    return nn.unbox(variables["params"])
+    # One program: run op by op, every initializer of another shape compiles alone.
+    init = jax.jit(lambda key: model.init(key, jnp.zeros((1, 1), jnp.int32),
+                                          method=Llama.forward))
+    return nn.unbox(init(jax.random.PRNGKey(seed))["params"])

@@ -1,11 +1,22 @@
 """A tiny single-request paged generator used to check the model on its own."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxpd.models.llama import Llama
+
+
+@functools.cache
+def _prefill_program(cfg):
+    """`Llama.prefill` as one jitted program kept per config: op by op, every op of the
+    model would compile alone."""
+    model = Llama(cfg)
+    return jax.jit(lambda p, tokens, lengths: model.apply({"params": p}, tokens, lengths,
+                                                          method=Llama.prefill))
 
 
 def paged_greedy(cfg, params, prompt: list[int], num_new: int, page_size: int = 16,
@@ -19,8 +30,7 @@ def paged_greedy(cfg, params, prompt: list[int], num_new: int, page_size: int = 
     bucket = bucket or max(16, 1 << (t - 1).bit_length())
     tokens = np.zeros((1, bucket), np.int32)
     tokens[0, :t] = prompt
-    logits, k, v = model.apply({"params": params}, jnp.asarray(tokens), jnp.asarray([t]),
-                               method=Llama.prefill)
+    logits, k, v = _prefill_program(cfg)(params, jnp.asarray(tokens), jnp.asarray([t]))
     out = [int(jnp.argmax(logits[0]))]
     total = t + num_new
     num_pages = -(-total // page_size)

@@ -22,13 +22,14 @@ def test_new_tokens_after_a_prefix_attend_as_one_causal_sequence():
     q = rng.standard_normal((b, t, kh * g, h)).astype(np.float32)
     k, v = (rng.standard_normal((b, t, kh, h)).astype(np.float32) for _ in range(2))
     k_pre, v_pre = (rng.standard_normal((b, width, kh, h)).astype(np.float32) for _ in range(2))
-    out = np.asarray(causal_attention(q, k, v, (k_pre, v_pre, jnp.asarray(prefix_len))))
+    attend = jax.jit(causal_attention)      # op by op, every op would compile alone
+    out = np.asarray(attend(q, k, v, (k_pre, v_pre, jnp.asarray(prefix_len))))
     for row in range(b):
         n = prefix_len[row]
         whole_k = np.concatenate([k_pre[row:row + 1, :n], k[row:row + 1]], axis=1)
         whole_v = np.concatenate([v_pre[row:row + 1, :n], v[row:row + 1]], axis=1)
         whole_q = np.concatenate([np.zeros((1, n, kh * g, h), np.float32), q[row:row + 1]], 1)
-        want = np.asarray(causal_attention(whole_q, whole_k, whole_v))[0, n:]
+        want = np.asarray(attend(whole_q, whole_k, whole_v))[0, n:]
         np.testing.assert_allclose(out[row], want, rtol=2e-5, atol=2e-5)
 
 
@@ -45,9 +46,10 @@ def test_extend_equals_a_full_forward_and_writes_the_prefills_pages(cached_pages
     model = Llama(cfg)
     page, n = 8, 37
     prompt = np.random.default_rng(1).integers(1, 64, n).astype(np.int32)
-    full = model.apply({"params": params}, prompt[None], method=Llama.forward)[0, -1]
-    _, k_all, v_all = model.apply({"params": params}, prompt[None], np.array([n]),
-                                  method=Llama.prefill)
+    full = jax.jit(lambda p, x: model.apply({"params": p}, x, method=Llama.forward))(
+        params, prompt[None])[0, -1]
+    _, k_all, v_all = jax.jit(lambda p, x, lengths: model.apply(
+        {"params": p}, x, lengths, method=Llama.prefill))(params, prompt[None], np.array([n]))
     pages = -(-n // page)
     shape = (cfg.num_layers, 1 + pages, page, cfg.num_kv_heads, cfg.head_dim)
     k_pool, v_pool = jnp.zeros(shape), jnp.zeros(shape)

@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -40,8 +41,9 @@ def test_forward_logits_match_transformers(hf_models, name):
     path, hf_model = hf_models(name)
     loaded = checkpoint.load(path)
     tokens = _prompts(loaded.cfg.vocab_size)[-1]
-    ours = Llama(loaded.cfg).apply({"params": loaded.params}, jnp.asarray([tokens]),
-                                   method=Llama.forward)[0]
+    ours = jax.jit(lambda p, x: Llama(loaded.cfg).apply({"params": p}, x,   # one program
+                                                        method=Llama.forward))(
+        loaded.params, jnp.asarray([tokens]))[0]
     np.testing.assert_allclose(np.asarray(ours), hf_logits(hf_model, tokens), atol=1e-4,
                                rtol=1e-4)
 

@@ -12,6 +12,7 @@ import json
 import os
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -86,10 +87,11 @@ def assert_same_model(path: str, reference, atol=1e-4, greedy_prompts=PROMPTS):
     """Our GGUF load == `reference` (a torch model): logits close on every prompt, greedy
     tokens (prefill + paged decode) equal on `greedy_prompts`."""
     loaded = checkpoint.load(path)
+    forward = jax.jit(lambda p, tokens: Llama(loaded.cfg).apply({"params": p}, tokens,
+                                                                method=Llama.forward))
     for text in PROMPTS:
         prompt = loaded.tokenizer.encode(text)
-        ours = Llama(loaded.cfg).apply({"params": loaded.params}, jnp.asarray([prompt]),
-                                       method=Llama.forward)[0]
+        ours = forward(loaded.params, jnp.asarray([prompt]))[0]
         np.testing.assert_allclose(np.asarray(ours), hf_logits(reference, prompt), atol=atol, rtol=1e-4)
         if text in greedy_prompts:
             tokens, _ = paged_greedy(loaded.cfg, loaded.params, prompt, NUM_NEW)

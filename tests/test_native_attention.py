@@ -124,11 +124,23 @@ def test_a_page_id_outside_the_pool_is_read_as_the_reference_reads_it():
 
 
 def test_build_is_cached_per_source_and_reports_a_failed_compiler(tmp_path, monkeypatch):
+    # A stand-in compiler that logs each build and writes its -o file: the caching is
+    # what is checked here (every other test here loads a library really compiled).
+    log = tmp_path / "builds.log"
+    compiler = tmp_path / "fake-c++"
+    compiler.write_text(f"""#!/bin/sh
+if [ "$1" = --version ]; then echo "fake c++ 1"; exit 0; fi
+echo build >> {log}
+while [ $# -gt 1 ]; do if [ "$1" = -o ]; then echo library > "$2"; fi; shift; done
+""")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
     monkeypatch.setenv("JAXPD_CACHE", str(tmp_path))
     path = native_attention._build()
-    assert path.parent == tmp_path / "native" and path.exists()
-    built = path.stat().st_mtime_ns
-    assert native_attention._build() == path and path.stat().st_mtime_ns == built
+    assert path.parent == tmp_path / "native" and path.read_text() == "library\n"
+    assert native_attention._build() == path and log.read_text() == "build\n"
+    assert native_attention._build(("-mno-avx512f",)) != path      # other flags: another key
+    assert log.read_text() == "build\nbuild\n"
     monkeypatch.setenv("JAXPD_CACHE", str(tmp_path / "other"))
     monkeypatch.setenv("CXX", "false")                   # a compiler that always fails
     with pytest.raises(RuntimeError, match="false failed"):

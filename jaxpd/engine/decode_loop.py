@@ -64,7 +64,7 @@ class DecodeLoop:
     def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler,
                  inbound: list[InboundQueue], requests: Requests, stats: StatsCounter,
                  max_pages_per_slot: int, context_step: int = 8, max_prefetch: int = 8,
-                 by_length: bool = False):
+                 by_length: bool = False, extend: ExtendLoop | None = None):
         self.runner, self.scheduler, self.inbound = runner, scheduler, inbound
         # The attention core reads each slot only up to its length: one context width.
         self.by_length = by_length
@@ -74,8 +74,9 @@ class DecodeLoop:
         self.max_prefetch = max_prefetch
         self.requests, self.stats = requests, stats
         self.max_pages_per_slot, self.context_step = max_pages_per_slot, context_step
-        # Prefill with context into slots (prefix caching): set by the engine.
-        self.extend: ExtendLoop | None = None
+        # Prefill with context into slots (prefix caching, colocated chunks), between
+        # steps on this thread: it alone touches the pool.
+        self.extend = extend
         self.pending: collections.deque[tuple[Inbound, Request]] = collections.deque()  # FIFO
         self._admitted: list[_Admitted] = []
         num_slots = len(scheduler.slots)
@@ -101,7 +102,8 @@ class DecodeLoop:
         self._release_final()
         self._admit()
         if self.extend is not None:
-            self.extend.run_once()
+            for slot, r, token in self.extend.run_once():
+                self.take_ready(slot, r, token)
         self._insert_arrived()
         plan = self.scheduler.plan_step()
         self.stats.add(preemptions=len(plan.preempted))

@@ -3,10 +3,11 @@
 between the two meshes while it serves.
 
 A re-split, in order:
-1. **Build beside.** The new split's meshes, weights, KV pool and programs are built
-   and compiled on a shallow copy of the engine (its own `_build_prefill` and
-   `_build_decode`, then `warm_up` when the engine was warmed up), while the old split
-   keeps serving: compiling costs no serving time. What it costs is memory: a second
+1. **Build beside.** The new split's meshes, weights, KV pool, runners and loops are
+   built as one `Phases` object (`Engine.build_phases`, sharing the engine's requests,
+   connector, counters, transfer threads and handoff queue) and compiled (`warm_up`,
+   when the engine was warmed up), while the old split keeps serving: compiling costs
+   no serving time. What it costs is memory: a second
    copy of the weights and a second pool, until the switch. `prepare` does this ahead
    (a controller can prepare the move it is about to make).
 2. **Pause.** The engine's threads stop at a batch or step boundary; the old decode
@@ -19,13 +20,12 @@ A re-split, in order:
    waiting for a slot; the new loop admits and places them with the same
    `jax.device_put` as a prefill's handoff, counted in `transfers`. A request whose
    KV does not fit the new pool yet waits, KV in hand, like any handoff.
-4. **Swap and resume.** The new runners replace the old (whose pool and weights are
-   freed with them) and the threads start again.
+4. **Swap and resume.** The engine's `phases` becomes the new object (the old pool
+   and weights are freed with the old one) and the threads start again.
 The pause lasts steps 2-4: a drain, one gather and one copy per decoding request.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import time
@@ -34,17 +34,11 @@ from typing import Callable
 from jaxpd.engine.page_allocator import pages_for
 from jaxpd.engine.warmup import warm_up
 from jaxpd.request import State
-from jaxpd.sharding import build_meshes
 from jaxpd.sharding.spec import MeshSpec
 from jaxpd.transfer.connector import KVHandoff
 from jaxpd.transfer.inbound import Inbound
 
 _log = logging.getLogger(__name__)
-
-# What the engine swaps for the new split's (everything `_build_*` sets).
-_BUILT = ("config", "meshes", "prefill_runner", "prefill_scheduler", "prefill_loop",
-          "prefill_cache", "decode_runner", "decode_scheduler", "decode_loop", "local_loop")
-
 
 @dataclasses.dataclass(frozen=True)
 class Resplit:
@@ -75,8 +69,7 @@ def resplit(engine, prefill: int, progress: Callable[[str], None]) -> Resplit:
                 raise RuntimeError(f"engine is shut down or failed; the split stays {old}")
             try:
                 moved, requeued = _move(engine, shadow)
-                for name in _BUILT:
-                    setattr(engine, name, getattr(shadow, name))
+                engine.phases = shadow
                 engine.connector.stage_on(engine._staging_sharding())
             except BaseException as e:
                 # Half moved is not a state to serve from: fail every live request.
@@ -106,17 +99,13 @@ def prepare(engine, prefill: int, progress: Callable[[str], None]) -> float:
 
 
 def _build(engine, spec: MeshSpec, progress: Callable[[str], None]):
-    """A shallow copy of `engine` with `spec`'s meshes, runners and loops (sharing its
-    requests, connector, counters and transfer threads), compiled when the engine was."""
-    shadow = copy.copy(engine)
-    shadow.config = dataclasses.replace(engine.config, mesh=spec)
-    shadow.meshes = build_meshes(spec)
-    shadow._build_prefill()
-    shadow._build_decode()
-    shadow.decode_loop.inbound = engine.decode_loop.inbound    # the same handoff queue
+    """`spec`'s `Phases` beside the engine's (the same handoff queue), compiled when the
+    engine was."""
+    phases = engine.build_phases(dataclasses.replace(engine.config, mesh=spec),
+                                 inbound=engine.decode_loop.inbound)
     if engine.warmed:
-        warm_up(shadow, lambda msg: progress(f"{spec}: {msg}"))
-    return shadow
+        warm_up(phases, lambda msg: progress(f"{spec}: {msg}"))
+    return phases
 
 
 def _move(engine, shadow) -> tuple[int, int]:

@@ -12,9 +12,14 @@ Threads (named, few; a dead one aborts every live request with its error and mak
                  mesh, before the next prefill batch: `transfer.device_put`)
 Queues: the prefill inboxes of `Requests` (bounded by `max_queued` at submit) and the
 connector's bounded handoff queue (prefill -> decode: backpressure on prefill).
+
+Layout: `Topology.of(config)` decides once which meshes, loops and threads exist and
+where a prompt is prefilled (`Routing` follows it); what a mesh spec builds is one
+`Phases` object the engine holds, so an elastic re-split swaps it whole.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -32,8 +37,10 @@ from jaxpd.engine.page_allocator import CacheJournal, prefix_root
 from jaxpd.engine.prefill_cache import PrefillCache, cache_pages
 from jaxpd.engine.prefill_loop import PrefillLoop
 from jaxpd.engine.requests import Limits, Requests
+from jaxpd.engine.routing import Routing
 from jaxpd.engine.runner import CompileCounter, DecodeRunner, PrefillRunner
 from jaxpd.engine.scheduler import DecodeScheduler, PrefillScheduler
+from jaxpd.engine.topology import Topology
 from jaxpd.engine.warmup import warm_up
 from jaxpd.models.checkpoint import LoadedModel
 from jaxpd.models.fingerprint import model_fingerprint, short
@@ -41,7 +48,7 @@ from jaxpd.models.hf_io import DTYPES
 from jaxpd.engine.placement import place_params
 from jaxpd.models.llama import layer_groups
 from jaxpd.request import Request, State
-from jaxpd.sharding import build_meshes
+from jaxpd.sharding import Meshes, build_meshes
 from jaxpd.stats import EngineStats, StatsCounter
 from jaxpd.transfer.compression import CompressingReceiver, CompressingSender
 from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
@@ -49,6 +56,30 @@ from jaxpd.transfer.device_put import DevicePutConnector
 from jaxpd.transfer.inbound import HandoffSpec, InboundQueue
 
 _log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Phases:
+    """What one mesh spec builds: its meshes and the runners, schedulers and loops on
+    them. The engine holds one and reads these through its own attributes
+    (`engine.decode_loop` is `engine.phases.decode_loop`); an elastic re-split builds
+    another beside it and swaps the whole object (`engine.elastic`)."""
+    config: EngineConfig
+    model: LoadedModel
+    meshes: Meshes
+    topology: Topology
+    prefill_runner: PrefillRunner | None = None
+    prefill_scheduler: PrefillScheduler | None = None
+    prefill_cache: PrefillCache | None = None
+    prefill_loop: PrefillLoop | None = None
+    local_scheduler: PrefillScheduler | None = None
+    local_loop: PrefillLoop | None = None
+    decode_runner: DecodeRunner | None = None
+    decode_scheduler: DecodeScheduler | None = None
+    decode_loop: DecodeLoop | None = None
+
+
+_PHASE_FIELDS = frozenset(f.name for f in dataclasses.fields(Phases))
 
 
 class Engine:
@@ -68,7 +99,7 @@ class Engine:
         started."""
         if lower_for is not None and warmup:
             raise ValueError("an engine built to be lowered (lower_for) runs no warm-up")
-        self.model, self.config, self.lower_for = model, config, lower_for
+        self.model, self.lower_for = model, lower_for
         spec = config.mesh
         if plan is not None and (spec.has_prefill == spec.has_decode or
                                  config.enable_prefix_caching):
@@ -76,19 +107,12 @@ class Engine:
                              "without prefix caching (not supported there yet)")
         self.plan, self._told_followers = plan, False
         self.is_follower = plan is not None and not plan.group.is_leader
-        # The decode pool caches prefixes; the decode mesh prefills with context what it
-        # finds there (`ExtendLoop`). A prefill mesh keeps its own (`PrefillCache`).
-        self.caching = config.enable_prefix_caching and spec.has_decode
-        self.prefill_caching = (config.enable_prefix_caching and spec.has_prefill
-                                and not spec.colocated)
-        # Colocated with chunks: every prompt is prefilled into its slot on the one mesh
-        # (`ExtendLoop`), at most `chunked_prefill_tokens` between two decode steps.
-        self.chunk_in_slots = config.chunked_prefill_tokens is not None and \
-            config.buckets[-1] > config.chunked_prefill_tokens
-        self.prefix_root = self._prefix_root()
+        # Every layout decision, once; an elastic re-split keeps it (both meshes, one
+        # process, no prefix cache, whatever the sizes).
+        self.topology = topology = Topology.of(config, multi_process=plan is not None)
+        self.prefix_root = self._prefix_root(config)
         # What this engine's caches hold, for the router (a worker's heartbeat).
         self.cache_journal = CacheJournal(self.prefix_root) if self.prefix_root else None
-        self.meshes = build_meshes(spec)
         self.dtype = DTYPES[config.dtype]
         # What makes this engine's KV usable by another: every handoff carries it and
         # a decode pool refuses a handoff of another (`models.fingerprint`).
@@ -103,29 +127,23 @@ class Engine:
         self.counter = CompileCounter()
         self.counters = StatsCounter()
         self.connector = connector or DevicePutConnector()
+        routing = Routing(
+            has_prefill=topology.prefill_mesh, has_decode=topology.decode_mesh,
+            local_prefill=topology.local_prefill,
+            local_prefill_below=config.local_prefill_below, extend_all=topology.extend_all,
+            cached_tokens=self._cached_tokens if topology.decode_caching else None,
+            extend_ready=self._extend_ready, extend_below=config.prefix_extend_below,
+            page_size=config.page_size)
         self.requests = Requests(
             self.counters, config.max_queued,
             Limits(model.cfg.vocab_size, config.max_prompt_len, config.max_model_len),
-            has_prefill=spec.has_prefill, has_decode=spec.has_decode,
-            local_prefill_below=config.local_prefill_below,
-            has_local_prefill=spec.has_decode and not spec.colocated and (
-                config.local_prefill_below > 0 or not spec.has_prefill),
-            cached_tokens=self._cached_tokens if self.caching else None,
-            extend_all=(spec.colocated or not spec.has_prefill) and (
-                self.caching or self.chunk_in_slots), page_size=config.page_size,
-            extend_below=config.prefix_extend_below)
+            routing, remote_decode=not topology.decode_mesh)
         self._transfers = futures.ThreadPoolExecutor(4, thread_name_prefix="jaxpd-transfer")
-        self.prefill_loop = self.local_loop = self.decode_loop = self.prefill_cache = None
-        self.decode_scheduler = self.decode_runner = None
-        if spec.has_prefill and not (spec.colocated and (self.caching or self.chunk_in_slots)):
-            self._build_prefill()
-        if spec.has_decode:
-            self._build_decode()
-        if spec.has_prefill and spec.has_decode and not spec.colocated and \
-                isinstance(self.connector, DevicePutConnector):
+        self.phases = self.build_phases(config)
+        if topology.in_process_handoffs and isinstance(self.connector, DevicePutConnector):
             self.connector.stage_on(self._staging_sharding())
         if warmup and not self.is_follower:     # a follower replays the leader's warm-up
-            warm_up(self, progress or (lambda msg: None))
+            warm_up(self.phases, progress or (lambda msg: None))
         self.warmed = warmup
         self.prepared_splits: dict = {}        # an elastic split's (`engine.elastic`)
         self._stop = threading.Event()
@@ -136,16 +154,34 @@ class Engine:
         if lower_for is None:
             self.resume_threads()
 
+    def __getattr__(self, name: str):
+        """The current split's meshes, runners, schedulers, loops and config (`Phases`)."""
+        phases = self.__dict__.get("phases")
+        if phases is not None and name in _PHASE_FIELDS:
+            return getattr(phases, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def build_phases(self, config: EngineConfig,
+                     inbound: list[InboundQueue] | None = None) -> Phases:
+        """Meshes, weights, pools, runners and loops for `config`'s mesh spec, sharing
+        this engine's requests, connector, counters and transfer threads; `inbound`: the
+        decode loop's handoff queues (an elastic split keeps the old ones)."""
+        topology = self.topology
+        phases = Phases(config, self.model, build_meshes(config.mesh), topology)
+        if topology.prefill_loop:
+            self._build_prefill(phases)
+        if topology.decode_mesh:
+            self._build_decode(phases, inbound)
+        return phases
+
     def resume_threads(self) -> None:
         """Start this mesh's loop threads (again, after `pause_threads`)."""
-        spec = self.config.mesh
         self._paused.clear()
-        loops = ([] if self.is_follower or self._stop.is_set() else
-                 [("jaxpd-engine", self._run_colocated)] if spec.colocated else
-                 [("jaxpd-prefill", self._run_prefill)] * spec.has_prefill +
-                 [("jaxpd-decode", self._run_decode)] * spec.has_decode)
-        self._threads = [threading.Thread(target=self._guard, args=(loop,), name=name, daemon=True)
-                         for name, loop in loops]
+        runs = {"jaxpd-engine": self._run_colocated, "jaxpd-prefill": self._run_prefill,
+                "jaxpd-decode": self._run_decode}
+        names = [] if self.is_follower or self._stop.is_set() else self.topology.threads
+        self._threads = [threading.Thread(target=self._guard, args=(runs[name],), name=name,
+                                          daemon=True) for name in names]
         for t in self._threads:
             t.start()
 
@@ -161,13 +197,12 @@ class Engine:
     def _serving(self) -> bool:
         return not (self._stop.is_set() or self._paused.is_set())
 
-    def _params_on(self, mesh, fuse: bool, prefill_only: bool = False):
+    def _params_on(self, c: EngineConfig, mesh, fuse: bool, prefill_only: bool = False):
         """(params on `mesh`, its logical rules, whether fused: `engine.placement`; the
         attention kernels for its devices: `resolve_attention_impl`). A CPU mesh that
         only prefills gets quantized weights as float: a prompt's many rows are
         compute-bound, and XLA:CPU's product of the jnp form unpacks every weight on
         every call."""
-        c = self.config
         platform = self.lower_for or mesh.devices.flat[0].platform
         params = self.model.params
         if prefill_only and platform == "cpu":
@@ -177,7 +212,7 @@ class Engine:
                 resolve_attention_impl(c.attention_impl, platform, c.attention_interpret,
                                        c.dtype, self.model.cfg.head_dim))
 
-    def _quant_matmul(self, params, mesh):
+    def _quant_matmul(self, c: EngineConfig, params, mesh):
         """The native product of quantized weights for a decode mesh where it serves:
         CPU devices, float32, weights whole on each device (no tp: the kernel is opaque
         to GSPMD), the kernel built. None otherwise (the jnp form everywhere)."""
@@ -186,33 +221,24 @@ class Engine:
         if not quant.any_quantized(params):
             return None
         if ((self.lower_for or mesh.devices.flat[0].platform) != "cpu"
-                or self.config.dtype != "float32"
+                or c.dtype != "float32"
                 or mesh.shape.get("tp", 1) != 1 or not quant.native_available()):
             return None
         return quant.native_matmul
 
-    def _prefill_scheduler(self, buckets: list[int], chunked: bool = False) -> PrefillScheduler:
-        c = self.config
+    def _prefill_scheduler(self, c: EngineConfig, buckets: list[int],
+                           chunked: bool = False) -> PrefillScheduler:
         return PrefillScheduler(buckets, c.max_prefill_batch, max(c.max_prefill_tokens, buckets[-1]),
                                 c.bucket_timeout_ms / 1000, c.min_prefill_batch, chunked)
 
-    def _pages_prefill(self) -> bool:
-        """Whether the prefill mesh computes into a paged pool of its own (`PrefillCache`,
-        reused when prefix caching is on): a mesh of its own in one process, not
-        elastic, without layer-wise transfer (which sends from the dense bucket). A
-        handoff's pages are then gathered from the pool by programs warm-up compiles
-        (one per padded count), and long prompts are prefilled in chunks."""
-        c = self.config
-        return (not c.mesh.colocated and not c.mesh.elastic and self.plan is None
-                and c.layerwise_min_tokens == 0)
+    def _page_shape(self, c: EngineConfig) -> tuple[int, int, int]:
+        return (c.page_size, self.model.cfg.num_kv_heads, self.model.cfg.head_dim)
 
-    def _page_shape(self) -> tuple[int, int, int]:
-        return (self.config.page_size, self.model.cfg.num_kv_heads, self.model.cfg.head_dim)
-
-    def _handoff_spec(self, compressed: bool, remote: bool = False) -> HandoffSpec:
+    def _handoff_spec(self, c: EngineConfig, compressed: bool,
+                      remote: bool = False) -> HandoffSpec:
         """What a handoff into this decode pool must announce (`transfer.inbound`); one
         from another process (`remote`) must also name this engine's fingerprint."""
-        c, page = self.config, self._page_shape()
+        page = self._page_shape(c)
         return HandoffSpec(
             num_layers=self.model.cfg.num_layers, page_size=c.page_size,
             page_shape=(page[0] * page[1] * page[2] + 4,) if compressed else page,
@@ -230,102 +256,104 @@ class Engine:
             return NamedSharding(pages.mesh, PartitionSpec())
         return pages
 
-    def _build_prefill(self) -> None:
-        c, mesh = self.config, self.meshes.prefill
-        params, rules, fused, attention = self._params_on(mesh, fuse=False,
+    def _build_prefill(self, p: Phases) -> None:
+        c, mesh, topology = p.config, p.meshes.prefill, p.topology
+        params, rules, fused, attention = self._params_on(c, mesh, fuse=False,
                                                           prefill_only=True)
-        self.prefill_runner = PrefillRunner(self.model.cfg, params, mesh, rules, c.page_size,
-                                            self.counter, self.dtype, fused=fused,
-                                            gather_pages=bool(self.plan and not self.plan.offers),
-                                            attention_impl=attention)
-        self.prefill_runner = lead(self.prefill_runner, self.plan)
-        paged = self.prefill_caching or self._pages_prefill()
-        chunked = paged and c.buckets[-1] > c.prefill_chunk_tokens
+        p.prefill_runner = lead(PrefillRunner(
+            self.model.cfg, params, mesh, rules, c.page_size, self.counter, self.dtype,
+            fused=fused, gather_pages=bool(self.plan and not self.plan.offers),
+            attention_impl=attention), self.plan)
+        chunked = topology.paged_prefill and c.buckets[-1] > c.prefill_chunk_tokens
         buckets = [b for b in c.buckets if b <= c.prefill_chunk_tokens] if chunked else c.buckets
-        self.prefill_scheduler = self._prefill_scheduler(buckets, chunked)
+        p.prefill_scheduler = self._prefill_scheduler(c, buckets, chunked)
         sender = self.connector
         if c.kv_transfer_dtype is not None:
             sender = CompressingSender(sender, c.kv_transfer_dtype)
-        # Layer-wise sending overlaps computing; colocated, both share devices and a loop.
-        groups = None if c.mesh.colocated else layer_groups(self.model.cfg.num_layers,
-                                                             c.layerwise_parts)
-        self.prefill_cache = PrefillCache(
-            self.model.cfg, params, mesh, rules, cache_pages(c, self.prefill_scheduler, chunked,
-                                                      self.prefill_caching),
-            c.page_size, c.pages_per_slot, self.prefix_root if self.prefill_caching else None,
+        groups = layer_groups(self.model.cfg.num_layers, c.layerwise_parts) \
+            if topology.layerwise else None
+        caching = topology.prefill_caching
+        p.prefill_cache = PrefillCache(
+            self.model.cfg, params, mesh, rules, cache_pages(c, p.prefill_scheduler, chunked,
+                                                             caching),
+            c.page_size, c.pages_per_slot, self.prefix_root if caching else None,
             self.counter, self.dtype, fused=fused, journal=self.cache_journal,
             attention_impl=attention
-        ) if paged else None
-        self.prefill_loop = PrefillLoop(self.prefill_runner, self.prefill_scheduler, sender,
-                                        self.requests, self.requests.prefill_inbox, c.page_size,
-                                        self.counters, layerwise=groups,
-                                        layerwise_min_tokens=c.layerwise_min_tokens,
-                                        handoff_wait_s=c.handoff_wait_ms / 1000,
-                                        cache=self.prefill_cache,
-                                        chunk_tokens=c.prefill_chunk_tokens if chunked else None,
-                                        fingerprint=self.fingerprint)
+        ) if topology.paged_prefill else None
+        p.prefill_loop = PrefillLoop(p.prefill_runner, p.prefill_scheduler, sender,
+                                     self.requests, self.requests.prefill_inbox, c.page_size,
+                                     self.counters, layerwise=groups,
+                                     layerwise_min_tokens=c.layerwise_min_tokens,
+                                     handoff_wait_s=c.handoff_wait_ms / 1000,
+                                     cache=p.prefill_cache,
+                                     chunk_tokens=c.prefill_chunk_tokens if chunked else None,
+                                     fingerprint=self.fingerprint)
 
-    def _build_decode(self) -> None:
-        c, mesh, spec = self.config, self.meshes.decode, self.config.mesh
-        params, rules, fused, attention = self._params_on(mesh, fuse=True)
-        self.decode_runner = lead(DecodeRunner(
+    def _build_decode(self, p: Phases, inbound: list[InboundQueue] | None) -> None:
+        c, mesh, spec, topology = p.config, p.meshes.decode, p.config.mesh, p.topology
+        params, rules, fused, attention = self._params_on(c, mesh, fuse=True)
+        p.decode_runner = runner = lead(DecodeRunner(
             self.model.cfg, params, mesh, rules, spec.decode_dp * c.slots_per_shard,
             c.pages_per_shard, c.page_size, self.counter, self.dtype, fused=fused,
             attention_impl=attention, attention_interpret=c.attention_interpret,
-            quant_matmul=self._quant_matmul(params, mesh)), self.plan)
-        self.decode_scheduler = DecodeScheduler(
+            quant_matmul=self._quant_matmul(c, params, mesh)), self.plan)
+        p.decode_scheduler = scheduler = DecodeScheduler(
             spec.decode_dp, c.slots_per_shard, c.pages_per_shard, c.page_size,
-            self.prefix_root if self.caching else None, self.cache_journal)
-        receiver = self.connector
-        handoffs = self._handoff_spec(compressed=False)
-        expect_model = getattr(receiver, "expect_model", None)
-        if expect_model is not None and not spec.has_prefill:
-            expect_model(self.fingerprint)      # refused before its pages are taken
-        if c.kv_transfer_dtype is not None:
-            receiver = CompressingReceiver(receiver, c.kv_transfer_dtype, self._page_shape(),
-                                           c.dtype)
-        queues = [InboundQueue(receiver, self._transfers, c.kv_part_timeout_s,
-                               self._handoff_spec(c.kv_transfer_dtype is not None,
-                                                  remote=not spec.has_prefill),
-                               remote=not spec.has_prefill)]
-        if self.requests.has_local_prefill and not self.caching:
+            self.prefix_root if topology.decode_caching else None, self.cache_journal)
+        queues = inbound if inbound is not None else [self._inbound_queue(c)]
+        if topology.local_loop:
             # Prefill on the decode mesh itself, between decode steps, with the decode
             # params (replicated over dp): for short prompts (opt-in: the transfer's fixed
             # cost dominates for them) and, in a decode-only process, to re-prefill a
             # request whose transfer failed. Its pages are already on this mesh.
             pipe = DevicePutConnector()
-            queues.append(InboundQueue(pipe, self._transfers, c.kv_part_timeout_s, handoffs,
-                                       counted=False))
-            runner = lead(PrefillRunner(
+            queues = queues + [InboundQueue(pipe, self._transfers, c.kv_part_timeout_s,
+                                            self._handoff_spec(c, compressed=False),
+                                            counted=False)]
+            local = lead(PrefillRunner(
                 self.model.cfg, params, mesh, rules, c.page_size, self.counter, self.dtype,
                 name="local_prefill", fused=fused, gather_pages=self.plan is not None,
                 attention_impl=attention), self.plan)
             buckets = ([b for b in c.buckets if b < c.local_prefill_below] or c.buckets[:1]
                        if spec.has_prefill else c.buckets)
-            self.local_scheduler = self._prefill_scheduler(buckets)
-            self.local_loop = PrefillLoop(runner, self.local_scheduler, pipe, self.requests,
-                                          self.requests.local_inbox, c.page_size, self.counters,
-                                          on_decode_mesh=True)
-        self.decode_loop = DecodeLoop(self.decode_runner, self.decode_scheduler, queues,
-                                      self.requests, self.counters, c.pages_per_slot,
-                                      c.decode_context_step,
-                                      by_length=attention != "reference")
-        if self.caching or self.chunk_in_slots:
-            every = self.requests.extends_all
-            loop = self.decode_loop.extend = ExtendLoop(
-                self.decode_runner, self.decode_scheduler, self.requests.extend_inbox,
-                self.counters, c.buckets, c.max_prefill_batch, c.max_prefill_tokens,
-                c.pages_per_slot, c.decode_context_step, self.decode_loop.take_ready,
+            p.local_scheduler = self._prefill_scheduler(c, buckets)
+            p.local_loop = PrefillLoop(local, p.local_scheduler, pipe, self.requests,
+                                       self.requests.local_inbox, c.page_size, self.counters,
+                                       on_decode_mesh=True)
+        extend = None
+        if topology.extend_loop:
+            every = topology.extend_all
+            extend = ExtendLoop(
+                runner, scheduler, self.requests.extend_inbox, self.counters, c.buckets,
+                c.max_prefill_batch, c.max_prefill_tokens, c.pages_per_slot,
+                c.decode_context_step,
                 expected_below=None if every else max(c.prefix_extend_below, c.local_prefill_below),
                 expects_fresh=every or c.local_prefill_below > 0,
-                chunk_tokens=c.chunked_prefill_tokens if self.chunk_in_slots else None)
-            self.requests.extend_ready = loop.ready_for
+                chunk_tokens=c.chunked_prefill_tokens if topology.chunked_in_slots else None)
+        p.decode_loop = DecodeLoop(runner, scheduler, queues, self.requests, self.counters,
+                                   c.pages_per_slot, c.decode_context_step,
+                                   by_length=attention != "reference", extend=extend)
 
-    def _prefix_root(self) -> bytes | None:
+    def _inbound_queue(self, c: EngineConfig) -> InboundQueue:
+        """The decode loop's queue of handoffs from the connector (a decode-only process:
+        from another process, checked against this engine's fingerprint)."""
+        receiver, remote = self.connector, not self.topology.prefill_mesh
+        expect_model = getattr(receiver, "expect_model", None)
+        if expect_model is not None and remote:
+            expect_model(self.fingerprint)      # refused before its pages are taken
+        if c.kv_transfer_dtype is not None:
+            receiver = CompressingReceiver(receiver, c.kv_transfer_dtype, self._page_shape(c),
+                                           c.dtype)
+        return InboundQueue(receiver, self._transfers, c.kv_part_timeout_s,
+                            self._handoff_spec(c, c.kv_transfer_dtype is not None,
+                                               remote=remote),
+                            remote=remote)
+
+    def _prefix_root(self, config: EngineConfig) -> bytes | None:
         """Roots the page hashes (`page_allocator.prefix_root`); None with no cache."""
-        if not (self.caching or self.prefill_caching):
+        if not (self.topology.decode_caching or self.topology.prefill_caching):
             return None
-        return prefix_root(self.model.cfg, self.config.dtype, self.config.page_size)
+        return prefix_root(self.model.cfg, config.dtype, config.page_size)
 
     def _cached_tokens(self, request: Request) -> int:
         """Tokens of `request` cached on its best decode shard (a hint: read from the
@@ -335,6 +363,13 @@ class Engine:
             return 0
         hashes = sched.hashes(request.prefill_ids[:request.num_tokens - 1])
         return max(len(a.cached_prefix(hashes)) for a in sched.allocators) * sched.page_size
+
+    def _extend_ready(self, new_tokens: int, cached_tokens: int) -> bool:
+        """Whether the decode mesh's extend loop runs such a rest on compiled programs
+        (`ExtendLoop.ready_for`; False without one)."""
+        loop = self.decode_loop
+        extend = loop.extend if loop is not None else None
+        return extend is not None and extend.ready_for(new_tokens, cached_tokens)
 
     # ---- public -------------------------------------------------------------------
 
@@ -373,7 +408,7 @@ class Engine:
         """Decode side: a registered request whose KV will not come (its prefill worker
         failed) is prefilled here instead. False if it is not waiting for KV."""
         r = self.requests.get(request_id)
-        if r is None or not self.requests.has_local_prefill or r.state is not State.TRANSFERRING:
+        if r is None or not self.topology.local_prefill or r.state is not State.TRANSFERRING:
             return False
         if not self.requests.resubmit(r):
             return False

@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import queue
 import time
-from typing import Callable
 
 import jax
 import numpy as np
@@ -56,7 +55,6 @@ class _Row:
 class ExtendLoop:
     """`buckets`: padded new-token lengths (the engine's prefill buckets);
     `max_batch` requests per dp shard and `max_tokens` padded tokens per call;
-    `on_ready(slot, request, first_token)`: the decode loop takes a computed slot;
     `expected_below`: requests come with fewer new tokens than this (a mesh with a
     prefill mesh beside it sends only short rests here), so warm-up compiles only
     their buckets; None: any length (colocated, or a decode-only process).
@@ -67,7 +65,7 @@ class ExtendLoop:
     def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler,
                  inbox: queue.SimpleQueue, stats: StatsCounter, buckets: list[int],
                  max_batch: int, max_tokens: int, max_pages_per_slot: int, context_step: int,
-                 on_ready: Callable[[int, Request, int], None], expected_below: int | None = None,
+                 expected_below: int | None = None,
                  expects_fresh: bool = True, chunk_tokens: int | None = None):
         self.runner, self.scheduler, self.inbox, self.stats = runner, scheduler, inbox, stats
         if chunk_tokens is not None:
@@ -86,7 +84,7 @@ class ExtendLoop:
         self.lazy = expected_below is not None
         self.max_batch, self.max_tokens = max_batch, max_tokens
         self.max_pages_per_slot, self.context_step = max_pages_per_slot, context_step
-        self.on_ready, self.expects_fresh = on_ready, expects_fresh
+        self.expects_fresh = expects_fresh
         self.waiting: collections.deque[Request] = collections.deque()
         # Requests part-way through their chunks, oldest first: (row of the next chunk
         # but for its count, the slot object it was admitted into).
@@ -141,9 +139,11 @@ class ExtendLoop:
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.buckets if num_tokens <= b)
 
-    def run_once(self) -> bool:
+    def run_once(self) -> list[tuple[int, Request, int]]:
         """Compute one call: the next chunks of requests part-way through, then the
-        oldest waiting requests that fit a slot and the call's limits."""
+        oldest waiting requests that fit a slot and the call's limits. Returns the
+        slots whose KV is now complete, as (slot, request, first token), for the decode
+        loop to take (`DecodeLoop.take_ready`)."""
         while True:
             try:
                 self.waiting.append(self.inbox.get_nowait())
@@ -151,9 +151,7 @@ class ExtendLoop:
                 break
         batch = self._continued()
         batch += self._admit(batch)
-        if batch:
-            self._run(batch)
-        return bool(batch)
+        return self._run(batch) if batch else []
 
     def _count(self, request: Request, start: int) -> int:
         rest = request.num_tokens - start
@@ -215,7 +213,7 @@ class ExtendLoop:
     def _padded(self, n: int) -> int:
         return next(s for s in self.batch_sizes if s >= n)
 
-    def _run(self, batch: list[_Row]) -> None:
+    def _run(self, batch: list[_Row]) -> list[tuple[int, Request, int]]:
         sched = self.scheduler
         per_shard = collections.Counter(sched.shard_of(row.slot) for row in batch)
         r_pad = self._padded(max(per_shard.values()))
@@ -262,10 +260,11 @@ class ExtendLoop:
                 self.chunking.append((_Row(row.slot, row.request, row.start + row.count, 0),
                                       sched.slots[row.slot]))
         if not any(row.final for row in batch):
-            return                             # the next call queues behind this one
+            return []                          # the next call queues behind this one
         first = np.asarray(first)
         logprobs = jax.device_get(logprobs) if sampling.wants_logprobs else None
         now = time.perf_counter()
+        ready = []
         for row, i in zip(batch, index_of):
             if not row.final:
                 continue
@@ -282,4 +281,5 @@ class ExtendLoop:
                 s.ready = True                 # its KV is written: keep it cached
                 sched.release(slot)
                 continue
-            self.on_ready(slot, r, token)
+            ready.append((slot, r, token))
+        return ready

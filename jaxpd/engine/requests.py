@@ -4,13 +4,15 @@ Every way a request enters or re-enters the engine goes through here: `submit` (
 request; admission control), `register` (a decode-only process: a request whose KV is
 prefilled elsewhere), `resolve` (the request a handoff belongs to), `resubmit` (it was
 preempted, or its transfer failed: prefill it again), `handed_off` (a prefill-only
-process: it now lives on the decode side). The loops hold this one object instead of
-callbacks into the engine. Plain Python; thread-safe.
+process: it now lives on the decode side). Which inbox a prompt goes to is `Routing`'s
+decision. The loops hold this one object instead of callbacks into the engine. Plain
+Python; thread-safe.
 
-Every request that comes in is checked against this engine's own `Limits` with
-`jaxpd.validation` (the front ends' checks): one that arrives from a peer beyond them
-(a router with a larger max_model_len, a forged RPC) is refused here with a
-`ValueError` naming the field, before a loop could choke on it. A handoff from another
+Every request that comes in is checked here, once, against this engine's own `Limits`
+with `jaxpd.validation` (the front ends' checks): this is where a peer's request is
+validated (a role server only decodes its wire form), so one beyond them (a router with
+a larger max_model_len, a forged RPC) is refused with a `ValueError` naming the field,
+before a loop could choke on it. A handoff from another
 process resolves only to a request registered here first (the router's `Decode`
 always registers before it asks for the prefill); one for an id nobody registered is
 refused, so a peer cannot make this engine decode a request of its own invention.
@@ -21,12 +23,13 @@ import dataclasses
 import queue
 import secrets
 import threading
-from typing import Any, Callable
+from typing import Any
 
-from jaxpd.errors import QueueFull
+from jaxpd.engine.routing import Inbox, Routing
+from jaxpd.errors import DuplicateRequest, QueueFull
 from jaxpd.request import Request, State
 from jaxpd.stats import StatsCounter
-from jaxpd.validation import check_request, check_request_id
+from jaxpd.validation import check_request, check_request_id, check_token_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,42 +45,22 @@ _GOES_BACK = (State.PREFILLING, State.TRANSFERRING, State.DECODING)
 
 
 class Requests:
-    """`has_decode` False: the decode side is another process (handoffs carry the wire
-    form; a handed-off request is forgotten here). `local_prefill_below`: prompts
-    shorter than this prefill on the decode mesh, when it has a prefill loop there.
+    """`routing` decides which inbox a prompt goes to (`engine.routing`);
+    `remote_decode`: the decode side is another process (handoffs carry the wire form;
+    a handed-off request is forgotten here)."""
 
-    `cached_tokens` (prefix caching on): how many of a request's tokens the decode mesh
-    holds cached (a hint read from another thread; the decode loop decides for real).
-    Then every request the decode mesh prefills goes to `extend_inbox` (prefilled into
-    its slot with context, `ExtendLoop`); else the short ones, and one whose prefix is cached there
-    and whose uncached rest is below `extend_below` tokens: a follow-up turn costs its
-    new tokens, not a trip through the prefill mesh. One that goes through the prefill
-    mesh anyway carries the hint as `kv_skip_pages` (of `page_size` tokens): its
-    handoff leaves those pages out (the decode loop checks it still holds them).
-    `extend_all`: every request goes to `extend_inbox` (colocated with the cache or
-    with chunks, or a decode-only process with the cache).
-    """
-
-    def __init__(self, stats: StatsCounter, max_queued: int, limits: Limits, *,
-                 has_prefill: bool, has_decode: bool, has_local_prefill: bool,
-                 local_prefill_below: int = 0,
-                 cached_tokens: Callable[[Request], int] | None = None, extend_all: bool = False,
-                 extend_below: int = 0, page_size: int = 16):
+    def __init__(self, stats: StatsCounter, max_queued: int, limits: Limits, routing: Routing,
+                 *, remote_decode: bool = False):
         self.stats = stats
         self.max_queued = max_queued
         self.limits = limits
-        self.remote_decode = not has_decode
-        self.has_prefill, self.has_local_prefill = has_prefill, has_local_prefill
-        self._local_below = local_prefill_below
-        self._cached_tokens, self._extend_below = cached_tokens, extend_below
-        self.extends_all = extend_all
-        # Whether the decode mesh runs such a rest on compiled programs (`ExtendLoop.
-        # ready_for`): a rest whose program compiles in the background goes the long way.
-        self.extend_ready: Callable[[int, int], bool] = lambda new, cached: True
-        self._page_size = page_size
+        self.routing = routing
+        self.remote_decode = remote_decode
         self.prefill_inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.local_inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.extend_inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._inboxes = {Inbox.PREFILL: self.prefill_inbox, Inbox.LOCAL: self.local_inbox,
+                         Inbox.EXTEND: self.extend_inbox}
         self.wake = threading.Event()        # set when an inbox gets work or a request ends
         self._live: dict[str, Request] = {}
         self._lock = threading.Lock()
@@ -95,12 +78,12 @@ class Requests:
         check_request(request.prompt_ids, request.params, vocab_size=c.vocab_size,
                       max_prompt_len=c.max_prompt_len, max_model_len=c.max_model_len,
                       output_ids=request.output_ids)
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in request.stop_ids):
-            raise ValueError("stop_ids must be token ids")
+        check_token_ids(list(request.stop_ids), c.vocab_size, "stop_ids")
 
     def submit(self, request: Request) -> None:
-        """Admit a request and queue it for prefill. Raises `QueueFull`, or `ValueError`
-        for an id already in flight or a request beyond this engine's limits."""
+        """Admit a request and queue it for prefill. Raises `QueueFull`,
+        `DuplicateRequest` for an id already in flight, or `ValueError` for a request
+        beyond this engine's limits."""
         self.check(request)
         with self._lock:
             self._prune()
@@ -109,7 +92,8 @@ class Requests:
                 raise QueueFull(f"{waiting} requests already wait for prefill "
                                 f"(max_queued={self.max_queued})")
             if request.request_id in self._live:
-                raise ValueError(f"request_id {request.request_id!r} is already in flight")
+                raise DuplicateRequest(f"request_id {request.request_id!r} is already "
+                                       f"in flight")
             self._live[request.request_id] = request
         self._route(request)
 
@@ -122,7 +106,8 @@ class Requests:
         with self._lock:
             self._prune()
             if request.request_id in self._live:
-                raise ValueError(f"request_id {request.request_id!r} is already in flight")
+                raise DuplicateRequest(f"request_id {request.request_id!r} is already "
+                                       f"in flight")
             self._live[request.request_id] = request
 
     def get(self, request_id: str) -> Request | None:
@@ -208,27 +193,7 @@ class Requests:
             return len(self._live)
 
     def _route(self, request: Request) -> None:
-        """To the prefill mesh, or to the decode mesh's own prefill (short prompts, or
-        a decode-only process)."""
-        local = self.has_local_prefill and (not self.has_prefill
-                                     or request.num_tokens < self._local_below)
-        if self.extends_all:
-            self.extend_inbox.put(request)
-        elif self._cached_tokens is None or self.remote_decode:
-            # (A prefill-only process: the router's hint came with the request.)
-            (self.local_inbox if local else self.prefill_inbox).put(request)
-        elif local:
-            self.extend_inbox.put(request)
-        else:
-            # A prefix cached on the decode mesh: the rest prefilled there when short,
-            # else on the prefill mesh, whose handoff then leaves the cached pages out.
-            cached = self._cached_tokens(request)
-            if cached > 0 and request.num_tokens - cached < self._extend_below and \
-                    self.extend_ready(request.num_tokens - cached, cached):
-                self.extend_inbox.put(request)
-            else:
-                request.kv_skip_pages = 0 if request.kv_skip_missed else cached // self._page_size
-                self.prefill_inbox.put(request)
+        self._inboxes[self.routing.route(request)].put(request)
         self.wake.set()
 
     def _prune(self) -> None:

@@ -14,10 +14,11 @@ unread events (`SLOW_READER`).
 On the router's command (`SwitchRole`) a worker drains and becomes the other role at a
 new epoch (`role_switch`); a call naming another epoch is refused.
 
-Nothing a peer sends is trusted: every request is rebuilt from its wire form and
-checked by `jaxpd.validation` against this worker's own limits (INVALID_ARGUMENT
-naming the field) before the engine sees it, and every RPC is authenticated by the
-server's `InternalAuth`. A worker whose engine died answers UNAVAILABLE and its health
+Nothing a peer sends is trusted: every request is rebuilt from its wire form (each
+field's type checked) and checked against this worker's own limits by the engine's one
+check as it is submitted or registered (`Requests.check`; INVALID_ARGUMENT naming the
+field) before any loop sees it, and every RPC is authenticated by the server's
+`InternalAuth`. A worker whose engine died answers UNAVAILABLE and its health
 turns NOT_SERVING (the event loop watches `engine.error`); it also stops
 heartbeating, so the router drops it when its lease runs out.
 
@@ -26,8 +27,8 @@ event loop (what they do there is short and never blocks: validate, submit or
 register, abort), and a request's events reach them through an `AsyncOutputs`, so a
 call in flight costs no thread. Handlers that block (Info reads the engine's stats,
 SwitchRole drains and rebuilds, Migrate sends a held request's KV) are plain
-functions grpc runs on a small pool. A handler refuses a call by raising `Refusal`. Threads, whatever the number of calls:
-`jaxpd-worker-loop` (the event loop: every call, health), `jaxpd-worker-rpc-*` (the
+functions grpc runs on a small pool. A handler refuses a call by raising `Refusal`.
+Threads, whatever the number of calls: `jaxpd-worker-loop` (the event loop: every call, health), `jaxpd-worker-rpc-*` (the
 blocking handlers, at most `RPC_THREADS`, idle ones exit) and `jaxpd-register`
 (register, then heartbeat every `heartbeat_s`; a refusal from the router is final).
 """
@@ -44,7 +45,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from jaxpd.auth import NO_AUTH, InternalAuth
 from jaxpd.engine.background_compile import compilers
 from jaxpd.engine.engine import Engine
-from jaxpd.errors import QueueFull
+from jaxpd.errors import DuplicateRequest, QueueFull
 from jaxpd.output_sink import MAX_BUFFERED, AsyncOutputs
 from jaxpd.stats import COUNTERS
 from jaxpd.request import Request, State
@@ -54,7 +55,7 @@ from jaxpd.serving.role_switch import RoleSwitch
 from jaxpd.serving.role_rpc import (MAX_ADDRESS_LEN, MAX_REASON_LEN, ROLE_SERVICE,
                                     SERVER_KEEPALIVE, Refusal, WorkerInfo, register,
                                     router_identity, stream_handler, unary_handler)
-from jaxpd.validation import check_request, check_request_id, check_token_ids
+from jaxpd.validation import check_request_id
 
 _log = logging.getLogger(__name__)
 ALIVE_EVERY_S = 1.0
@@ -153,11 +154,13 @@ class RoleService:
         if local:
             self._submit(r)
         else:
-            self._unique(r)
+            self._alive()
             try:
                 self.engine.register(r)
-            except ValueError as e:     # the same id registered meanwhile
+            except DuplicateRequest as e:
                 raise Refusal(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
+            except ValueError as e:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {e}") from None
         self._abort_at_end(r, context)
         yield {"registered": True}
         while True:
@@ -265,36 +268,24 @@ class RoleService:
                           f"this is a {self.role} worker, not a {role} worker")
 
     def _request(self, msg: dict, state: State) -> Request:
-        """The request from its wire form, checked against this worker's own limits:
-        a peer's request is as untrusted as a client's."""
-        c, m = self.engine.config, self.engine.model.cfg
+        """The request from its wire form (a peer's request is as untrusted as a
+        client's: the engine checks it against this worker's limits on submit or
+        register, `Requests.check`)."""
         try:
-            r = Request.from_wire(msg["request"], state)
-            check_request_id(r.request_id)
-            check_request(r.prompt_ids, r.params, vocab_size=m.vocab_size,
-                          max_prompt_len=c.max_prompt_len, max_model_len=c.max_model_len,
-                          output_ids=r.output_ids)
-            check_token_ids(sorted(r.stop_ids), m.vocab_size, "stop_ids")
-            if not 0 <= r.seed < 2**63:
-                raise ValueError(f"seed must be in [0, 2**63), got {r.seed}")
+            return Request.from_wire(msg["request"], state)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"bad request: {_describe(e)}") from None
-        return r
-
-    def _unique(self, r: Request) -> None:
-        live = self.engine.requests.get(r.request_id)
-        if live is not None and not live.is_final:
-            raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
-                          f"request_id {r.request_id!r} is already in flight here")
 
     def _submit(self, r: Request) -> None:
         try:
             self.engine.submit(r)
         except QueueFull as e:
             raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-        except ValueError as e:
+        except DuplicateRequest as e:
             raise Refusal(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
+        except ValueError as e:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {e}") from None
         except RuntimeError as e:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, str(e)) from None
 

@@ -8,6 +8,7 @@ import types
 
 from jaxpd.engine.decode_loop import DecodeLoop
 from jaxpd.engine.requests import Limits, Requests
+from jaxpd.engine.routing import Routing
 from jaxpd.engine.scheduler import DecodeScheduler
 from jaxpd.stats import StatsCounter
 from jaxpd.transfer.inbound import HandoffSpec, InboundQueue
@@ -26,7 +27,7 @@ def make(pool, slots=2, pages_per_shard=17, num_shards=1, part_timeout_s=30.0, r
     process (payload: the wire form), checked against `fingerprint`."""
     stats = StatsCounter()
     requests = Requests(stats, 64, Limits(VOCAB, MAX_MODEL_LEN - 1, MAX_MODEL_LEN),
-                        has_prefill=not remote, has_decode=True, has_local_prefill=False)
+                        Routing(has_prefill=not remote, has_decode=True, local_prefill=False))
     runner = runner or FakeRunner(num_shards, slots, pages_per_shard, PAGE_SIZE, LAYERS)
     scheduler = DecodeScheduler(num_shards, slots, pages_per_shard, PAGE_SIZE)
     receiver = receiver or FakeReceiver()
