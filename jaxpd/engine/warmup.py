@@ -3,6 +3,8 @@ them before the engine serves, so steady state compiles nothing (`Engine.counter
 proves it in tests), and `jaxpd.export` lowers the same list for a TPU or GPU."""
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import jax
@@ -23,10 +25,19 @@ def warm_up(engine, progress: Callable[[str], None]) -> None:
     context width), every padded insert and take size and the penalty context update.
     Runs before the engine's threads start; the decode calls only touch the null
     page. Programs with a cached prefix compile in the background on first demand
-    (started here, once the rest are compiled)."""
+    (started here, once the rest are compiled).
+
+    XLA compiles a program on one core, so the programs compile first on
+    `compile_threads` threads (`compile_programs`); then each runs once, in order, on
+    this thread, finding its executable compiled. A role spanning processes compiles
+    on this thread alone: its followers replay each dispatch in the leader's order."""
     specs = [s for s in serving_programs(engine) if not s.background]
+    threads = 1 if engine.plan is not None else compile_threads(engine.config)
+    if threads > 1:
+        compile_programs(specs, progress, threads)
     for i, spec in enumerate(specs):
-        progress(f"compiling {i + 1}/{len(specs)}: {spec.describe}")
+        if threads == 1:
+            progress(f"compiling {i + 1}/{len(specs)}: {spec.describe}")
         spec.warm()
     if engine.decode_runner is not None:
         jax.block_until_ready(engine.decode_runner.k_pool)
@@ -35,6 +46,30 @@ def warm_up(engine, progress: Callable[[str], None]) -> None:
     if engine.decode_loop is not None and engine.decode_loop.extend is not None and \
             engine.decode_loop.extend.lazy:
         engine.decode_runner.start_background_extend()
+
+
+def compile_threads(config) -> int:
+    """`config.compile_threads`, or the host's CPU count, at most 4."""
+    return config.compile_threads or min(4, os.cpu_count() or 1)
+
+
+def compile_programs(specs: list[ProgramSpec], progress: Callable[[str], None],
+                     threads: int) -> None:
+    """Compile every program of `specs` on `threads` threads without running any.
+
+    Each is lowered with the arguments its serving call passes (`Program.args`: the
+    runner's own arrays, host inputs as numpy), so the call finds the same executable
+    in jax's compile cache. Lowering holds the GIL, XLA's compile does not, so the
+    threads overlap compiles. Progress is reported in list order as each finishes;
+    the first failure raises."""
+    def compile_one(spec: ProgramSpec) -> None:
+        for program in spec.build():
+            program.fn.lower(*program.args).compile()
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="jaxpd-compile") as pool:
+        done = pool.map(compile_one, specs)
+        for i, (spec, _) in enumerate(zip(specs, done)):
+            progress(f"compiling {i + 1}/{len(specs)}: {spec.describe}")
 
 
 def serving_programs(engine) -> list[ProgramSpec]:
