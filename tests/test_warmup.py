@@ -1,15 +1,20 @@
 """Warm-up compiles its programs on threads, then runs each once on executables the
-threads compiled: the run phase compiles nothing. Built-in model, small context."""
+threads compiled: the run phase compiles nothing. Long-prompt chunks compile in the
+background, and a long prompt waits in its lane until they are ready while short
+ones are served. Built-in model, small context."""
 from __future__ import annotations
 
 import re
+import time
 
 import jax
 import pytest
 
-from jaxpd import LLM
+from jaxpd import LLM, SamplingParams
 from jaxpd.config import EngineConfig
 from jaxpd.engine.warmup import compile_programs, compile_threads, serving_programs
+from jaxpd.request import Request, State
+from tests.engine_fixtures import assert_all_pages_free
 
 # Recorded by jax around every compile its in-memory cache misses (a persistent-cache
 # hit included), so it counts what a call would have compiled.
@@ -43,7 +48,7 @@ def cold_llm():
 def test_threads_compile_what_the_calls_run(cold_llm):
     by_kind = {}     # the first program of each kind, to keep the test short
     for spec in serving_programs(cold_llm.engine):
-        if not spec.background:
+        if not spec.background or " chunk:" in spec.describe:
             by_kind.setdefault(re.sub(r"[:\d].*", "", spec.describe), spec)
     assert {"prefill_cached chunk", "prefill_cached", "prefill_cached page take for ",
             "decode step", "the penalty context update", "page insert for "} <= set(by_kind)
@@ -76,3 +81,25 @@ def test_chunked_prefill_budget_is_one_chunk():
                         prefill_chunk_tokens=4096).max_prefill_tokens == 4096
     assert EngineConfig(mesh="prefill=1,decode=1", max_model_len=8192,
                         max_prefill_tokens=8192).max_prefill_tokens == 8192
+
+
+def test_a_long_prompt_waits_for_its_chunk_programs_short_ones_go(cold_llm):
+    cache = cold_llm.engine.prefill_cache
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    cache.chunks_ready = lambda: False          # as while they compile after warm-up
+    try:
+        long = cold_llm.submit(Request(cold_llm.new_request_id(), [7] * 40, greedy))
+        short = cold_llm.submit(Request(cold_llm.new_request_id(), [5] * 8, greedy))
+        deadline = time.monotonic() + 300
+        while short.state != State.FINISHED:
+            assert time.monotonic() < deadline, short.state
+            time.sleep(0.02)
+        assert long.state == State.WAITING
+    finally:
+        del cache.chunks_ready
+    deadline = time.monotonic() + 300
+    while long.state != State.FINISHED:
+        assert time.monotonic() < deadline, long.state
+        time.sleep(0.02)
+    assert len(long.output_ids) == 2
+    assert_all_pages_free(cold_llm)
