@@ -5,6 +5,7 @@ ones are served. Built-in model, small context."""
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import jax
@@ -12,6 +13,7 @@ import pytest
 
 from jaxpd import LLM, SamplingParams
 from jaxpd.config import EngineConfig
+from jaxpd.engine.program import ProgramSpec
 from jaxpd.engine.warmup import compile_programs, compile_threads, serving_programs
 from jaxpd.request import Request, State
 from tests.engine_fixtures import assert_all_pages_free
@@ -63,6 +65,29 @@ def test_threads_compile_what_the_calls_run(cold_llm):
         for spec in specs:
             spec.warm()
     assert run.count == 0
+
+
+def test_a_stop_during_the_compiles_drops_those_not_started():
+    built, release = [], threading.Event()
+
+    def build(i):
+        built.append(i)
+        if i == 1:
+            release.wait(30)
+        return []
+
+    class Stop(Exception):
+        pass
+
+    def progress(message):
+        raise Stop(message)
+
+    specs = [ProgramSpec(f"program {i}", lambda: None, lambda i=i: build(i)) for i in range(6)]
+    with pytest.raises(Stop, match="compiling 1/6: program 0"):
+        compile_programs(specs, progress, threads=1)
+    release.set()
+    time.sleep(0.2)
+    assert built in ([0], [0, 1])       # 1 may have started on the thread; none after
 
 
 def test_compile_threads_default_and_bounds():

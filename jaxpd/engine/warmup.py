@@ -63,15 +63,21 @@ def compile_programs(specs: list[ProgramSpec], progress: Callable[[str], None],
     runner's own arrays, host inputs as numpy), so the call finds the same executable
     in jax's compile cache (a spec that is not `ahead` compiles when it runs).
     Lowering holds the GIL, XLA's compile does not, so the threads overlap compiles.
-    Progress is reported in list order as each finishes; the first failure raises."""
+    Progress is reported in list order as each finishes. A failure, or an exception
+    from `progress`, raises once reached in that order, and the compiles not yet
+    started are dropped."""
     def compile_one(spec: ProgramSpec) -> None:
         for program in spec.build() if spec.ahead else ():
             program.fn.lower(*program.args).compile()
 
-    with ThreadPoolExecutor(threads, thread_name_prefix="jaxpd-compile") as pool:
-        done = pool.map(compile_one, specs)
-        for i, (spec, _) in enumerate(zip(specs, done)):
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="jaxpd-compile")
+    try:
+        for i, (spec, _) in enumerate(zip(specs, pool.map(compile_one, specs))):
             progress(f"compiling {i + 1}/{len(specs)}: {spec.describe}")
+    finally:
+        # A failure, or `progress` raising to stop the start-up (the launcher on a
+        # signal), drops the compiles not yet started instead of waiting for them.
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def serving_programs(engine) -> list[ProgramSpec]:
