@@ -180,8 +180,9 @@ class EngineConfig:
         "delays the running streams by one chunk per step (a power of two; unset: whole "
         "prompts between steps).", lower_bound=16)
     max_prefill_tokens: int | None = knob(
-        None, "Most prompt tokens in one prefill batch (default: max(2048, the largest "
-        "bucket)).", lower_bound=1)
+        None, "Most prompt tokens in one prefill batch (default: 2048, or the longest prompt "
+        "a batch holds whole if longer: a chunked prompt's batch holds one chunk).",
+        lower_bound=1)
     bucket_timeout_ms: float = knob(5.0, "Longest wait for a prefill batch to fill.",
                                     lower_bound=0)
     min_prefill_batch: int = knob(
@@ -249,6 +250,9 @@ class EngineConfig:
         "made at load), 'auto' (a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as stored and "
         "multiplied without unpacking to float; other files float).",
         choices=list(QUANTIZATIONS))
+    compile_threads: int | None = knob(
+        None, "Threads compiling warm-up's programs at once (XLA compiles one program on "
+        "one core; default: the host's CPU count, at most 4).", lower_bound=1)
 
     def __post_init__(self):
         object.__setattr__(self, "mesh", parse_mesh_spec(self.mesh))
@@ -258,6 +262,8 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.compile_threads is not None and self.compile_threads < 1:
+            raise ValueError(f"compile_threads must be >= 1, got {self.compile_threads}")
         if self.max_prompt_len is None:
             object.__setattr__(self, "max_prompt_len", self.max_model_len - 1)
         if not 1 <= self.max_prompt_len < self.max_model_len:
@@ -315,7 +321,11 @@ class EngineConfig:
             raise ValueError(f"pages_per_shard={self.pages_per_shard} cannot hold one request of "
                              f"max_model_len={self.max_model_len} (needs {min_pages} with the null page)")
         if self.max_prefill_tokens is None:
-            object.__setattr__(self, "max_prefill_tokens", max(8 * 256, self.buckets[-1]))
+            # Where prompts are chunked (`Engine._build_prefill`) a batch's longest prompt
+            # is a chunk; the engine raises the budget to its largest whole bucket
+            # elsewhere. A budget past that only adds programs of many long rows.
+            whole = min(self.buckets[-1], self.prefill_chunk_tokens)
+            object.__setattr__(self, "max_prefill_tokens", max(8 * 256, whole))
         elif self.max_prefill_tokens < self.buckets[-1]:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} is below the largest "
                              f"bucket {self.buckets[-1]}")

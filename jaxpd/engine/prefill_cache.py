@@ -68,6 +68,11 @@ def cache_pages(config, scheduler, chunked: bool = False, reuse: bool = True) ->
     return c.prefill_cache_pages
 
 
+def _chunk_key(tokens_shape, prefix_shape) -> tuple:
+    """A chunk program's key in the background compiler, apart from `run`'s."""
+    return ("chunk", tuple(tokens_shape), tuple(prefix_shape))
+
+
 def chunk_widths(chunk_pages: int, max_pages: int) -> list[int]:
     """Prefix widths (pages) of the chunk programs: `chunk_pages` times powers of two,
     the last capped at `max_pages`. A chunk after `p` pages of prefix gathers the
@@ -151,11 +156,31 @@ class PrefillCache:
         # After warm-up (`start_background`), programs with a prefix compile on demand
         # in the background; the loop serves a batch without its prefix meanwhile.
         self.compiler: BackgroundCompiler | None = None
+        self._chunk_keys: list[tuple] = []
 
-    def start_background(self) -> None:
+    def start_background(self, chunks: list[tuple[int, int]] = ()) -> None:
         """From now on `ready` asks for a program with a prefix it lacks, compiled on a
-        thread of its own, instead of letting the batch compile it."""
+        thread of its own, instead of letting the batch compile it. `chunks`: the
+        (new tokens, prefix pages) of every chunk program (`run_chunk`), asked for at
+        once on that thread; until all are compiled `chunks_ready` is False."""
         self.compiler = BackgroundCompiler(f"{self.name}_background", self.counter)
+        for t, w in chunks:
+            key = _chunk_key((1, t), (1, w))
+            self._chunk_keys.append(key)
+            self.compiler.request(key, lambda t=t, w=w: self._lower_chunk(t, w))
+
+    def chunks_ready(self) -> bool:
+        """Whether every chunk program runs without compiling first (as `ready`; one
+        whose background compile failed compiles where it runs)."""
+        c = self.compiler
+        return c is None or all(c.get(k) is not None or k in c.failed for k in self._chunk_keys)
+
+    def _lower_chunk(self, length: int, width: int):
+        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        program = self.chunk_program(zeros(1, length), 0, 1, zeros(1, width),
+                                     zeros(1, pages_for(length, self.page_size)),
+                                     SamplingArrays.empty(1), zeros(1, self.context_width()))
+        return self._extend_chunk.lower(*program.abstract_args())
 
     def close(self, timeout_s: float = 120.0) -> None:
         """Stop the background compiles (`BackgroundCompiler.close`)."""
@@ -250,8 +275,11 @@ class PrefillCache:
         first token's penalties read. Returns what `run` returns; only the last chunk's
         first token means anything."""
         key = (tokens.shape, prefix_table.shape)
-        self.counter.note(f"{self.name}_chunk", key)
-        first, logprobs, self.k_pool, self.v_pool = self._extend_chunk(*self._chunk_args(
+        program = self.compiler.get(_chunk_key(*key)) if self.compiler is not None else None
+        if program is None:
+            self.counter.note(f"{self.name}_chunk", key)
+            program = self._extend_chunk
+        first, logprobs, self.k_pool, self.v_pool = program(*self._chunk_args(
             tokens, start, length, prefix_table, new_table, sampling, context))
         return (np.asarray(first), jax.device_get(logprobs) if sampling.wants_logprobs else None)
 

@@ -103,7 +103,10 @@ class PrefillLoop:
         self.take_queued()
         if self._chunking is not None and self._chunk_turn:
             return self._chunk_step()
-        batch, wait = self.scheduler.schedule(now, long_ok=self._chunking is None)
+        # A long prompt waits in its lane until its chunk programs are compiled
+        # (in the background after warm-up); shorter ones go meanwhile.
+        long_ok = self._chunking is None and (self.cache is None or self.cache.chunks_ready())
+        batch, wait = self.scheduler.schedule(now, long_ok=long_ok)
         if batch is None:
             return self._chunk_step() if self._chunking is not None else (False, wait)
         if self._wait_pulled is not None:

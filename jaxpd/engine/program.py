@@ -41,8 +41,11 @@ class ProgramSpec:
     """One entry of the serving set (`warmup.serving_programs`): `warm` runs it once
     through the runner's serving call (compiling it); `build` makes its `Program`(s)
     for lowering. `background`: compiled on first demand while serving (prefix
-    programs), not at warm-up; still served, so still exported."""
+    programs), not at warm-up; still served, so still exported. `ahead`: `build`'s
+    programs are the very jitted functions `warm` calls, so compiling them ahead
+    (`warmup.compile_programs`) compiles what `warm` runs."""
     describe: str
     warm: Callable[[], object]
     build: Callable[[], list[Program]]
     background: bool = False
+    ahead: bool = True

@@ -3,6 +3,8 @@ them before the engine serves, so steady state compiles nothing (`Engine.counter
 proves it in tests), and `jaxpd.export` lowers the same list for a TPU or GPU."""
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import jax
@@ -19,22 +21,63 @@ from jaxpd.sizes import coarse_sizes
 
 
 def warm_up(engine, progress: Callable[[str], None]) -> None:
-    """Every prefill (batch, length) bucket and long-prompt chunk, every decode (rows,
-    context width), every padded insert and take size and the penalty context update.
-    Runs before the engine's threads start; the decode calls only touch the null
-    page. Programs with a cached prefix compile in the background on first demand
-    (started here, once the rest are compiled)."""
+    """Every prefill (batch, length) bucket, every decode (rows, context width),
+    every padded insert and take size and the penalty context update. Runs before the
+    engine's threads start; the decode calls only touch the null page. Programs with
+    a cached prefix compile in the background on first demand, and long-prompt chunks
+    at once (both started here, once the rest are compiled).
+
+    XLA compiles a program on one core, so the programs compile first on
+    `compile_threads` threads (`compile_programs`); then each runs once, in order, on
+    this thread, finding its executable compiled. A role spanning processes compiles
+    on this thread alone: its followers replay each dispatch in the leader's order."""
     specs = [s for s in serving_programs(engine) if not s.background]
+    threads = 1 if engine.plan is not None else compile_threads(engine.config)
+    if threads > 1:
+        compile_programs(specs, progress, threads)
     for i, spec in enumerate(specs):
-        progress(f"compiling {i + 1}/{len(specs)}: {spec.describe}")
+        if threads == 1:
+            progress(f"compiling {i + 1}/{len(specs)}: {spec.describe}")
         spec.warm()
     if engine.decode_runner is not None:
         jax.block_until_ready(engine.decode_runner.k_pool)
     if engine.prefill_cache is not None:
-        engine.prefill_cache.start_background()
+        loop = engine.prefill_loop
+        engine.prefill_cache.start_background(
+            chunk_shapes(loop) if loop is not None and loop.chunk_tokens is not None else [])
     if engine.decode_loop is not None and engine.decode_loop.extend is not None and \
             engine.decode_loop.extend.lazy:
         engine.decode_runner.start_background_extend()
+
+
+def compile_threads(config) -> int:
+    """`config.compile_threads`, or the host's CPU count, at most 4."""
+    return config.compile_threads or min(4, os.cpu_count() or 1)
+
+
+def compile_programs(specs: list[ProgramSpec], progress: Callable[[str], None],
+                     threads: int) -> None:
+    """Compile every program of `specs` on `threads` threads without running any.
+
+    Each is lowered with the arguments its serving call passes (`Program.args`: the
+    runner's own arrays, host inputs as numpy), so the call finds the same executable
+    in jax's compile cache (a spec that is not `ahead` compiles when it runs).
+    Lowering holds the GIL, XLA's compile does not, so the threads overlap compiles.
+    Progress is reported in list order as each finishes. A failure, or an exception
+    from `progress`, raises once reached in that order, and the compiles not yet
+    started are dropped."""
+    def compile_one(spec: ProgramSpec) -> None:
+        for program in spec.build() if spec.ahead else ():
+            program.fn.lower(*program.args).compile()
+
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="jaxpd-compile")
+    try:
+        for i, (spec, _) in enumerate(zip(specs, pool.map(compile_one, specs))):
+            progress(f"compiling {i + 1}/{len(specs)}: {spec.describe}")
+    finally:
+        # A failure, or `progress` raising to stop the start-up (the launcher on a
+        # signal), drops the compiles not yet started instead of waiting for them.
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def serving_programs(engine) -> list[ProgramSpec]:
@@ -70,20 +113,32 @@ def _prefill(loop) -> list[ProgramSpec]:
                 describe + ", layer-wise",
                 lambda args=args: jax.block_until_ready(
                     runner.run_layerwise(*args, loop.layerwise, [])),
-                lambda args=args: runner.layerwise_programs(*args, loop.layerwise)))
+                lambda args=args: runner.layerwise_programs(*args, loop.layerwise),
+                # lowered with each group's kinds bound: other functions than it runs
+                ahead=False))
         else:
             specs.append(ProgramSpec(describe, lambda args=args: runner.run(*args),
                                      lambda args=args: [runner.run_program(*args)]))
     return specs
 
 
+def chunk_shapes(loop) -> list[tuple[int, int]]:
+    """(new tokens, prefix pages) of a long prompt's chunk programs
+    (`PrefillLoop._chunk_step`): the first, of a whole chunk without a prefix, and
+    each new-token bucket after each prefix width."""
+    cache, chunk = loop.cache, loop.chunk_tokens
+    widths = chunk_widths(chunk // loop.page_size, cache.max_pages)
+    return [(chunk, 0)] + [(t, w) for t in cache.new_buckets(chunk, loop.scheduler.buckets)
+                           for w in widths]
+
+
 def _chunks(loop) -> list[ProgramSpec]:
-    """A long prompt's chunks (`PrefillLoop._chunk_step`): the first, of a whole chunk
-    without a prefix, and each new-token bucket after each prefix width."""
-    cache, page_size, chunk = loop.cache, loop.page_size, loop.chunk_tokens
-    widths = chunk_widths(chunk // page_size, cache.max_pages)
-    shapes = [(chunk, 0)] + [(t, w) for t in cache.new_buckets(chunk, loop.scheduler.buckets)
-                             for w in widths]
+    """The chunk programs (`chunk_shapes`). Only prompts longer than the largest
+    bucket run them, so they compile in the background after warm-up
+    (`PrefillCache.start_background`) while shorter prompts are served; a long
+    prompt waits in its lane until all are compiled (`PrefillLoop.run_once`)."""
+    cache, page_size = loop.cache, loop.page_size
+    shapes = chunk_shapes(loop)
     context = np.zeros((1, cache.context_width()), np.int32)
     specs = []
     for t, w in shapes:
@@ -92,7 +147,8 @@ def _chunks(loop) -> list[ProgramSpec]:
                 context)
         specs.append(ProgramSpec(f"{cache.name} chunk: {t} tokens, {w} pages of prefix",
                                  lambda args=args: cache.run_chunk(*args),
-                                 lambda args=args: [cache.chunk_program(*args)]))
+                                 lambda args=args: [cache.chunk_program(*args)],
+                                 background=True))
     return specs
 
 
