@@ -143,7 +143,8 @@ class Engine:
         if topology.in_process_handoffs and isinstance(self.connector, DevicePutConnector):
             self.connector.stage_on(self._staging_sharding())
         if warmup and not self.is_follower:     # a follower replays the leader's warm-up
-            warm_up(self.phases, progress or (lambda msg: None))
+            warm_up(self.phases, progress or (lambda msg: None),
+                    spans_processes=self.plan is not None)
         self.warmed = warmup
         self.prepared_splits: dict = {}        # an elastic split's (`engine.elastic`)
         self._stop = threading.Event()

@@ -20,19 +20,21 @@ from jaxpd.models.hf_io import DTYPES
 from jaxpd.sizes import coarse_sizes
 
 
-def warm_up(engine, progress: Callable[[str], None]) -> None:
+def warm_up(engine, progress: Callable[[str], None],
+            spans_processes: bool = False) -> None:
     """Every prefill (batch, length) bucket, every decode (rows, context width),
     every padded insert and take size and the penalty context update. Runs before the
     engine's threads start; the decode calls only touch the null page. Programs with
     a cached prefix compile in the background on first demand, and long-prompt chunks
     at once (both started here, once the rest are compiled).
 
-    XLA compiles a program on one core, so the programs compile first on
-    `compile_threads` threads (`compile_programs`); then each runs once, in order, on
-    this thread, finding its executable compiled. A role spanning processes compiles
-    on this thread alone: its followers replay each dispatch in the leader's order."""
+    `engine`: the `Phases` to warm up. XLA compiles a program on one core, so the
+    programs compile first on `compile_threads` threads (`compile_programs`); then each
+    runs once, in order, on this thread, finding its executable compiled. A role
+    `spans_processes` compiles on this thread alone: its followers replay each dispatch
+    in the leader's order."""
     specs = [s for s in serving_programs(engine) if not s.background]
-    threads = 1 if engine.plan is not None else compile_threads(engine.config)
+    threads = 1 if spans_processes else compile_threads(engine.config)
     if threads > 1:
         compile_programs(specs, progress, threads)
     for i, spec in enumerate(specs):
