@@ -26,6 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpd.config import EngineConfig, resolve_attention_impl
 from jaxpd.engine.decode_loop import DecodeLoop
 from jaxpd.engine.extend_loop import ExtendLoop
+from jaxpd.engine.host_store import HostStore
+from jaxpd.engine.host_tier import HostTier
 from jaxpd.engine.multihost import Follower, PlanChannel
 from jaxpd.engine.multihost_decode import lead, replay_for
 from jaxpd.engine.page_allocator import CacheJournal, prefix_root
@@ -116,7 +118,7 @@ class Engine:
             extend_below=config.prefix_extend_below)
         self._transfers = futures.ThreadPoolExecutor(4, thread_name_prefix="jaxpd-transfer")
         self.prefill_loop = self.local_loop = self.decode_loop = self.prefill_cache = None
-        self.decode_scheduler = self.decode_runner = None
+        self.decode_scheduler = self.decode_runner = self.host_tier = None
         if spec.has_prefill and not (spec.colocated and (self.caching or self.chunk_in_slots)):
             self._build_prefill()
         if spec.has_decode:
@@ -273,9 +275,15 @@ class Engine:
             c.pages_per_shard, c.page_size, self.counter, self.dtype, fused=fused,
             attention_impl=attention, attention_interpret=c.attention_interpret,
             quant_matmul=self._quant_matmul(params, mesh)), self.plan)
+        if self.caching and c.kv_host_cache_gb > 0:
+            self.host_tier = HostTier(self.decode_runner,
+                                      HostStore(int(c.kv_host_cache_gb * 2**30)),
+                                      min(c.pages_per_slot, c.pages_per_shard - 1),
+                                      self.counters)
         self.decode_scheduler = DecodeScheduler(
             spec.decode_dp, c.slots_per_shard, c.pages_per_shard, c.page_size,
-            self.prefix_root if self.caching else None, self.cache_journal)
+            self.prefix_root if self.caching else None, self.cache_journal,
+            on_evict=self.host_tier.evicted if self.host_tier is not None else None)
         receiver = self.connector
         handoffs = self._handoff_spec(compressed=False)
         expect_model = getattr(receiver, "expect_model", None)
@@ -318,7 +326,8 @@ class Engine:
                 c.pages_per_slot, c.decode_context_step, self.decode_loop.take_ready,
                 expected_below=None if every else max(c.prefix_extend_below, c.local_prefill_below),
                 expects_fresh=every or c.local_prefill_below > 0,
-                chunk_tokens=c.chunked_prefill_tokens if self.chunk_in_slots else None)
+                chunk_tokens=c.chunked_prefill_tokens if self.chunk_in_slots else None,
+                host=self.host_tier)
             self.requests.extend_ready = loop.ready_for
 
     def _prefix_root(self) -> bytes | None:
@@ -327,14 +336,22 @@ class Engine:
             return None
         return prefix_root(self.model.cfg, self.config.dtype, self.config.page_size)
 
-    def _cached_tokens(self, request: Request) -> int:
-        """Tokens of `request` cached on its best decode shard (a hint: read from the
-        submitting thread while the decode thread may change the cache)."""
+    def _cached_tokens(self, request: Request) -> tuple[int, int]:
+        """Tokens of `request` cached on its best decode shard: (in the pool, in the
+        pool or then the host tier) (a hint: read from the submitting thread while the
+        decode thread may change the cache)."""
         sched = self.decode_scheduler
         if sched is None:
-            return 0
+            return 0, 0
         hashes = sched.hashes(request.prefill_ids[:request.num_tokens - 1])
-        return max(len(a.cached_prefix(hashes)) for a in sched.allocators) * sched.page_size
+        in_pool, restorable = 0, 0
+        for a in sched.allocators:
+            n = len(a.cached_prefix(hashes))
+            in_pool = max(in_pool, n)
+            if self.host_tier is not None:
+                n += self.host_tier.restorable(hashes[n:])
+            restorable = max(restorable, n)
+        return in_pool * sched.page_size, restorable * sched.page_size
 
     # ---- public -------------------------------------------------------------------
 
@@ -402,6 +419,8 @@ class Engine:
             pages_used=sum(a.num_used for a in allocators),
             pages_cached=sum(a.num_cached_free for a in allocators),
             prefill_pages_cached=cache.num_cached_free if cache is not None else 0,
+            host_tier_pages=len(self.host_tier.store) if self.host_tier is not None else 0,
+            host_tier_bytes=self.host_tier.store.num_bytes if self.host_tier is not None else 0,
             queue_waiting=self.requests.num_waiting(), prefill_devices=spec.prefill_tp,
             decode_devices=spec.decode_dp * spec.decode_tp)
 

@@ -29,6 +29,7 @@ import hashlib
 import itertools
 import struct
 import threading
+from typing import Callable
 
 
 class OutOfPages(Exception):
@@ -115,11 +116,17 @@ class CacheJournal:
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, journal: CacheJournal | None = None):
+    """`on_evict`: told, at the end of each `allocate` that evicted cached pages, which
+    (page, hash) pairs it evicted -- before anything can write the pages again, since
+    the caller writes them only after `allocate` returns (a host tier copies them out).
+    A cache reset (`drop_cached`) tells nobody."""
+
+    def __init__(self, num_pages: int, journal: CacheJournal | None = None,
+                 on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
         self.num_pages = num_pages
-        self.journal = journal
+        self.journal, self.on_evict = journal, on_evict
         # LIFO free list: recently freed pages are reused first (warm in cache).
         self._free = list(range(num_pages - 1, 0, -1))
         self._refs: dict[int, int] = {}                    # used page -> references
@@ -164,13 +171,15 @@ class PageAllocator:
             raise ValueError(f"cannot allocate {n} pages")
         if n > self.num_free:
             raise OutOfPages(f"asked for {n} pages, {self.num_free} free")
-        pages = []
+        pages, evicted = [], []
         for _ in range(n):
             if not self._free:
-                self._evict_one()
+                evicted.append(self._evict_one())
             p = self._free.pop()
             self._refs[p] = 1
             pages.append(p)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return pages
 
     def free(self, pages: list[int]) -> None:
@@ -230,7 +239,7 @@ class PageAllocator:
             self._evict_one()
         return n
 
-    def _evict_one(self) -> None:
+    def _evict_one(self) -> tuple[int, bytes]:
         p, _ = self._lru.popitem(last=False)
         h = self._hash_of.pop(p)
         del self._page_of[h]
@@ -238,6 +247,7 @@ class PageAllocator:
             self.journal.dropped(h)
         self._free.append(p)
         self.num_evictions += 1
+        return p, h
 
     def check(self) -> None:
         """Assert the accounting (tests): every page in exactly one state."""

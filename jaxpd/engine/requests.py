@@ -47,13 +47,15 @@ class Requests:
     shorter than this prefill on the decode mesh, when it has a prefill loop there.
 
     `cached_tokens` (prefix caching on): how many of a request's tokens the decode mesh
-    holds cached (a hint read from another thread; the decode loop decides for real).
+    holds cached, as (in its pool, in its pool or its host tier) (a hint read from
+    another thread; the decode loop decides for real).
     Then every request the decode mesh prefills goes to `extend_inbox` (prefilled into
     its slot with context, `ExtendLoop`); else the short ones, and one whose prefix is cached there
     and whose uncached rest is below `extend_below` tokens: a follow-up turn costs its
     new tokens, not a trip through the prefill mesh. One that goes through the prefill
     mesh anyway carries the hint as `kv_skip_pages` (of `page_size` tokens): its
-    handoff leaves those pages out (the decode loop checks it still holds them).
+    handoff leaves those pages out (the decode loop checks it still holds them; only
+    pages in the pool are left out: a handoff is inserted, never restored).
     `extend_all`: every request goes to `extend_inbox` (colocated with the cache or
     with chunks, or a decode-only process with the cache).
     """
@@ -61,7 +63,7 @@ class Requests:
     def __init__(self, stats: StatsCounter, max_queued: int, limits: Limits, *,
                  has_prefill: bool, has_decode: bool, has_local_prefill: bool,
                  local_prefill_below: int = 0,
-                 cached_tokens: Callable[[Request], int] | None = None, extend_all: bool = False,
+                 cached_tokens: Callable[[Request], tuple[int, int]] | None = None, extend_all: bool = False,
                  extend_below: int = 0, page_size: int = 16):
         self.stats = stats
         self.max_queued = max_queued
@@ -216,12 +218,12 @@ class Requests:
         else:
             # A prefix cached on the decode mesh: the rest prefilled there when short,
             # else on the prefill mesh, whose handoff then leaves the cached pages out.
-            cached = self._cached_tokens(request)
+            in_pool, cached = self._cached_tokens(request)
             if cached > 0 and request.num_tokens - cached < self._extend_below and \
                     self.extend_ready(request.num_tokens - cached, cached):
                 self.extend_inbox.put(request)
             else:
-                request.kv_skip_pages = 0 if request.kv_skip_missed else cached // self._page_size
+                request.kv_skip_pages = 0 if request.kv_skip_missed else in_pool // self._page_size
                 self.prefill_inbox.put(request)
         self.wake.set()
 
