@@ -277,7 +277,8 @@ class Engine:
             quant_matmul=self._quant_matmul(params, mesh)), self.plan)
         if self.caching and c.kv_host_cache_gb > 0:
             self.host_tier = HostTier(self.decode_runner,
-                                      HostStore(int(c.kv_host_cache_gb * 2**30)),
+                                      HostStore(int(c.kv_host_cache_gb * 2**30),
+                                                self.cache_journal),
                                       min(c.pages_per_slot, c.pages_per_shard - 1),
                                       self.counters)
         self.decode_scheduler = DecodeScheduler(

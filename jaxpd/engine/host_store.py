@@ -17,6 +17,8 @@ import zlib
 
 import numpy as np
 
+from jaxpd.engine.page_allocator import CacheJournal
+
 
 def checksum(k: np.ndarray, v: np.ndarray) -> int:
     """crc32 over the bytes of a page's K then V."""
@@ -36,12 +38,13 @@ class _Entry:
 
 
 class HostStore:
-    """At most `capacity_bytes` of pages (K and V together), keyed by content hash."""
+    """At most `capacity_bytes` of pages (K and V together), keyed by content hash;
+    `journal`: where pages stored and dropped are noted for the router."""
 
-    def __init__(self, capacity_bytes: int):
+    def __init__(self, capacity_bytes: int, journal: CacheJournal | None = None):
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes, self.journal = capacity_bytes, journal
         self._entries: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.num_bytes = 0
@@ -71,13 +74,20 @@ class HostStore:
             if entry.num_bytes > self.capacity_bytes:
                 return False
             while self.num_bytes + entry.num_bytes > self.capacity_bytes:
-                _, old = self._entries.popitem(last=False)
-                self.num_bytes -= old.num_bytes
+                old_h, old = self._entries.popitem(last=False)
+                self._dropped(old_h, old)
                 self.num_evicted += 1
             self._entries[h] = entry
             self.num_bytes += entry.num_bytes
             self.num_stored += 1
+            if self.journal is not None:
+                self.journal.host_added(h)
             return True
+
+    def _dropped(self, h: bytes, entry: _Entry) -> None:
+        self.num_bytes -= entry.num_bytes
+        if self.journal is not None:
+            self.journal.host_dropped(h)
 
     def touch(self, h: bytes) -> bool:
         """Make `h` most recently used; whether it is held."""
@@ -107,7 +117,7 @@ class HostStore:
                     break
                 if checksum(entry.k, entry.v) != entry.crc:
                     del self._entries[h]
-                    self.num_bytes -= entry.num_bytes
+                    self._dropped(h, entry)
                     self.num_corrupt += 1
                     break
                 self._entries.move_to_end(h)

@@ -20,7 +20,8 @@ capacity` (`check`).
 **What a worker advertises** (`CacheJournal`): every publish and eviction is noted in
 the journal its allocators share, and the worker's heartbeat carries what changed since
 the last one (or, after a failed heartbeat or when the router asks, all it holds), so
-the router's `PrefixIndex` knows what each worker's caches hold.
+the router's `PrefixIndex` knows what each worker's caches hold; pages a host tier holds
+(`engine.host_store`) are noted and advertised apart, as restorable rather than held.
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ class CacheJournal:
         self._lock = threading.Lock()
         self._held: collections.Counter[bytes] = collections.Counter()   # key -> pages
         self._changed: dict[bytes, bool] = {}     # key -> held now, since the last take
+        self._host_held: collections.Counter[bytes] = collections.Counter()
+        self._host_changed: dict[bytes, bool] = {}
         self._seq = 0
         self._full = True
 
@@ -90,22 +93,47 @@ class CacheJournal:
                 del self._held[key]
                 self._changed[key] = False
 
+    def host_added(self, h: bytes) -> None:
+        """A host tier now holds page `h` (restorable into a pool)."""
+        key = h[:ADVERTISED_BYTES]
+        with self._lock:
+            self._host_held[key] += 1
+            if self._host_held[key] == 1:
+                self._host_changed[key] = True
+
+    def host_dropped(self, h: bytes) -> None:
+        key = h[:ADVERTISED_BYTES]
+        with self._lock:
+            self._host_held[key] -= 1
+            if not self._host_held[key]:
+                del self._host_held[key]
+                self._host_changed[key] = False
+
     def take(self) -> dict:
-        """The next advertisement: {"root", "seq", "full", "add", "drop"}; a full one
-        lists the held keys in "add" (at most `ADVERTISED_MAX`) and replaces what the
-        router knew. More changes than that since the last one make it a full one."""
+        """The next advertisement: {"root", "seq", "full", "add", "drop"}, and
+        "host_add", "host_drop" when pages a host tier holds changed; a full one lists
+        the held keys in "add" and "host_add" (at most `ADVERTISED_MAX` each) and
+        replaces what the router knew. More changes than that since the last one make it a full
+        one."""
         with self._lock:
             self._seq += 1
-            if len(self._changed) > ADVERTISED_MAX:
+            if max(len(self._changed), len(self._host_changed)) > ADVERTISED_MAX:
                 self._full = True
             if self._full:
                 add, drop = list(itertools.islice(self._held, ADVERTISED_MAX)), []
+                host_add = list(itertools.islice(self._host_held, ADVERTISED_MAX))
+                host_drop = []
             else:
                 add = [k for k, held in self._changed.items() if held]
                 drop = [k for k, held in self._changed.items() if not held]
+                host_add = [k for k, held in self._host_changed.items() if held]
+                host_drop = [k for k, held in self._host_changed.items() if not held]
             msg = {"root": self.root, "seq": self._seq, "full": self._full, "add": add,
                    "drop": drop}
+            if host_add or host_drop:           # absent: no host tier pages, or no change
+                msg.update(host_add=host_add, host_drop=host_drop)
             self._changed.clear()
+            self._host_changed.clear()
             self._full = False
             return msg
 
