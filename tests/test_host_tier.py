@@ -64,11 +64,17 @@ def test_host_tier_store_refuses_a_corrupted_page():
 @pytest.fixture(scope="module")
 def host_llm(tiny_hf_model):
     """A colocated engine whose pool holds one request (4 pages of 16 tokens and the
-    null page), with the host tier on, warmed up; and its compile counts then."""
+    null page), with the host tier on, warmed up; and its compile counts then. Its
+    offloads land in pinned host memory, as on an accelerator (CPU devices have that
+    memory kind too; the engine keeps it for other backends)."""
+    from jaxpd.engine import runner
     path, _ = tiny_hf_model
-    with LLM(path, mesh="colocated=1", max_model_len=64, slots_per_shard=2,
-             max_prefill_batch=1, pages_per_shard=5, enable_prefix_caching=True,
-             kv_host_cache_gb=0.001, warmup=True) as llm:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner, "host_memory_kind", lambda mesh: "pinned_host")
+        llm = LLM(path, mesh="colocated=1", max_model_len=64, slots_per_shard=1,
+                  max_prefill_batch=1, pages_per_shard=5, enable_prefix_caching=True,
+                  kv_host_cache_gb=0.001, warmup=True)
+    with llm:
         yield llm, llm.engine.counter.counts()
 
 
@@ -98,6 +104,7 @@ COUNTED = ("prefill_tokens", "prefix_hit_tokens", "prefix_host_hit_tokens",
            "host_tier_restored_pages", "host_tier_corrupt_pages")
 
 
+@pytest.mark.slow
 def test_host_tier_restores_an_evicted_conversation_token_identically(host_llm, tiny_hf_model):
     llm, compiled = host_llm
     _, hf_model = tiny_hf_model
@@ -118,10 +125,13 @@ def test_host_tier_restores_an_evicted_conversation_token_identically(host_llm, 
     for program in ("offload", "insert", "extend", "decode"):
         assert after.get(program) == compiled.get(program), program
     assert compiled.get("offload") == len(llm.engine.host_tier.sizes())
+    k, _ = llm.engine.decode_runner.offload(0, [0])          # a warmed-up size
+    assert k.sharding.memory_kind == "pinned_host"
     check_pool(llm)
     llm.engine.host_tier.store.check()
 
 
+@pytest.mark.slow
 def test_host_tier_refuses_a_corrupted_page_and_still_answers(host_llm, tiny_hf_model):
     llm, _ = host_llm
     _, hf_model = tiny_hf_model
@@ -139,8 +149,9 @@ def test_host_tier_refuses_a_corrupted_page_and_still_answers(host_llm, tiny_hf_
     check_pool(llm)
 
 
+@pytest.mark.slow
 def test_host_tier_aborts_around_restores_leak_no_page(host_llm, tiny_hf_model):
-    """Turns restored from the host tier aborted at once, and two at a time on a pool
+    """Turns restored from the host tier, one aborted at once, two at a time on a pool
     that holds one: every page and slot comes back, the store within its bound."""
     llm, _ = host_llm
     _, hf_model = tiny_hf_model
