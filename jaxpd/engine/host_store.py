@@ -108,7 +108,8 @@ class HostStore:
     def take(self, hashes: list[bytes]) -> list[tuple[np.ndarray, np.ndarray]]:
         """The (K, V) of the longest leading run of `hashes` held with bytes that match
         their checksum, most recently used now; they stay held. The first entry whose
-        bytes do not match ends the run: it is dropped and counted in `num_corrupt`."""
+        bytes do not match ends the run: it is dropped and counted in `num_corrupt`.
+        The arrays are the store's own: read them (a restore copies them), never write."""
         out = []
         with self._lock:
             for h in hashes:
