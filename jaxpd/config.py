@@ -234,6 +234,10 @@ class EngineConfig:
     prefix_extend_below: int = knob(
         256, "With prefix caching: a request whose uncached rest is shorter than this is "
         "prefilled on the decode mesh.", lower_bound=0)
+    kv_host_cache_gb: float = knob(
+        0.0, "With prefix caching: GiB of host memory that keep full prefix pages the decode "
+        "pool evicts (LRU by bytes, a checksum per page), restored into the pool when a "
+        "request's prefix continues there instead of being computed. 0: off.", lower_bound=0)
     prefill_cache_pages: int | None = knob(
         None, "With prefix caching: pages of the prefill mesh's own cache. Default: as many "
         "as a decode shard's pool, at least what its largest prefill batch needs.",
@@ -299,6 +303,9 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if self.prefix_extend_below < 0:
             raise ValueError(f"prefix_extend_below must be >= 0, got {self.prefix_extend_below}")
+        if not (self.kv_host_cache_gb >= 0 and self.kv_host_cache_gb < float("inf")):
+            raise ValueError(f"kv_host_cache_gb must be a finite number >= 0, "
+                             f"got {self.kv_host_cache_gb}")
         if self.prefill_cache_pages is not None and self.prefill_cache_pages < 2:
             raise ValueError(f"prefill_cache_pages must be >= 2, got {self.prefill_cache_pages}")
         if self.local_prefill_below < 0:
@@ -306,6 +313,12 @@ class EngineConfig:
         if self.enable_prefix_caching is None:
             object.__setattr__(self, "enable_prefix_caching", prefix_caching_by_default(
                 self.mesh, self.layerwise_min_tokens, self.kv_transfer_dtype))
+        if self.kv_host_cache_gb > 0 and not (self.enable_prefix_caching and
+                                              self.mesh.has_decode):
+            raise ValueError(f"kv_host_cache_gb keeps a decode pool's prefix cache in host "
+                             f"memory: it needs enable_prefix_caching and a decode mesh "
+                             f"(mesh {self.mesh}, enable_prefix_caching="
+                             f"{self.enable_prefix_caching})")
         if self.mesh.elastic:
             # What a re-split does not move yet (`engine.elastic`): a prefix cache's pages,
             # compressed pages, and the decode mesh's own prefill.

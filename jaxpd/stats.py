@@ -56,6 +56,16 @@ class EngineStats(collections.abc.Mapping):
     prefix_query_tokens: int = _counter("Tokens looked up in the prefix cache (decode side).")
     prefix_hit_tokens: int = _counter("Tokens whose KV came from the prefix cache (not computed "
                                       "or not inserted).")
+    prefix_host_hit_tokens: int = _counter("Tokens whose KV came back from the host tier "
+                                           "(restored into the pool, not computed); not in "
+                                           "prefix_hit_tokens.")
+    host_tier_stored_pages: int = _counter("Pages the decode pool evicted that the host tier "
+                                           "stored.")
+    host_tier_restored_pages: int = _counter("Pages restored from the host tier into the "
+                                             "decode pool.")
+    host_tier_corrupt_pages: int = _counter("Host tier pages refused on restore: their bytes "
+                                            "did not match their checksum (dropped, computed "
+                                            "instead).")
     prefill_cache_query_tokens: int = _counter("Tokens looked up in the prefill mesh's own prefix "
                                                "cache.")
     prefill_cache_hit_tokens: int = _counter("Tokens the prefill mesh found in its prefix cache "
@@ -99,6 +109,8 @@ class EngineStats(collections.abc.Mapping):
                                "(evicted when room is needed).")
     prefill_pages_cached: int = _gauge("Prefill-mesh cache pages that hold a cached prefix "
                                        "(none is in use between batches).")
+    host_tier_pages: int = _gauge("Pages the decode pool's host tier holds.")
+    host_tier_bytes: int = _gauge("Bytes the decode pool's host tier holds.")
     queue_waiting: int = _gauge("Requests waiting for prefill.")
     prefill_devices: int = _gauge("Devices of the prefill mesh (an elastic split moves them).")
     decode_devices: int = _gauge("Devices of the decode mesh (an elastic split moves them).")

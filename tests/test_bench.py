@@ -358,6 +358,10 @@ def test_prefix_workload_flags_are_checked(capsys):
                          "--prefix_caching", capsys)
     assert_flag_rejected(bench.parse_args, ["--prefix_caching", "maybe"], "--prefix_caching",
                          capsys)
+    assert_flag_rejected(bench.parse_args, ["--kv_host_cache_gb", "1"], "--kv_host_cache_gb",
+                         capsys)                   # a poisson run has no host tier run
+    assert_flag_rejected(bench.parse_args, ["--workload", "multiturn", "--kv_host_cache_gb",
+                                            "-1"], "--kv_host_cache_gb", capsys)
 
 
 def test_prefix_repetition_chats_reuse_each_prefix():

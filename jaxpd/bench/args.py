@@ -286,6 +286,13 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
                         "rest is shorter is prefilled on the decode mesh (0: every request "
                         "goes through the prefill mesh, its handoff carrying only the "
                         "pages the decode side lacks)")
+    w.add_argument("--kv_host_cache_gb", type=nonnegative_float, default=0.0,
+                   help="multiturn / prefix_repetition: above 0, each mesh also runs with "
+                        "the cache on and a host tier of this many GiB (the decode pool's "
+                        "evicted prefix pages kept in host memory and restored)")
+    w.add_argument("--pages_per_shard", type=positive_int, default=None,
+                   help="multiturn / prefix_repetition: the decode pool's pages per dp shard "
+                        "(default: the engine's), e.g. too few to hold every conversation")
 
 
 def add_deployment_flags(s) -> None:

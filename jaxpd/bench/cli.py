@@ -174,6 +174,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.prefix_caching != "default" and args.workload not in ("poisson", "shift"):
         parser.error(f"--prefix_caching: --workload {args.workload} runs every mesh with the "
                      f"cache off and on already")
+    if (args.kv_host_cache_gb > 0 or args.pages_per_shard is not None) and \
+            args.workload in ("poisson", "shift"):
+        parser.error("--kv_host_cache_gb/--pages_per_shard: only with --workload multiturn "
+                     "or prefix_repetition")
     if args.goodput_max_rate is not None and args.goodput_max_rate < args.goodput_min_rate:
         parser.error(f"--goodput_max_rate={args.goodput_max_rate} is below "
                      f"--goodput_min_rate={args.goodput_min_rate}")
@@ -474,9 +478,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     model_dir = resolve_model(args.model)
     if args.workload not in ("poisson", "shift"):
         from jaxpd.bench.prefix import run_prefix_bench
+        pool = {} if args.pages_per_shard is None else {"pages_per_shard": args.pages_per_shard}
         results = run_prefix_bench(args, model_dir, meshes_of(args), dict(
             slots_per_shard=args.slots_per_shard, max_prefill_batch=args.max_prefill_batch,
-            prefix_extend_below=args.prefix_extend_below, attention_impl=args.attention_impl))
+            prefix_extend_below=args.prefix_extend_below, attention_impl=args.attention_impl,
+            **pool))
         _write_outputs(argparse.Namespace(**{**vars(args), "plot": None}), results, {})
         return results
     bench = Benchmark(args, model_dir)

@@ -10,6 +10,11 @@ every mesh served twice on the same requests, prefix cache off and on.
   `--prefix_len` tokens, each reused by `--num_requests / --num_prefixes` requests
   that add their own `--user_len` tokens; Poisson arrivals at `--rate`.
 
+With `--kv_host_cache_gb` above 0 each mesh also runs a third time, cache on with a
+host tier of that size (evicted pages kept in host memory and restored); with
+`--pages_per_shard` too small to hold every conversation, that is device-only against
+device + host tier.
+
 With `--deployment processes`, the pinned multi-process deployment (a router in this
 process in front of a prefill and a decode worker, `bench/processes.py`) is served too,
 cache off and on, each started afresh; its counters are its workers' (`worker_counters`).
@@ -122,6 +127,9 @@ def serve(llm, chats: list[Chat], output_len: int, think_s: float, stats=None,
         "prompt_tokens": sum(len(r.prompt_ids) for _, _, r, _ in done),
         "prefill_tokens": stats["prefill_tokens"],
         "hit_rate": stats.get("prefix_hit_tokens", 0) / queried if queried else 0.0,
+        "host_hit_rate": stats.get("prefix_host_hit_tokens", 0) / queried if queried else 0.0,
+        "host_restored_pages": stats.get("host_tier_restored_pages", 0),
+        "host_corrupt_pages": stats.get("host_tier_corrupt_pages", 0),
         "transfer_bytes": stats["transfer_bytes"],
         "saved_bytes": stats.get("prefix_saved_bytes", 0),
         "evictions": stats.get("prefix_evictions", 0),
@@ -141,14 +149,19 @@ def run_prefix_bench(args: argparse.Namespace, model_dir: str, meshes: list[str]
                if args.workload == "multiturn" else args.prefix_len + args.user_len + output_len)
     engine_options = {**engine_options, "max_model_len": args.max_model_len or longest}
     runs = []
+    tiers = [("off", False, 0.0), ("on", True, 0.0)]
+    if args.kv_host_cache_gb > 0:
+        tiers.append(("on+host", True, args.kv_host_cache_gb))
     for mesh in meshes:
         outputs = {}
-        for cache in (False, True):
+        for label, cache, host_gb in tiers:
             # --warmup_requests 0: no warm-up at all (programs compile on first use).
             warm = args.warmup_requests > 0
             options = dict(engine_options)
             if not cache:
                 options.pop("prefix_extend_below", None)
+            if host_gb:
+                options["kv_host_cache_gb"] = host_gb
             with LLM(model_dir, mesh=mesh, warmup=warm, enable_prefix_caching=cache,
                      **options) as llm:
                 if warm:   # first-call paths, on other chats of the same shape
@@ -156,10 +169,10 @@ def run_prefix_bench(args: argparse.Namespace, model_dir: str, meshes: list[str]
                     settle(llm.engine)     # what they asked to compile in the background
                 run = serve(llm, chats, output_len, args.think_s,
                             slo=(args.slo_ttft, args.slo_tpot))
-            outputs[cache] = run.pop("outputs")
-            runs.append({"name": f"{mesh} cache={'on' if cache else 'off'}", "mesh": mesh,
-                         "prefix_caching": cache, **run})
-        runs[-1]["outputs_identical"] = outputs[True] == outputs[False]
+            outputs[label] = run.pop("outputs")
+            runs.append({"name": f"{mesh} cache={label}", "mesh": mesh,
+                         "prefix_caching": cache, "kv_host_cache_gb": host_gb, **run})
+        runs[-1]["outputs_identical"] = all(o == outputs["off"] for o in outputs.values())
     if args.processes is not None:
         runs += _serve_deployment(args, model_dir, chats, output_len, engine_options)
     print(format_prefix_table(runs))
@@ -191,7 +204,8 @@ def _serve_deployment(args: argparse.Namespace, model_dir: str, chats: list[Chat
             backend.close()
         outputs[cache] = run.pop("outputs")
         runs.append({"name": f"{deployment.name} cache={'on' if cache else 'off'}",
-                     "mesh": deployment.name, "prefix_caching": cache, **run})
+                     "mesh": deployment.name, "prefix_caching": cache, "kv_host_cache_gb": 0.0,
+                     **run})
     runs[-1]["outputs_identical"] = outputs[True] == outputs[False]
     return runs
 
@@ -205,7 +219,8 @@ def _warm_args(args: argparse.Namespace) -> argparse.Namespace:
 def format_prefix_table(runs: list[dict]) -> str:
     head = (f"{'run':<34}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p99':>10}{'tok/s':>8}"
             f"{'SLO %':>7}{'goodput':>9}"
-            f"{'computed':>10}{'of prompt':>11}{'hit rate':>10}{'KV MB':>8}{'not sent':>10}")
+            f"{'computed':>10}{'of prompt':>11}{'hit rate':>10}{'host hit':>10}{'KV MB':>8}"
+            f"{'not sent':>10}")
     rows = [head]
     for r in runs:
         ms = lambda s: f"{s * 1e3:.0f} ms" if s is not None else "-"
@@ -213,10 +228,12 @@ def format_prefix_table(runs: list[dict]) -> str:
                     f"{ms(r['itl_s']['p99']):>10}{r['output_tok_s']:>8.1f}"
                     f"{100 * r['slo_attainment']:>7.0f}{r['goodput_req_s']:>9.2f}"
                     f"{r['prefill_tokens']:>10}{r['prompt_tokens']:>11}"
-                    f"{r['hit_rate']:>10.0%}{r['transfer_bytes'] / 2**20:>8.2f}"
+                    f"{r['hit_rate']:>10.0%}{r['host_hit_rate']:>10.0%}"
+                    f"{r['transfer_bytes'] / 2**20:>8.2f}"
                     f"{r['saved_bytes'] / 2**20:>10.2f}")
     for r in runs:
         if "outputs_identical" in r:
-            rows.append(f"{r['mesh']}: greedy outputs identical with the cache on and off: "
+            rows.append(f"{r['mesh']}: greedy outputs identical with the cache on and off"
+                        f"{' (and the host tier)' if r['kv_host_cache_gb'] else ''}: "
                         f"{r['outputs_identical']}")
     return "\n".join(rows)

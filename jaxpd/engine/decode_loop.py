@@ -97,6 +97,8 @@ class DecodeLoop:
         """Receive, admit, insert, dispatch a step, then read back the previous one."""
         timeout = receive_timeout if self.idle else (0.005 if self._awaiting_parts else None)
         self._awaiting_parts = False
+        if self.extend is not None and self.extend.host is not None:
+            self.extend.host.settle()          # the host tier's copies that are done
         self._receive(timeout)
         self._mirror_first_tokens()
         self._release_final()

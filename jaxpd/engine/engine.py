@@ -31,6 +31,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpd.config import EngineConfig, resolve_attention_impl
 from jaxpd.engine.decode_loop import DecodeLoop
 from jaxpd.engine.extend_loop import ExtendLoop
+from jaxpd.engine.host_store import HostStore
+from jaxpd.engine.host_tier import HostTier
 from jaxpd.engine.multihost import Follower, PlanChannel
 from jaxpd.engine.multihost_decode import lead, replay_for
 from jaxpd.engine.page_allocator import CacheJournal, prefix_root
@@ -77,6 +79,7 @@ class Phases:
     decode_runner: DecodeRunner | None = None
     decode_scheduler: DecodeScheduler | None = None
     decode_loop: DecodeLoop | None = None
+    host_tier: HostTier | None = None
 
 
 _PHASE_FIELDS = frozenset(f.name for f in dataclasses.fields(Phases))
@@ -298,9 +301,15 @@ class Engine:
             c.pages_per_shard, c.page_size, self.counter, self.dtype, fused=fused,
             attention_impl=attention, attention_interpret=c.attention_interpret,
             quant_matmul=self._quant_matmul(c, params, mesh)), self.plan)
+        if topology.decode_caching and c.kv_host_cache_gb > 0:
+            p.host_tier = HostTier(runner, HostStore(int(c.kv_host_cache_gb * 2**30),
+                                                     self.cache_journal),
+                                   min(c.pages_per_slot, c.pages_per_shard - 1),
+                                   self.counters)
         p.decode_scheduler = scheduler = DecodeScheduler(
             spec.decode_dp, c.slots_per_shard, c.pages_per_shard, c.page_size,
-            self.prefix_root if topology.decode_caching else None, self.cache_journal)
+            self.prefix_root if topology.decode_caching else None, self.cache_journal,
+            on_evict=p.host_tier.evicted if p.host_tier is not None else None)
         queues = inbound if inbound is not None else [self._inbound_queue(c)]
         if topology.local_loop:
             # Prefill on the decode mesh itself, between decode steps, with the decode
@@ -330,7 +339,8 @@ class Engine:
                 c.decode_context_step,
                 expected_below=None if every else max(c.prefix_extend_below, c.local_prefill_below),
                 expects_fresh=every or c.local_prefill_below > 0,
-                chunk_tokens=c.chunked_prefill_tokens if topology.chunked_in_slots else None)
+                chunk_tokens=c.chunked_prefill_tokens if topology.chunked_in_slots else None,
+                host=p.host_tier)
         p.decode_loop = DecodeLoop(runner, scheduler, queues, self.requests, self.counters,
                                    c.pages_per_slot, c.decode_context_step,
                                    by_length=attention != "reference", extend=extend)
@@ -356,14 +366,22 @@ class Engine:
             return None
         return prefix_root(self.model.cfg, config.dtype, config.page_size)
 
-    def _cached_tokens(self, request: Request) -> int:
-        """Tokens of `request` cached on its best decode shard (a hint: read from the
-        submitting thread while the decode thread may change the cache)."""
+    def _cached_tokens(self, request: Request) -> tuple[int, int]:
+        """Tokens of `request` cached on its best decode shard: (in the pool, in the
+        pool or then the host tier) (a hint: read from the submitting thread while the
+        decode thread may change the cache)."""
         sched = self.decode_scheduler
         if sched is None:
-            return 0
+            return 0, 0
         hashes = sched.hashes(request.prefill_ids[:request.num_tokens - 1])
-        return max(len(a.cached_prefix(hashes)) for a in sched.allocators) * sched.page_size
+        in_pool, restorable = 0, 0
+        for a in sched.allocators:
+            n = len(a.cached_prefix(hashes))
+            in_pool = max(in_pool, n)
+            if self.host_tier is not None:
+                n += self.host_tier.restorable(hashes[n:])
+            restorable = max(restorable, n)
+        return in_pool * sched.page_size, restorable * sched.page_size
 
     def _extend_ready(self, new_tokens: int, cached_tokens: int) -> bool:
         """Whether the decode mesh's extend loop runs such a rest on compiled programs
@@ -438,6 +456,8 @@ class Engine:
             pages_used=sum(a.num_used for a in allocators),
             pages_cached=sum(a.num_cached_free for a in allocators),
             prefill_pages_cached=cache.num_cached_free if cache is not None else 0,
+            host_tier_pages=len(self.host_tier.store) if self.host_tier is not None else 0,
+            host_tier_bytes=self.host_tier.store.num_bytes if self.host_tier is not None else 0,
             queue_waiting=self.requests.num_waiting(), prefill_devices=spec.prefill_tp,
             decode_devices=spec.decode_dp * spec.decode_tp)
 

@@ -32,6 +32,7 @@ import numpy as np
 
 import dataclasses
 
+from jaxpd.engine.host_tier import HostTier
 from jaxpd.engine.runner import DecodeRunner
 from jaxpd.engine.sampler import SamplingArrays
 from jaxpd.engine.scheduler import DecodeScheduler, batch_buckets
@@ -60,14 +61,17 @@ class ExtendLoop:
     their buckets; None: any length (colocated, or a decode-only process).
     `expects_fresh`: requests may come with nothing cached (else warm-up compiles only
     programs with a prefix). `chunk_tokens`: a request computes at most this many
-    tokens per call (a bucket; `max_tokens` is then at most it), None: all at once."""
+    tokens per call (a bucket; `max_tokens` is then at most it), None: all at once.
+    `host`: the pool's host tier, whose pages a request's prefix may continue in."""
 
     def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler,
                  inbox: queue.SimpleQueue, stats: StatsCounter, buckets: list[int],
                  max_batch: int, max_tokens: int, max_pages_per_slot: int, context_step: int,
                  expected_below: int | None = None,
-                 expects_fresh: bool = True, chunk_tokens: int | None = None):
+                 expects_fresh: bool = True, chunk_tokens: int | None = None,
+                 host: HostTier | None = None):
         self.runner, self.scheduler, self.inbox, self.stats = runner, scheduler, inbox, stats
+        self.host = host
         if chunk_tokens is not None:
             if chunk_tokens not in buckets:
                 raise ValueError(f"chunk_tokens={chunk_tokens} is not a bucket of {buckets}")
@@ -198,17 +202,32 @@ class ExtendLoop:
             if found is None:
                 break
             slot, shared = found
-            cached = len(shared) * page_size
+            restored = self._fetch(ids[:n], len(shared), (n - 1) // page_size)
+            cached = (len(shared) + len(restored)) * page_size
             row = _Row(slot, r, cached, self._count(r, cached))
             if not self._fits(batch + admitted, row):
                 break
             self.waiting.popleft()
             if not r.transition(State.PREFILLING):
                 continue                       # aborted since it was queued
-            self.scheduler.admit(slot, r, n, ready=False, shared=shared)
+            pages = self.scheduler.admit(slot, r, n, ready=False, shared=shared)
+            if restored:
+                self.host.restore(self.scheduler.shard_of(slot),
+                                  pages[len(shared):len(shared) + len(restored)], restored)
             admitted.append(row)
-            self.stats.add(prefix_query_tokens=n, prefix_hit_tokens=cached)
+            self.stats.add(prefix_query_tokens=n, prefix_hit_tokens=len(shared) * page_size,
+                           prefix_host_hit_tokens=len(restored) * page_size)
         return admitted
+
+    def _fetch(self, ids: list[int], num_shared: int, max_pages: int) -> list:
+        """The checked pages of the host tier that continue a prefix of `num_shared`
+        pages in the pool (at most `max_pages` in all), as `HostTier.fetch` gives them."""
+        if self.host is None or num_shared >= max_pages:
+            return []
+        hashes = self.scheduler.hashes(ids)[num_shared:max_pages]
+        if not self.host.restorable(hashes[:1]):
+            return []
+        return self.host.fetch(hashes)
 
     def _padded(self, n: int) -> int:
         return next(s for s in self.batch_sizes if s >= n)

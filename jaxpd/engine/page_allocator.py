@@ -20,7 +20,8 @@ capacity` (`check`).
 **What a worker advertises** (`CacheJournal`): every publish and eviction is noted in
 the journal its allocators share, and the worker's heartbeat carries what changed since
 the last one (or, after a failed heartbeat or when the router asks, all it holds), so
-the router's `PrefixIndex` knows what each worker's caches hold.
+the router's `PrefixIndex` knows what each worker's caches hold; pages a host tier holds
+(`engine.host_store`) are noted and advertised apart, as restorable rather than held.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import hashlib
 import itertools
 import struct
 import threading
+from typing import Callable
 
 
 class OutOfPages(Exception):
@@ -71,6 +73,8 @@ class CacheJournal:
         self._lock = threading.Lock()
         self._held: collections.Counter[bytes] = collections.Counter()   # key -> pages
         self._changed: dict[bytes, bool] = {}     # key -> held now, since the last take
+        self._host_held: collections.Counter[bytes] = collections.Counter()
+        self._host_changed: dict[bytes, bool] = {}
         self._seq = 0
         self._full = True
 
@@ -89,22 +93,47 @@ class CacheJournal:
                 del self._held[key]
                 self._changed[key] = False
 
+    def host_added(self, h: bytes) -> None:
+        """A host tier now holds page `h` (restorable into a pool)."""
+        key = h[:ADVERTISED_BYTES]
+        with self._lock:
+            self._host_held[key] += 1
+            if self._host_held[key] == 1:
+                self._host_changed[key] = True
+
+    def host_dropped(self, h: bytes) -> None:
+        key = h[:ADVERTISED_BYTES]
+        with self._lock:
+            self._host_held[key] -= 1
+            if not self._host_held[key]:
+                del self._host_held[key]
+                self._host_changed[key] = False
+
     def take(self) -> dict:
-        """The next advertisement: {"root", "seq", "full", "add", "drop"}; a full one
-        lists the held keys in "add" (at most `ADVERTISED_MAX`) and replaces what the
-        router knew. More changes than that since the last one make it a full one."""
+        """The next advertisement: {"root", "seq", "full", "add", "drop"}, and
+        "host_add", "host_drop" when pages a host tier holds changed; a full one lists
+        the held keys in "add" and "host_add" (at most `ADVERTISED_MAX` each) and
+        replaces what the router knew. More changes than that since the last one make it a full
+        one."""
         with self._lock:
             self._seq += 1
-            if len(self._changed) > ADVERTISED_MAX:
+            if max(len(self._changed), len(self._host_changed)) > ADVERTISED_MAX:
                 self._full = True
             if self._full:
                 add, drop = list(itertools.islice(self._held, ADVERTISED_MAX)), []
+                host_add = list(itertools.islice(self._host_held, ADVERTISED_MAX))
+                host_drop = []
             else:
                 add = [k for k, held in self._changed.items() if held]
                 drop = [k for k, held in self._changed.items() if not held]
+                host_add = [k for k, held in self._host_changed.items() if held]
+                host_drop = [k for k, held in self._host_changed.items() if not held]
             msg = {"root": self.root, "seq": self._seq, "full": self._full, "add": add,
                    "drop": drop}
+            if host_add or host_drop:           # absent: no host tier pages, or no change
+                msg.update(host_add=host_add, host_drop=host_drop)
             self._changed.clear()
+            self._host_changed.clear()
             self._full = False
             return msg
 
@@ -115,11 +144,17 @@ class CacheJournal:
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, journal: CacheJournal | None = None):
+    """`on_evict`: told, at the end of each `allocate` that evicted cached pages, which
+    (page, hash) pairs it evicted -- before anything can write the pages again, since
+    the caller writes them only after `allocate` returns (a host tier copies them out).
+    A cache reset (`drop_cached`) tells nobody."""
+
+    def __init__(self, num_pages: int, journal: CacheJournal | None = None,
+                 on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
         self.num_pages = num_pages
-        self.journal = journal
+        self.journal, self.on_evict = journal, on_evict
         # LIFO free list: recently freed pages are reused first (warm in cache).
         self._free = list(range(num_pages - 1, 0, -1))
         self._refs: dict[int, int] = {}                    # used page -> references
@@ -164,13 +199,15 @@ class PageAllocator:
             raise ValueError(f"cannot allocate {n} pages")
         if n > self.num_free:
             raise OutOfPages(f"asked for {n} pages, {self.num_free} free")
-        pages = []
+        pages, evicted = [], []
         for _ in range(n):
             if not self._free:
-                self._evict_one()
+                evicted.append(self._evict_one())
             p = self._free.pop()
             self._refs[p] = 1
             pages.append(p)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return pages
 
     def free(self, pages: list[int]) -> None:
@@ -230,7 +267,7 @@ class PageAllocator:
             self._evict_one()
         return n
 
-    def _evict_one(self) -> None:
+    def _evict_one(self) -> tuple[int, bytes]:
         p, _ = self._lru.popitem(last=False)
         h = self._hash_of.pop(p)
         del self._page_of[h]
@@ -238,6 +275,7 @@ class PageAllocator:
             self.journal.dropped(h)
         self._free.append(p)
         self.num_evictions += 1
+        return p, h
 
     def check(self) -> None:
         """Assert the accounting (tests): every page in exactly one state."""

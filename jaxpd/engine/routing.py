@@ -8,9 +8,11 @@
   when colocated with the prefix cache or with chunks, or a decode-only process with
   the cache; beside a prefill mesh, a prompt the decode mesh would prefill locally and
   one whose prefix is cached there with a short uncached rest (a follow-up turn costs
-  its new tokens, not a trip through the prefill mesh). One that goes through the
-  prefill mesh anyway carries the cached hint as `kv_skip_pages`: its handoff leaves
-  those pages out (the decode loop checks it still holds them).
+  its new tokens, not a trip through the prefill mesh; a prefix its host tier can
+  restore counts). One that goes through the prefill mesh anyway carries the cached
+  hint as `kv_skip_pages`: its handoff leaves those pages out (the decode loop checks
+  it still holds them; only pages in the pool are left out: a handoff is inserted,
+  never restored).
 """
 from __future__ import annotations
 
@@ -31,14 +33,14 @@ class Routing:
     mesh prefills some prompts itself (all of them without a prefill mesh, else those
     below `local_prefill_below` tokens); `extend_all`: every prompt goes to `EXTEND`.
     `cached_tokens` (decode prefix cache on): how many of a request's tokens the decode
-    mesh holds cached, a hint read from the submitting thread (the decode loop decides
-    for real); `extend_ready(new, cached)`: whether the decode mesh runs such a rest on
+    mesh holds cached, as (in its pool, in its pool or then its host tier), a hint read
+    from the submitting thread (the decode loop decides for real); `extend_ready(new, cached)`: whether the decode mesh runs such a rest on
     programs already compiled (one compiling in the background goes the long way);
     `extend_below`: a cached request's rest shorter than this is prefilled there."""
 
     def __init__(self, *, has_prefill: bool, has_decode: bool, local_prefill: bool,
                  local_prefill_below: int = 0, extend_all: bool = False,
-                 cached_tokens: Callable[[Request], int] | None = None,
+                 cached_tokens: Callable[[Request], tuple[int, int]] | None = None,
                  extend_ready: Callable[[int, int], bool] | None = None,
                  extend_below: int = 0, page_size: int = 16):
         self.has_prefill, self.has_decode = has_prefill, has_decode
@@ -59,9 +61,9 @@ class Routing:
             return Inbox.LOCAL if local else Inbox.PREFILL
         if local:
             return Inbox.EXTEND
-        cached = self.cached_tokens(request)
+        in_pool, cached = self.cached_tokens(request)
         if cached > 0 and request.num_tokens - cached < self.extend_below and \
                 self.extend_ready(request.num_tokens - cached, cached):
             return Inbox.EXTEND
-        request.kv_skip_pages = 0 if request.kv_skip_missed else cached // self.page_size
+        request.kv_skip_pages = 0 if request.kv_skip_missed else in_pool // self.page_size
         return Inbox.PREFILL

@@ -40,6 +40,19 @@ from jaxpd.models.pallas_attention import decode_attention
 from jaxpd.sharding.compat import shard_map
 
 
+def host_memory_kind(mesh: Mesh) -> str | None:
+    """JAX's pinned host memory kind where `mesh`'s devices have one and are not CPUs
+    (whose memory is host memory already, so a numpy array stands in); else None."""
+    device = mesh.devices.flat[0]
+    if device.platform == "cpu":
+        return None
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return None
+    return "pinned_host" if "pinned_host" in kinds else None
+
+
 class CompileCounter:
     """Counts distinct compiled shapes per program (thread-safe), to prove steady state."""
 
@@ -298,6 +311,12 @@ class DecodeRunner:
         # demand, in the background (`start_background_extend`).
         self.extend_compiler: BackgroundCompiler | None = None
         self._take = jax.jit(lambda k_pool, v_pool, ids: (k_pool[:, ids], v_pool[:, ids]))
+        # Pages copied out for the host tier land in pinned host memory where the
+        # devices have it: the program's own output is the device-to-host copy.
+        kind = host_memory_kind(mesh)
+        offloaded = NamedSharding(mesh, P(), **({"memory_kind": kind} if kind else {}))
+        self._offload = jax.jit(lambda k_pool, v_pool, ids: (k_pool[:, ids], v_pool[:, ids]),
+                                out_shardings=(offloaded, offloaded))
 
     def shard_sharding(self, shard: int) -> NamedSharding:
         """Where a request's pages must land to be inserted on `shard`."""
@@ -349,6 +368,19 @@ class DecodeRunner:
     def take_program(self, m: int) -> Program:
         """The program `take` dispatches for `m` padded pages."""
         return Program(f"take_m{m}", self._take, self._take_args(0, [0] * m),
+                       host_sharding=NamedSharding(self.mesh, P()))
+
+    def offload(self, shard: int, page_ids: list[int]) -> tuple[jax.Array, jax.Array]:
+        """Copies of `shard`'s pages at `page_ids` for the host tier, as `take` cuts
+        them ([L, m, S, K, H], m = `coarse_ceil` of their count, padded with the null
+        page), in pinned host memory where the devices have it. Dispatched, not waited
+        for: a program dispatched after it that writes these pages runs after it."""
+        self.counter.note("offload", coarse_ceil(len(page_ids)))
+        return self._offload(*self._take_args(shard, page_ids))
+
+    def offload_program(self, m: int) -> Program:
+        """The program `offload` dispatches for `m` padded pages."""
+        return Program(f"offload_m{m}", self._offload, self._take_args(0, [0] * m),
                        host_sharding=NamedSharding(self.mesh, P()))
 
     def penalties_program(self) -> Program:

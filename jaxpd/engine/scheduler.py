@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+from typing import Callable
 
 from jaxpd.engine.page_allocator import CacheJournal, PageAllocator, page_hashes, pages_for
 from jaxpd.request import Request
@@ -215,16 +217,21 @@ class DecodeScheduler:
     `prefix_root` (None: no prefix cache) roots the page hashes (`page_hashes`): a
     slot's full pages are published when its KV is in place and when it is released,
     and `find_slot` prefers the shard holding the longest cached prefix of a request,
-    whose pages `admit` then shares instead of allocating."""
+    whose pages `admit` then shares instead of allocating. `on_evict(shard, pairs)`:
+    each shard's allocator tells it the (page, hash) pairs it evicts (`PageAllocator`)."""
 
     def __init__(self, num_shards: int, slots_per_shard: int, pages_per_shard: int,
                  page_size: int, prefix_root: bytes | None = None,
-                 journal: CacheJournal | None = None):
+                 journal: CacheJournal | None = None,
+                 on_evict: Callable[[int, list[tuple[int, bytes]]], None] | None = None):
         self.num_shards = num_shards
         self.slots_per_shard = slots_per_shard
         self.page_size = page_size
         self.prefix_root = prefix_root
-        self.allocators = [PageAllocator(pages_per_shard, journal) for _ in range(num_shards)]
+        self.allocators = [
+            PageAllocator(pages_per_shard, journal,
+                          None if on_evict is None else functools.partial(on_evict, shard))
+            for shard in range(num_shards)]
         self.slots: list[Slot | None] = [None] * (num_shards * slots_per_shard)
 
     @property

@@ -23,10 +23,11 @@ from jaxpd.sizes import coarse_sizes
 def warm_up(engine, progress: Callable[[str], None],
             spans_processes: bool = False) -> None:
     """Every prefill (batch, length) bucket, every decode (rows, context width),
-    every padded insert and take size and the penalty context update. Runs before the
-    engine's threads start; the decode calls only touch the null page. Programs with
-    a cached prefix compile in the background on first demand, and long-prompt chunks
-    at once (both started here, once the rest are compiled).
+    every padded insert, take and host-tier offload size, and the penalty context
+    update. Runs before the engine's threads start; the decode calls only touch the
+    null page. Programs with a cached prefix compile in the background on first
+    demand, and long-prompt chunks at once (both started here, once the rest are
+    compiled).
 
     `engine`: the `Phases` to warm up. XLA compiles a program on one core, so the
     programs compile first on `compile_threads` threads (`compile_programs`); then each
@@ -207,6 +208,13 @@ def _decode(engine) -> list[ProgramSpec]:
             runner.insert(0, [0] * m, pages, pages)
         specs.append(ProgramSpec(f"page insert for {m} pages", warm,
                                  lambda m=m: [runner.insert_program(m)]))
+    if engine.host_tier is not None:
+        # Evicted pages are copied off the pool for the host tier (`engine.host_tier`);
+        # restoring them runs the inserts above.
+        for m in engine.host_tier.sizes():
+            specs.append(ProgramSpec(f"page offload to the host tier for {m} pages",
+                                     lambda m=m: jax.block_until_ready(runner.offload(0, [0] * m)),
+                                     lambda m=m: [runner.offload_program(m)]))
     if cfg.mesh.elastic or cfg.migrate_on_drain:
         # A re-split or a migration cuts each decoding request's pages out of the pool
         # (`engine.elastic`, `engine.migration`).

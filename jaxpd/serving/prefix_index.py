@@ -19,6 +19,12 @@ What a worker holds, the router learns two ways:
   worker advertises, a belief lasts two of its advertisements (by then the worker has
   said whether it holds those pages), then only the advertised set counts.
 
+A worker's host tier (`engine.host_store`) is advertised apart ("host_add",
+"host_drop"): pages it can restore into its pool rather than compute. `cached_tokens`
+counts only what the pool holds (a handoff may leave out only those pages);
+`restorable_tokens` continues that prefix through the host tier's pages, and the
+router weighs both when it picks a decode worker.
+
 Only a worker that has advertised counts: one whose cache is off never advertises, so
 the router believes it holds nothing and routes to it by load alone. That is why the
 router can keep prefix routing on by default (`RouterConfig.prefix_routing`): it
@@ -53,6 +59,7 @@ class _Held:
     seq: int = 0                          # last advertisement applied (0: none)
     adverts: int = 0                      # advertisements applied
     advertised: set = dataclasses.field(default_factory=set)
+    host: set = dataclasses.field(default_factory=set)     # keys in its host tier
     beliefs: collections.OrderedDict = dataclasses.field(
         default_factory=collections.OrderedDict)       # key -> `adverts` when recorded
 
@@ -83,8 +90,8 @@ def check_advertisement(msg) -> dict:
     if not isinstance(full, bool):
         raise ValueError(f"prefix.full must be a boolean, got {full!r}")
     lists = {}
-    for name in ("add", "drop"):
-        keys = msg.get(name)
+    for name in ("add", "drop", "host_add", "host_drop"):
+        keys = msg.get(name, [] if name.startswith("host_") else None)
         if not isinstance(keys, list) or len(keys) > MAX_ADVERTISED:
             raise ValueError(f"prefix.{name} must be a list of at most {MAX_ADVERTISED} keys")
         if not all(isinstance(k, bytes) and len(k) == ADVERTISED_BYTES for k in keys):
@@ -129,11 +136,15 @@ class PrefixIndex:
                 if held.root != msg["root"]:
                     held.beliefs.clear()          # recorded under another root
                 held.root, held.advertised = msg["root"], set(msg["add"])
+                held.host = set(msg["host_add"])
             elif held.seq and msg["seq"] == held.seq + 1 and held.root == msg["root"]:
                 held.advertised.difference_update(msg["drop"])
                 held.advertised.update(msg["add"])
-                if len(held.advertised) > MAX_ADVERTISED:
+                held.host.difference_update(msg["host_drop"])
+                held.host.update(msg["host_add"])
+                if len(held.advertised) > MAX_ADVERTISED or len(held.host) > MAX_ADVERTISED:
                     held.advertised.clear()
+                    held.host.clear()
                     held.seq = 0
                     return False
             else:
@@ -157,6 +168,23 @@ class PrefixIndex:
         with self._lock:
             n = 0
             while n < len(keys) and (keys[n] in held.advertised or keys[n] in held.beliefs):
+                n += 1
+        return n * self.page_size
+
+    def restorable_tokens(self, worker: str, query: PrefixQuery) -> int:
+        """Tokens of the longest prefix of `query` that `worker` holds in its pool or
+        can restore from its host tier (the pool's run, continued by host pages)."""
+        with self._lock:
+            held = self._held.get(worker)
+            if held is None or not held.adverts:
+                return 0
+            root = held.root
+        keys = query.keys(root)
+        with self._lock:
+            n = 0
+            while n < len(keys) and (keys[n] in held.advertised or keys[n] in held.beliefs):
+                n += 1
+            while n < len(keys) and keys[n] in held.host:
                 n += 1
         return n * self.page_size
 

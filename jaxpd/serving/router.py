@@ -105,7 +105,8 @@ class Router(Frontend):
         self.counters = StatsCounter(("requests_submitted", "finished", "aborted",
                                       "decode_failovers", "migrations", "migration_fallbacks",
                                       "prefill_failovers", "decode_prefills", "workers_dropped",
-                                      "prefix_routed", "resplits", "split_vetoes"))
+                                      "prefix_routed", "prefix_host_routed", "resplits",
+                                      "split_vetoes"))
         self.prefix = PrefixIndex(config.page_size) if config.prefix_routing else None
         self.workers = WorkerPool(config, self.tokenizer_digest, self.model_config.vocab_size,
                                   auth, self.counters, self.prefix)

@@ -95,7 +95,7 @@ class RequestFlow:
                 if r.abort(why):
                     self.counters.add(aborted=1)
                 return
-            decoder, cached = self.choose_decoder(decoders, query)
+            decoder, cached, restorable = self.choose_decoder(decoders, query)
             client = self.client(decoder)
             call = self._track(r, decoder, client.decode(r.to_wire(), epoch=decoder.info.epoch),
                                watched=True)
@@ -110,10 +110,13 @@ class RequestFlow:
                     moved_from, source = source, None
                     if moved_from is not None and await self._migrate(r, moved_from, decoder):
                         pass                                   # its KV is on its way there
-                    elif cached and r.num_tokens - cached < self.config.prefix_extend_below:
-                        # Its prefix is cached there and the rest is short: no trip
-                        # through a prefill worker (conditional disaggregation).
-                        self.counters.add(prefix_routed=1)
+                    elif restorable and \
+                            r.num_tokens - restorable < self.config.prefix_extend_below:
+                        # Its prefix is cached there (in the pool, or restorable from
+                        # its host tier) and the rest is short: no trip through a
+                        # prefill worker (conditional disaggregation).
+                        self.counters.add(prefix_routed=1,
+                                          prefix_host_routed=int(restorable > cached))
                         await client.reprefill(r.request_id, timeout=self.config.rpc_timeout_s,
                                                epoch=decoder.info.epoch)
                     else:
@@ -182,19 +185,23 @@ class RequestFlow:
         return True
 
     def choose_decoder(self, decoders: list[Worker], query: PrefixQuery | None
-                       ) -> tuple[Worker, int]:
+                       ) -> tuple[Worker, int, int]:
         """The least loaded decode worker, unless one believed to hold a prefix of the
-        request (`query`) has a free slot: then the one holding the longest. Returns it
-        and the prefix tokens it is believed to hold."""
+        request (`query`) has a free slot: then the one holding the longest, counting
+        pages its host tier can restore, its pool's pages breaking ties. Returns it, the
+        prefix tokens its pool is believed to hold, and those it can restore (pool and
+        host tier)."""
         least = min(decoders, key=lambda w: (w.num_calls, -w.load["free_slots"]))
         if query is None:
-            return least, 0
+            return least, 0, 0
         cached = {w.address: self.prefix.cached_tokens(w.address, query) for w in decoders}
-        roomy = [w for w in decoders if cached[w.address] and w.load["free_slots"] > 0]
-        if not roomy:
-            return least, cached[least.address]
-        best = max(roomy, key=lambda w: (cached[w.address], -w.num_calls))
-        return best, cached[best.address]
+        restorable = {w.address: max(cached[w.address],
+                                     self.prefix.restorable_tokens(w.address, query))
+                      for w in decoders}
+        roomy = [w for w in decoders if restorable[w.address] and w.load["free_slots"] > 0]
+        best = max(roomy, key=lambda w: (restorable[w.address], cached[w.address],
+                                         -w.num_calls), default=least)
+        return best, cached[best.address], restorable[best.address]
 
     def prefill_order(self, r: Request, decoder: Worker, query: PrefixQuery | None
                       ) -> list[Worker]:

@@ -1,0 +1,101 @@
+"""`HostTier`: the decode pool's prefix cache continued in host memory.
+
+When a shard's allocator evicts published pages (`PageAllocator.on_evict`), their K
+and V are copied off the pool by one warmed-up program (`DecodeRunner.offload`, one
+per padded page count, as a handoff pads them), dispatched before any program that
+can write those pages again; the copies are read back and stored in a `HostStore`
+(LRU by bytes, a checksum per page) on a later loop turn, once they are done. A page
+the store already holds is not copied again.
+
+A request whose prefix continues past what its shard holds, in pages the store holds,
+gets those pages back (`fetch`, then `restore` into the slot's own pages): one host to
+device transfer and one warmed-up insert program, instead of computing them. The store
+hands out only pages whose bytes match their checksum; the first that does not ends
+the run, and the rest of the request is computed as usual.
+
+Only the decode thread calls `evicted`, `settle`, `fetch` and `restore`; `restorable`
+(a routing hint) may be called from any thread.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxpd.engine.host_store import HostStore
+from jaxpd.engine.runner import DecodeRunner
+from jaxpd.sizes import coarse_ceil, coarse_sizes
+from jaxpd.stats import StatsCounter
+
+
+class HostTier:
+    """`runner`'s pool, `store`'s bytes; at most `max_pages` pages move per program
+    (a slot's pages: the padded counts warm-up compiles are `sizes()`)."""
+
+    def __init__(self, runner: DecodeRunner, store: HostStore, max_pages: int,
+                 stats: StatsCounter):
+        self.runner, self.store, self.max_pages, self.stats = runner, store, max_pages, stats
+        # Copies dispatched, not yet read back: (hashes, k, v), k and v [L, m, S, K, H].
+        self._pending: list[tuple[list[bytes], jax.Array, jax.Array]] = []
+
+    def sizes(self) -> list[int]:
+        """Every padded page count `offload` and `restore` run with (warm-up's)."""
+        return coarse_sizes(self.max_pages)
+
+    def evicted(self, shard: int, pairs: list[tuple[int, bytes]]) -> None:
+        """`shard`'s allocator just evicted these (page, hash) pairs: copy off the
+        pages the store does not hold yet (dispatched now, read back by `settle`)."""
+        todo = [(p, h) for p, h in pairs if not self.store.touch(h)]
+        for i in range(0, len(todo), self.max_pages):
+            chunk = todo[i:i + self.max_pages]
+            k, v = self.runner.offload(shard, [p for p, _ in chunk])
+            self._pending.append(([h for _, h in chunk], k, v))
+
+    def settle(self, wait: bool = False) -> None:
+        """Store the copies that are done (every one, waiting for them, if `wait`)."""
+        if not self._pending:
+            return
+        keep, stored = [], 0
+        for hashes, k, v in self._pending:
+            if not wait and not (k.is_ready() and v.is_ready()):
+                keep.append((hashes, k, v))
+                continue
+            k, v = np.asarray(k), np.asarray(v)
+            for i, h in enumerate(hashes):
+                stored += self.store.put(h, k[:, i], v[:, i])
+        self._pending = keep
+        self.stats.add(host_tier_stored_pages=stored)
+
+    def restorable(self, hashes: list[bytes]) -> int:
+        """Leading pages of `hashes` the store holds (a hint: `fetch` checks them)."""
+        return self.store.prefix(hashes)
+
+    def fetch(self, hashes: list[bytes]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The checked (K, V) of the longest leading run of `hashes` the store holds
+        (`HostStore.take`), copies still in flight included."""
+        if not hashes:
+            return []
+        self.settle(wait=True)
+        corrupt = self.store.num_corrupt
+        pages = self.store.take(hashes)
+        self.stats.add(host_tier_corrupt_pages=self.store.num_corrupt - corrupt)
+        return pages
+
+    def restore(self, shard: int, page_ids: list[int],
+                pages: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Write `fetch`ed pages into `shard`'s pages `page_ids` (one each, in order):
+        one transfer onto the shard, one insert program (padded as a handoff is)."""
+        n, m = len(page_ids), coarse_ceil(len(page_ids))
+        if len(pages) != n:
+            raise ValueError(f"restore of {len(pages)} pages into {n} page ids")
+        shape = self.runner.pages_shape(m)
+        k = np.zeros(shape, self.runner.k_pool.dtype)
+        v = np.zeros(shape, self.runner.v_pool.dtype)
+        k[:, :n] = np.stack([p[0] for p in pages], axis=1)
+        v[:, :n] = np.stack([p[1] for p in pages], axis=1)
+        k, v = jax.device_put((k, v), self.runner.shard_sharding(shard))
+        self.runner.insert(shard, page_ids, k, v)
+        self.stats.add(host_tier_restored_pages=n)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
