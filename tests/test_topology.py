@@ -57,16 +57,17 @@ def test_routing_sends_short_prompts_to_the_decode_mesh_and_cached_ones_to_exten
                     local_prefill_below=16)
     assert short.route(_request(8)) is Inbox.LOCAL
     assert short.route(_request(40)) is Inbox.PREFILL
-    cached = {"r40": 32, "r64": 32, "r8": 0}
+    # (in the pool, in the pool or then the host tier)
+    cached = {"r40": (0, 32), "r64": (16, 32), "r8": (0, 0)}
     ready = []
     routing = Routing(has_prefill=True, has_decode=True, local_prefill=False,
                       cached_tokens=lambda r: cached[r.request_id],
                       extend_ready=lambda new, hit: not ready.append((new, hit)),
                       extend_below=16, page_size=16)
-    assert routing.route(_request(40)) is Inbox.EXTEND       # 8 new tokens after 32 cached
+    assert routing.route(_request(40)) is Inbox.EXTEND       # 8 new tokens after 32 restorable
     assert ready == [(8, 32)]
-    long = _request(64)
-    assert routing.route(long) is Inbox.PREFILL and long.kv_skip_pages == 2
+    long = _request(64)        # a handoff is inserted, never restored: skip pool pages only
+    assert routing.route(long) is Inbox.PREFILL and long.kv_skip_pages == 1
     assert routing.route(_request(8)) is Inbox.PREFILL
 
 
