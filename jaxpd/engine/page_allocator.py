@@ -79,35 +79,29 @@ class CacheJournal:
         self._full = True
 
     def added(self, h: bytes) -> None:
-        key = h[:ADVERTISED_BYTES]
-        with self._lock:
-            self._held[key] += 1
-            if self._held[key] == 1:
-                self._changed[key] = True
+        self._count(self._held, self._changed, h, 1)
 
     def dropped(self, h: bytes) -> None:
-        key = h[:ADVERTISED_BYTES]
-        with self._lock:
-            self._held[key] -= 1
-            if not self._held[key]:
-                del self._held[key]
-                self._changed[key] = False
+        self._count(self._held, self._changed, h, -1)
 
     def host_added(self, h: bytes) -> None:
         """A host tier now holds page `h` (restorable into a pool)."""
-        key = h[:ADVERTISED_BYTES]
-        with self._lock:
-            self._host_held[key] += 1
-            if self._host_held[key] == 1:
-                self._host_changed[key] = True
+        self._count(self._host_held, self._host_changed, h, 1)
 
     def host_dropped(self, h: bytes) -> None:
+        self._count(self._host_held, self._host_changed, h, -1)
+
+    def _count(self, held: collections.Counter, changed: dict, h: bytes, delta: int) -> None:
+        """One more (or fewer) holder of `h`'s key; a key held by none before or after
+        is noted in `changed` as now held or not."""
         key = h[:ADVERTISED_BYTES]
         with self._lock:
-            self._host_held[key] -= 1
-            if not self._host_held[key]:
-                del self._host_held[key]
-                self._host_changed[key] = False
+            held[key] += delta
+            if delta > 0 and held[key] == 1:
+                changed[key] = True
+            elif delta < 0 and not held[key]:
+                del held[key]
+                changed[key] = False
 
     def take(self) -> dict:
         """The next advertisement: {"root", "seq", "full", "add", "drop"}, and

@@ -159,6 +159,14 @@ class PrefixIndex:
 
     def cached_tokens(self, worker: str, query: PrefixQuery) -> int:
         """Tokens of the longest prefix of `query` that `worker` is believed to hold."""
+        return self._prefix_pages(worker, query, host=False) * self.page_size
+
+    def restorable_tokens(self, worker: str, query: PrefixQuery) -> int:
+        """Tokens of the longest prefix of `query` that `worker` holds in its pool or
+        can restore from its host tier (the pool's run, continued by host pages)."""
+        return self._prefix_pages(worker, query, host=True) * self.page_size
+
+    def _prefix_pages(self, worker: str, query: PrefixQuery, host: bool) -> int:
         with self._lock:
             held = self._held.get(worker)
             if held is None or not held.adverts:
@@ -169,24 +177,9 @@ class PrefixIndex:
             n = 0
             while n < len(keys) and (keys[n] in held.advertised or keys[n] in held.beliefs):
                 n += 1
-        return n * self.page_size
-
-    def restorable_tokens(self, worker: str, query: PrefixQuery) -> int:
-        """Tokens of the longest prefix of `query` that `worker` holds in its pool or
-        can restore from its host tier (the pool's run, continued by host pages)."""
-        with self._lock:
-            held = self._held.get(worker)
-            if held is None or not held.adverts:
-                return 0
-            root = held.root
-        keys = query.keys(root)
-        with self._lock:
-            n = 0
-            while n < len(keys) and (keys[n] in held.advertised or keys[n] in held.beliefs):
+            while host and n < len(keys) and keys[n] in held.host:
                 n += 1
-            while n < len(keys) and keys[n] in held.host:
-                n += 1
-        return n * self.page_size
+        return n
 
     def forget(self, worker: str) -> None:
         with self._lock:
