@@ -268,11 +268,13 @@ class RoleService:
                           f"this is a {self.role} worker, not a {role} worker")
 
     def _request(self, msg: dict, state: State) -> Request:
-        """The request from its wire form (a peer's request is as untrusted as a
-        client's: the engine checks it against this worker's limits on submit or
-        register, `Requests.check`)."""
+        """The request from its wire form, checked against this worker's limits
+        (`Requests.check`): a peer's request is as untrusted as a client's, and this is
+        the internal plane's one check of it."""
         try:
-            return Request.from_wire(msg["request"], state)
+            r = Request.from_wire(msg["request"], state)
+            self.engine.requests.check(r)
+            return r
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"bad request: {_describe(e)}") from None
