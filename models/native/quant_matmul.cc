@@ -15,14 +15,14 @@
 // exact in float32 for these widths, and q * d + m is rounded once either way), so the
 // two differ only in summation order.
 //
-// Rows of W go in tiles of 4 (kRowTile), split over XLA's intra-op thread pool
-// (common.h's RunTasks). On a CPU with AVX-512 a tile's blocks are dequantized in
-// registers (a block is two vectors of 16; a nibble indexes a 16-entry table of its
-// block's values with vpermps) and each feeds a tile of 4 rows of x (kRegRows): 16
-// accumulators, 32 products per block for 8 loads of x. Each block is thus dequantized
-// once per 4 rows of x, which measured faster than dequantizing a tile once into a
-// float panel and running a small GEMM over it: the dequantization is a few
-// instructions beside the tile's products, and the panel costs loads and stores.
+// Rows of W are split over XLA's intra-op thread pool (common.h's RunTasks) in ranges of
+// whole tiles. On a CPU with AVX-512 a tile's blocks are dequantized in registers (a
+// block is two vectors of 16; a nibble indexes a 16-entry table of its block's values
+// with vpermps) and each feeds a tile of x's rows: 4 rows of W by up to 4 of x for a
+// small batch, 2 by 8 for a larger one (16 accumulators). Each block is thus
+// dequantized once per tile of x's rows, which measured faster than dequantizing it
+// once into a float panel and running a small GEMM over that: the dequantization is a
+// few instructions beside the tile's products, and the panel costs loads and stores.
 // Elsewhere a portable body (the panel form, which the compiler vectorizes; the tests
 // also build it on AVX-512).
 #include <cstring>
@@ -38,8 +38,7 @@ namespace jaxpd_native {
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kRowTile = 4;    // rows of W dequantized together
-constexpr int64_t kRegRows = 4;    // rows of x per register tile
+constexpr int64_t kRowTile = 4;    // rows of W per tile: what tasks are made of
 
 inline float HalfToFloat(uint16_t h) {
 #if defined(__F16C__)
@@ -176,46 +175,43 @@ void RegisterTile512(const Problem& p, int64_t o0, int64_t stride, int64_t m0) {
   Store512<TO, TM>(p, acc, o0, m0, stride);
 }
 
-// All of x's rows against rows o0 + r * stride (r < TO) of W, in register tiles of up to
-// kRegRows rows of x.
-template <int64_t FMT, int64_t TO>
-void RegisterRows512(const Problem& p, int64_t o0, int64_t stride) {
-  int64_t m = 0;
-  for (; m + kRegRows <= p.M; m += kRegRows)
-    RegisterTile512<FMT, TO, kRegRows>(p, o0, stride, m);
-  switch (p.M - m) {
-    case 3: return RegisterTile512<FMT, TO, 3>(p, o0, stride, m);
-    case 2: return RegisterTile512<FMT, TO, 2>(p, o0, stride, m);
-    case 1: return RegisterTile512<FMT, TO, 1>(p, o0, stride, m);
-    default: return;
+// The tile of `rows` (< TM) rows of x from m0: the last, partial tile.
+template <int64_t FMT, int64_t TO, int64_t TM>
+void PartialTile512(const Problem& p, int64_t o0, int64_t stride, int64_t m0, int64_t rows) {
+  if constexpr (TM > 1) {
+    if (rows == TM - 1) return RegisterTile512<FMT, TO, TM - 1>(p, o0, stride, m0);
+    return PartialTile512<FMT, TO, TM - 1>(p, o0, stride, m0, rows);
   }
+}
+
+// Rows [begin, end) of W in tiles of TO rows, one from each of TO equal parts of the
+// range: TO sequential streams through W, which the hardware prefetchers follow, where
+// TO adjacent rows read block by block (stored one after another) stall on memory.
+// Groups of kGroup tiles (a few KiB of W as stored) stay in L1/L2 while each tile of
+// TM rows of x goes over them.
+template <int64_t FMT, int64_t TO, int64_t TM>
+void Streams512(const Problem& p, int64_t begin, int64_t end) {
+  constexpr int64_t kGroup = 16;
+  const int64_t part = (end - begin) / TO;
+  for (int64_t g = 0; g < part; g += kGroup) {
+    const int64_t group_end = std::min(part, g + kGroup);
+    int64_t m = 0;
+    for (; m + TM <= p.M; m += TM)
+      for (int64_t i = g; i < group_end; ++i) RegisterTile512<FMT, TO, TM>(p, begin + i, part, m);
+    if (m < p.M)
+      for (int64_t i = g; i < group_end; ++i)
+        PartialTile512<FMT, TO, TM>(p, begin + i, part, m, p.M - m);
+  }
+  for (int64_t o = begin + TO * part; o < end; ++o)   // rows past the last tile
+    Streams512<FMT, 1, TM>(p, o, o + 1);
 }
 
 template <int64_t FMT>
 void Rows512(const Problem& p, int64_t begin, int64_t end) {
-  // A tile takes a row from each quarter of the range: four sequential streams through
-  // W, which the hardware prefetchers follow, where four adjacent rows read block by
-  // block (stored one after another) stall on memory.
-  const int64_t quarter = (end - begin) / kRowTile;
-  // kGroup tiles' rows of W (a few KiB as stored) stay in L1/L2 while each tile of x's
-  // rows (kRegRows x I floats) goes over them from L1.
-  constexpr int64_t kGroup = 16;
-  for (int64_t g = 0; g < quarter; g += kGroup) {
-    const int64_t group_end = std::min(quarter, g + kGroup);
-    int64_t m = 0;
-    for (; m + kRegRows <= p.M; m += kRegRows)
-      for (int64_t i = g; i < group_end; ++i)
-        RegisterTile512<FMT, kRowTile, kRegRows>(p, begin + i, quarter, m);
-    for (int64_t i = g; i < group_end; ++i)
-      switch (p.M - m) {
-        case 3: RegisterTile512<FMT, kRowTile, 3>(p, begin + i, quarter, m); break;
-        case 2: RegisterTile512<FMT, kRowTile, 2>(p, begin + i, quarter, m); break;
-        case 1: RegisterTile512<FMT, kRowTile, 1>(p, begin + i, quarter, m); break;
-        default: break;
-      }
-  }
-  for (int64_t o = begin + kRowTile * quarter; o < end; ++o)   // rows past the last tile
-    RegisterRows512<FMT, 1>(p, o, 1);
+  // Few rows of x (a small decode batch): 4 rows of W per tile, for independent sums.
+  // More: 2 rows of W by 8 of x, 16 accumulators, 2 dequantized blocks per 32 products.
+  if (p.M <= 4) return Streams512<FMT, 4, 4>(p, begin, end);
+  return Streams512<FMT, 2, 8>(p, begin, end);
 }
 #else
 // One block of row o dequantized into w[32] (before the int8 format's row scale).
