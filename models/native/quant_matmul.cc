@@ -340,6 +340,16 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
     p.min = static_cast<const uint16_t*>(min.untyped_data());
   }
   p.x = x.typed_data();
+  // x's vectors are loaded whole from every row of x, once per tile of W: where x does
+  // not start on a 32-byte boundary each load straddles two, so x is copied to one that
+  // does (XLA's buffers usually do).
+  std::vector<float> x_aligned;
+  if (reinterpret_cast<uintptr_t>(p.x) % 32) {
+    x_aligned.resize(p.M * p.I + 8);
+    float* start = x_aligned.data() + (8 - reinterpret_cast<uintptr_t>(x_aligned.data()) / 4 % 8) % 8;
+    std::memcpy(start, p.x, sizeof(float) * p.M * p.I);
+    p.x = start;
+  }
   p.data = static_cast<const uint8_t*>(data.untyped_data());
   p.scale = scale.untyped_data();
   p.out = out->typed_data();
