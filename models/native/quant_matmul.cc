@@ -354,10 +354,12 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   p.scale = scale.untyped_data();
   p.out = out->typed_data();
   p.row_bytes = want_cols;
-  // Tasks of whole tiles of rows, several per thread so uneven progress evens out.
+  // Tasks of whole tiles of rows, two per thread: a thread that starts late still finds
+  // work, and each task's streams through W stay long (shorter ones, from more tasks,
+  // leave the hardware prefetchers less to follow).
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t tiles = (p.O + kRowTile - 1) / kRowTile;
-  const int64_t chunk = kRowTile * std::max<int64_t>(2, tiles / (threads * 8) + 1);
+  const int64_t chunk = kRowTile * std::max<int64_t>(2, tiles / (threads * 2) + 1);
   const Problem pr = p;
   RunTasks(pool, (p.O + chunk - 1) / chunk, [pr, chunk](int64_t c) {
     Rows(pr, c * chunk, std::min(pr.O, (c + 1) * chunk));
