@@ -116,8 +116,11 @@ inline void Dequant512(const Problem& p, int64_t o, int64_t b, __m512& lo, __m51
 
 // The sums of four vectors' lanes, in order.
 inline __m128 Sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  // 128-bit lanes: ab = (a0 + a2, a1 + a3, b0 + b2, b1 + b3), cd alike.
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44),
+                                  _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44),
+                                  _mm512_shuffle_f32x4(c, d, 0xEE));
   // 128-bit lane k now holds four partial sums of the k-th vector.
   const __m512 abcd = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88),
                                     _mm512_shuffle_f32x4(ab, cd, 0xDD));
@@ -346,7 +349,8 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   std::vector<float> x_aligned;
   if (reinterpret_cast<uintptr_t>(p.x) % 32) {
     x_aligned.resize(p.M * p.I + 8);
-    float* start = x_aligned.data() + (8 - reinterpret_cast<uintptr_t>(x_aligned.data()) / 4 % 8) % 8;
+    const uintptr_t address = reinterpret_cast<uintptr_t>(x_aligned.data());
+    float* start = x_aligned.data() + (8 - address / sizeof(float) % 8) % 8;
     std::memcpy(start, p.x, sizeof(float) * p.M * p.I);
     p.x = start;
   }
