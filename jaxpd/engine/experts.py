@@ -13,7 +13,9 @@ dp, tp inside is GSPMD's), so a sparse layer:
    replicated over tp), then one psum over tp;
 3. reduce-scatters the sums over dp, each shard getting back its own rows.
 
-Only activations cross devices, never an expert's weights. The prefill mesh has no dp:
+Only activations cross devices, never an expert's weights. An expert weight kept
+quantized (`models.moe`) splits the same way: each of its parts leads with the expert,
+so a device holds its experts' blocks and their scales. The prefill mesh has no dp:
 its experts are tensor-parallel over `expert_mlp` instead, under GSPMD.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ import functools
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxpd.models.moe import grouped_experts
+from jaxpd.models.moe import grouped_experts, num_held
 from jaxpd.sharding.compat import shard_map
 
 EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
@@ -42,8 +44,8 @@ def param_specs(params, rules):
     experts), everything else whole (replicated over dp)."""
     split = P("dp") if "dp" in _axes(rules) else P()
 
-    def spec(path, _):
-        return split if getattr(path[-1], "key", None) in EXPERT_WEIGHTS else P()
+    def spec(path, _):   # a quantized expert weight's parts all lead with the expert
+        return split if any(getattr(k, "key", None) in EXPERT_WEIGHTS for k in path) else P()
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
@@ -60,7 +62,7 @@ def decode_experts(rules):
     def parallel(x, ids, weights, w_gate, w_up, w_down, first_expert=0, activation="silu"):
         first = 0
         if over_dp:     # this shard holds experts [dp_index * E', (dp_index + 1) * E')
-            first = jax.lax.axis_index("dp") * w_gate.shape[0]
+            first = jax.lax.axis_index("dp") * num_held(w_gate)
             x, ids, weights = (jax.lax.all_gather(a, "dp", tiled=True)
                                for a in (x, ids, weights))
         if over_tp:
@@ -79,6 +81,6 @@ def decode_experts(rules):
 
 
 def _tp_experts(activation, x, ids, weights, w_gate, w_up, w_down, first):
-    first = first + jax.lax.axis_index("tp") * w_gate.shape[0]
+    first = first + jax.lax.axis_index("tp") * num_held(w_gate)
     out = grouped_experts(x, ids, weights, w_gate, w_up, w_down, first, activation)
     return jax.lax.psum(out, "tp")
