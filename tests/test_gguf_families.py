@@ -144,7 +144,8 @@ def test_q8_0_file_keeps_projections_and_experts_quantized(tmp_path, hf_models, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("qtype", [Q.Q4_1, pytest.param(Q.Q4_0, marks=pytest.mark.matrix)])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, pytest.param(Q.Q4_0, marks=pytest.mark.matrix)],
+                         ids=lambda q: q.name)
 def test_kept_experts_give_the_float_paths_tokens(tmp_path, hf_models, bpe, qtype):
     """qwen3moe's eight experts kept in 4-bit blocks against the same file read as
     float: a prompt's grouped matmuls (logits of every position) and the decode steps'
@@ -168,11 +169,13 @@ def test_kept_experts_give_the_float_paths_tokens(tmp_path, hf_models, bpe, qtyp
 
 
 # Serving these families is the default run's in `tests/test_families.py` (from
-# safetensors); serving a GGUF file of them end to end -- kept Q8_0 projections beside
-# float experts split over the decode mesh -- is the `matrix` marker's.
+# safetensors); serving a GGUF file of them end to end -- kept Q8_0 projections and
+# experts, the experts split over the decode mesh (and over the colocated one, which
+# prefills with them kept too) -- is the `matrix` marker's.
 @pytest.mark.slow
 @pytest.mark.matrix
 @pytest.mark.parametrize("name,mesh", [("qwen2_moe_gguf", "prefill=2,decode=2x2"),
+                                       ("qwen3_moe", "colocated=4"),
                                        ("gemma3_gguf", "prefill=2,decode=2")])
 def test_llm_serves_a_q8_0_file(tmp_path, hf_models, bpe, name, mesh):
     from jaxpd import LLM, SamplingParams
