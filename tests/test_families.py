@@ -234,6 +234,48 @@ def test_expert_parallel_dispatch_equals_the_grouped_matmuls(dp, tp, num_experts
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-4)
 
 
+def test_decode_mesh_prefill_runs_experts_where_they_lie():
+    """A prompt prefilled on the decode mesh itself (its `PrefillRunner`, experts split
+    over dp x tp) gives the unsharded prefill's K/V and first token; each device runs
+    its own experts on every token and one psum sums them."""
+    import re
+
+    from jax.sharding import Mesh
+
+    from jaxpd.engine.placement import place_params
+    from jaxpd.engine.runner import CompileCounter, PrefillRunner
+    from jaxpd.engine.sampler import SamplingArrays
+    from jaxpd.models.llama import init_params
+
+    cfg = ModelConfig.from_hf_dict({
+        "model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32})
+    params = init_params(cfg)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
+    placed, rules, fused = place_params(cfg, params, mesh, jnp.float32, fuse=True)
+    assert dict(rules)["experts"] == ("dp", "tp")
+    runner = PrefillRunner(cfg, placed, mesh, rules, 16, CompileCounter(), fused=fused,
+                           name="local_prefill")
+    tokens = np.asarray(_prompts(cfg.vocab_size)[-2][:16], np.int32)[None]
+    lengths = np.asarray([16], np.int32)
+    program = runner.run_program(tokens, lengths, SamplingArrays.empty(1))
+    compiled = program.fn.lower(*program.args).compile()
+    first, _, k, v = compiled(*program.args)
+    logits, k_ref, v_ref = jax.jit(lambda p, t, n: Llama(cfg).apply(
+        {"params": p}, t, n, method=Llama.prefill))(params, jnp.asarray(tokens),
+                                                     jnp.asarray(lengths))
+    np.testing.assert_allclose(np.asarray(k), np.asarray(k_ref), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(v), np.asarray(v_ref), atol=1e-5)
+    assert int(np.asarray(first)[0]) == int(jnp.argmax(logits[0]))
+    # The sparse layers' collectives: one psum of their outputs each, nothing gathered
+    # (GSPMD's own split of the grouped matmuls gathers group sizes and permutes).
+    collectives = re.findall(r"= \S+ (all-gather|all-reduce|all-to-all|collective-permute)"
+                             r"\(.*op_name=\"[^\"]*_experts/", compiled.as_text())
+    assert collectives == ["all-reduce"] * cfg.num_layers
+
+
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (40, 3.0), (300, None)])
 def test_windowed_attention_with_a_prefix_equals_one_masked_softmax(window, softcap):
     """The reference cores' window and softcap against a direct masked softmax over the

@@ -13,6 +13,11 @@ dp, tp inside is GSPMD's), so a sparse layer:
    replicated over tp), then one psum over tp;
 3. reduce-scatters the sums over dp, each shard getting back its own rows.
 
+A prompt prefilled on the decode mesh itself (its own `PrefillLoop`) runs under GSPMD
+with every token on every device (`held_experts`): each device runs its experts on
+all the pairs and one psum over the expert axes sums them, so there is nothing to
+gather or scatter.
+
 Only activations cross devices, never an expert's weights. An expert weight kept
 quantized (`models.moe`) splits the same way: each of its parts leads with the expert,
 so a device holds its experts' blocks and their scales. The prefill mesh has no dp:
@@ -84,3 +89,31 @@ def _tp_experts(activation, x, ids, weights, w_gate, w_up, w_down, first):
     first = first + jax.lax.axis_index("tp") * num_held(w_gate)
     out = grouped_experts(x, ids, weights, w_gate, w_up, w_down, first, activation)
     return jax.lax.psum(out, "tp")
+
+
+def held_experts(rules, mesh):
+    """The `experts` callable for a GSPMD program on a decode mesh whose tokens are
+    replicated (a prompt prefilled on the decode mesh), params placed by the mesh's
+    rules: each device runs the experts it holds on every (token, expert) pair, then a
+    psum over the axes `experts` maps to. The plain grouped matmuls where experts are
+    not split (GSPMD would otherwise gather the split expert weights)."""
+    axes = _axes(rules)
+    if not axes:
+        return grouped_experts
+    split, whole = P(axes), P()
+
+    def parallel(x, ids, weights, w_gate, w_up, w_down, first_expert=0, activation="silu"):
+        return shard_map(functools.partial(_own_experts, axes, mesh.shape, activation),
+                         mesh=mesh, in_specs=(whole,) * 3 + (split,) * 3 + (whole,),
+                         out_specs=whole, check_vma=False)(
+            x, ids, weights, w_gate, w_up, w_down, first_expert)
+    return parallel
+
+
+def _own_experts(axes, sizes, activation, x, ids, weights, w_gate, w_up, w_down, first):
+    index = 0
+    for axis in axes:     # the experts' split is major to minor in `axes`' order
+        index = index * sizes[axis] + jax.lax.axis_index(axis)
+    first = first + index * num_held(w_gate)
+    out = grouped_experts(x, ids, weights, w_gate, w_up, w_down, first, activation)
+    return jax.lax.psum(out, axes)
