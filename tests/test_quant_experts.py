@@ -7,6 +7,8 @@ blocks. The loaded files are `tests/test_gguf_families.py`'s.
 Tolerance: a kept weight holds exactly the values its dequantized float holds, so
 outputs differ only by summation order (rtol 1e-5 on outputs of size ~100s).
 """
+import functools
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -54,14 +56,19 @@ def _close(got, want):
                                    pytest.param(Q.Q4_1, marks=pytest.mark.matrix)],
                          ids=lambda q: q.name)
 def test_kept_experts_equal_their_float_weights(qtype):
-    """Two tokens (4 pairs, fewer than the 8 experts: each pair gathers its expert's
-    blocks) and nine (grouped matmuls over the experts held)."""
+    """Two tokens and nine (4 and 18 pairs): with the native CPU product (where it is
+    built) every pair's blocks go through the kernel; the jnp form gathers the 4 pairs'
+    blocks and runs the 18 as grouped matmuls over the experts held (the loaded
+    files' tests run the jnp form whatever is built)."""
     kept, floats = _experts(8, qtype)
     assert num_held(kept[0]) == 8
     run = jax.jit(grouped_experts)
+    product = run
+    if quant.native_available():
+        product = jax.jit(functools.partial(grouped_experts, native=quant.native_matmul))
     for t in (2, 9):
         x, ids, weights = _tokens(t, 8, 2)
-        _close(run(x, ids, weights, *kept), run(x, ids, weights, *floats))
+        _close(product(x, ids, weights, *kept), run(x, ids, weights, *floats))
 
 
 # Experts over dp x tp in the default run; over tp or dp alone in the matrix.
@@ -80,7 +87,7 @@ def test_kept_experts_split_over_a_decode_mesh(dp, tp, num_experts, axis):
     assert dict(rules)["experts"] == axis
     kept, floats = _experts(num_experts, Q.Q4_1)
     x, ids, weights = _tokens(8, num_experts, min(2, num_experts))
-    expected = grouped_experts(x, ids, weights, *floats)
+    expected = jax.jit(grouped_experts)(x, ids, weights, *floats)
     shardings = named_shardings({"layers_0": {n: AXES[n] for n in NAMES}}, mesh, rules)
     params = quant.place({"layers_0": dict(zip(NAMES, kept))}, shardings)
     gate = params["layers_0"]["experts_gate"]

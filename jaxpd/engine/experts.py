@@ -54,14 +54,22 @@ def param_specs(params, rules):
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def decode_experts(rules):
+def decode_experts(rules, native=None):
     """The `experts` callable (`moe.grouped_experts`'s signature) for a program run
     inside a decode mesh's dp `shard_map`, its params split by `param_specs`:
     expert-parallel over the axes `experts` maps to; the plain grouped matmuls when
-    experts are not split."""
+    experts are not split. `native`: the product of quantized weights the mesh runs
+    (`models.quant.native_matmul`, only where there is no tp) or None."""
     axes = _axes(rules)
+    if native is not None:
+        grouped = functools.partial(grouped_experts, native=native)
+        if "tp" in axes:
+            raise ValueError("the native product of quantized weights is opaque to GSPMD: "
+                             "it cannot serve experts split over tp")
+    else:
+        grouped = grouped_experts
     if not axes:
-        return grouped_experts
+        return grouped
     over_dp, over_tp = "dp" in axes, "tp" in axes
 
     def parallel(x, ids, weights, w_gate, w_up, w_down, first_expert=0, activation="silu"):
@@ -78,7 +86,7 @@ def decode_experts(rules):
                             in_specs=(whole, whole, whole, split, split, split, whole),
                             out_specs=whole)(x, ids, weights, w_gate, w_up, w_down, first)
         else:
-            out = grouped_experts(x, ids, weights, w_gate, w_up, w_down, first, activation)
+            out = grouped(x, ids, weights, w_gate, w_up, w_down, first, activation)
         if over_dp:
             out = jax.lax.psum_scatter(out, "dp", scatter_dimension=0, tiled=True)
         return out

@@ -256,8 +256,8 @@ class DecodeRunner:
         attention = decode_attention(attention_impl, attention_interpret)
         if attention_impl != "reference":
             attention = kernel_per_tp_shard(attention, kv_axis)
-        model = Llama(cfg, dtype, fused, attention, experts=decode_experts(rules),
-                      qmatmul=quant_matmul)
+        model = Llama(cfg, dtype, fused, attention,
+                      experts=decode_experts(rules, quant_matmul), qmatmul=quant_matmul)
         # jax's varying-axes check cannot type a kernel's output.
         check_vma = attention_impl == "reference" and quant_matmul is None
 
