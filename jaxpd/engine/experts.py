@@ -103,8 +103,9 @@ def held_experts(rules, mesh):
     """The `experts` callable for a GSPMD program on a decode mesh whose tokens are
     replicated (a prompt prefilled on the decode mesh), params placed by the mesh's
     rules: each device runs the experts it holds on every (token, expert) pair, then a
-    psum over the axes `experts` maps to. The plain grouped matmuls where experts are
-    not split (GSPMD would otherwise gather the split expert weights)."""
+    psum over the axes `experts` maps to, where GSPMD's own split of the grouped
+    matmuls would gather group sizes and permute between devices in every sparse
+    layer. The plain grouped matmuls where experts are not split."""
     axes = _axes(rules)
     if not axes:
         return grouped_experts
