@@ -117,7 +117,8 @@ def grouped_experts(x_TD: jnp.ndarray, ids_TK: jnp.ndarray, weights_TK: jnp.ndar
     weight = jnp.where(held, weights_TK.reshape(-1), 0.0)
     # With the native product a pair costs one pass over its expert's blocks, so a
     # decode step's pairs gather up to the rows the kernel serves.
-    gather_max = max(e, NATIVE_MAX_ROWS) if native and is_quantized(w_gate_EDF) else e
+    gather_max = (max(e, NATIVE_MAX_ROWS) if native is not None and is_quantized(w_gate_EDF)
+                  else e)
     if t * k <= gather_max:
         # Fewer pairs than experts (a decode step of a few tokens): each pair reads its
         # own expert's weights, no more than the routed experts' bytes; grouped
