@@ -133,9 +133,15 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
             watch.stop()
         if http is not None:
             http.service.draining = True
+        why = f"this {service.role} worker is shutting down"
+        server.announce_draining(why)        # the router stops choosing it now
         if service.migration is not None and service.error is None:
-            service.migration.drain(time.monotonic() + shutdown_timeout_s,
-                                    "this decode worker is shutting down")
+            outbox = service.migration
+            outbox.drain(time.monotonic() + shutdown_timeout_s, why)
+            s = current[0].stats()
+            say(f"jaxpd decode worker drained: {outbox.num_sent} requests moved out, "
+                f"{outbox.num_failed} moves failed, {outbox.num_dropped} dropped unasked; "
+                f"{s.slots_active} slots and {s.pages_used} pages still in use")
         server.stop(shutdown_timeout_s)
         if http is not None:
             http.stop(0)
