@@ -213,7 +213,7 @@ class EngineConfig:
     migrate_on_drain: bool = knob(
         False, "Decode role: when this worker drains (SIGTERM, a role switch), each decoding "
         "request moves to another decode worker with its KV and sampling state and goes on "
-        "from its next token, instead of being prefilled again there (gRPC KV transport; "
+        "from its next token, instead of being prefilled again there (either KV transport; "
         "a move that fails falls back to the prefill). Warms the page-take programs.")
     kv_part_timeout_s: float = knob(
         30.0, "Decode side: a layer-wise part overdue by this long fails its transfer (the "

@@ -295,12 +295,3 @@ def test_a_drained_decode_worker_migrates_its_streams_behind_a_router(tiny_hf_mo
             if service.migration is not None:
                 service.migration.close()
             llm.shutdown()
-
-
-def test_migrate_on_drain_needs_the_grpc_kv_stream():
-    import threading
-
-    from jaxpd.serving.worker import serve_role
-    with pytest.raises(ValueError, match="kv_transport grpc"):
-        serve_role("decode", None, "127.0.0.1", 0, None, "transfer_server", threading.Event(),
-                   print, {"migrate_on_drain": True})

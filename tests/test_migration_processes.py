@@ -1,5 +1,6 @@
 """Live migration across processes: router, a prefill worker and two decode workers
-(`python -m jaxpd.launch`, gRPC KV stream, `--migrate_on_drain`). SIGTERM to the decode
+(`python -m jaxpd.launch`, `--migrate_on_drain`) on the default KV transport, the JAX
+transfer server (the in-process tests move KV over the gRPC stream). SIGTERM to the decode
 worker holding streams moves them to the other one with their KV: every stream
 finishes with transformers' greedy tokens, the prefill worker computes no prompt again,
 the drained worker says so in its heartbeat and leaves holding no page, and the other
@@ -41,7 +42,7 @@ def test_sigterm_migrates_a_decode_workers_streams_across_processes(tiny_hf_mode
     prompts = [[3 + (7 * i + 5 * j) % 250 for j in range(12 + 9 * i)] for i in range(4)]
     max_tokens = [150 - len(p) for p in prompts]
     expected = reference(hf, prompts, max_tokens)
-    addr, router, workers = deployment(procs, path, num_decode=2, transport="grpc",
+    addr, router, workers = deployment(procs, path, num_decode=2,
                                        extra=MIGRATE, router_extra=PATIENT_ROUTER)
     clients = [RoleClient(procs.wait_line(w, r"worker on (\S+)").group(1)) for w in workers]
     prefill, decoders = clients[0], clients[1:]

@@ -51,9 +51,6 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
             return follow_leader(role, model, plan, stop, say, llm_options)
     auth.check_bind(host, f"the {role} worker")
     migrate = bool(llm_options.get("migrate_on_drain"))
-    if migrate and transport != "grpc":
-        raise ValueError("--migrate_on_drain moves KV over the gRPC stream: use it with "
-                         "--kv_transport grpc")
     if migrate and plan is not None:
         raise ValueError("--migrate_on_drain is not supported on a mesh spanning processes")
     connector, kv_address = make_connector(role, transport, host, auth, kv_offer_hosts)
@@ -88,8 +85,14 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
     server = RoleServer(service, host, port, auth)
 
     def outbox(engine, new_role: str):
-        """A decode worker's running requests move out with their KV as it drains."""
-        return MigrationOutbox(engine, auth) if migrate and new_role == "decode" else None
+        """A decode worker's running requests move out with their KV as it drains, sent
+        as a prefill worker sends KV on this transport."""
+        if not migrate or new_role != "decode":
+            return None
+        return MigrationOutbox(
+            engine, auth, one_device=transport == "transfer_server",
+            make_sender=lambda: make_connector("prefill", transport, host, auth,
+                                               kv_offer_hosts)[0])
 
     service.migration = outbox(llm.engine, role)
     current, http = [llm], None
