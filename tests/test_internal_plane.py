@@ -240,15 +240,18 @@ def test_a_worker_whose_heartbeat_says_draining_gets_no_new_request(router, fake
     draining, spare = fakes(free_slots=100), fakes(free_slots=1)
     for w in (draining, spare):
         w.register(address)
-    register(address, draining.info, draining.load, AUTH, timeout=5,
-             draining="this decode worker is shutting down")
+    answer = register(address, draining.info, draining.load, AUTH, timeout=5,
+                      draining="this decode worker is shutting down")
+    assert answer["decode_peers"] == 1       # where its running requests could move
     outs = router.generate(prompt_token_ids=[[1, 2], [3], [4, 5, 6]],
                            sampling_params=SamplingParams(max_tokens=2, **GREEDY))
     assert [o.token_ids for o in outs] == [[7, 7]] * 3
     assert (draining.decode_calls, spare.decode_calls) == (0, 3)
     assert set(router.live_workers()) == {draining.info.address, spare.info.address}
     assert [w["address"] for w in router.worker_loads()] == [spare.info.address]
-    spare.stop_heartbeat()
+    # The spare drains too: nowhere left to move to (its requests finish in place).
+    answer = register(address, spare.info, spare.load, AUTH, timeout=5, draining="switching")
+    assert answer["decode_peers"] == 0
     draining.register(address)                   # a beat without it: chosen again
     router.generate(prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(max_tokens=2,
                                                                              **GREEDY))

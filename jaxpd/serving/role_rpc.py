@@ -18,7 +18,8 @@ Python (msgpack, grpc, no jax): the router process imports this.
                       the same devices, and answers its new epoch (`role_switch`)
   Register  unary     (served by the router's internal port) `WorkerInfo` fields +
                       address + load [+ draining: why it takes no new request],
-                      every `heartbeat_s` -> {"lease_s"}
+                      every `heartbeat_s` -> {"lease_s"} [+ a draining decode
+                      worker's "decode_peers": others its requests could move to]
 
 Every router -> worker call but Info names the worker's `epoch` as the router knows
 it (`WorkerInfo.epoch`, 1 at start, one more per role switch); a worker refuses a

@@ -411,21 +411,27 @@ class RoleServer:
         t.start()
         return t
 
-    def announce_draining(self, why: str) -> None:
+    def announce_draining(self, why: str) -> int | None:
         """Take no new request (`RoleService.stopping`) and tell the router now, in one
         heartbeat out of turn, so it stops choosing this worker before its next beat
-        (the next ones say it too). Best effort: a router that does not answer learns it
-        from the next beat, or drops the worker when its lease runs out."""
+        (the next ones say it too). Returns the other decode workers the router could
+        move this one's requests to, as it answered; None when it did not answer (or
+        this worker registers with none). Best effort: a router that does not answer
+        learns it from the next beat, or drops the worker when its lease runs out."""
         self.service.stopping = why
         if self._router is None or self.refused is not None or self.service.error is not None:
-            return
+            return None
         address, heartbeat_s = self._router
         try:
-            register(address, self.service.info(self.address), self.service.load(), self.auth,
-                     timeout=max(heartbeat_s, 2.0), draining=why)
+            answer = register(address, self.service.info(self.address), self.service.load(),
+                              self.auth, timeout=max(heartbeat_s, 2.0), draining=why)
         except grpc.RpcError as e:
             _log.warning("could not tell router %s that this worker drains: %s", address,
                          e.code())
+            return None
+        peers = answer.get("decode_peers") if isinstance(answer, dict) else None
+        ok = isinstance(peers, int) and not isinstance(peers, bool) and peers >= 0
+        return peers if ok else None
 
     def stop(self, grace: float = 5.0) -> None:
         """Health NOT_SERVING and new calls refused; calls in flight get `grace` seconds,

@@ -155,10 +155,13 @@ class Router(Frontend):
         refusal = self.admit(info, load, draining=draining)
         if refusal is not None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+        answer = {"lease_s": self.config.lease_s}
+        if draining is not None and info.role == "decode":
+            answer["decode_peers"] = self.workers.decode_peers(info.address, info.model)
         if self.prefix is None or prefix is None:
-            return {"lease_s": self.config.lease_s}
+            return answer
         applied = self.prefix.advertise(info.address, prefix)
-        return {"lease_s": self.config.lease_s, "resync": not applied}
+        return {**answer, "resync": not applied}
 
     def admit(self, info: WorkerInfo, load: dict, static: bool = False,
               draining: str | None = None) -> str | None:

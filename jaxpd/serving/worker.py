@@ -137,8 +137,10 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
         if http is not None:
             http.service.draining = True
         why = f"this {service.role} worker is shutting down"
-        server.announce_draining(why)        # the router stops choosing it now
-        if service.migration is not None and service.error is None:
+        peers = server.announce_draining(why)        # the router stops choosing it now
+        # With no other decode worker to go to, its requests finish here instead (up to
+        # the grace period) rather than be cut out for a move nobody can take.
+        if service.migration is not None and service.error is None and peers != 0:
             outbox = service.migration
             outbox.drain(time.monotonic() + shutdown_timeout_s, why)
             s = current[0].stats()

@@ -170,6 +170,11 @@ class WorkerPool:
                     if w.choosable and w.role == role and w.address not in exclude
                     and (model is None or w.info.model == model)]
 
+    def decode_peers(self, address: str, model: str) -> int:
+        """Decode workers of fingerprint `model` but the one at `address` that the router
+        may choose: where a draining decode worker's requests could move."""
+        return len(self.live("decode", (address,), model))
+
     def live_models(self) -> dict[str, set[str]]:
         """fingerprint -> the roles it has live and choosable."""
         models: dict[str, set[str]] = {}
