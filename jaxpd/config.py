@@ -210,11 +210,14 @@ class EngineConfig:
         "group, each as soon as it is computed, overlapping the transfer with the rest of "
         "the prefill; 0 = always whole.", lower_bound=0)
     layerwise_parts: int = knob(4, "Layer groups of a layer-wise transfer.", lower_bound=2)
-    migrate_on_drain: bool = knob(
-        False, "Decode role: when this worker drains (SIGTERM, a role switch), each decoding "
+    migrate_on_drain: bool | None = knob(
+        None, "Decode role: when this worker drains (SIGTERM, a role switch), each decoding "
         "request moves to another decode worker with its KV and sampling state and goes on "
         "from its next token, instead of being prefilled again there (either KV transport; "
-        "a move that fails falls back to the prefill). Warms the page-take programs.")
+        "a move that fails falls back to the prefill; with no other decode worker its "
+        "requests finish in place). Default: on for role workers whose mesh lies in one "
+        "process (--nomigrate_on_drain turns it off); meaningless elsewhere. Warms the "
+        "page-take programs.")
     kv_part_timeout_s: float = knob(
         30.0, "Decode side: a layer-wise part overdue by this long fails its transfer (the "
         "request is prefilled again).", lower_bound=0.001)

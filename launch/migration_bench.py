@@ -62,7 +62,7 @@ def run_mode(mode: str, args, prompts: list[list[int]]) -> dict:
         ([] if args.warmup else ["--nowarmup"]) + \
         args.worker_args.split()
     drain = (["--migrate_on_drain", "--shutdown_timeout_s", "60"] if mode.endswith("migrate")
-             else ["--shutdown_timeout_s", "0"])
+             else ["--nomigrate_on_drain", "--shutdown_timeout_s", "0"])
     workers = [LaunchedWorker(["--role", "prefill", "--mesh", "prefill=1"] + common)]
     workers += [LaunchedWorker(["--role", "decode", "--mesh", "decode=1", "--slots_per_shard",
                                 str(args.streams)] + common + drain) for _ in range(2)]

@@ -1,6 +1,7 @@
 """Live migration across processes: router, a prefill worker and two decode workers
-(`python -m jaxpd.launch`, `--migrate_on_drain`) on the default KV transport, the JAX
-transfer server (the in-process tests move KV over the gRPC stream). SIGTERM to the decode
+(`python -m jaxpd.launch`, `--migrate_on_drain` left at its default: on) on the
+default KV transport, the JAX transfer server (the in-process tests move KV over the
+gRPC stream). SIGTERM to the decode
 worker holding streams moves them to the other one with their KV: every stream
 finishes with transformers' greedy tokens, the prefill worker computes no prompt again,
 the drained worker says so in its heartbeat and leaves holding no page, and the other
@@ -20,7 +21,7 @@ from tests.support.deployments import PATIENT_ROUTER, deployment
 
 pytestmark = pytest.mark.slow
 
-MIGRATE = ["--migrate_on_drain", "--shutdown_timeout_s", "60"]
+PATIENT_DRAIN = ["--shutdown_timeout_s", "60"]      # the moves' deadline: a loaded machine
 
 
 def _stream(stub, prompt, max_tokens, out: list) -> None:
@@ -43,7 +44,7 @@ def test_sigterm_migrates_a_decode_workers_streams_across_processes(tiny_hf_mode
     max_tokens = [150 - len(p) for p in prompts]
     expected = reference(hf, prompts, max_tokens)
     addr, router, workers = deployment(procs, path, num_decode=2,
-                                       extra=MIGRATE, router_extra=PATIENT_ROUTER)
+                                       extra=PATIENT_DRAIN, router_extra=PATIENT_ROUTER)
     clients = [RoleClient(procs.wait_line(w, r"worker on (\S+)").group(1)) for w in workers]
     prefill, decoders = clients[0], clients[1:]
     outs = [[] for _ in prompts]

@@ -50,9 +50,12 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
         if not group.is_leader:
             return follow_leader(role, model, plan, stop, say, llm_options)
     auth.check_bind(host, f"the {role} worker")
-    migrate = bool(llm_options.get("migrate_on_drain"))
+    migrate = llm_options.get("migrate_on_drain")
     if migrate and plan is not None:
         raise ValueError("--migrate_on_drain is not supported on a mesh spanning processes")
+    if migrate is None:                  # the default: on where it is supported
+        migrate = plan is None
+    llm_options = dict(llm_options, migrate_on_drain=migrate)   # warms the take programs
     connector, kv_address = make_connector(role, transport, host, auth, kv_offer_hosts)
     watch = None
     if plan is not None:
