@@ -85,8 +85,13 @@ class HostTier:
         self.stats.add(**{self._names["stored"]: stored})
 
     def restorable(self, hashes: list[bytes]) -> int:
-        """Leading pages of `hashes` the store holds (a hint: `fetch` checks them)."""
-        return self.store.prefix(hashes)
+        """Leading pages of `hashes` the store holds or is being copied (a hint: `fetch`
+        checks them)."""
+        n = self.store.prefix(hashes)
+        copying = {h for pending in list(self._pending) for h in pending[0]}
+        while n < len(hashes) and (hashes[n] in copying or hashes[n] in self.store):
+            n += 1
+        return n
 
     def fetch(self, hashes: list[bytes]) -> list[tuple[np.ndarray, np.ndarray]]:
         """The checked (K, V) of the longest leading run of `hashes` the store holds

@@ -278,16 +278,17 @@ class PrefillCache:
     def hashes(self, token_ids: list[int]) -> list[bytes]:
         return page_hashes(token_ids, self.page_size, self.root) if self.reuse else []
 
-    def admit(self, requests: list[Request], share: bool = True
+    def admit(self, requests: list[Request], share: bool = True, restore: bool = True
               ) -> list[tuple[list[int], int, list[bytes]]]:
         """For each request, in order: (its pages, cached tokens, its full pages'
         hashes), with one reference taken to each page. At least its last token is
         computed (its logits give the first token). `share` False: every page is the
         request's own (nothing cached is used; its pages are still published after).
         Raises `OutOfPages` (nothing taken) only if the pool is smaller than
-        `cache_pages`. With a host tier, the pages continuing a shared prefix that it
-        holds are restored into the request's first own pages and published, and
-        count as cached (`restored_tokens`: how many, over the requests)."""
+        `cache_pages`. With a host tier (and `restore`; else see `restore`), the pages
+        continuing a shared prefix that it holds are restored into the request's first
+        own pages and published, and count as cached (`restored_tokens`: how many, over
+        the requests)."""
         admitted, self.restored_tokens = [], 0
         if self.host is not None:
             self.host.settle()
@@ -303,12 +304,34 @@ class PrefillCache:
                 admitted.append((shared, 0, hashes))
                 own = self.allocator.allocate(pages_for(n, self.page_size) - len(shared))
                 admitted[-1] = (shared + own, len(shared) * self.page_size, hashes)
-                restored = self._restore(own, usable[len(shared):]) if use else 0
+                restored = self._restore(own, usable[len(shared):]) if use and restore else 0
                 admitted[-1] = (shared + own, (len(shared) + restored) * self.page_size, hashes)
         except Exception:
             self.release([pages for pages, _, _ in admitted])
             raise
         return admitted
+
+    def restorable(self, request: Request, row: tuple[list[int], int, list[bytes]]) -> int:
+        """Tokens the host tier could add to the cached prefix of `row` (`admit`'s, made
+        with `restore` False): a hint, `restore` checks."""
+        if self.host is None or request.params.has_penalties:
+            return 0
+        _, cached, hashes = row
+        usable = hashes[cached // self.page_size:(len(request.prefill_ids) - 1) // self.page_size]
+        return self.host.restorable(usable[:self.host.max_pages]) * self.page_size
+
+    def restore(self, requests: list[Request], admitted: list[tuple[list[int], int, list[bytes]]]
+                ) -> list[tuple[list[int], int, list[bytes]]]:
+        """`admitted` (`admit`'s with `restore` False) with what the host tier holds
+        past each row's cached prefix restored into its own pages and counted as
+        cached (`restored_tokens` grows by it)."""
+        out = []
+        for r, (pages, cached, hashes) in zip(requests, admitted):
+            first = cached // self.page_size
+            usable = hashes[first:(len(r.prefill_ids) - 1) // self.page_size]
+            n = 0 if r.params.has_penalties else self._restore(pages[first:], usable)
+            out.append((pages, cached + n * self.page_size, hashes))
+        return out
 
     def _restore(self, own: list[int], hashes: list[bytes]) -> int:
         """Restore the host tier's leading run of `hashes` into the first `own` pages and

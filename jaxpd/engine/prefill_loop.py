@@ -251,14 +251,25 @@ class PrefillLoop:
         no prefix: its hits would save nothing and cost the prefix's attention. So does
         a batch whose program with a prefix is still compiling (`PrefillCache.ready`)."""
         cache, page_size = self.cache, self.page_size
-        admitted = cache.admit(live)
-        length = next(t for t in cache.new_buckets(batch.length, self.scheduler.buckets)
-                      if t >= max((r.num_tokens - c for r, (_, c, _) in zip(live, admitted)),
-                                  default=1))
-        if length < batch.length and not cache.ready(batch.batch_size, length,
-                                                     cache.width(batch.length)):
-            length = batch.length              # its program compiles in the background
-            self.stats.add(prefill_cache_cold_batches=1)
+        # Pool pages now; host tier pages only once the batch will use its prefix.
+        admitted = cache.admit(live, restore=False)
+        try:
+            hint = [row[1] + cache.restorable(r, row) for r, row in zip(live, admitted)]
+            needed = lambda cached: max((r.num_tokens - c for r, c in zip(live, cached)),  # noqa: E731
+                                        default=1)
+            length = next(t for t in cache.new_buckets(batch.length, self.scheduler.buckets)
+                          if t >= needed(hint))
+            if length < batch.length and not cache.ready(batch.batch_size, length,
+                                                         cache.width(batch.length)):
+                length = batch.length          # its program compiles in the background
+                self.stats.add(prefill_cache_cold_batches=1)
+            if length < batch.length and hint != [c for _, c, _ in admitted]:
+                admitted = cache.restore(live, admitted)
+                if needed([c for _, c, _ in admitted]) > length:
+                    length = batch.length      # the store held less than it said
+        except BaseException:
+            cache.release([pages for pages, _, _ in admitted])
+            raise
         if length == batch.length and any(c for _, c, _ in admitted):
             cache.release([pages for pages, _, _ in admitted])
             admitted = cache.admit(live, share=False)
