@@ -21,9 +21,11 @@ runs):
            allocator needs room.
 
 With a host tier (`attach_host`, `prefill_host_cache_gb`), the pages the allocator
-evicts are copied to host memory (`engine.host_tier`), and `admit` restores the ones
-that continue a request's pooled prefix into its own pages (one insert program), then
-publishes them: the batch computes only what follows, as after a pool hit.
+evicts are copied to host memory (`engine.host_tier`), and `restore` (or `admit`
+itself) brings back the ones that continue a request's pooled prefix into its own
+pages (one insert program), then publishes them: the batch computes only what
+follows, as after a pool hit. The prefill loop restores only for a batch that will
+run with its prefix (`restorable` says how much it could get).
 
 References live only within one batch, so a pool of `min_pages` always admits the
 largest batch the scheduler can form (the engine checks the size). Requests with
