@@ -255,8 +255,8 @@ class PrefillLoop:
         admitted = cache.admit(live, restore=False)
         try:
             hint = [row[1] + cache.restorable(r, row) for r, row in zip(live, admitted)]
-            needed = lambda cached: max((r.num_tokens - c for r, c in zip(live, cached)),  # noqa: E731
-                                        default=1)
+            def needed(cached: list[int]) -> int:
+                return max((r.num_tokens - c for r, c in zip(live, cached)), default=1)
             length = next(t for t in cache.new_buckets(batch.length, self.scheduler.buckets)
                           if t >= needed(hint))
             if length < batch.length and not cache.ready(batch.batch_size, length,
