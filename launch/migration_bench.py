@@ -5,11 +5,12 @@
 
 Workers start with --nowarmup; a first run of each mode (`warm_*`, not reported)
 compiles every program the runs need into the persistent compile cache, so the reported
-runs load them from there. Per mode, this script runs a router in this process (it only relays) and starts
-one prefill and two decode workers (`python -m jaxpd.launch`, the built-in model unless
---model, KV over --kv_transport: the JAX transfer server by default, or the gRPC
-stream). N greedy streams are submitted; once every one has `--drain_after` tokens,
-the decode worker holding most of them gets SIGTERM. In `migrate` mode it moves each running request to the other decode worker and exits; in
+runs load them from there. Per mode, this script runs a router in this process (it only
+relays) and starts one prefill and two decode workers (`python -m jaxpd.launch`, the
+built-in model unless --model, KV over --kv_transport: the JAX transfer server by
+default, or the gRPC stream). N greedy streams are submitted; once every one has
+`--drain_after` tokens, the decode worker holding most of them gets SIGTERM. In
+`migrate` mode it moves each running request to the other decode worker and exits; in
 `reprefill` mode (`--shutdown_timeout_s 0`, no migration) its streams are cut and the
 router has each request prefilled again (prompt + output so far) for the other.
 
