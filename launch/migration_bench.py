@@ -11,7 +11,7 @@ built-in model unless --model, KV over --kv_transport: the JAX transfer server b
 default, or the gRPC stream). N greedy streams are submitted; once every one has
 `--drain_after` tokens, the decode worker holding most of them gets SIGTERM. In
 `migrate` mode it moves each running request to the other decode worker and exits; in
-`reprefill` mode (`--shutdown_timeout_s 0`, no migration) its streams are cut and the
+`reprefill` mode (`--nomigrate_on_drain --shutdown_timeout_s 0`) its streams are cut and the
 router has each request prefilled again (prompt + output so far) for the other.
 
 Reported per mode: requests moved off the drained worker; their stall (the longest gap
