@@ -36,6 +36,44 @@ def test_the_other_role_takes_the_same_devices():
             other_mesh(mesh, role)
 
 
+class _Outbox:
+    def __init__(self):
+        self.drained = []
+
+    def drain(self, deadline, why):
+        self.drained.append(why)
+
+
+class _Engine:
+    def is_idle(self):
+        return True
+
+    def shutdown(self, reason):
+        self.reason = reason
+
+
+@pytest.mark.parametrize("peers,moves", [(0, False), (1, True), (None, True)])
+def test_a_switching_decode_worker_migrates_only_where_another_can_take_its_requests(
+        peers, moves):
+    """The router's answer to its draining heartbeat (`decode_peers`): with no other
+    decode worker its requests finish in place; with one, or no answer, they move."""
+    from jaxpd.serving.role_switch import RoleSwitch
+
+    class Service:
+        role, epoch, engine, migration = "decode", 1, _Engine(), _Outbox()
+        asked = []
+
+        def decode_peers(self, why):
+            self.asked.append(why)
+            return peers
+
+    service = Service()
+    RoleSwitch(service, lambda role: (_Engine(), "127.0.0.1:1"), drain_s=1).switch("prefill")
+    assert service.asked == ["this worker is switching from decode to prefill"]
+    assert bool(Service.migration.drained) == moves
+    assert (service.role, service.epoch) == ("prefill", 2)
+
+
 def _start(path, router_address, auth, role, cache=False, migrate=False):
     """An in-process worker of `role` that can switch roles (as `serve_role` builds it);
     `migrate`: as a decode worker, its running requests move out with their KV when it

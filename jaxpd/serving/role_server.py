@@ -82,6 +82,10 @@ class RoleService:
         # (`migration`); None: they are prefilled again elsewhere.
         self.migration: MigrationOutbox | None = None
         self.stopping: str | None = None    # why, once the process is shutting down
+        # Tells the router this worker drains (why) and returns how many other decode
+        # workers it could move its requests to (`RoleServer.tell_draining`); None:
+        # nobody to ask.
+        self.decode_peers: Callable[[str], int | None] | None = None
 
     @property
     def draining(self) -> str | None:
@@ -412,13 +416,18 @@ class RoleServer:
         return t
 
     def announce_draining(self, why: str) -> int | None:
-        """Take no new request (`RoleService.stopping`) and tell the router now, in one
-        heartbeat out of turn, so it stops choosing this worker before its next beat
-        (the next ones say it too). Returns the other decode workers the router could
-        move this one's requests to, as it answered; None when it did not answer (or
-        this worker registers with none). Best effort: a router that does not answer
-        learns it from the next beat, or drops the worker when its lease runs out."""
+        """Take no new request (`RoleService.stopping`) and tell the router now
+        (`tell_draining`)."""
         self.service.stopping = why
+        return self.tell_draining(why)
+
+    def tell_draining(self, why: str) -> int | None:
+        """Tell the router now, in one heartbeat out of turn, that this worker drains,
+        so it stops choosing it before its next beat. Returns the other decode workers
+        the router could move this one's requests to, as it answered; None when it did
+        not answer (or this worker registers with none). Best effort: a router that
+        does not answer learns it from the next beat (which says it while the worker
+        drains), or drops the worker when its lease runs out."""
         if self._router is None or self.refused is not None or self.service.error is not None:
             return None
         address, heartbeat_s = self._router

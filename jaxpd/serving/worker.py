@@ -98,6 +98,7 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
                                                kv_offer_hosts)[0])
 
     service.migration = outbox(llm.engine, role)
+    service.decode_peers = server.tell_draining
     current, http = [llm], None
 
     def rebuild(new_role: str):
