@@ -258,6 +258,7 @@ def test_quantized_weights_shard_like_their_float_weights(tmp_path, hf_llama, bp
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_int8_from_float_params_fuses_and_projects():
     from jaxpd.models.config import ModelConfig
     from jaxpd.models.llama import init_params

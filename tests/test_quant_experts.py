@@ -52,6 +52,7 @@ def _close(got, want):
 
 
 # Q4_1 and Q8_0 run in the loaded files' tests; every format shares `quant`'s unpacking.
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", [Q.Q4_0, pytest.param(Q.Q8_0, marks=pytest.mark.matrix),
                                    pytest.param(Q.Q4_1, marks=pytest.mark.matrix)],
                          ids=lambda q: q.name)
