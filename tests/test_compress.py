@@ -59,6 +59,7 @@ def test_fp8_error_is_within_its_mantissa_precision():
     assert np.all(np.abs(y - np.asarray(x)) <= bound * (1 + 1e-5))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_bytes_before_and_after_and_zero_pages(kind):
     for dtype, itemsize in ((jnp.float32, 4), (jnp.bfloat16, 2)):

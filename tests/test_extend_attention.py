@@ -33,6 +33,7 @@ def test_new_tokens_after_a_prefix_attend_as_one_causal_sequence():
         np.testing.assert_allclose(out[row], want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cached_pages", [0, 2])
 def test_extend_equals_a_full_forward_and_writes_the_prefills_pages(cached_pages):
     """A prompt whose first `cached_pages` pages are in the pool (written by a plain

@@ -141,6 +141,7 @@ def test_decode_roofline_reads_only_routed_experts(hf_models):
     assert many - kv * 10_000 == pytest.approx(cfg.num_params * 4)
 
 
+@pytest.mark.slow
 def test_sliding_window_and_softcap_change_the_output(hf_models):
     """The Gemma fixtures' prompts reach past the window: without it (or without the
     softcaps) the logits differ, so the parity tests do check them."""

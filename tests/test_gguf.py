@@ -133,6 +133,7 @@ def test_tied_embeddings_and_qwen2_bias_match_transformers(tmp_path, hf_models, 
     assert loaded.cfg.attention_bias == (arch == "qwen2")
 
 
+@pytest.mark.slow
 def test_qwen3_gguf_matches_the_source_model_and_transformers(tmp_path, hf_models, bpe):
     """Qwen3's q/k norms come from `attn_q_norm`/`attn_k_norm`, its q/k rows unpermuted."""
     hf_model = hf_models("qwen3", vocab_size=len(bpe[0]))[1]

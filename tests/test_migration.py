@@ -117,6 +117,7 @@ def test_migrated_requests_finish_elsewhere_token_identically(engines):
     assert len(source.engine.requests) == 0
 
 
+@pytest.mark.slow
 def test_a_forged_migration_installs_nothing(engines):
     source, target, address, sender = engines
     cfg = target.model_config

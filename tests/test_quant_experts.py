@@ -73,6 +73,7 @@ def test_kept_experts_equal_their_float_weights(qtype):
 
 
 # Experts over dp x tp in the default run; over tp or dp alone in the matrix.
+@pytest.mark.slow
 @pytest.mark.parametrize("dp,tp,num_experts,axis", [
     (2, 2, 8, ("dp", "tp")), pytest.param(2, 2, 2, "tp", marks=pytest.mark.matrix),
     pytest.param(4, 1, 4, "dp", marks=pytest.mark.matrix)])
@@ -105,6 +106,7 @@ def test_kept_experts_split_over_a_decode_mesh(dp, tp, num_experts, axis):
     _close(got, expected)
 
 
+@pytest.mark.slow
 def test_kept_experts_tensor_parallel_on_a_prefill_mesh():
     """No dp: every expert's hidden size splits over tp (gate/up's output channels,
     down's blocks, each with its scales), under GSPMD."""

@@ -109,6 +109,7 @@ def test_chunked_prefill_budget_is_one_chunk():
                         max_prefill_tokens=8192).max_prefill_tokens == 8192
 
 
+@pytest.mark.slow
 def test_a_long_prompt_waits_for_its_chunk_programs_short_ones_go(cold_llm):
     cache = cold_llm.engine.prefill_cache
     greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
