@@ -257,6 +257,11 @@ class EngineConfig:
     compile_threads: int | None = knob(
         None, "Threads compiling warm-up's programs at once (XLA compiles one program on "
         "one core; default: the host's CPU count, at most 4).", lower_bound=1)
+    scan_layers: bool = knob(
+        True, "Run each run of identical decoder layers as one jax.lax.scan over their "
+        "stacked weights, so XLA compiles one layer body instead of every layer (a much "
+        "shorter warm-up at the same step time); off: every layer unrolled. A prefill "
+        "mesh sending layer-wise keeps its layers unrolled.")
 
     def __post_init__(self):
         object.__setattr__(self, "mesh", parse_mesh_spec(self.mesh))

@@ -201,18 +201,21 @@ class Engine:
     def _serving(self) -> bool:
         return not (self._stop.is_set() or self._paused.is_set())
 
-    def _params_on(self, c: EngineConfig, mesh, fuse: bool, prefill_only: bool = False):
+    def _params_on(self, c: EngineConfig, mesh, fuse: bool, prefill_only: bool = False,
+                   scan: bool = True):
         """(params on `mesh`, its logical rules, whether fused: `engine.placement`; the
         attention kernels for its devices: `resolve_attention_impl`). A CPU mesh that
         only prefills gets quantized weights as float: a prompt's many rows are
         compute-bound, and XLA:CPU's product of the jnp form unpacks every weight on
-        every call."""
+        every call. Runs of equal layers are stacked to be scanned where
+        `scan_layers` and `scan` say so (layer-wise prefill passes each layer's params)."""
         platform = self.lower_for or mesh.devices.flat[0].platform
         params = self.model.params
         if prefill_only and platform == "cpu":
             from jaxpd.models import quant
             params = quant.dequantize_params(params)
-        return (*place_params(self.model.cfg, params, mesh, self.dtype, fuse=fuse),
+        return (*place_params(self.model.cfg, params, mesh, self.dtype, fuse=fuse,
+                              scan=c.scan_layers and scan),
                 resolve_attention_impl(c.attention_impl, platform, c.attention_interpret,
                                        c.dtype, self.model.cfg.head_dim))
 
@@ -263,7 +266,8 @@ class Engine:
     def _build_prefill(self, p: Phases) -> None:
         c, mesh, topology = p.config, p.meshes.prefill, p.topology
         params, rules, fused, attention = self._params_on(c, mesh, fuse=False,
-                                                          prefill_only=True)
+                                                          prefill_only=True,
+                                                          scan=not topology.layerwise)
         p.prefill_runner = lead(PrefillRunner(
             self.model.cfg, params, mesh, rules, c.page_size, self.counter, self.dtype,
             fused=fused, gather_pages=bool(self.plan and not self.plan.offers),

@@ -40,10 +40,14 @@ def param_specs(params, rules):
     """The `shard_map` in_specs over dp of a decode program's params: expert weights
     split over dp where the rules split experts over it (each shard gets its own
     experts), everything else whole (replicated over dp)."""
-    split = P("dp") if "dp" in _axes(rules) else P()
+    over_dp = "dp" in _axes(rules)
 
     def spec(path, _):
-        return split if getattr(path[-1], "key", None) in EXPERT_WEIGHTS else P()
+        if not over_dp or getattr(path[-1], "key", None) not in EXPERT_WEIGHTS:
+            return P()
+        # A stacked run (`models.llama.stack_layers`) leads with its layer axis.
+        stacked = str(getattr(path[0], "key", "")).startswith("stack_")
+        return P(None, "dp") if stacked else P("dp")
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
