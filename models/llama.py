@@ -327,16 +327,16 @@ class Llama(nn.Module):
         for start, stop in layer_runs(self.cfg):
             key = stack_key(start, stop)
             if stop - start > 1 and key in params:
-                block = Block(self.cfg, self.dtype, self.fused, self.cfg.is_sparse(start),
-                              self.experts, self.qmatmul, parent=None)
-
-                def body(carry, xs, block=block, start=start):
-                    p, i = xs
+                def body(carry, i, stacked=params[key], start=start):
                     x, state = carry
+                    p = jax.tree.map(lambda a: a[i - start], stacked)
+                    block = Block(self.cfg, self.dtype, self.fused, self.cfg.is_sparse(start),
+                                  self.experts, _in_stack(self.qmatmul, stacked, p, i - start),
+                                  parent=None)
                     x, state, out = layer_fn(_Applied(block, p), i, start, x, state)
                     return (x, state), out
-                (x, state), out = jax.lax.scan(
-                    body, (x, state), (params[key], jnp.arange(start, stop, dtype=jnp.int32)))
+                (x, state), out = jax.lax.scan(body, (x, state),
+                                               jnp.arange(start, stop, dtype=jnp.int32))
                 outs.append(out)
                 continue
             for i in range(start, stop):
@@ -452,6 +452,23 @@ class _Applied:
 
     def finish(self, *args):
         return self.block.apply({"params": self.params}, *args, method=Block.finish)
+
+
+def _in_stack(qmatmul: Callable | None, stacked, layer_params, j):
+    """`qmatmul` for one layer of a scanned run: a quantized weight of `layer_params`
+    (layer j's slices of `stacked`) is multiplied in place in its stack (the kernel's
+    `layer`), so no step copies a layer's weights out of the stack for the kernel. A
+    weight it cannot match goes to `qmatmul` as given."""
+    if qmatmul is None:
+        return None
+    pairs = zip(jax.tree.leaves(layer_params, is_leaf=is_quantized),
+                jax.tree.leaves(stacked, is_leaf=is_quantized))
+    whole = {id(w.data): s for w, s in pairs if is_quantized(w)}
+
+    def product(x, w):
+        s = whole.get(id(w.data))
+        return qmatmul(x, w) if s is None else qmatmul(x, s, layer=j)
+    return product
 
 
 def layer_runs(cfg: ModelConfig) -> tuple[tuple[int, int], ...]:

@@ -12,37 +12,43 @@ from jaxpd.models.config import ModelConfig
 from jaxpd.models.llama import (Llama, fuse_params, init_params, layer_runs, quantize_params,
                                 stack_key, stack_layers, unstack_layers)
 
-BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_heads=4,
-            num_kv_heads=2, head_dim=8, max_position_embeddings=64)
-# Local, local, global, global, global, local: runs of 2, 3 and 1.
-GEMMA = ModelConfig(model_type="gemma3_text", num_layers=6, qk_norm=True, norm_plus_one=True,
-                    hidden_act="gelu_tanh", embed_scale=True, sandwich_norms=True,
-                    sliding_window=5, rope_local_theta=10000.0,
-                    sliding_layers=(True, True, False, False, False, True), **BASE)
-# One dense layer, then three sparse ones with a shared expert.
-MOE = ModelConfig(model_type="qwen2_moe", num_layers=4, num_experts=4, num_experts_per_tok=2,
-                  moe_intermediate_size=16, shared_expert_intermediate_size=24,
-                  sparse_layers=(False, True, True, True), **BASE)
+# Local attention on layers 0-2, experts (and a shared one) on layers 2-5: runs of two
+# local dense layers, one local sparse and three global sparse ones.
+MIXED = ModelConfig(model_type="qwen2_moe", vocab_size=64, hidden_size=32, intermediate_size=48,
+                    num_layers=6, num_heads=4, num_kv_heads=2, head_dim=8,
+                    max_position_embeddings=64, qk_norm=True, sliding_window=5,
+                    rope_local_theta=10000.0, sliding_layers=(True,) * 3 + (False,) * 3,
+                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                    shared_expert_intermediate_size=24, sparse_layers=(False,) * 2 + (True,) * 4)
 PAGE, PAGES = 4, 24
 
 
-def test_runs_split_at_every_change_of_kind():
-    assert layer_runs(GEMMA) == ((0, 2), (2, 5), (5, 6))
-    assert layer_runs(MOE) == ((0, 1), (1, 4))
-    params = init_params(MOE)
-    stacked = stack_layers(MOE, params)
-    assert set(stacked) - {"embed_tokens", "norm", "lm_head"} == {"layers_0", stack_key(1, 4)}
-    assert stacked[stack_key(1, 4)]["experts_gate"].shape[0] == 3
-    back = unstack_layers(MOE, stacked)
+@pytest.fixture(scope="module")
+def params():
+    return init_params(MIXED, seed=1)
+
+
+def test_runs_split_at_every_change_of_kind(params):
+    assert layer_runs(MIXED) == ((0, 2), (2, 3), (3, 6))
+    stacked = stack_layers(MIXED, params)
+    assert set(stacked) - {"embed_tokens", "norm", "lm_head"} == {
+        stack_key(0, 2), "layers_2", stack_key(3, 6)}
+    assert stacked[stack_key(3, 6)]["experts_gate"].shape == (3, 4, 32, 16)
+    back = unstack_layers(MIXED, stacked)
     assert jax.tree.structure(back) == jax.tree.structure(params)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back),
+                                                    jax.tree.leaves(params)))
 
 
 def _passes(cfg: ModelConfig, params, fused: bool):
-    """forward logits, then decode and extend through a paged pool: every output."""
+    """forward logits, then extend and decode through a paged pool: every output (one
+    program)."""
+    tokens = np.random.default_rng(0).integers(1, cfg.vocab_size, (2, 12)).astype(np.int32)
+    return jax.jit(lambda p, t: _traced_passes(cfg, p, fused, t))(params, tokens)
+
+
+def _traced_passes(cfg: ModelConfig, params, fused: bool, tokens):
     model = Llama(cfg, jnp.float32, fused)
-    rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 12)), jnp.int32)
     out = {"forward": model.apply({"params": params}, tokens, method=Llama.forward)}
     shape = (cfg.num_layers, PAGES, PAGE, cfg.num_kv_heads, cfg.head_dim)
     pools = jnp.zeros(shape), jnp.zeros(shape)
@@ -61,7 +67,7 @@ def _passes(cfg: ModelConfig, params, fused: bool):
     out["extend_prefix"] = logits
     step_tables = jnp.asarray([[1, 2, 3, 7, 9], [1, 2, 3, 8, 10]], jnp.int32)
     positions = jnp.asarray([16, 15], jnp.int32)
-    for n in range(3):
+    for n in range(2):
         logits, *pools = model.apply({"params": params}, tokens[:, n], positions + n, *pools,
                                      step_tables, method=Llama.decode)
         out[f"decode{n}"] = logits
@@ -69,24 +75,16 @@ def _passes(cfg: ModelConfig, params, fused: bool):
     return out
 
 
-@pytest.mark.parametrize("cfg", [GEMMA, MOE], ids=["gemma3", "moe"])
-@pytest.mark.parametrize("fused", [False, True], ids=["checkpoint", "fused"])
-def test_scanned_equals_unrolled(cfg, fused):
-    params = init_params(cfg, seed=1)
+@pytest.mark.parametrize("layout", ["checkpoint", "fused_int8"])
+def test_scanned_equals_unrolled(params, layout):
+    """forward, extend (with and without a prefix) and decode, local and global layers,
+    dense and sparse: the same logits and pools, in the checkpoint layout and in the
+    decode mesh's (fused, int8 weights: quantized leaves stack too)."""
+    cfg, fused = MIXED, layout != "checkpoint"
     if fused:
-        params = fuse_params(cfg, params)
+        params = fuse_params(cfg, quantize_params(params))
     unrolled = _passes(cfg, params, fused)
     scanned = _passes(cfg, stack_layers(cfg, params), fused)
-    for name, want in unrolled.items():
-        np.testing.assert_allclose(np.asarray(scanned[name]), np.asarray(want),
-                                   rtol=1e-5, atol=1e-5, err_msg=name)
-
-
-def test_quantized_layers_stack_and_scan():
-    cfg = MOE
-    params = quantize_params(init_params(cfg, seed=2))
-    unrolled = _passes(cfg, params, False)
-    scanned = _passes(cfg, stack_layers(cfg, params), False)
     for name, want in unrolled.items():
         np.testing.assert_allclose(np.asarray(scanned[name]), np.asarray(want),
                                    rtol=1e-5, atol=1e-5, err_msg=name)
