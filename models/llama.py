@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpd.models.attention import (causal_attention, gather_pages, paged_attention,
-                                    write_pages, write_prompt_pages)
+                                    paged_attention_at, write_pages, write_prompt_pages)
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.moe import ACTIVATIONS, grouped_experts, route
 from jaxpd.models.quant import (QuantizedWeight, is_quantized, project, quantize_int8,
@@ -388,9 +388,11 @@ class Llama(nn.Module):
             k_pool = write_pages(k_pool, i, k[:, 0], block_tables_BP, positions_B)
             v_pool = write_pages(v_pool, i, v[:, 0], block_tables_BP, positions_B)
             options = attention_options(self.cfg, kind)
-            if options:     # window or softcap: the reference, which takes them
-                attn = paged_attention(q[:, 0], k_pool[i], v_pool[i], block_tables_BP,
-                                       positions_B + 1, **options)
+            if options or self.decode_attention is paged_attention:
+                # The reference (which takes a window and a softcap), read from the
+                # whole pool: a slice of layer i at a traced i would be a copy.
+                attn = paged_attention_at(q[:, 0], k_pool, v_pool, i, block_tables_BP,
+                                          positions_B + 1, **options)
             elif getattr(self.decode_attention, "whole_pool", False):   # reads layer i in place
                 attn = self.decode_attention(q[:, 0], k_pool, v_pool, i, block_tables_BP,
                                              positions_B + 1)

@@ -8,13 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpd.models import quant
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.llama import (Llama, fuse_params, init_params, layer_runs, quantize_params,
                                 stack_key, stack_layers, unstack_layers)
 
 # Local attention on layers 0-2, experts (and a shared one) on layers 2-5: runs of two
 # local dense layers, one local sparse and three global sparse ones.
-MIXED = ModelConfig(model_type="qwen2_moe", vocab_size=64, hidden_size=32, intermediate_size=48,
+MIXED = ModelConfig(model_type="qwen2_moe", vocab_size=64, hidden_size=32, intermediate_size=64,
                     num_layers=6, num_heads=4, num_kv_heads=2, head_dim=8,
                     max_position_embeddings=64, qk_norm=True, sliding_window=5,
                     rope_local_theta=10000.0, sliding_layers=(True,) * 3 + (False,) * 3,
@@ -40,15 +41,15 @@ def test_runs_split_at_every_change_of_kind(params):
                                                     jax.tree.leaves(params)))
 
 
-def _passes(cfg: ModelConfig, params, fused: bool):
+def _passes(cfg: ModelConfig, params, fused: bool, qmatmul=None):
     """forward logits, then extend and decode through a paged pool: every output (one
     program)."""
     tokens = np.random.default_rng(0).integers(1, cfg.vocab_size, (2, 12)).astype(np.int32)
-    return jax.jit(lambda p, t: _traced_passes(cfg, p, fused, t))(params, tokens)
+    return jax.jit(lambda p, t: _traced_passes(cfg, p, fused, qmatmul, t))(params, tokens)
 
 
-def _traced_passes(cfg: ModelConfig, params, fused: bool, tokens):
-    model = Llama(cfg, jnp.float32, fused)
+def _traced_passes(cfg: ModelConfig, params, fused: bool, qmatmul, tokens):
+    model = Llama(cfg, jnp.float32, fused, qmatmul=qmatmul)
     out = {"forward": model.apply({"params": params}, tokens, method=Llama.forward)}
     shape = (cfg.num_layers, PAGES, PAGE, cfg.num_kv_heads, cfg.head_dim)
     pools = jnp.zeros(shape), jnp.zeros(shape)
@@ -79,12 +80,14 @@ def _traced_passes(cfg: ModelConfig, params, fused: bool, tokens):
 def test_scanned_equals_unrolled(params, layout):
     """forward, extend (with and without a prefix) and decode, local and global layers,
     dense and sparse: the same logits and pools, in the checkpoint layout and in the
-    decode mesh's (fused, int8 weights: quantized leaves stack too)."""
-    cfg, fused = MIXED, layout != "checkpoint"
+    decode mesh's (fused, int8 weights: quantized leaves stack too, and the native
+    product reads them in place in the stack where it is built)."""
+    cfg, fused, qmatmul = MIXED, layout != "checkpoint", None
     if fused:
         params = fuse_params(cfg, quantize_params(params))
-    unrolled = _passes(cfg, params, fused)
-    scanned = _passes(cfg, stack_layers(cfg, params), fused)
+        qmatmul = quant.native_matmul if quant.native_available() else None
+    unrolled = _passes(cfg, params, fused, qmatmul)
+    scanned = _passes(cfg, stack_layers(cfg, params), fused, qmatmul)
     for name, want in unrolled.items():
         np.testing.assert_allclose(np.asarray(scanned[name]), np.asarray(want),
                                    rtol=1e-5, atol=1e-5, err_msg=name)
