@@ -8,10 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpd import LLM, SamplingParams
 from jaxpd.models import quant
 from jaxpd.models.config import ModelConfig
-from jaxpd.models.llama import (Llama, fuse_params, init_params, layer_runs, quantize_params,
-                                stack_key, stack_layers, unstack_layers)
+from jaxpd.models.llama import (Llama, fuse_params, init_params, is_stacked, layer_runs,
+                                quantize_params, stack_key, stack_layers, unstack_layers)
+from tests.engine_fixtures import assert_all_pages_free
+from tests.hf_fixtures import hf_greedy
 
 # Local attention on layers 0-2, experts (and a shared one) on layers 2-5: runs of two
 # local dense layers, one local sparse and three global sparse ones.
@@ -91,3 +94,25 @@ def test_scanned_equals_unrolled(params, layout):
     for name, want in unrolled.items():
         np.testing.assert_allclose(np.asarray(scanned[name]), np.asarray(want),
                                    rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.matrix     # the model-level cases above run by default
+@pytest.mark.parametrize("name,mesh", [("qwen3_moe", "prefill=2,decode=2x2"),
+                                       ("gemma3", "colocated=4"),
+                                       ("gemma2", "prefill=2,decode=2")])
+def test_every_mesh_scanned_serves_transformers_tokens(hf_models, name, mesh):
+    """`scan_layers="all"` through the engine: stacked params placed and sharded per
+    layer (experts over dp x tp), the pools in the scan's carry, greedy tokens those of
+    transformers and every page freed."""
+    path, hf_model = hf_models(name)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 9, 17, 40)]
+    expected = [hf_greedy(hf_model, p, 6) for p in prompts]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM(path, mesh=mesh, max_model_len=64, slots_per_shard=2, scan_layers="all") as llm:
+        runs = layer_runs(llm.model_config)
+        assert is_stacked(llm.engine.decode_runner.params) == any(b - a > 1 for a, b in runs)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=[params] * len(prompts))
+        assert [list(o.token_ids) for o in outs] == expected
+        assert_all_pages_free(llm)
