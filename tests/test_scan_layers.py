@@ -11,33 +11,36 @@ import pytest
 from jaxpd import LLM, SamplingParams
 from jaxpd.models import quant
 from jaxpd.models.config import ModelConfig
-from jaxpd.models.llama import (Llama, fuse_params, init_params, is_stacked, layer_runs,
+from jaxpd.models.llama import (Llama, abstract_params, fuse_params, is_stacked, layer_runs,
                                 quantize_params, stack_key, stack_layers, unstack_layers)
 from tests.engine_fixtures import assert_all_pages_free
 from tests.hf_fixtures import hf_greedy
 
-# Local attention on layers 0-2, experts (and a shared one) on layers 2-5: runs of two
-# local dense layers, one local sparse and three global sparse ones.
+# Local attention on layers 0-2, experts (and a shared one) on layers 2-4: runs of two
+# local dense layers, one local sparse and two global sparse ones.
 MIXED = ModelConfig(model_type="qwen2_moe", vocab_size=64, hidden_size=32, intermediate_size=64,
-                    num_layers=6, num_heads=4, num_kv_heads=2, head_dim=8,
+                    num_layers=5, num_heads=4, num_kv_heads=2, head_dim=8,
                     max_position_embeddings=64, qk_norm=True, sliding_window=5,
-                    rope_local_theta=10000.0, sliding_layers=(True,) * 3 + (False,) * 3,
+                    rope_local_theta=10000.0, sliding_layers=(True,) * 3 + (False,) * 2,
                     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                    shared_expert_intermediate_size=24, sparse_layers=(False,) * 2 + (True,) * 4)
+                    shared_expert_intermediate_size=24, sparse_layers=(False,) * 2 + (True,) * 3)
 PAGE, PAGES = 4, 24
 
 
 @pytest.fixture(scope="module")
 def params():
-    return init_params(MIXED, seed=1)
+    """Random weights without `init_params`' compile: normal(0.3) everywhere, norms too."""
+    shapes, _ = abstract_params(MIXED)
+    rng = np.random.default_rng(1)
+    return jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.3, a.shape), a.dtype), shapes)
 
 
 def test_runs_split_at_every_change_of_kind(params):
-    assert layer_runs(MIXED) == ((0, 2), (2, 3), (3, 6))
+    assert layer_runs(MIXED) == ((0, 2), (2, 3), (3, 5))
     stacked = stack_layers(MIXED, params)
     assert set(stacked) - {"embed_tokens", "norm", "lm_head"} == {
-        stack_key(0, 2), "layers_2", stack_key(3, 6)}
-    assert stacked[stack_key(3, 6)]["experts_gate"].shape == (3, 4, 32, 16)
+        stack_key(0, 2), "layers_2", stack_key(3, 5)}
+    assert stacked[stack_key(3, 5)]["experts_gate"].shape == (2, 4, 32, 16)
     back = unstack_layers(MIXED, stacked)
     assert jax.tree.structure(back) == jax.tree.structure(params)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back),
@@ -71,7 +74,7 @@ def _traced_passes(cfg: ModelConfig, params, fused: bool, qmatmul, tokens):
     out["extend_prefix"] = logits
     step_tables = jnp.asarray([[1, 2, 3, 7, 9], [1, 2, 3, 8, 10]], jnp.int32)
     positions = jnp.asarray([16, 15], jnp.int32)
-    for n in range(2):
+    for n in range(1):
         logits, *pools = model.apply({"params": params}, tokens[:, n], positions + n, *pools,
                                      step_tables, method=Llama.decode)
         out[f"decode{n}"] = logits
@@ -79,7 +82,9 @@ def _traced_passes(cfg: ModelConfig, params, fused: bool, qmatmul, tokens):
     return out
 
 
-@pytest.mark.parametrize("layout", ["checkpoint", "fused_int8"])
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [pytest.param("checkpoint", marks=pytest.mark.matrix),
+                                    "fused_int8"])
 def test_scanned_equals_unrolled(params, layout):
     """forward, extend (with and without a prefix) and decode, local and global layers,
     dense and sparse: the same logits and pools, in the checkpoint layout and in the
