@@ -211,11 +211,14 @@ class EngineConfig:
         "group, each as soon as it is computed, overlapping the transfer with the rest of "
         "the prefill; 0 = always whole.", lower_bound=0)
     layerwise_parts: int = knob(4, "Layer groups of a layer-wise transfer.", lower_bound=2)
-    migrate_on_drain: bool = knob(
-        False, "Decode role: when this worker drains (SIGTERM, a role switch), each decoding "
+    migrate_on_drain: bool | None = knob(
+        None, "Decode role: when this worker drains (SIGTERM, a role switch), each decoding "
         "request moves to another decode worker with its KV and sampling state and goes on "
-        "from its next token, instead of being prefilled again there (gRPC KV transport; "
-        "a move that fails falls back to the prefill). Warms the page-take programs.")
+        "from its next token, instead of being prefilled again there (either KV transport; "
+        "a move that fails falls back to the prefill; with no other decode worker its "
+        "requests finish in place). Default: on for role workers whose mesh lies in one "
+        "process (--nomigrate_on_drain turns it off); meaningless elsewhere. Warms the "
+        "page-take programs.")
     kv_part_timeout_s: float = knob(
         30.0, "Decode side: a layer-wise part overdue by this long fails its transfer (the "
         "request is prefilled again).", lower_bound=0.001)
@@ -239,6 +242,11 @@ class EngineConfig:
         0.0, "With prefix caching: GiB of host memory that keep full prefix pages the decode "
         "pool evicts (LRU by bytes, a checksum per page), restored into the pool when a "
         "request's prefix continues there instead of being computed. 0: off.", lower_bound=0)
+    prefill_host_cache_gb: float = knob(
+        0.0, "With prefix caching: GiB of host memory that keep full prefix pages the prefill "
+        "mesh's own cache evicts (as kv_host_cache_gb does for the decode pool), restored "
+        "into its pool when a prompt's prefix continues there instead of being computed. "
+        "0: off.", lower_bound=0)
     prefill_cache_pages: int | None = knob(
         None, "With prefix caching: pages of the prefill mesh's own cache. Default: as many "
         "as a decode shard's pool, at least what its largest prefill batch needs.",
@@ -318,6 +326,9 @@ class EngineConfig:
         if not (self.kv_host_cache_gb >= 0 and self.kv_host_cache_gb < float("inf")):
             raise ValueError(f"kv_host_cache_gb must be a finite number >= 0, "
                              f"got {self.kv_host_cache_gb}")
+        if not (self.prefill_host_cache_gb >= 0 and self.prefill_host_cache_gb < float("inf")):
+            raise ValueError(f"prefill_host_cache_gb must be a finite number >= 0, "
+                             f"got {self.prefill_host_cache_gb}")
         if self.prefill_cache_pages is not None and self.prefill_cache_pages < 2:
             raise ValueError(f"prefill_cache_pages must be >= 2, got {self.prefill_cache_pages}")
         if self.local_prefill_below < 0:
@@ -330,6 +341,12 @@ class EngineConfig:
             raise ValueError(f"kv_host_cache_gb keeps a decode pool's prefix cache in host "
                              f"memory: it needs enable_prefix_caching and a decode mesh "
                              f"(mesh {self.mesh}, enable_prefix_caching="
+                             f"{self.enable_prefix_caching})")
+        if self.prefill_host_cache_gb > 0 and not (
+                self.enable_prefix_caching and self.mesh.has_prefill and not self.mesh.colocated):
+            raise ValueError(f"prefill_host_cache_gb keeps the prefill mesh's own prefix cache "
+                             f"in host memory: it needs enable_prefix_caching and a prefill "
+                             f"mesh of its own (mesh {self.mesh}, enable_prefix_caching="
                              f"{self.enable_prefix_caching})")
         if self.mesh.elastic:
             # What a re-split does not move yet (`engine.elastic`): a prefix cache's pages,

@@ -66,6 +66,16 @@ class EngineStats(collections.abc.Mapping):
     host_tier_corrupt_pages: int = _counter("Host tier pages refused on restore: their bytes "
                                             "did not match their checksum (dropped, computed "
                                             "instead).")
+    prefill_cache_host_hit_tokens: int = _counter("Tokens the prefill mesh restored from its "
+                                                  "host tier (not computed); not in "
+                                                  "prefill_cache_hit_tokens.")
+    prefill_host_tier_stored_pages: int = _counter("Pages the prefill mesh's cache evicted "
+                                                   "that its host tier stored.")
+    prefill_host_tier_restored_pages: int = _counter("Pages restored from the prefill mesh's "
+                                                     "host tier into its cache.")
+    prefill_host_tier_corrupt_pages: int = _counter("Prefill host tier pages refused on "
+                                                    "restore: their bytes did not match their "
+                                                    "checksum (dropped, computed instead).")
     prefill_cache_query_tokens: int = _counter("Tokens looked up in the prefill mesh's own prefix "
                                                "cache.")
     prefill_cache_hit_tokens: int = _counter("Tokens the prefill mesh found in its prefix cache "

@@ -5,12 +5,13 @@
 
 Workers start with --nowarmup; a first run of each mode (`warm_*`, not reported)
 compiles every program the runs need into the persistent compile cache, so the reported
-runs load them from there. Per mode, this script runs a router in this process (it only relays) and starts
-one prefill and two decode workers (`python -m jaxpd.launch`, the built-in model unless
---model, KV over the gRPC stream). N greedy streams are submitted; once every one has
+runs load them from there. Per mode, this script runs a router in this process (it only
+relays) and starts one prefill and two decode workers (`python -m jaxpd.launch`, the
+built-in model unless --model, KV over --kv_transport: the JAX transfer server by
+default, or the gRPC stream). N greedy streams are submitted; once every one has
 `--drain_after` tokens, the decode worker holding most of them gets SIGTERM. In
 `migrate` mode it moves each running request to the other decode worker and exits; in
-`reprefill` mode (`--shutdown_timeout_s 0`, no migration) its streams are cut and the
+`reprefill` mode (`--nomigrate_on_drain --shutdown_timeout_s 0`) its streams are cut and the
 router has each request prefilled again (prompt + output so far) for the other.
 
 Reported per mode: requests moved off the drained worker; their stall (the longest gap
@@ -57,12 +58,12 @@ def run_mode(mode: str, args, prompts: list[list[int]]) -> dict:
                                         lease_s=30.0))
     internal = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
     common = ["--model", model, "--port", "0", "--host", "127.0.0.1", "--http_port", "-1",
-              "--router", internal, "--kv_transport", "grpc", "--max_model_len",
+              "--router", internal, "--kv_transport", args.kv_transport, "--max_model_len",
               str(args.max_model_len), "--heartbeat_s", "0.5"] + \
         ([] if args.warmup else ["--nowarmup"]) + \
         args.worker_args.split()
     drain = (["--migrate_on_drain", "--shutdown_timeout_s", "60"] if mode.endswith("migrate")
-             else ["--shutdown_timeout_s", "0"])
+             else ["--nomigrate_on_drain", "--shutdown_timeout_s", "0"])
     workers = [LaunchedWorker(["--role", "prefill", "--mesh", "prefill=1"] + common)]
     workers += [LaunchedWorker(["--role", "decode", "--mesh", "decode=1", "--slots_per_shard",
                                 str(args.streams)] + common + drain) for _ in range(2)]
@@ -129,6 +130,8 @@ def main() -> int:
     p.add_argument("--drain_after", type=int, default=16,
                    help="tokens every stream has before the drain")
     p.add_argument("--max_model_len", type=int, default=640)
+    p.add_argument("--kv_transport", default="transfer_server",
+                   choices=("transfer_server", "grpc"))
     p.add_argument("--modes", default="warm_reprefill,warm_migrate,reprefill,migrate",
                    help="'warm_<mode>': a run left out of the report, which fills the "
                    "persistent compile cache (workers start with --nowarmup)")

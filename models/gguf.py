@@ -28,8 +28,9 @@ hyperparameters instead of storing them; we derive them as it does:
   architectures, and its converter cannot write one); experts are stacked 3-D tensors
   `ffn_{gate,up,down}_exps`. Top-k weights are renormalised for Mixtral and qwen3moe
   and not for qwen2moe, whose shared expert is gated by sigmoid(`ffn_gate_inp_shexp`).
-  Expert, router and shared-expert weights are served as float: a quantized one is
-  dequantized at load.
+  Stacked experts in a kept block format stay quantized with
+  quantization="auto" (`models.moe`); routers and shared experts are served as float,
+  a quantized one dequantized at load.
 - the tokenizer is metadata instead of a `tokenizer.json`; `gguf_tokenizer` rebuilds it.
 
 Anything we would run differently from llama.cpp is refused with a `ValueError` naming
@@ -37,6 +38,7 @@ the metadata key or tensor and its value.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable, Iterator
 
@@ -331,6 +333,8 @@ def _mapping(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, Callable,
     def swap(w):   # stacked experts [E, out, in] -> ours [E, in, out]
         return w.swapaxes(1, 2)
 
+    f_moe = cfg.moe_intermediate_size
+
     yield ("embed_tokens",), "token_embd.weight", ident, (ident, (d,))
     for i in range(cfg.num_layers):
         p, b = f"layers_{i}", f"blk.{i}"
@@ -353,12 +357,14 @@ def _mapping(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, Callable,
             yield (p, "q_norm", "scale"), f"{b}.attn_q_norm.weight", norm, None
             yield (p, "k_norm", "scale"), f"{b}.attn_k_norm.weight", norm, None
         if cfg.is_sparse(i):
-            # Router [E, D] -> [D, E]; experts [E, F', D] / [E, D, F'] -> [E, D, F'] /
-            # [E, F', D]; served as float (`models.quant` keeps no expert weight).
+            # Router [E, D] -> [D, E], served as float; experts [E, F', D] / [E, D, F']
+            # -> [E, D, F'] / [E, F', D], or kept as stored: [E, F', D'] / [E, D, F''],
+            # experts and output channels first (`moe.EXPERT_IN_DIMS`).
             yield (p, "router"), f"{b}.ffn_gate_inp.weight", transpose, None
-            yield (p, "experts_gate"), f"{b}.ffn_gate_exps.weight", swap, None
-            yield (p, "experts_up"), f"{b}.ffn_up_exps.weight", swap, None
-            yield (p, "experts_down"), f"{b}.ffn_down_exps.weight", swap, None
+            yield (p, "experts_gate"), f"{b}.ffn_gate_exps.weight", swap, (ident, (d,))
+            yield (p, "experts_up"), f"{b}.ffn_up_exps.weight", swap, (ident, (d,))
+            yield ((p, "experts_down"), f"{b}.ffn_down_exps.weight", swap,
+                   (ident, (f_moe,)))
             if cfg.shared_expert_intermediate_size:
                 yield (p, "shared_gate_proj"), f"{b}.ffn_gate_shexp.weight", transpose, None
                 yield (p, "shared_up_proj"), f"{b}.ffn_up_shexp.weight", transpose, None
@@ -419,8 +425,8 @@ def unkept_tensor(f: GGUFFile, cfg: ModelConfig) -> tuple[str, str] | None:
 
 def float_served_quantized(f: GGUFFile, cfg: ModelConfig) -> list[tuple[str, str]]:
     """(name, quant type) of every quantized tensor that is served as float whatever
-    the quantization, dequantized at load: the experts, routers and shared experts of a
-    mixture of experts (`models.quant` keeps no expert weight)."""
+    the quantization, dequantized at load: the routers and shared experts of a mixture
+    of experts (its stacked experts are kept like the projections)."""
     out = []
     for _, name, _, rows in _mapping(cfg):
         if rows is None and name in f.tensors:
@@ -433,6 +439,7 @@ def float_served_quantized(f: GGUFFile, cfg: ModelConfig) -> list[tuple[str, str
 def _kept(f: GGUFFile, name: str, ours: str, rows: Callable):
     from jaxpd.models import quant
     from jaxpd.models.llama import QUANTIZABLE
+    from jaxpd.models.moe import EXPERT_IN_DIMS
 
     tensor = f.tensors[name]
     qtype = tensor.tensor_type.name
@@ -441,11 +448,15 @@ def _kept(f: GGUFFile, name: str, ours: str, rows: Callable):
         raise ValueError(f"{f.path}: tensor {name!r} has quant type {qtype}, which is not "
                          f"served kept quantized (kept: {sorted(quant.GGUF_FORMATS)}); pass "
                          f"quantization='none' to dequantize it to float at load")
-    out, cols = f.shape(name)
-    data, scale, low = quant.from_gguf_rows(tensor.data, fmt, out, cols, name)
-    in_dims = QUANTIZABLE[ours]
+    *lead, cols = f.shape(name)     # stacked experts: [E, out, cols]
     rows_fn, in_shape = rows
-    parts = [None if a is None else rows_fn(a) for a in (data, scale, low)]
+    if math.prod(in_shape) != cols:
+        raise ValueError(f"{f.path}: tensor {name!r} has rows of {cols} elements, "
+                         f"expected {math.prod(in_shape)} from the metadata")
+    data, scale, low = quant.from_gguf_rows(tensor.data, fmt, math.prod(lead), cols, name)
+    in_dims = EXPERT_IN_DIMS[ours] if ours in EXPERT_IN_DIMS else QUANTIZABLE[ours]
+    parts = [None if a is None else rows_fn(a.reshape(*lead, a.shape[-1]))
+             for a in (data, scale, low)]
     out_shape = iter(parts[0].shape[:-1])
     in_sizes = iter(in_shape)
     float_shape = tuple(next(in_sizes) if i in in_dims else next(out_shape)

@@ -201,8 +201,9 @@ def project(x: jnp.ndarray, w, spec: str, native: Callable | None = None,
 
 _FMT_CODES = {"int8": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3}
 # Rows of x up to which the native kernel takes the product: it dequantizes each block
-# in registers once per 4 rows, which pays where a product reads its weight once (a
-# decode step); a prefill's many rows go to XLA's dot on the dequantized weight.
+# in registers once per tile of up to 8 rows, which pays where a product reads its
+# weight once (a decode step); a prefill's many rows go to XLA's dot on the dequantized
+# weight, which is as fast from about this many rows.
 NATIVE_MAX_ROWS = 64
 
 

@@ -56,3 +56,12 @@ def procs():
     p = Procs()
     yield p
     p.close()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """`matrix` and `perf` cases are slow too, so `-m "not slow"` (which replaces
+    setup.cfg's `-m`) still leaves them out of the fast tier."""
+    for item in items:
+        if item.get_closest_marker("matrix") or item.get_closest_marker("perf"):
+            item.add_marker(pytest.mark.slow)

@@ -7,6 +7,8 @@ argv[1] is the fault, the rest go to the launcher:
                        (over the gRPC stream: right after the N-th stream completed)
   die_on_ack:N         SIGKILL when the N-th ack arrives: the decode side has pulled,
                        the sender never learns it
+  die_mid_kv_stream:N  (a decode worker on the gRPC stream) SIGKILL once the header of
+                       the N-th inbound KV stream has arrived, its pages still in flight
 """
 import os
 import signal
@@ -17,7 +19,7 @@ def main() -> None:
     fault, rest = sys.argv[1], sys.argv[2:]
     kind, nth = fault.split(":")
     nth = int(nth)
-    from jaxpd.transfer.grpc_stream import GrpcSender
+    from jaxpd.transfer.grpc_stream import GrpcReceiver, GrpcSender
     from jaxpd.transfer.transfer_server import TransferServerSender
 
     calls = {"n": 0}
@@ -41,6 +43,17 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         original_ack(self, ack)
 
+    original_serve = GrpcReceiver._serve
+    streams = {"n": 0}
+
+    def serve(self, messages, context):
+        streams["n"] += 1
+        if streams["n"] == nth and kind == "die_mid_kv_stream":
+            next(messages)                   # the header: the sender is mid-stream
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_serve(self, messages, context)
+
+    GrpcReceiver._serve = serve
     TransferServerSender.send = dying(TransferServerSender.send)
     GrpcSender.send = dying(GrpcSender.send)     # die_* faults over the gRPC stream
     TransferServerSender._on_ack = on_ack

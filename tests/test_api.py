@@ -7,6 +7,8 @@ import sys
 import pytest
 
 import jaxpd
+import jaxpd.engine.requests
+import jaxpd.frontend
 from jaxpd import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -21,10 +23,15 @@ def test_one_shot_generate_with_the_default_model():
     assert outs[0].prompt_token_ids[0] == 1          # BOS from the shipped tokenizer
 
 
-def test_text_and_token_prompts_agree_and_stream_text_adds_up():
+def test_text_and_token_prompts_agree_and_stream_text_adds_up(monkeypatch):
+    checks = []
+    counted = lambda check: lambda *a, **k: checks.append(1) or check(*a, **k)
+    for module in (jaxpd.frontend, jaxpd.engine.requests):
+        monkeypatch.setattr(module, "check_request", counted(module.check_request))
     with LLM(mesh="prefill=2,decode=2", max_model_len=64) as llm:
         params = SamplingParams(max_tokens=12, temperature=0.0)
         by_text = llm.generate("import", params)[0]
+        assert len(checks) == 1          # the front door checks it; the engine trusts that
         by_ids = llm.generate(prompt_token_ids=[by_text.prompt_token_ids], sampling_params=params)[0]
         assert by_ids.token_ids == by_text.token_ids
         streamed = list(llm.stream("import", params))

@@ -362,6 +362,8 @@ def test_prefix_workload_flags_are_checked(capsys):
                          capsys)                   # a poisson run has no host tier run
     assert_flag_rejected(bench.parse_args, ["--workload", "multiturn", "--kv_host_cache_gb",
                                             "-1"], "--kv_host_cache_gb", capsys)
+    assert_flag_rejected(bench.parse_args, ["--prefill_host_cache_gb", "1"],
+                         "--prefill_host_cache_gb", capsys)
 
 
 def test_prefix_repetition_chats_reuse_each_prefix():

@@ -54,8 +54,9 @@ def test_a_prompt_past_the_largest_bucket_waits_in_its_own_lane_and_leaves_alone
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh,caching", [("prefill=1,decode=1", True),
-                                          ("prefill=2,decode=2", False)])
+@pytest.mark.parametrize("mesh,caching", [
+    ("prefill=1,decode=1", True),
+    pytest.param("prefill=2,decode=2", False, marks=pytest.mark.matrix)])
 def test_long_prompts_in_chunks_match_hf_and_compile_nothing_while_serving(long_model, mesh,
                                                                          caching):
     path, hf_model = long_model

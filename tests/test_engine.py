@@ -13,7 +13,8 @@ from tests.engine_fixtures import (assert_all_pages_free, build_hf_model, mixed_
 NUM_REQUESTS = 28
 # prefill=1,decode=1 is held to transformers' tokens by test_handoff_stall and the
 # sampling, penalty and layer-wise tests; these are the meshes only this test covers.
-MESHES = ["prefill=4,decode=4", "prefill=2,decode=2x2", "colocated=4"]
+MESHES = [pytest.param("prefill=4,decode=4", marks=pytest.mark.matrix), "prefill=2,decode=2x2",
+          "colocated=4"]
 
 
 @pytest.fixture(scope="module")

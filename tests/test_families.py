@@ -96,6 +96,21 @@ def test_greedy_matches_transformers_on_every_mesh(hf_models, name, mesh, prefix
     assert again == expected
 
 
+@pytest.mark.slow
+@pytest.mark.matrix     # the runner-level check is the default run's (below)
+def test_decode_mesh_prefills_short_prompts_of_a_mixture(hf_models):
+    """Prompts under 16 tokens prefilled on the decode mesh (experts over dp x tp, each
+    device running its own on every token), the rest handed off: transformers' tokens."""
+    path, hf_model = hf_models("qwen3_moe")
+    prompts = _prompts(256, seed=2)
+    expected = [hf_greedy(hf_model, p, NUM_NEW) for p in prompts]
+    with LLM(path, mesh="prefill=2,decode=2x2", max_model_len=64, slots_per_shard=2,
+             local_prefill_below=16) as llm:
+        assert _greedy(llm, prompts) == expected
+        assert llm.stats()["local_prefills"] == sum(len(p) < 16 for p in prompts) > 0
+        assert_all_pages_free(llm)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_num_params_counts_every_weight_and_active_ones_per_token(hf_models, name):
     import jax
@@ -232,6 +247,77 @@ def test_expert_parallel_dispatch_equals_the_grouped_matmuls(dp, tp, num_experts
                             in_specs=(param_specs(params, rules), P("dp"), P("dp"), P("dp")),
                             out_specs=P("dp")))(params, x, ids, weights)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-4)
+
+
+def test_held_experts_run_where_they_lie():
+    """A decode mesh's own prefill (tokens on every device, experts over dp x tp): each
+    device runs its experts on every pair, and one psum is the only collective."""
+    import re
+
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxpd.engine.experts import held_experts
+    from jaxpd.models.moe import grouped_experts, route
+    from jaxpd.sharding import logical_rules
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
+    rules = logical_rules(mesh, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                          vocab_size=64, num_experts=8, moe_intermediate_size=16)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(9, 16)), jnp.float32)
+    ws = [jnp.asarray(rng.normal(size=(8, 16, 16)), jnp.float32) for _ in range(3)]
+    weights, ids = route(jnp.asarray(rng.normal(size=(9, 8))), 2, True)
+    placed = jax.device_put(ws, NamedSharding(mesh, P(("dp", "tp"))))
+    run = jax.jit(held_experts(rules, mesh)).lower(x, ids, weights, *placed).compile()
+    np.testing.assert_allclose(np.asarray(run(x, ids, weights, *placed)),
+                               np.asarray(grouped_experts(x, ids, weights, *ws)),
+                               rtol=1e-5, atol=1e-4)
+    assert re.findall(r"= \S+ (all-gather|all-reduce|all-to-all|collective-permute)\(",
+                      run.as_text()) == ["all-reduce"]
+
+
+@pytest.mark.slow
+@pytest.mark.matrix     # `held_experts` itself is the default run's (above)
+def test_decode_mesh_prefill_runs_experts_where_they_lie():
+    """A prompt prefilled on the decode mesh itself (its `PrefillRunner`, experts split
+    over dp x tp) gives the unsharded prefill's K/V and first token; each device runs
+    its own experts on every token and one psum sums them."""
+    import re
+
+    from jax.sharding import Mesh
+
+    from jaxpd.engine.placement import place_params
+    from jaxpd.engine.runner import CompileCounter, PrefillRunner
+    from jaxpd.engine.sampler import SamplingArrays
+    from jaxpd.models.llama import init_params
+
+    cfg = ModelConfig.from_hf_dict({
+        "model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32})
+    params = init_params(cfg)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
+    placed, rules, fused = place_params(cfg, params, mesh, jnp.float32, fuse=True)
+    assert dict(rules)["experts"] == ("dp", "tp")
+    runner = PrefillRunner(cfg, placed, mesh, rules, 16, CompileCounter(), fused=fused,
+                           name="local_prefill")
+    tokens = np.asarray(_prompts(cfg.vocab_size)[-2][:16], np.int32)[None]
+    lengths = np.asarray([16], np.int32)
+    program = runner.run_program(tokens, lengths, SamplingArrays.empty(1))
+    compiled = program.fn.lower(*program.args).compile()
+    first, _, k, v = compiled(*program.args)
+    logits, k_ref, v_ref = jax.jit(lambda p, t, n: Llama(cfg).apply(
+        {"params": p}, t, n, method=Llama.prefill))(params, jnp.asarray(tokens),
+                                                     jnp.asarray(lengths))
+    np.testing.assert_allclose(np.asarray(k), np.asarray(k_ref), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(v), np.asarray(v_ref), atol=1e-5)
+    assert int(np.asarray(first)[0]) == int(jnp.argmax(logits[0]))
+    # The sparse layers' collectives: one psum of their outputs each, nothing gathered
+    # (GSPMD's own split of the grouped matmuls gathers group sizes and permutes).
+    collectives = re.findall(r"= \S+ (all-gather|all-reduce|all-to-all|collective-permute)"
+                             r"\(.*op_name=\"[^\"]*_experts/", compiled.as_text())
+    assert collectives == ["all-reduce"] * cfg.num_layers
 
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (40, 3.0), (300, None)])

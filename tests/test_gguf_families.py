@@ -6,10 +6,12 @@ transformers checkpoint (`tests.support.gguf_files.converter_tensors`: its tenso
 names, stacked experts, Gemma's 1 + w norms, q/k permutation for llama). F32: greedy
 tokens equal transformers' on the source model, and the config equals the one read
 from the checkpoint's config.json. Q8_0 served with quantization="auto" (projections
-kept quantized, expert weights dequantized): greedy tokens equal transformers' on the
-source model with every weight rounded through Q8_0 as the file stores it. Prompts run
-past Gemma's 8-token window. Then the files llama.cpp could not have written, or we
-would run differently, are refused naming the key or tensor.
+and stacked experts kept quantized, routers and shared experts float): greedy tokens
+equal transformers' on the source model with every weight rounded through Q8_0 as the
+file stores it. Q4_1 experts kept quantized give the tokens (and, up to summation
+order, the logits) of the same file read as float. Prompts run past Gemma's 8-token
+window. Then the files llama.cpp could not have written, or we would run
+differently, are refused naming the key or tensor.
 """
 import copy
 import dataclasses
@@ -17,12 +19,15 @@ import logging
 import os
 
 import gguf
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxpd.models import checkpoint, source
 from jaxpd.models.config import ModelConfig
-from jaxpd.models.quant import is_quantized
+from jaxpd.models.llama import Llama
+from jaxpd.models.quant import dequantize, is_quantized
 from tests.hf_fixtures import hf_greedy
 from tests.model_helpers import forward_greedy
 from tests.support.gguf_files import (converter_metadata, converter_tensors, train_bpe,
@@ -109,13 +114,13 @@ def test_f32_file_is_the_source_model(tmp_path, hf_models, bpe, name):
 
 
 # Q8_0 of gemma2 and qwen3moe repeat gemma3's and Mixtral's paths (kept Gemma
-# projections; float experts without a shared one): the `matrix` marker's.
+# projections; kept experts without a shared one): the `matrix` marker's.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [
     pytest.param(name, marks=[pytest.mark.matrix] if name in ("gemma2_gguf", "qwen3_moe") else [])
     for name in FAMILIES])
-def test_q8_0_file_serves_projections_kept_and_experts_as_float(tmp_path, hf_models, bpe,
-                                                                name, caplog):
+def test_q8_0_file_keeps_projections_and_experts_quantized(tmp_path, hf_models, bpe, name,
+                                                           caplog):
     _, model = _source(hf_models, bpe, name)
     gguf_path = write_family(tmp_path, hf_models, bpe, name, Q.Q8_0)
     with caplog.at_level(logging.WARNING, logger="jaxpd.models.checkpoint"):
@@ -124,9 +129,13 @@ def test_q8_0_file_serves_projections_kept_and_experts_as_float(tmp_path, hf_mod
     layer = loaded.params["layers_0"]
     assert is_quantized(layer["q_proj"]) and layer["q_proj"].fmt == "q8_0"
     if loaded.cfg.is_moe:
-        assert not any(map(is_quantized, (layer["experts_gate"], layer["experts_down"],
-                                          layer["router"])))
-        assert "_exps.weight" in caplog.text and "dequantized to float" in caplog.text
+        experts = [layer[n] for n in ("experts_gate", "experts_up", "experts_down")]
+        assert all(is_quantized(w) and w.fmt == "q8_0" for w in experts)
+        assert not is_quantized(layer["router"])
+    if loaded.cfg.shared_expert_intermediate_size:
+        # Shared experts are served as float, and the log says so.
+        assert "_shexp.weight" in caplog.text and "dequantized to float" in caplog.text
+        assert "_exps.weight" not in caplog.text
     else:
         assert "dequantized to float" not in caplog.text
     prompt = _prompt(loaded.cfg.vocab_size)
@@ -134,12 +143,37 @@ def test_q8_0_file_serves_projections_kept_and_experts_as_float(tmp_path, hf_mod
     assert tokens == hf_greedy(_rounded_through(model, Q.Q8_0), prompt, NUM_NEW)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", [Q.Q4_1, pytest.param(Q.Q4_0, marks=pytest.mark.matrix)],
+                         ids=lambda q: q.name)
+def test_kept_experts_give_the_float_paths_tokens(tmp_path, hf_models, bpe, qtype):
+    """qwen3moe's eight experts kept in 4-bit blocks against the same file read as
+    float: the 21-token prompt runs the grouped matmuls, a 4-token one (8 pairs, no
+    more than the experts) gathers each pair's blocks as a decode step does. Logits
+    agree up to summation order and the greedy token after every prefix is the same."""
+    path = write_family(tmp_path, hf_models, bpe, "qwen3_moe", qtype)
+    kept = checkpoint.load(path, quantization="auto")
+    flat = checkpoint.load(path, quantization="none")
+    gate = kept.params["layers_1"]["experts_gate"]
+    assert is_quantized(gate) and gate.fmt == qtype.name.lower()
+    np.testing.assert_array_equal(np.asarray(dequantize(gate)),
+                                  np.asarray(flat.params["layers_1"]["experts_gate"]))
+    run = jax.jit(lambda p, x: Llama(kept.cfg).apply({"params": p}, x, method=Llama.forward))
+    prompt = _prompt(kept.cfg.vocab_size)
+    for tokens in (prompt, prompt[:4]):
+        ours, theirs = (np.asarray(run(m.params, jnp.asarray([tokens]))[0]) for m in (kept, flat))
+        np.testing.assert_allclose(ours, theirs, atol=1e-4)
+        assert ours.argmax(-1).tolist() == theirs.argmax(-1).tolist()
+
+
 # Serving these families is the default run's in `tests/test_families.py` (from
-# safetensors); serving a GGUF file of them end to end -- kept Q8_0 projections beside
-# float experts split over the decode mesh -- is the `matrix` marker's.
+# safetensors); serving a GGUF file of them end to end -- kept Q8_0 projections and
+# experts, the experts split over the decode mesh (and over the colocated one, which
+# prefills with them kept too) -- is the `matrix` marker's.
 @pytest.mark.slow
 @pytest.mark.matrix
 @pytest.mark.parametrize("name,mesh", [("qwen2_moe_gguf", "prefill=2,decode=2x2"),
+                                       ("qwen3_moe", "colocated=4"),
                                        ("gemma3_gguf", "prefill=2,decode=2")])
 def test_llm_serves_a_q8_0_file(tmp_path, hf_models, bpe, name, mesh):
     from jaxpd import LLM, SamplingParams
@@ -200,6 +234,29 @@ def test_gemma3_27b_layer_count_scales_by_hidden_over_heads(tmp_path, bpe):
 
 
 # ---- refusals -------------------------------------------------------------------------
+
+def test_an_expert_tensor_of_the_wrong_byte_count_is_refused(tmp_path, hf_models, bpe):
+    """Kept experts are read block by block: a stacked expert tensor whose bytes do not
+    fill its [E, F', D] rows of Q8_0 blocks (or whose rows are not the metadata's
+    width) is refused naming it, before any expert is built."""
+    from jaxpd.models import gguf as reader
+
+    path = write_family(tmp_path, hf_models, bpe, "mixtral", Q.Q8_0)
+    name = "blk.1.ffn_up_exps.weight"
+    for cut in (lambda a: a.reshape(-1)[:-34], lambda a: a.reshape(-1)[:-1]):
+        f = reader.GGUFFile(path)
+        f.tensors[name] = f.tensors[name]._replace(data=cut(f.tensors[name].data))
+        with pytest.raises(ValueError, match=r"'blk\.1\.ffn_up_exps\.weight' \(Q8_0, "
+                                             r"\d+ x 64\) holds \d+ bytes, expected"):
+            list(reader.weights(f, reader.model_config(f), keep_quantized=True))
+    f = reader.GGUFFile(path)
+    cfg = reader.model_config(f)
+    wide = dataclasses.replace(cfg, moe_intermediate_size=cfg.moe_intermediate_size + 32)
+    with pytest.raises(ValueError, match=rf"'blk\.0\.ffn_down_exps\.weight' has rows of "
+                                         rf"{cfg.moe_intermediate_size} elements, expected "
+                                         rf"{wide.moe_intermediate_size}"):
+        list(reader.weights(f, wide, keep_quantized=True))
+
 
 def test_qwen2moe_file_with_a_dense_layer_is_refused(tmp_path, hf_models, bpe):
     """llama.cpp's converter cannot write a Qwen MoE layer without experts

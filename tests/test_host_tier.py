@@ -250,3 +250,55 @@ def test_host_tier_counts_are_exported_to_prometheus():
             "jaxpd_host_tier_restored_pages_total", "jaxpd_host_tier_corrupt_pages_total",
             "jaxpd_host_tier_stored_pages_total", "jaxpd_host_tier_pages",
             "jaxpd_host_tier_bytes"} <= names
+
+
+# ---- the prefill mesh's own cache -----------------------------------------------------
+
+@pytest.mark.slow
+def test_prefill_host_tier_restores_an_evicted_prompt_prefix(tiny_hf_model):
+    """The prefill mesh's cache (4 pages) evicts a first turn's prompt pages for two
+    strangers; its host tier keeps them, and the next turn gets them back instead of
+    computing them: only the rest is computed (counted), the answer equals
+    transformers', and both pools' books balance."""
+    path, hf_model = tiny_hf_model
+    rng = np.random.default_rng(3)
+    with LLM(path, mesh="prefill=1,decode=1", max_model_len=64, slots_per_shard=1,
+             max_prefill_batch=1, pages_per_shard=5, prefill_cache_pages=5,
+             enable_prefix_caching=True, prefix_extend_below=0, prefill_host_cache_gb=0.001,
+             warmup=False) as llm:
+        first = rng.integers(3, 256, 33).tolist()
+        out = llm.generate(prompt_token_ids=[first], sampling_params=greedy(6))[0]
+        assert out.token_ids == hf_greedy(hf_model, first, 6)
+        for _ in range(2):
+            llm.generate(prompt_token_ids=[rng.integers(3, 256, 40).tolist()],
+                         sampling_params=greedy(4))
+        cache = llm.engine.prefill_cache
+        hashes = cache.hashes(first)[:2]
+        assert not cache.allocator.cached_prefix(hashes)       # gone from the pool
+        assert cache.host.restorable(hashes) == 2               # kept on the host
+        conv = first + out.token_ids + rng.integers(3, 256, 9).tolist()
+        before = llm.stats()
+        again = llm.generate(prompt_token_ids=[conv], sampling_params=greedy(6))[0]
+        assert again.token_ids == hf_greedy(hf_model, conv, 6)
+        names = ("prefill_tokens", "prefill_cache_hit_tokens", "prefill_cache_host_hit_tokens",
+                 "prefill_host_tier_restored_pages", "prefill_host_tier_corrupt_pages",
+                 "host_tier_restored_pages")
+        d = _delta(llm, before, *names)
+        assert d == {"prefill_tokens": len(conv) - 2 * PAGE, "prefill_cache_hit_tokens": 0,
+                     "prefill_cache_host_hit_tokens": 2 * PAGE,
+                     "prefill_host_tier_restored_pages": 2,
+                     "prefill_host_tier_corrupt_pages": 0, "host_tier_restored_pages": 0}, d
+        assert llm.stats()["prefill_host_tier_stored_pages"] >= 2
+        assert cache.allocator.cached_prefix(hashes)            # restored pages published
+        cache.host.store.check()
+        check_pool(llm)
+        # What ran is what warm-up compiles: one offload and one restore program per
+        # padded page count.
+        from jaxpd.engine.warmup import serving_programs
+        described = {s.describe for s in serving_programs(llm.engine)}
+        for m in cache.host_sizes():
+            assert f"prefill_cached page offload to the host tier for {m} pages" in described
+            assert f"prefill_cached page restore for {m} pages" in described
+        counts = llm.engine.counter.counts()
+        assert 1 <= counts["prefill_cached_offload"] <= len(cache.host_sizes())
+        assert counts["prefill_cached_insert"] == 1             # the one restore: 2 pages

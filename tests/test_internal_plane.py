@@ -211,7 +211,9 @@ def test_mismatch_dtype_and_transport_follow_the_first_worker(router, fakes):
     dict(vocab_size=True), dict(kv_transport="carrier pigeon"), dict(load={"free_slots": -1}),
     dict(load=[1, 2]), dict(dtype="\x1b[31m"), dict(prefix="all of them"),
     dict(prefix={"root": b"r", "seq": 1, "full": True, "add": [b"short"], "drop": []}),
-    dict(prefix={"root": b"r", "seq": -1, "full": True, "add": [], "drop": []})])
+    dict(prefix={"root": b"r", "seq": -1, "full": True, "add": [], "drop": []}),
+    dict(draining=True), dict(draining=""), dict(draining="x" * 5000),
+    dict(draining="\x1b[2J")])
 def test_rogue_junk_registration_is_invalid_argument(router, fakes, junk):
     router, address = router
     body = {"wire_version": WIRE_VERSION, **fakes().info.to_wire(), "load": {}, **junk}
@@ -228,6 +230,32 @@ def test_rogue_garbage_body_is_invalid_argument(router):
         call = channel.unary_unary(f"/{ROUTER_SERVICE}/Register")
         for body in (b"\xc1\xff", b"\x93\x01\x02", b"\xdd\xff\xff\xff\xff"):
             assert _code(lambda: call(body, timeout=5))[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_worker_whose_heartbeat_says_draining_gets_no_new_request(router, fakes):
+    """A draining worker says so in its heartbeat (and Info): the router sends it
+    nothing new from that beat on, while it stays live for the calls it has open, and
+    chooses it again once a beat no longer says it."""
+    router, address = router
+    draining, spare = fakes(free_slots=100), fakes(free_slots=1)
+    for w in (draining, spare):
+        w.register(address)
+    answer = register(address, draining.info, draining.load, AUTH, timeout=5,
+                      draining="this decode worker is shutting down")
+    assert answer["decode_peers"] == 1       # where its running requests could move
+    outs = router.generate(prompt_token_ids=[[1, 2], [3], [4, 5, 6]],
+                           sampling_params=SamplingParams(max_tokens=2, **GREEDY))
+    assert [o.token_ids for o in outs] == [[7, 7]] * 3
+    assert (draining.decode_calls, spare.decode_calls) == (0, 3)
+    assert set(router.live_workers()) == {draining.info.address, spare.info.address}
+    assert [w["address"] for w in router.worker_loads()] == [spare.info.address]
+    # The spare drains too: nowhere left to move to (its requests finish in place).
+    answer = register(address, spare.info, spare.load, AUTH, timeout=5, draining="switching")
+    assert answer["decode_peers"] == 0
+    draining.register(address)                   # a beat without it: chosen again
+    router.generate(prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(max_tokens=2,
+                                                                             **GREEDY))
+    assert draining.decode_calls == 1
 
 
 def test_lease_drops_a_silent_worker_and_readmits_it(router, fakes):

@@ -173,7 +173,8 @@ def test_attention_impl_choice(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", ["prefill=1,decode=2", "prefill=2,decode=2x2"])
+@pytest.mark.parametrize("mesh", [pytest.param("prefill=1,decode=2", marks=pytest.mark.matrix),
+                                  "prefill=2,decode=2x2"])
 def test_engine_tokens_equal_the_reference(mesh):
     """Greedy tokens of the default ("auto" = native) engine equal the reference's, on a
     dp decode mesh and a dp x tp one (kv heads split over tp), across page boundaries.

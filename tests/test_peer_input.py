@@ -311,20 +311,19 @@ def test_forged_first_token_logprobs_fail_the_transfer_and_it_is_prefilled_again
 
 # ---- forged requests: limits are checked where they come in ----------------------
 
-def test_forged_request_beyond_limits_is_refused_at_register_and_submit(pool):
+def test_forged_request_beyond_limits_is_refused_by_the_peer_check(pool):
     # Finding 4: a 300-token prompt against max_model_len=32 reached the scheduler.
     env = make(pool, remote=True)
-    long = Request.from_wire(Request("long", list(range(300)), SamplingParams(max_tokens=2)
-                                     ).to_wire())
-    with pytest.raises(ValueError, match="max_prompt_len"):
-        env.requests.register(long)
-    oov = Request.from_wire(Request("oov", [1, 5000], SamplingParams(max_tokens=2)).to_wire())
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        env.requests.register(oov)
-    with pytest.raises(ValueError, match="request_id"):
-        env.requests.submit(Request("bad\x1b[2J", [1, 2], SamplingParams(max_tokens=2)))
-    with pytest.raises(ValueError, match="max_model_len"):
-        env.requests.submit(Request("too-many", [1, 2], SamplingParams(max_tokens=40)))
+    forged = lambda r: Request.from_wire(r.to_wire())
+    cases = [(forged(Request("long", list(range(300)), SamplingParams(max_tokens=2))),
+              "max_prompt_len"),
+             (forged(Request("oov", [1, 5000], SamplingParams(max_tokens=2))),
+              "outside the vocabulary"),
+             (Request("bad\x1b[2J", [1, 2], SamplingParams(max_tokens=2)), "request_id"),
+             (Request("too-many", [1, 2], SamplingParams(max_tokens=40)), "max_model_len")]
+    for request, field in cases:
+        with pytest.raises(ValueError, match=field):
+            env.requests.check(request)
     twice = mirror(env, "twice")
     with pytest.raises(ValueError, match="already in flight"):
         env.requests.register(Request.from_wire(twice.to_wire()))

@@ -80,7 +80,7 @@ def test_ideal_assumption_scales_one_device_profile(tiny_dir):
     assert "scaled ideally" in table and "prefill=4,decode=2x2" in table
 
 
-@pytest.mark.slow
+@pytest.mark.perf
 def test_real_run_keeps_the_planner_ranking(tiny_dir):
     """REAL RUN: the planner's best split beats its worst when both serve for real.
     (Best of 4 per profiled shape: alone the prediction separates them 6.6x, but CI runs

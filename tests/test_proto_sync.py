@@ -45,3 +45,19 @@ def test_stubs_import_as_a_package_and_describe_the_service():
     assert [f.name for f in request.oneofs_by_name["input"].fields] == ["prompt", "token_ids"]
     for name in ("max_tokens", "temperature", "top_p", "seed", "request_id"):
         assert request.fields_by_name[name].has_presence, name   # proto3 optional
+
+
+def test_stats_carries_the_host_tier_and_migration_counters():
+    """What the host tier and live migration count reaches a Stats answer too, not only
+    /metrics (the Stats handler passes every engine field the message names)."""
+    from jaxpd.serving.proto import jaxpd_pb2
+    from jaxpd.stats import EngineStats
+
+    fields = jaxpd_pb2.StatsResponse.DESCRIPTOR.fields_by_name
+    names = [n for n in EngineStats.__dataclass_fields__
+             if n.startswith(("host_tier_", "prefix_host_", "migration", "prefill_host_tier_",
+                              "prefill_cache_host_"))]
+    assert len(names) == 13
+    for name in names:
+        assert name in fields, name
+        assert fields[name].type == fields[name].TYPE_INT64, name

@@ -136,6 +136,18 @@ def random_blocks(fmt: str, rows: int, cols: int, rng) -> quant.QuantizedWeight:
                                  fmt=fmt, float_shape=(cols, rows), in_dims=(0,))
 
 
+def _kernel_call(target: str):
+    """x @ w through the native kernel registered as `target`, at any number of rows
+    (`quant.native_matmul` hands more than `NATIVE_MAX_ROWS` to the jnp form)."""
+    def call(x, w):
+        o = int(np.prod(w.out_shape))
+        low = w.min if w.min is not None else w.scale
+        fn = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], o), jnp.float32))
+        return fn(x, w.data.reshape(o, -1), w.scale.reshape(o, -1), low.reshape(o, -1),
+                  jnp.int32(0), fmt=quant._FMT_CODES[w.fmt])
+    return call
+
+
 def _portable_product():
     """The kernel's portable body, built without AVX-512 under its own target name, or
     None where this CPU has no AVX-512 (the default build is then that body already)."""
@@ -147,39 +159,40 @@ def _portable_product():
     library = ctypes.cdll.LoadLibrary(str(native_attention._build(("-mno-avx512f",))))
     jax.ffi.register_ffi_target("jaxpd_quant_matmul_portable",
                                 jax.ffi.pycapsule(library.JaxpdQuantMatmul), platform="cpu")
-
-    def call(x, w):
-        o = int(np.prod(w.out_shape))
-        low = w.min if w.min is not None else w.scale
-        fn = jax.ffi.ffi_call("jaxpd_quant_matmul_portable",
-                              jax.ShapeDtypeStruct((x.shape[0], o), jnp.float32))
-        return fn(x, w.data.reshape(o, -1), w.scale.reshape(o, -1), low.reshape(o, -1),
-                  jnp.int32(0), fmt=quant._FMT_CODES[w.fmt])
-    return call
+    return _kernel_call("jaxpd_quant_matmul_portable")
 
 
 @pytest.mark.parametrize("body", ["built", "portable"])
 @pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1"])
 def test_native_product_matches_the_jnp_form(fmt, body):
-    """Both bodies of the kernel (AVX-512 where this CPU has it, and the portable one)."""
+    """Both bodies of the kernel (AVX-512 where this CPU has it, and the portable one),
+    against the jnp form on the same weight: the dequantized values are the same
+    floats, so only summation order differs (rtol 1e-5, atol 1e-4 on sums of 96
+    products of order 1). Rows of x: one, a partial register tile, whole tiles, a
+    tile and one, and a prefill's many; 42 rows of W: whole tiles of 4 and two over."""
     from jaxpd.models import native_attention
     if not native_attention.available():
         pytest.skip(native_attention.unavailable_reason())
-    product = quant.native_matmul
+    product = _kernel_call(native_attention.QUANT_MATMUL_TARGET)
     if body == "portable":
         product = _portable_product()
         if product is None:
             pytest.skip("no AVX-512 here: the built body is the portable one")
     rng = np.random.default_rng(0)
-    rows, cols = 40, 96
+    rows, cols = 42, 96
     w = (quant.quantize_int8(rng.normal(size=(cols, rows)).astype(np.float32), (0,))
          if fmt == "int8" else random_blocks(fmt, rows, cols, rng))
-    for m in (1, 3, 4, 9, 13):    # tiles of 8 and 4 rows, and the rest
+    for m in (1, 3, 16, 33, 128):
         x = jnp.asarray(rng.normal(size=(m, cols)).astype(np.float32))
         got = jax.jit(product)(x, w)
-        want = np.asarray(x) @ np.asarray(quant.dequantize_rows(w)).T
+        want = np.asarray(quant.matmul(x, w))
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
-        np.testing.assert_allclose(np.asarray(quant.matmul(x, w)), want, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(quant.matmul(x, w)),
+                               np.asarray(x) @ np.asarray(quant.dequantize_rows(w)).T,
+                               rtol=1e-5, atol=1e-4)
+    x = jnp.asarray(rng.normal(size=(2, cols)).astype(np.float32))
+    np.testing.assert_allclose(np.asarray(quant.native_matmul(x, w)),
+                               np.asarray(quant.matmul(x, w)), rtol=1e-5, atol=1e-4)
     big = jnp.zeros((quant.NATIVE_MAX_ROWS + 1, cols), jnp.float32)
     assert quant.native_matmul(big, w) is None       # a prefill's rows: the jnp form
     if body == "built":     # a scanned run's stack: the layer named, read in place
@@ -252,6 +265,7 @@ def test_quantized_weights_shard_like_their_float_weights(tmp_path, hf_llama, bp
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_int8_from_float_params_fuses_and_projects():
     from jaxpd.models.config import ModelConfig
     from jaxpd.models.llama import init_params

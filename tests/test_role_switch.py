@@ -36,19 +36,66 @@ def test_the_other_role_takes_the_same_devices():
             other_mesh(mesh, role)
 
 
-def _start(path, router_address, auth, role, cache=False):
-    """An in-process worker of `role` that can switch roles (as `serve_role` builds it)."""
+class _Outbox:
+    def __init__(self):
+        self.drained = []
+
+    def drain(self, deadline, why):
+        self.drained.append(why)
+
+
+class _Engine:
+    def is_idle(self):
+        return True
+
+    def shutdown(self, reason):
+        self.reason = reason
+
+
+@pytest.mark.parametrize("peers,moves", [(0, False), (1, True), (None, True)])
+def test_a_switching_decode_worker_migrates_only_where_another_can_take_its_requests(
+        peers, moves):
+    """The router's answer to its draining heartbeat (`decode_peers`): with no other
+    decode worker its requests finish in place; with one, or no answer, they move."""
+    from jaxpd.serving.role_switch import RoleSwitch
+
+    class Service:
+        role, epoch, engine, migration = "decode", 1, _Engine(), _Outbox()
+        asked = []
+
+        def decode_peers(self, why):
+            self.asked.append(why)
+            return peers
+
+    service = Service()
+    RoleSwitch(service, lambda role: (_Engine(), "127.0.0.1:1"), drain_s=1).switch("prefill")
+    assert service.asked == ["this worker is switching from decode to prefill"]
+    assert bool(Service.migration.drained) == moves
+    assert (service.role, service.epoch) == ("prefill", 2)
+
+
+def _start(path, router_address, auth, role, cache=False, migrate=False):
+    """An in-process worker of `role` that can switch roles (as `serve_role` builds it);
+    `migrate`: as a decode worker, its running requests move out with their KV when it
+    drains (`--migrate_on_drain`)."""
+    from jaxpd.serving.migration import MigrationOutbox
     from jaxpd.serving.role_server import RoleServer, RoleService, make_connector
     from jaxpd.serving.role_switch import RoleSwitch
-    options = dict(max_model_len=MAX_MODEL_LEN, slots_per_shard=4, enable_prefix_caching=cache)
+    options = dict(max_model_len=MAX_MODEL_LEN, slots_per_shard=4, enable_prefix_caching=cache,
+                   migrate_on_drain=migrate)
     connector, kv_address = make_connector(role, "grpc", "127.0.0.1", auth)
     llms = [LLM(path, mesh=f"{role}=1", connector=connector, **options)]
     service = RoleService(llms[0].engine, kv_address, "grpc")
+
+    def outbox(engine, new_role):
+        return MigrationOutbox(engine, auth) if migrate and new_role == "decode" else None
+    service.migration = outbox(llms[0].engine, role)
 
     def rebuild(new_role):
         conn, address = make_connector(new_role, "grpc", "127.0.0.1", auth)
         llms.append(LLM(path, mesh=other_mesh(str(llms[-1].config.mesh), new_role),
                         connector=conn, **options))
+        service.migration = outbox(llms[-1].engine, new_role)
         return llms[-1].engine, address
 
     service.switcher = RoleSwitch(service, rebuild, drain_s=30)
@@ -77,11 +124,13 @@ def _driver(router, actuator):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cache", [False, True], ids=["cache_off", "cache_on"])
+@pytest.mark.parametrize("cache", [False, True], ids=["cache_off", "cache_on_migrate"])
 def test_a_decode_worker_becomes_a_prefill_worker_while_requests_stream(tiny_hf_model, cache):
-    """With prefix caching on every worker too: the switched worker's new engine starts
-    with an empty cache and advertises it, the repeated prompts after the switch hit
-    the caches, and the page accounting holds with cached pages kept."""
+    """Without migration its decoding requests finish there before it rebuilds. With
+    prefix caching on every worker, and `migrate_on_drain`: its decoding requests move
+    to the other decode worker with their KV (no prefill again), the switched worker's
+    new engine starts with an empty cache and advertises it, the repeated prompts after
+    the switch hit the caches, and the page accounting holds with cached pages kept."""
     from jaxpd.auth import InternalAuth
     from jaxpd.serving.role_rpc import RoleClient
     from jaxpd.serving.router import Router, RouterConfig
@@ -101,7 +150,7 @@ def test_a_decode_worker_becomes_a_prefill_worker_while_requests_stream(tiny_hf_
     try:
         address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
         for role in ("prefill", "decode", "decode"):
-            workers.append(_start(path, address, auth, role, cache))
+            workers.append(_start(path, address, auth, role, cache, migrate=cache))
         deadline = time.monotonic() + 30
         while len(router.live_workers()) < 3:
             assert time.monotonic() < deadline, "workers did not register"
@@ -161,8 +210,16 @@ def test_a_decode_worker_becomes_a_prefill_worker_while_requests_stream(tiny_hf_
                 assert stats["slots_active"] == 0 and stats["pages_used"] == 0, stats
         counts = router.counters.snapshot()
         assert counts["finished"] == len(prompts) + 4 and counts["aborted"] == 0
-        # It drained: the requests it was decoding finished there, none failed over.
-        assert workers[index][1][0].stats()["finished"] > 0 and counts["decode_failovers"] == 0
+        assert counts["decode_failovers"] == 0
+        drained = workers[index][1][0].stats()
+        if cache:
+            # Its decoding requests moved on with their KV; no move failed, so none was
+            # prefilled again (the router prefills again only on a fallback or failover).
+            assert counts["migrations"] == drained["migrations_out"] >= 1
+            assert counts["migration_fallbacks"] == 0
+        else:
+            # It drained: the requests it was decoding finished there.
+            assert drained["finished"] > 0 and drained["migrations_out"] == 0
         assert counts["resplits"] == 1
         totals = router.stats()
         assert (totals["prefill_devices"], totals["decode_devices"]) == (2, 1)

@@ -47,6 +47,7 @@ def cold_llm():
     llm.shutdown()
 
 
+@pytest.mark.slow
 def test_threads_compile_what_the_calls_run(cold_llm):
     by_kind = {}     # the first program of each kind, to keep the test short
     for spec in serving_programs(cold_llm.engine):

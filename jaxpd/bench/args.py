@@ -290,6 +290,10 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
                    help="multiturn / prefix_repetition: above 0, each mesh also runs with "
                         "the cache on and a host tier of this many GiB (the decode pool's "
                         "evicted prefix pages kept in host memory and restored)")
+    w.add_argument("--prefill_host_cache_gb", type=nonnegative_float, default=0.0,
+                   help="multiturn / prefix_repetition: above 0, the host-tier run (also made "
+                        "when --kv_host_cache_gb is 0) gives the prefill mesh's own cache a "
+                        "host tier of this many GiB too, where the mesh has a prefill mesh")
     w.add_argument("--pages_per_shard", type=positive_int, default=None,
                    help="multiturn / prefix_repetition: the decode pool's pages per dp shard "
                         "(default: the engine's), e.g. too few to hold every conversation")

@@ -174,10 +174,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.prefix_caching != "default" and args.workload not in ("poisson", "shift"):
         parser.error(f"--prefix_caching: --workload {args.workload} runs every mesh with the "
                      f"cache off and on already")
-    if (args.kv_host_cache_gb > 0 or args.pages_per_shard is not None) and \
-            args.workload in ("poisson", "shift"):
-        parser.error("--kv_host_cache_gb/--pages_per_shard: only with --workload multiturn "
-                     "or prefix_repetition")
+    if (args.kv_host_cache_gb > 0 or args.prefill_host_cache_gb > 0 or
+            args.pages_per_shard is not None) and args.workload in ("poisson", "shift"):
+        parser.error("--kv_host_cache_gb/--prefill_host_cache_gb/--pages_per_shard: only with "
+                     "--workload multiturn or prefix_repetition")
     if args.goodput_max_rate is not None and args.goodput_max_rate < args.goodput_min_rate:
         parser.error(f"--goodput_max_rate={args.goodput_max_rate} is below "
                      f"--goodput_min_rate={args.goodput_min_rate}")

@@ -13,7 +13,9 @@ every mesh served twice on the same requests, prefix cache off and on.
 With `--kv_host_cache_gb` above 0 each mesh also runs a third time, cache on with a
 host tier of that size (evicted pages kept in host memory and restored); with
 `--pages_per_shard` too small to hold every conversation, that is device-only against
-device + host tier.
+device + host tier. `--prefill_host_cache_gb` gives the prefill mesh's own cache a host
+tier too in that run (it alone when `--kv_host_cache_gb` is 0); its restored tokens
+are counted apart (`prefill_host_hit_tokens`).
 
 With `--deployment processes`, the pinned multi-process deployment (a router in this
 process in front of a prefill and a decode worker, `bench/processes.py`) is served too,
@@ -39,6 +41,7 @@ from jaxpd.bench.driver import FIRST_ORDINARY_ID, greedy, stats_delta, timeline_
 from jaxpd.bench.workload import parse_length_mix
 from jaxpd.engine.background_compile import settle
 from jaxpd.metrics import meets_slo, summarize
+from jaxpd.sharding.spec import parse_mesh_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +132,9 @@ def serve(llm, chats: list[Chat], output_len: int, think_s: float, stats=None,
         "hit_rate": stats.get("prefix_hit_tokens", 0) / queried if queried else 0.0,
         "host_hit_rate": stats.get("prefix_host_hit_tokens", 0) / queried if queried else 0.0,
         "host_restored_pages": stats.get("host_tier_restored_pages", 0),
+        "prefill_host_hit_tokens": stats.get("prefill_cache_host_hit_tokens", 0),
+        "prefill_hit_tokens": stats.get("prefill_cache_hit_tokens", 0),
+        "prefill_host_restored_pages": stats.get("prefill_host_tier_restored_pages", 0),
         "host_corrupt_pages": stats.get("host_tier_corrupt_pages", 0),
         "transfer_bytes": stats["transfer_bytes"],
         "saved_bytes": stats.get("prefix_saved_bytes", 0),
@@ -150,7 +156,7 @@ def run_prefix_bench(args: argparse.Namespace, model_dir: str, meshes: list[str]
     engine_options = {**engine_options, "max_model_len": args.max_model_len or longest}
     runs = []
     tiers = [("off", False, 0.0), ("on", True, 0.0)]
-    if args.kv_host_cache_gb > 0:
+    if args.kv_host_cache_gb > 0 or args.prefill_host_cache_gb > 0:
         tiers.append(("on+host", True, args.kv_host_cache_gb))
     for mesh in meshes:
         outputs = {}
@@ -162,6 +168,9 @@ def run_prefix_bench(args: argparse.Namespace, model_dir: str, meshes: list[str]
                 options.pop("prefix_extend_below", None)
             if host_gb:
                 options["kv_host_cache_gb"] = host_gb
+            if label == "on+host" and args.prefill_host_cache_gb > 0 and \
+                    parse_mesh_spec(mesh).has_prefill and not parse_mesh_spec(mesh).colocated:
+                options["prefill_host_cache_gb"] = args.prefill_host_cache_gb
             with LLM(model_dir, mesh=mesh, warmup=warm, enable_prefix_caching=cache,
                      **options) as llm:
                 if warm:   # first-call paths, on other chats of the same shape

@@ -188,10 +188,12 @@ def time_decode(cfg, params, batch: int, context: int, page_size: int, repeats: 
     quantized weights, as `Engine._quant_matmul` picks it."""
     import jax
     import jax.numpy as jnp
+    from jaxpd.engine.experts import decode_experts
     from jaxpd.models.llama import Llama
     from jaxpd.models.pallas_attention import decode_attention
+    # Experts as a decode mesh of one device runs them (kept ones through `qmatmul`).
     model = Llama(cfg, fused=True, decode_attention=decode_attention(attention_impl),
-                  qmatmul=qmatmul)
+                  experts=decode_experts((), qmatmul), qmatmul=qmatmul)
     pages_per_slot = -(-(context + 1) // page_size)
     shape = (cfg.num_layers, batch * pages_per_slot + 1, page_size, cfg.num_kv_heads,
              cfg.head_dim)

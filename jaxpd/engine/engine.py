@@ -288,6 +288,11 @@ class Engine:
             self.counter, self.dtype, fused=fused, journal=self.cache_journal,
             attention_impl=attention
         ) if topology.paged_prefill else None
+        if caching and p.prefill_cache is not None and c.prefill_host_cache_gb > 0:
+            # Its own journal-less store: the router ranks prefill workers by pool pages.
+            p.prefill_cache.attach_host(HostTier(
+                p.prefill_cache, HostStore(int(c.prefill_host_cache_gb * 2**30)),
+                c.pages_per_slot, self.counters, counts="prefill_host_tier"))
         p.prefill_loop = PrefillLoop(p.prefill_runner, p.prefill_scheduler, sender,
                                      self.requests, self.requests.prefill_inbox, c.page_size,
                                      self.counters, layerwise=groups,

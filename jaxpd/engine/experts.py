@@ -13,7 +13,14 @@ dp, tp inside is GSPMD's), so a sparse layer:
    replicated over tp), then one psum over tp;
 3. reduce-scatters the sums over dp, each shard getting back its own rows.
 
-Only activations cross devices, never an expert's weights. The prefill mesh has no dp:
+A prompt prefilled on the decode mesh itself (its own `PrefillLoop`) runs under GSPMD
+with every token on every device (`held_experts`): each device runs its experts on
+all the pairs and one psum over the expert axes sums them, so there is nothing to
+gather or scatter.
+
+Only activations cross devices, never an expert's weights. An expert weight kept
+quantized (`models.moe`) splits the same way: each of its parts leads with the expert,
+so a device holds its experts' blocks and their scales. The prefill mesh has no dp:
 its experts are tensor-parallel over `expert_mlp` instead, under GSPMD.
 """
 from __future__ import annotations
@@ -23,7 +30,7 @@ import functools
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxpd.models.moe import grouped_experts
+from jaxpd.models.moe import grouped_experts, num_held
 from jaxpd.sharding.compat import shard_map
 
 EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
@@ -42,8 +49,8 @@ def param_specs(params, rules):
     experts), everything else whole (replicated over dp)."""
     over_dp = "dp" in _axes(rules)
 
-    def spec(path, _):
-        if not over_dp or getattr(path[-1], "key", None) not in EXPERT_WEIGHTS:
+    def spec(path, _):   # a quantized expert weight's parts all lead with the expert
+        if not over_dp or not any(getattr(k, "key", None) in EXPERT_WEIGHTS for k in path):
             return P()
         # A stacked run (`models.llama.stack_layers`) leads with its layer axis.
         stacked = str(getattr(path[0], "key", "")).startswith("stack_")
@@ -51,20 +58,28 @@ def param_specs(params, rules):
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def decode_experts(rules):
+def decode_experts(rules, native=None):
     """The `experts` callable (`moe.grouped_experts`'s signature) for a program run
     inside a decode mesh's dp `shard_map`, its params split by `param_specs`:
     expert-parallel over the axes `experts` maps to; the plain grouped matmuls when
-    experts are not split."""
+    experts are not split. `native`: the product of quantized weights the mesh runs
+    (`models.quant.native_matmul`, only where there is no tp) or None."""
     axes = _axes(rules)
+    if native is not None:
+        grouped = functools.partial(grouped_experts, native=native)
+        if "tp" in axes:
+            raise ValueError("the native product of quantized weights is opaque to GSPMD: "
+                             "it cannot serve experts split over tp")
+    else:
+        grouped = grouped_experts
     if not axes:
-        return grouped_experts
+        return grouped
     over_dp, over_tp = "dp" in axes, "tp" in axes
 
     def parallel(x, ids, weights, w_gate, w_up, w_down, first_expert=0, activation="silu"):
         first = 0
         if over_dp:     # this shard holds experts [dp_index * E', (dp_index + 1) * E')
-            first = jax.lax.axis_index("dp") * w_gate.shape[0]
+            first = jax.lax.axis_index("dp") * num_held(w_gate)
             x, ids, weights = (jax.lax.all_gather(a, "dp", tiled=True)
                                for a in (x, ids, weights))
         if over_tp:
@@ -75,7 +90,7 @@ def decode_experts(rules):
                             in_specs=(whole, whole, whole, split, split, split, whole),
                             out_specs=whole)(x, ids, weights, w_gate, w_up, w_down, first)
         else:
-            out = grouped_experts(x, ids, weights, w_gate, w_up, w_down, first, activation)
+            out = grouped(x, ids, weights, w_gate, w_up, w_down, first, activation)
         if over_dp:
             out = jax.lax.psum_scatter(out, "dp", scatter_dimension=0, tiled=True)
         return out
@@ -83,6 +98,35 @@ def decode_experts(rules):
 
 
 def _tp_experts(activation, x, ids, weights, w_gate, w_up, w_down, first):
-    first = first + jax.lax.axis_index("tp") * w_gate.shape[0]
+    first = first + jax.lax.axis_index("tp") * num_held(w_gate)
     out = grouped_experts(x, ids, weights, w_gate, w_up, w_down, first, activation)
     return jax.lax.psum(out, "tp")
+
+
+def held_experts(rules, mesh):
+    """The `experts` callable for a GSPMD program on a decode mesh whose tokens are
+    replicated (a prompt prefilled on the decode mesh), params placed by the mesh's
+    rules: each device runs the experts it holds on every (token, expert) pair, then a
+    psum over the axes `experts` maps to, where GSPMD's own split of the grouped
+    matmuls would gather group sizes and permute between devices in every sparse
+    layer. The plain grouped matmuls where experts are not split."""
+    axes = _axes(rules)
+    if not axes:
+        return grouped_experts
+    split, whole = P(axes), P()
+
+    def parallel(x, ids, weights, w_gate, w_up, w_down, first_expert=0, activation="silu"):
+        return shard_map(functools.partial(_own_experts, axes, mesh.shape, activation),
+                         mesh=mesh, in_specs=(whole,) * 3 + (split,) * 3 + (whole,),
+                         out_specs=whole, check_vma=False)(
+            x, ids, weights, w_gate, w_up, w_down, first_expert)
+    return parallel
+
+
+def _own_experts(axes, sizes, activation, x, ids, weights, w_gate, w_up, w_down, first):
+    index = 0
+    for axis in axes:     # the experts' split is major to minor in `axes`' order
+        index = index * sizes[axis] + jax.lax.axis_index(axis)
+    first = first + index * num_held(w_gate)
+    out = grouped_experts(x, ids, weights, w_gate, w_up, w_down, first, activation)
+    return jax.lax.psum(out, axes)

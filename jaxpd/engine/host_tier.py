@@ -1,4 +1,5 @@
-"""`HostTier`: the decode pool's prefix cache continued in host memory.
+"""`HostTier`: a pool's prefix cache continued in host memory (the decode pool's, and
+the prefill mesh's own, `PrefillCache`, whose one pool is shard 0).
 
 When a shard's allocator evicts published pages (`PageAllocator.on_evict`), their K
 and V are copied off the pool by one warmed-up program (`DecodeRunner.offload`, one
@@ -21,19 +22,37 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from typing import Protocol
+
 from jaxpd.engine.host_store import HostStore
-from jaxpd.engine.runner import DecodeRunner
 from jaxpd.sizes import coarse_ceil, coarse_sizes
 from jaxpd.stats import StatsCounter
 
 
+class PagePool(Protocol):
+    """What a host tier needs of a pool's owner (`DecodeRunner`, `PrefillCache`)."""
+    k_pool: jax.Array
+    v_pool: jax.Array
+
+    def offload(self, shard: int, page_ids: list[int]) -> tuple[jax.Array, jax.Array]: ...
+
+    def insert(self, shard: int, page_ids: list[int], k_pages, v_pages) -> None: ...
+
+    def pages_shape(self, m: int) -> tuple[int, ...]: ...
+
+    def shard_sharding(self, shard: int) -> jax.sharding.Sharding: ...
+
+
 class HostTier:
     """`runner`'s pool, `store`'s bytes; at most `max_pages` pages move per program
-    (a slot's pages: the padded counts warm-up compiles are `sizes()`)."""
+    (a slot's pages: the padded counts warm-up compiles are `sizes()`). Its counts go
+    to `stats` as `{counts}_stored_pages`, `_restored_pages` and `_corrupt_pages`."""
 
-    def __init__(self, runner: DecodeRunner, store: HostStore, max_pages: int,
-                 stats: StatsCounter):
+    def __init__(self, runner: PagePool, store: HostStore, max_pages: int,
+                 stats: StatsCounter, counts: str = "host_tier"):
         self.runner, self.store, self.max_pages, self.stats = runner, store, max_pages, stats
+        self._names = {kind: f"{counts}_{kind}_pages" for kind in ("stored", "restored",
+                                                                    "corrupt")}
         # Copies dispatched, not yet read back: (hashes, k, v), k and v [L, m, S, K, H].
         self._pending: list[tuple[list[bytes], jax.Array, jax.Array]] = []
 
@@ -63,11 +82,16 @@ class HostTier:
             for i, h in enumerate(hashes):
                 stored += self.store.put(h, k[:, i], v[:, i])
         self._pending = keep
-        self.stats.add(host_tier_stored_pages=stored)
+        self.stats.add(**{self._names["stored"]: stored})
 
     def restorable(self, hashes: list[bytes]) -> int:
-        """Leading pages of `hashes` the store holds (a hint: `fetch` checks them)."""
-        return self.store.prefix(hashes)
+        """Leading pages of `hashes` the store holds or is being copied (a hint: `fetch`
+        checks them)."""
+        n = self.store.prefix(hashes)
+        copying = {h for pending in list(self._pending) for h in pending[0]}
+        while n < len(hashes) and (hashes[n] in copying or hashes[n] in self.store):
+            n += 1
+        return n
 
     def fetch(self, hashes: list[bytes]) -> list[tuple[np.ndarray, np.ndarray]]:
         """The checked (K, V) of the longest leading run of `hashes` the store holds
@@ -77,7 +101,7 @@ class HostTier:
         self.settle(wait=True)
         corrupt = self.store.num_corrupt
         pages = self.store.take(hashes)
-        self.stats.add(host_tier_corrupt_pages=self.store.num_corrupt - corrupt)
+        self.stats.add(**{self._names["corrupt"]: self.store.num_corrupt - corrupt})
         return pages
 
     def restore(self, shard: int, page_ids: list[int],
@@ -94,7 +118,7 @@ class HostTier:
         v[:, :n] = np.stack([p[1] for p in pages], axis=1)
         k, v = jax.device_put((k, v), self.runner.shard_sharding(shard))
         self.runner.insert(shard, page_ids, k, v)
-        self.stats.add(host_tier_restored_pages=n)
+        self.stats.add(**{self._names["restored"]: n})
 
     @property
     def num_pending(self) -> int:

@@ -20,6 +20,13 @@ runs):
   release  every reference of the batch is dropped: its pages stay cached until the
            allocator needs room.
 
+With a host tier (`attach_host`, `prefill_host_cache_gb`), the pages the allocator
+evicts are copied to host memory (`engine.host_tier`), and `restore` (or `admit`
+itself) brings back the ones that continue a request's pooled prefix into its own
+pages (one insert program), then publishes them: the batch computes only what
+follows, as after a pool hit. The prefill loop restores only for a batch that will
+run with its prefix (`restorable` says how much it could get).
+
 References live only within one batch, so a pool of `min_pages` always admits the
 largest batch the scheduler can form (the engine checks the size). Requests with
 penalties compute their whole prompt (their penalty context is built from the batch's
@@ -35,11 +42,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpd.engine.background_compile import BackgroundCompiler
+from jaxpd.engine.host_tier import HostTier
 from jaxpd.engine.kernels import prefill_attention, prefill_kernel
 from jaxpd.engine.program import Program
 from jaxpd.engine.page_allocator import CacheJournal, PageAllocator, page_hashes, pages_for
 from jaxpd.engine.penalties import prefill_context
-from jaxpd.engine.runner import CompileCounter
+from jaxpd.engine.runner import CompileCounter, host_memory_kind
 from jaxpd.engine.sampler import SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.llama import Llama
@@ -153,6 +161,19 @@ class PrefillCache:
                                                     pages))
         self._take = jax.jit(lambda k, v, ids: (k[:, ids], v[:, ids]),
                              out_shardings=(pages, pages))
+        self._pages = pages
+        # Evicted pages copied out for the host tier land in pinned host memory where
+        # the devices have it (`DecodeRunner.offload`); restored ones are inserted.
+        kind = host_memory_kind(mesh)
+        offloaded = NamedSharding(mesh, P(), **({"memory_kind": kind} if kind else {}))
+        self._offload = jax.jit(lambda k, v, ids: (k[:, ids], v[:, ids]),
+                                out_shardings=(offloaded, offloaded))
+        self._insert = jax.jit(
+            lambda k_pool, v_pool, k, v, ids: (k_pool.at[:, ids].set(k),
+                                               v_pool.at[:, ids].set(v)),
+            donate_argnums=(0, 1), out_shardings=(pages, pages))
+        self.host: HostTier | None = None
+        self.restored_tokens = 0       # of the last `admit`: from the host tier
         # After warm-up (`start_background`), programs with a prefix compile on demand
         # in the background; the loop serves a batch without its prefix meanwhile.
         self.compiler: BackgroundCompiler | None = None
@@ -205,33 +226,128 @@ class PrefillCache:
                                    SamplingArrays.empty(rows))
         return self._extend.lower(*program.abstract_args())
 
+    def attach_host(self, tier: HostTier) -> None:
+        """Keep evicted prefix pages in `tier` (made on this cache: `HostTier(cache,
+        ...)`) and restore them (see the module)."""
+        if not self.reuse:
+            raise ValueError("a host tier needs the prefix cache (a root to hash pages by)")
+        self.host = tier
+        self.allocator.on_evict = lambda pairs: tier.evicted(0, pairs)
+
+    # ---- the host tier's view of the pool (`host_tier.PagePool`; one shard, 0) --------
+
+    def pages_shape(self, m: int) -> tuple[int, ...]:
+        """[L, m, S, K, H]: `m` pages of this pool."""
+        return (self.k_pool.shape[0], m) + self.k_pool.shape[2:]
+
+    def shard_sharding(self, shard: int) -> NamedSharding:
+        """Where pages must be to be inserted (split over kv heads as the pool is)."""
+        return self._pages
+
+    def offload(self, shard: int, page_ids: list[int]):
+        """Copies of the pages at `page_ids` for the host tier, padded with the null
+        page to `coarse_ceil` of their count ([L, m, S, K, H]), dispatched, not waited
+        for: a program dispatched after it that writes these pages runs after it."""
+        self.counter.note(f"{self.name}_offload", coarse_ceil(len(page_ids)))
+        return self._offload(*self._take_args(page_ids))
+
+    def offload_program(self, m: int) -> Program:
+        """The program `offload` dispatches for `m` padded pages."""
+        return Program(f"{self.name}_offload_m{m}", self._offload, self._take_args([0] * m),
+                       host_sharding=self._replicated)
+
+    def insert(self, shard: int, page_ids: list[int], k_pages, v_pages) -> None:
+        """Write [L, m, S, K, H] pages (on `shard_sharding`; m = `coarse_ceil` of their
+        real count) at `page_ids`, one id per real page; padding goes to the null page."""
+        self.counter.note(f"{self.name}_insert", k_pages.shape[1])
+        self.k_pool, self.v_pool = self._insert(*self._insert_args(page_ids, k_pages, v_pages))
+
+    def _insert_args(self, page_ids: list[int], k_pages, v_pages):
+        ids = np.zeros(k_pages.shape[1], np.int32)
+        ids[:len(page_ids)] = page_ids
+        return self.k_pool, self.v_pool, k_pages, v_pages, jax.device_put(ids, self._replicated)
+
+    def insert_program(self, m: int) -> Program:
+        """The program `insert` dispatches for `m` padded pages."""
+        pages = jax.device_put(jnp.zeros(self.pages_shape(m), self.k_pool.dtype), self._pages)
+        return Program(f"{self.name}_insert_m{m}", self._insert,
+                       self._insert_args([0] * m, pages, pages))
+
+    def host_sizes(self) -> list[int]:
+        """Padded page counts the host tier offloads and inserts (warm-up's)."""
+        return self.host.sizes() if self.host is not None else []
+
     def hashes(self, token_ids: list[int]) -> list[bytes]:
         return page_hashes(token_ids, self.page_size, self.root) if self.reuse else []
 
-    def admit(self, requests: list[Request], share: bool = True
+    def admit(self, requests: list[Request], share: bool = True, restore: bool = True
               ) -> list[tuple[list[int], int, list[bytes]]]:
         """For each request, in order: (its pages, cached tokens, its full pages'
         hashes), with one reference taken to each page. At least its last token is
         computed (its logits give the first token). `share` False: every page is the
         request's own (nothing cached is used; its pages are still published after).
         Raises `OutOfPages` (nothing taken) only if the pool is smaller than
-        `cache_pages`."""
-        admitted = []
+        `cache_pages`. With a host tier (and `restore`; else see `restore`), the pages
+        continuing a shared prefix that it holds are restored into the request's first
+        own pages and published, and count as cached (`restored_tokens`: how many, over
+        the requests)."""
+        admitted, self.restored_tokens = [], 0
+        if self.host is not None:
+            self.host.settle()
         try:
             for r in requests:
                 ids = r.prefill_ids
                 n = len(ids)
                 hashes = self.hashes(ids)
-                shared = [] if r.params.has_penalties or not share or not self.reuse else \
-                    self.allocator.cached_prefix(hashes[:(n - 1) // self.page_size])
+                usable = hashes[:(n - 1) // self.page_size]
+                use = share and self.reuse and not r.params.has_penalties
+                shared = self.allocator.cached_prefix(usable) if use else []
                 self.allocator.share(shared)
                 admitted.append((shared, 0, hashes))
                 own = self.allocator.allocate(pages_for(n, self.page_size) - len(shared))
                 admitted[-1] = (shared + own, len(shared) * self.page_size, hashes)
+                restored = self._restore(own, usable[len(shared):]) if use and restore else 0
+                admitted[-1] = (shared + own, (len(shared) + restored) * self.page_size, hashes)
         except Exception:
             self.release([pages for pages, _, _ in admitted])
             raise
         return admitted
+
+    def restorable(self, request: Request, row: tuple[list[int], int, list[bytes]]) -> int:
+        """Tokens the host tier could add to the cached prefix of `row` (`admit`'s, made
+        with `restore` False): a hint, `restore` checks."""
+        if self.host is None or request.params.has_penalties:
+            return 0
+        _, cached, hashes = row
+        usable = hashes[cached // self.page_size:(len(request.prefill_ids) - 1) // self.page_size]
+        return self.host.restorable(usable[:self.host.max_pages]) * self.page_size
+
+    def restore(self, requests: list[Request], admitted: list[tuple[list[int], int, list[bytes]]]
+                ) -> list[tuple[list[int], int, list[bytes]]]:
+        """`admitted` (`admit`'s with `restore` False) with what the host tier holds
+        past each row's cached prefix restored into its own pages and counted as
+        cached (`restored_tokens` grows by it)."""
+        out = []
+        for r, (pages, cached, hashes) in zip(requests, admitted):
+            first = cached // self.page_size
+            usable = hashes[first:(len(r.prefill_ids) - 1) // self.page_size]
+            n = 0 if r.params.has_penalties else self._restore(pages[first:], usable)
+            out.append((pages, cached + n * self.page_size, hashes))
+        return out
+
+    def _restore(self, own: list[int], hashes: list[bytes]) -> int:
+        """Restore the host tier's leading run of `hashes` into the first `own` pages and
+        publish them; how many."""
+        if self.host is None or not hashes:
+            return 0
+        pages = self.host.fetch(hashes[:self.host.max_pages])
+        if not pages:
+            return 0
+        ids = own[:len(pages)]
+        self.host.restore(0, ids, pages)
+        self.publish(ids, hashes[:len(pages)], 0)
+        self.restored_tokens += len(pages) * self.page_size
+        return len(pages)
 
     def release(self, pages: list[list[int]]) -> None:
         for p in pages:

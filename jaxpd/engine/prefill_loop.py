@@ -141,7 +141,7 @@ class PrefillLoop:
         """Take pages for all of `r`'s tokens (sharing its cached prefix, when the pool
         reuses pages); its chunks compute the rest (`_chunk_step`)."""
         [(pages, cached, hashes)] = self.cache.admit([r])
-        self._chunking = _Chunking(r, pages, cached, hashes, cached)
+        self._chunking = _Chunking(r, pages, cached, hashes, cached, self.cache.restored_tokens)
 
     def _end_chunking(self) -> None:
         c, self._chunking = self._chunking, None
@@ -184,7 +184,8 @@ class PrefillLoop:
             if c.done < n:
                 return True, 0.0
             self.stats.add(prefill_batches=1, prefill_cache_query_tokens=n if cache.reuse else 0,
-                           prefill_cache_hit_tokens=c.cached)
+                           prefill_cache_hit_tokens=c.cached - c.restored,
+                           prefill_cache_host_hit_tokens=c.restored)
             cache.publish(c.pages, c.hashes, c.cached // page_size)
             if not self._first_token(r, 0, int(first[0]), logprobs, time.perf_counter()):
                 skip = self._skip_pages(r, n)
@@ -250,14 +251,25 @@ class PrefillLoop:
         no prefix: its hits would save nothing and cost the prefix's attention. So does
         a batch whose program with a prefix is still compiling (`PrefillCache.ready`)."""
         cache, page_size = self.cache, self.page_size
-        admitted = cache.admit(live)
-        length = next(t for t in cache.new_buckets(batch.length, self.scheduler.buckets)
-                      if t >= max((r.num_tokens - c for r, (_, c, _) in zip(live, admitted)),
-                                  default=1))
-        if length < batch.length and not cache.ready(batch.batch_size, length,
-                                                     cache.width(batch.length)):
-            length = batch.length              # its program compiles in the background
-            self.stats.add(prefill_cache_cold_batches=1)
+        # Pool pages now; host tier pages only once the batch will use its prefix.
+        admitted = cache.admit(live, restore=False)
+        try:
+            hint = [row[1] + cache.restorable(r, row) for r, row in zip(live, admitted)]
+            def needed(cached: list[int]) -> int:
+                return max((r.num_tokens - c for r, c in zip(live, cached)), default=1)
+            length = next(t for t in cache.new_buckets(batch.length, self.scheduler.buckets)
+                          if t >= needed(hint))
+            if length < batch.length and not cache.ready(batch.batch_size, length,
+                                                         cache.width(batch.length)):
+                length = batch.length          # its program compiles in the background
+                self.stats.add(prefill_cache_cold_batches=1)
+            if length < batch.length and hint != [c for _, c, _ in admitted]:
+                admitted = cache.restore(live, admitted)
+                if needed([c for _, c, _ in admitted]) > length:
+                    length = batch.length      # the store held less than it said
+        except BaseException:
+            cache.release([pages for pages, _, _ in admitted])
+            raise
         if length == batch.length and any(c for _, c, _ in admitted):
             cache.release([pages for pages, _, _ in admitted])
             admitted = cache.admit(live, share=False)
@@ -282,7 +294,9 @@ class PrefillLoop:
                            prefill_padded_tokens=tokens.size,
                            prefill_cache_query_tokens=sum(r.num_tokens for r in live)
                            if cache.reuse else 0,
-                           prefill_cache_hit_tokens=sum(c for _, c, _ in admitted))
+                           prefill_cache_hit_tokens=sum(c for _, c, _ in admitted)
+                           - cache.restored_tokens,
+                           prefill_cache_host_hit_tokens=cache.restored_tokens)
             first, logprobs = cache.run(tokens, starts, lengths, prefix_tables, new_tables,
                                         sampling)
             for pages, cached, hashes in admitted:
@@ -371,9 +385,11 @@ class PrefillLoop:
 @dataclasses.dataclass
 class _Chunking:
     """A long prompt between its chunks: its pages, hashes and cached prefix
-    (`PrefillCache.admit`), and how many of its tokens have KV so far."""
+    (`PrefillCache.admit`), how many of its tokens have KV so far, and how many of
+    the cached ones came from the host tier."""
     request: Request
     pages: list[int]
     cached: int
     hashes: list[bytes]
     done: int
+    restored: int = 0

@@ -8,11 +8,12 @@ process: it now lives on the decode side). Which inbox a prompt goes to is `Rout
 decision. The loops hold this one object instead of callbacks into the engine. Plain
 Python; thread-safe.
 
-Every request that comes in is checked here, once, against this engine's own `Limits`
-with `jaxpd.validation` (the front ends' checks): this is where a peer's request is
-validated (a role server only decodes its wire form), so one beyond them (a router with
-a larger max_model_len, a forged RPC) is refused with a `ValueError` naming the field,
-before a loop could choke on it. A handoff from another
+Each request is checked once, at the boundary it crosses: a front end's own
+(`jaxpd.frontend`) for public input, and `check` here, against this engine's `Limits`
+with the same `jaxpd.validation` rules, for a peer's (the role server calls it on every
+wire form it decodes), so one beyond them (a router with a larger max_model_len, a
+forged RPC) is refused with a `ValueError` naming the field before a loop could choke
+on it. `submit` and `register` take requests already checked. A handoff from another
 process resolves only to a request registered here first (the router's `Decode`
 always registers before it asks for the prefill); one for an id nobody registered is
 refused, so a peer cannot make this engine decode a request of its own invention.
@@ -82,9 +83,8 @@ class Requests:
 
     def submit(self, request: Request) -> None:
         """Admit a request and queue it for prefill. Raises `QueueFull`,
-        `DuplicateRequest` for an id already in flight, or `ValueError` for a request
-        beyond this engine's limits."""
-        self.check(request)
+        `DuplicateRequest` for an id already in flight. The request is already checked
+        (`check`, or the front end's validation)."""
         with self._lock:
             self._prune()
             waiting = sum(r.state is State.WAITING for r in self._live.values())
@@ -102,7 +102,6 @@ class Requests:
         the handoff that brings its KV resolves to this object, whose events stream."""
         if request.state is not State.TRANSFERRING:
             raise ValueError(f"register takes a request waiting for its KV, got {request}")
-        self.check(request)
         with self._lock:
             self._prune()
             if request.request_id in self._live:

@@ -34,7 +34,7 @@ from jaxpd.engine.penalties import SlotPenalties, count_sampled, prefill_context
 from jaxpd.engine.sampler import Logprobs, SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
 from jaxpd.engine.kernels import kernel_per_tp_shard, prefill_attention, prefill_kernel
-from jaxpd.engine.experts import decode_experts, param_specs
+from jaxpd.engine.experts import decode_experts, held_experts, param_specs
 from jaxpd.models.llama import (Llama, is_stacked, layer_kinds, prefill_blocks,
                                 unstack_layers)
 from jaxpd.models.pallas_attention import decode_attention
@@ -89,7 +89,9 @@ class PrefillRunner:
         self._unstacked = None
         attention = prefill_attention(attention_impl, mesh, rules, cfg.head_dim)
         self.kernel = prefill_kernel(attention)
-        model = Llama(cfg, dtype, fused, prefill_attention=attention)
+        # On a decode mesh (its own prefills) experts stay where its rules split them.
+        experts = held_experts(rules, mesh)
+        model = Llama(cfg, dtype, fused, prefill_attention=attention, experts=experts)
         replicated = NamedSharding(mesh, P())
 
         def first_token(logits, tokens, lengths, sampling):
@@ -110,7 +112,8 @@ class PrefillRunner:
 
         def blocks(layer_params, x, kinds):
             with nn.logical_axis_rules(rules):
-                return prefill_blocks(cfg, dtype, layer_params, x, fused, attention, kinds)
+                return prefill_blocks(cfg, dtype, layer_params, x, fused, attention, kinds,
+                                      experts)
 
         def head(params, x, tokens, lengths, sampling):
             with nn.logical_axis_rules(rules):
@@ -264,8 +267,8 @@ class DecodeRunner:
         attention = decode_attention(attention_impl, attention_interpret)
         if attention_impl != "reference":
             attention = kernel_per_tp_shard(attention, kv_axis)
-        model = Llama(cfg, dtype, fused, attention, experts=decode_experts(rules),
-                      qmatmul=quant_matmul)
+        model = Llama(cfg, dtype, fused, attention,
+                      experts=decode_experts(rules, quant_matmul), qmatmul=quant_matmul)
         # jax's varying-axes check cannot type a kernel's output.
         check_vma = attention_impl == "reference" and quant_matmul is None
 

@@ -177,6 +177,16 @@ def _prefill_cached(loop, shapes) -> list[ProgramSpec]:
         specs.append(ProgramSpec(f"{cache.name} page take for {m} pages",
                                  lambda m=m: cache.take([0] * m),
                                  lambda m=m: [cache.take_program(m)]))
+    # Its host tier (`attach_host`) copies evicted pages out and restores them in.
+    for m in cache.host_sizes():
+        specs.append(ProgramSpec(f"{cache.name} page offload to the host tier for {m} pages",
+                                 lambda m=m: jax.block_until_ready(cache.offload(0, [0] * m)),
+                                 lambda m=m: [cache.offload_program(m)]))
+        specs.append(ProgramSpec(f"{cache.name} page restore for {m} pages",
+                                 lambda m=m: cache.insert(0, [0] * m, *(2 * (jax.device_put(
+                                     np.zeros(cache.pages_shape(m), cache.k_pool.dtype),
+                                     cache.shard_sharding(0)),))),
+                                 lambda m=m: [cache.insert_program(m)]))
     return specs
 
 

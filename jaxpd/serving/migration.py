@@ -16,8 +16,13 @@ The worker side, `MigrationOutbox`:
    as it does for any lost decode stream (`RequestFlow`).
 
 Requests still waiting for their KV or prefilling here when the drain starts become
-decoding and move on a later round. Only the gRPC KV stream carries a migration: its
-sender needs no server of its own on this side.
+decoding and move on a later round. Either KV transport carries a migration, with the
+sender a prefill worker would use: the gRPC stream pushes the pages inside `send`;
+the transfer server (`make_sender` starts one in this process, beside the receiver's)
+offers them, and the target pulls them after `send` returns, so `drain` also waits
+until every offer is pulled (or expired) before it returns and the process may exit.
+A pulled handoff is one device's copy of the pages (`one_device`): the target pulls a
+sender's exact layout, and a copy per device of the decode mesh would cost as many.
 
 No thread of its own: `drain` runs on the caller's (the worker's main thread on
 SIGTERM, the `SwitchRole` call's), `send` on the gRPC pool thread of a `Migrate` call.
@@ -28,6 +33,7 @@ import dataclasses
 import logging
 import threading
 import time
+from typing import Callable
 
 from jaxpd.auth import NO_AUTH, InternalAuth
 from jaxpd.engine.migration import Migrant, has_decoding, take_decoding
@@ -43,14 +49,15 @@ class NotHeld(LookupError):
 
 class MigrationOutbox:
     """The handoffs of a draining decode worker's requests, until the router sends them
-    (see the module). `sender`: a `KVSender` streaming to a decode worker's KV address
-    (default: a `GrpcSender` with `auth`)."""
+    (see the module). `make_sender()`: the `KVSender` to a decode worker's KV address,
+    made at the first move (default: a `GrpcSender` with `auth`); `one_device`: hand
+    it the pages on one device (a sender whose peer pulls them)."""
 
     def __init__(self, engine, auth: InternalAuth = NO_AUTH, hold_s: float = 30.0,
-                 sender=None):
-        self.engine, self.hold_s = engine, hold_s
+                 make_sender: Callable[[], object] | None = None, one_device: bool = False):
+        self.engine, self.hold_s, self.one_device = engine, hold_s, one_device
         self.draining: str | None = None       # why new calls are refused
-        self._auth, self._sender = auth, sender
+        self._auth, self._make_sender, self._sender = auth, make_sender, None
         self._lock = threading.Lock()
         self._held: dict[str, tuple[Migrant, float]] = {}   # request id -> (it, expiry)
         self.num_sent = self.num_failed = self.num_dropped = 0
@@ -73,10 +80,11 @@ class MigrationOutbox:
                     with self._lock:
                         self._held[m.request.request_id] = (m, time.monotonic() + self.hold_s)
                     m.request.events.put(([], MIGRATING))
-            if self.engine.is_idle() and self.num_held == 0:
+            if self.engine.is_idle() and self.num_held == 0 and self._pulled():
                 return
             time.sleep(0.02)
-        _log.warning("drain deadline: %d requests still held for migration", self.num_held)
+        _log.warning("drain deadline: %d requests still held for migration, %d offers not "
+                     "yet pulled", self.num_held, self._offers_pending())
 
     def send(self, request_id: str, destination: str) -> None:
         """Stream `request_id`'s held handoff to the decode worker whose KV address is
@@ -87,8 +95,11 @@ class MigrationOutbox:
         if held is None:
             raise NotHeld(f"no migrating request {request_id!r} is held here")
         migrant = held[0]
+        handoff = dataclasses.replace(migrant.handoff, destination=destination)
         try:
-            self._connector().send(dataclasses.replace(migrant.handoff, destination=destination))
+            if self.one_device:
+                handoff = _on_one_device(handoff)
+            self._connector().send(handoff)
         except Exception:
             with self._lock:
                 self.num_failed += 1
@@ -107,9 +118,22 @@ class MigrationOutbox:
     def _connector(self):
         with self._lock:
             if self._sender is None:
-                from jaxpd.transfer.grpc_stream import GrpcSender
-                self._sender = GrpcSender(auth=self._auth)
+                if self._make_sender is not None:
+                    self._sender = self._make_sender()
+                else:
+                    from jaxpd.transfer.grpc_stream import GrpcSender
+                    self._sender = GrpcSender(auth=self._auth)
             return self._sender
+
+    def _offers_pending(self) -> int:
+        """Offers of a pulling sender not yet pulled (nor expired); 0 for a pushing one."""
+        with self._lock:
+            sender = self._sender
+        pending = getattr(sender, "pending", None)
+        return pending() if pending is not None else 0
+
+    def _pulled(self) -> bool:
+        return self._offers_pending() == 0
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -121,3 +145,11 @@ class MigrationOutbox:
         for k in late:
             _log.warning("dropped the held KV of %s: the router did not move it within "
                          "%.0f s", k, self.hold_s)
+
+
+def _on_one_device(handoff):
+    """`handoff` with its pages copied onto the first device holding them."""
+    import jax
+    device = next(iter(handoff.k.sharding.device_set))
+    k, v = jax.device_put((handoff.k, handoff.v), jax.sharding.SingleDeviceSharding(device))
+    return dataclasses.replace(handoff, k=k, v=v)

@@ -17,7 +17,9 @@ Python (msgpack, grpc, no jax): the router process imports this.
   SwitchRole unary    role -> the worker drains, rebuilds its engine for that role on
                       the same devices, and answers its new epoch (`role_switch`)
   Register  unary     (served by the router's internal port) `WorkerInfo` fields +
-                      address + load, every `heartbeat_s` -> {"lease_s"}
+                      address + load [+ draining: why it takes no new request],
+                      every `heartbeat_s` -> {"lease_s"} [+ a draining decode
+                      worker's "decode_peers": others its requests could move to]
 
 Every router -> worker call but Info names the worker's `epoch` as the router knows
 it (`WorkerInfo.epoch`, 1 at start, one more per role switch); a worker refuses a
@@ -195,6 +197,18 @@ def check_load(d: Any) -> dict[str, int]:
     return load
 
 
+def check_draining(value: Any) -> str | None:
+    """A heartbeat's "draining": None, or why the worker takes no new request
+    (printable text of at most `MAX_REASON_LEN` characters)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_REASON_LEN or \
+            not value.isprintable():
+        raise ValueError(f"draining must be printable text of at most {MAX_REASON_LEN} "
+                         f"characters")
+    return value
+
+
 def check_tokens(answer: Any, vocab_size: int, logprobs: int | None
                  ) -> list[tuple[int, TokenLogprobs | None]]:
     """A Decode event's or a finished Prefill's "token_ids", paired with their
@@ -313,11 +327,14 @@ class AsyncRoleClient:
 
 
 def register(router_address: str, info: WorkerInfo, load: dict, auth: InternalAuth,
-             timeout: float, prefix: dict | None = None) -> dict:
+             timeout: float, prefix: dict | None = None, draining: str | None = None) -> dict:
     """Announce (or re-announce: the heartbeat) a worker to the router, with what its
-    prefix caches hold (`CacheJournal.take`) when it has them. Raises grpc.RpcError
-    while the router is not up, or when it refuses this worker."""
+    prefix caches hold (`CacheJournal.take`) when it has them, and why it takes no new
+    request (`draining`) while it drains. Raises grpc.RpcError while the router is not
+    up, or when it refuses this worker."""
     fields = {} if prefix is None else {"prefix": prefix}
+    if draining is not None:
+        fields["draining"] = draining
     with auth.channel(router_address) as channel:
         call = channel.unary_unary(f"/{ROUTER_SERVICE}/Register", request_serializer=pack,
                                    response_deserializer=unpack)

@@ -81,6 +81,20 @@ class RoleService:
         # A decode worker's running requests move out with their KV when it drains
         # (`migration`); None: they are prefilled again elsewhere.
         self.migration: MigrationOutbox | None = None
+        self.stopping: str | None = None    # why, once the process is shutting down
+        # Tells the router this worker drains (why) and returns how many other decode
+        # workers it could move its requests to (`RoleServer.tell_draining`); None:
+        # nobody to ask.
+        self.decode_peers: Callable[[str], int | None] | None = None
+
+    @property
+    def draining(self) -> str | None:
+        """Why this worker takes no new request (shutting down, switching roles, moving
+        its requests out), or None. Its heartbeat says so, so the router stops choosing
+        it before it goes."""
+        switching = self.switcher.draining if self.switcher is not None else None
+        moving = self.migration.draining if self.migration is not None else None
+        return self.stopping or switching or moving
 
     def info(self, address: str) -> WorkerInfo:
         c, m = self.engine.config, self.engine.model.cfg
@@ -112,7 +126,8 @@ class RoleService:
     def Info(self, msg, context) -> dict:
         self._alive()
         s = self.engine.stats()
-        return {**self.info("").to_wire(), **self.load(), "mesh": s.mesh,
+        return {**self.info("").to_wire(), **self.load(), "draining": self.draining,
+                "mesh": s.mesh,
                 "model_path": self.engine.model.path, "transfers": s.transfers,
                 "slots_total": s.slots_total, "pages_total": s.pages_total,
                 "layerwise_transfers": s.layerwise_transfers,
@@ -257,9 +272,7 @@ class RoleService:
 
     def _require(self, role: str, msg: dict) -> None:
         self._alive()
-        draining = self.switcher.draining if self.switcher is not None else None
-        if draining is None and self.migration is not None:
-            draining = self.migration.draining
+        draining = self.draining
         if draining is not None:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, draining)
         self.check_epoch(msg)
@@ -268,11 +281,13 @@ class RoleService:
                           f"this is a {self.role} worker, not a {role} worker")
 
     def _request(self, msg: dict, state: State) -> Request:
-        """The request from its wire form (a peer's request is as untrusted as a
-        client's: the engine checks it against this worker's limits on submit or
-        register, `Requests.check`)."""
+        """The request from its wire form, checked against this worker's limits
+        (`Requests.check`): a peer's request is as untrusted as a client's, and this is
+        the internal plane's one check of it."""
         try:
-            return Request.from_wire(msg["request"], state)
+            r = Request.from_wire(msg["request"], state)
+            self.engine.requests.check(r)
+            return r
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"bad request: {_describe(e)}") from None
@@ -334,6 +349,7 @@ class RoleServer:
         self._stop = threading.Event()
         self._watch: asyncio.Task | None = None
         self.refused: str | None = None     # why the router refused this worker
+        self._router: tuple[str, float] | None = None   # (address, heartbeat_s) once registering
 
     def _on_loop(self, coro, timeout: float | None = 60.0):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -378,7 +394,8 @@ class RoleServer:
                 try:
                     prefix = journal.take() if journal is not None else None
                     answer = register(router_address, info, self.service.load(), self.auth,
-                                      timeout=max(heartbeat_s, 2.0), prefix=prefix)
+                                      timeout=max(heartbeat_s, 2.0), prefix=prefix,
+                                      draining=self.service.draining)
                     if not registered:
                         _log.info("registered with router %s", router_address)
                     registered, delay = True, heartbeat_s
@@ -396,8 +413,36 @@ class RoleServer:
                     registered, delay = False, min(delay * 2, max(5.0, heartbeat_s))
                 self._stop.wait(heartbeat_s if registered else delay)
         t = threading.Thread(target=loop, name="jaxpd-register", daemon=True)
+        self._router = (router_address, heartbeat_s)
         t.start()
         return t
+
+    def announce_draining(self, why: str) -> int | None:
+        """Take no new request (`RoleService.stopping`) and tell the router now
+        (`tell_draining`)."""
+        self.service.stopping = why
+        return self.tell_draining(why)
+
+    def tell_draining(self, why: str) -> int | None:
+        """Tell the router now, in one heartbeat out of turn, that this worker drains,
+        so it stops choosing it before its next beat. Returns the other decode workers
+        the router could move this one's requests to, as it answered; None when it did
+        not answer (or this worker registers with none). Best effort: a router that
+        does not answer learns it from the next beat (which says it while the worker
+        drains), or drops the worker when its lease runs out."""
+        if self._router is None or self.refused is not None or self.service.error is not None:
+            return None
+        address, heartbeat_s = self._router
+        try:
+            answer = register(address, self.service.info(self.address), self.service.load(),
+                              self.auth, timeout=max(heartbeat_s, 2.0), draining=why)
+        except grpc.RpcError as e:
+            _log.warning("could not tell router %s that this worker drains: %s", address,
+                         e.code())
+            return None
+        peers = answer.get("decode_peers") if isinstance(answer, dict) else None
+        ok = isinstance(peers, int) and not isinstance(peers, bool) and peers >= 0
+        return peers if ok else None
 
     def stop(self, grace: float = 5.0) -> None:
         """Health NOT_SERVING and new calls refused; calls in flight get `grace` seconds,

@@ -4,7 +4,8 @@ The worker, in order:
 1. **Drains.** New `Prefill` and `Decode` calls are refused (UNAVAILABLE, saying why;
    the router has stopped choosing this worker already and fails such a call over).
    A decode worker with a `MigrationOutbox` moves its running requests out with their
-   KV (`serving.migration`). Requests it holds otherwise finish here: decode streams
+   KV (`serving.migration`), unless the router answers that no other decode worker
+   could take them (`RoleService.decode_peers`). Requests it holds otherwise finish here: decode streams
    run to their end, prefills complete their handoff. What is still running after
    `drain_s` is aborted with the reason (the router fails it over: the decode side
    prefills it again).
@@ -88,7 +89,9 @@ class RoleSwitch:
         deadline = time.monotonic() + self.drain_s
         migration = getattr(service, "migration", None)
         if migration is not None and service.role == "decode":
-            migration.drain(deadline, self.draining)   # its requests move out
+            ask = getattr(service, "decode_peers", None)
+            if (ask(self.draining) if ask is not None else None) != 0:
+                migration.drain(deadline, self.draining)   # its requests move out
         while not service.engine.is_idle() and time.monotonic() < deadline:
             time.sleep(0.02)
         service.engine.shutdown(f"aborted: {self.draining}")

@@ -6,7 +6,8 @@ authenticated *internal* port (`listen`), never on the public one.
 
 Workers. A worker registers on the internal port (`Register`) with its `WorkerInfo`
 (model fingerprint, tokenizer, limits, page size, dtype, KV transport) and then
-heartbeats the same call every `heartbeat_s` with its load. A worker whose tokenizer
+heartbeats the same call every `heartbeat_s` with its load, and while it drains (shutting
+down, switching roles) the reason, so nothing new is sent to it. A worker whose tokenizer
 or limits differ from the router's is refused with FAILED_PRECONDITION naming the
 field; a malformed registration is INVALID_ARGUMENT. A worker whose last heartbeat is older than
 `lease_s` is dropped, and every call the router has open on it is cancelled: its
@@ -78,8 +79,8 @@ from jaxpd.serving.prefix_index import PrefixIndex, check_advertisement
 from jaxpd.serving.router_config import RouterConfig
 from jaxpd.serving.router_flow import RequestFlow
 from jaxpd.serving.router_split import deployment_totals
-from jaxpd.serving.role_rpc import (ROLES, ROUTER_SERVICE, WorkerInfo, check_load,
-                                    router_identity, unary_handler)
+from jaxpd.serving.role_rpc import (ROLES, ROUTER_SERVICE, WorkerInfo, check_draining,
+                                    check_load, router_identity, unary_handler)
 from jaxpd.serving.worker_pool import WorkerPool
 from jaxpd.models.fingerprint import short
 from jaxpd.models.source import model_config_and_tokenizer
@@ -145,23 +146,28 @@ class Router(Frontend):
         try:
             info = WorkerInfo.from_wire(msg)
             load = check_load(msg.get("load", {}))
+            draining = check_draining(msg.get("draining"))
             prefix = msg.get("prefix")
             if prefix is not None:
                 prefix = check_advertisement(prefix)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad registration: {e}")
-        refusal = self.admit(info, load)
+        refusal = self.admit(info, load, draining=draining)
         if refusal is not None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+        answer = {"lease_s": self.config.lease_s}
+        if draining is not None and info.role == "decode":
+            answer["decode_peers"] = self.workers.decode_peers(info.address, info.model)
         if self.prefix is None or prefix is None:
-            return {"lease_s": self.config.lease_s}
+            return answer
         applied = self.prefix.advertise(info.address, prefix)
-        return {"lease_s": self.config.lease_s, "resync": not applied}
+        return {**answer, "resync": not applied}
 
-    def admit(self, info: WorkerInfo, load: dict, static: bool = False) -> str | None:
+    def admit(self, info: WorkerInfo, load: dict, static: bool = False,
+              draining: str | None = None) -> str | None:
         """Add or refresh a worker (a registration or a heartbeat); the reason it is
-        refused, naming the field, or None."""
-        return self.workers.admit(info, load, static)
+        refused, naming the field, or None (`WorkerPool.admit`)."""
+        return self.workers.admit(info, load, static, draining)
 
     def serving_model(self) -> str | None:
         """The fingerprint new requests go to (`WorkerPool.serving_model`)."""

@@ -50,12 +50,12 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
         if not group.is_leader:
             return follow_leader(role, model, plan, stop, say, llm_options)
     auth.check_bind(host, f"the {role} worker")
-    migrate = bool(llm_options.get("migrate_on_drain"))
-    if migrate and transport != "grpc":
-        raise ValueError("--migrate_on_drain moves KV over the gRPC stream: use it with "
-                         "--kv_transport grpc")
+    migrate = llm_options.get("migrate_on_drain")
     if migrate and plan is not None:
         raise ValueError("--migrate_on_drain is not supported on a mesh spanning processes")
+    if migrate is None:                  # the default: on where it is supported
+        migrate = plan is None
+    llm_options = dict(llm_options, migrate_on_drain=migrate)   # warms the take programs
     connector, kv_address = make_connector(role, transport, host, auth, kv_offer_hosts)
     watch = None
     if plan is not None:
@@ -88,10 +88,17 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
     server = RoleServer(service, host, port, auth)
 
     def outbox(engine, new_role: str):
-        """A decode worker's running requests move out with their KV as it drains."""
-        return MigrationOutbox(engine, auth) if migrate and new_role == "decode" else None
+        """A decode worker's running requests move out with their KV as it drains, sent
+        as a prefill worker sends KV on this transport."""
+        if not migrate or new_role != "decode":
+            return None
+        return MigrationOutbox(
+            engine, auth, one_device=transport == "transfer_server",
+            make_sender=lambda: make_connector("prefill", transport, host, auth,
+                                               kv_offer_hosts)[0])
 
     service.migration = outbox(llm.engine, role)
+    service.decode_peers = server.tell_draining
     current, http = [llm], None
 
     def rebuild(new_role: str):
@@ -133,9 +140,17 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
             watch.stop()
         if http is not None:
             http.service.draining = True
-        if service.migration is not None and service.error is None:
-            service.migration.drain(time.monotonic() + shutdown_timeout_s,
-                                    "this decode worker is shutting down")
+        why = f"this {service.role} worker is shutting down"
+        peers = server.announce_draining(why)        # the router stops choosing it now
+        # With no other decode worker to go to, its requests finish here instead (up to
+        # the grace period) rather than be cut out for a move nobody can take.
+        if service.migration is not None and service.error is None and peers != 0:
+            outbox = service.migration
+            outbox.drain(time.monotonic() + shutdown_timeout_s, why)
+            s = current[0].stats()
+            say(f"jaxpd decode worker drained: {outbox.num_sent} requests moved out, "
+                f"{outbox.num_failed} moves failed, {outbox.num_dropped} dropped unasked; "
+                f"{s.slots_active} slots and {s.pages_used} pages still in use")
         server.stop(shutdown_timeout_s)
         if http is not None:
             http.stop(0)

@@ -26,7 +26,7 @@ import grpc
 from jaxpd.auth import InternalAuth
 from jaxpd.models.fingerprint import short
 from jaxpd.serving.prefix_index import PrefixIndex
-from jaxpd.serving.role_rpc import ROLES, RoleClient, WorkerInfo, check_load
+from jaxpd.serving.role_rpc import ROLES, RoleClient, WorkerInfo, check_draining, check_load
 from jaxpd.serving.router_config import RouterConfig, registration_mismatch
 from jaxpd.stats import StatsCounter
 
@@ -47,6 +47,12 @@ class Worker:
     probing: bool = False
     num_calls: int = 0                  # our calls open on it
     draining: bool = False              # switching roles: chosen for nothing new
+    says_draining: str | None = None    # its last heartbeat's reason to take nothing new
+
+    @property
+    def choosable(self) -> bool:
+        """Live, and neither the router nor the worker itself drains it."""
+        return self.live and not self.draining and self.says_draining is None
 
 
 @dataclasses.dataclass(eq=False)
@@ -120,9 +126,10 @@ class WorkerPool:
         with self._lock:
             w.draining = draining
 
-    def admit(self, info: WorkerInfo, load: dict, static: bool = False) -> str | None:
-        """Add or refresh a worker (a registration or a heartbeat); the reason it is
-        refused, naming the field, or None."""
+    def admit(self, info: WorkerInfo, load: dict, static: bool = False,
+              draining: str | None = None) -> str | None:
+        """Add or refresh a worker (a registration or a heartbeat, `draining` its reason
+        to take no new request); the reason it is refused, naming the field, or None."""
         with self._lock:
             refusal = registration_mismatch(
                 info, self.tokenizer_digest, self.vocab_size, self.config, self._pinned)
@@ -149,22 +156,31 @@ class WorkerPool:
                           info.role, info.address)
             for field in ("dtype", "kv_transport"):
                 self._pinned.setdefault(field, getattr(info, field))
+            if draining is not None and w.says_draining is None:
+                _log.info("%s worker %s drains (%s): chosen for nothing new", info.role,
+                          info.address, draining)
             w.info, w.load, w.seen, w.live = info, load, time.monotonic(), True
+            w.says_draining = draining
         return None
 
     def live(self, role: str, exclude=(), model: str | None = None) -> list[Worker]:
         """Live workers of `role` the router may choose, of fingerprint `model` if given."""
         with self._lock:
             return [w for w in self._workers.values()
-                    if w.live and not w.draining and w.role == role and w.address not in exclude
+                    if w.choosable and w.role == role and w.address not in exclude
                     and (model is None or w.info.model == model)]
+
+    def decode_peers(self, address: str, model: str) -> int:
+        """Decode workers of fingerprint `model` but the one at `address` that the router
+        may choose: where a draining decode worker's requests could move."""
+        return len(self.live("decode", (address,), model))
 
     def live_models(self) -> dict[str, set[str]]:
         """fingerprint -> the roles it has live and choosable."""
         models: dict[str, set[str]] = {}
         with self._lock:
             for w in self._workers.values():
-                if w.live and not w.draining and w.info is not None:
+                if w.choosable and w.info is not None:
                     models.setdefault(w.info.model, set()).add(w.role)
         return models
 
@@ -221,7 +237,7 @@ class WorkerPool:
         open on it, and its last heartbeat's load (`router_split`)."""
         with self._lock:
             return [{"role": w.role, "address": w.address, "num_calls": w.num_calls, **w.load}
-                    for w in self._workers.values() if w.live and not w.draining]
+                    for w in self._workers.values() if w.choosable]
 
     # ---- liveness -----------------------------------------------------------------
 
@@ -273,11 +289,12 @@ class WorkerPool:
             reply = w.client.info(timeout=self.config.info_timeout_s)
             info = WorkerInfo.from_wire({**reply, "address": w.address})
             load = check_load(reply)
+            draining = check_draining(reply.get("draining"))
         except (grpc.RpcError, ValueError, KeyError, TypeError):
             return
         finally:
             w.probing = False
-        refusal = self.admit(info, load, static=True)
+        refusal = self.admit(info, load, static=True, draining=draining)
         if refusal is not None and w.info is None:
             _log.error("not using %s", refusal)
             w.info = info                         # logged once; never live

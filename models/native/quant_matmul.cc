@@ -1,7 +1,8 @@
 // x @ W for a weight kept quantized (models/quant.py): out [M, O] = x [M, I] times the
-// O rows of W, each row stored in blocks along I and dequantized block by block in
-// registers, never to memory. A decode step's product has few rows (M), so it reads
-// each weight byte once and is bound by memory: the bytes read are the stored ones.
+// O rows of W, each row stored in blocks along I. Every block is dequantized once per
+// register tile of x's rows and applied to all of them: a decode step's product reads
+// each weight byte from memory once, so a batch of M rows costs little more than the
+// products of M rows.
 //
 // Formats (attr `fmt`), per row of W:
 //   0 int8:  data int8 [O, I], scale float32 [O, 1]: w = q * scale (scale applied once
@@ -10,13 +11,20 @@
 //   2 q4_0:  data uint8 [O, I/2], scale float16 [O, I/32]: w = (q - 8) * d.
 //   3 q4_1:  as q4_0, and min float16 [O, I/32]: w = q * d + m.
 // A nibble block's byte j holds element j (low 4 bits) and element j + 16 (high).
-// The element is dequantized to float32 before the product, as the jnp form does.
+// Every dequantized element is exactly the float32 the jnp form computes (q * d is
+// exact in float32 for these widths, and q * d + m is rounded once either way), so the
+// two differ only in summation order.
 //
-// Rows of W are split over XLA's intra-op thread pool (common.h's RunTasks); x's rows
-// go through in tiles (of 8 and 4 with AVX-512, of 4 elsewhere), each tile reading the
-// block it dequantized once. On a CPU
-// with AVX-512 a block is two vectors of 16; elsewhere a portable body the compiler
-// vectorizes (which the tests also build on AVX-512 machines).
+// Rows of W are split over XLA's intra-op thread pool (common.h's RunTasks) in ranges of
+// whole tiles. On a CPU with AVX-512 a tile's blocks are dequantized in registers (a
+// block is two vectors of 16; a nibble indexes a 16-entry table of its block's values
+// with vpermps) and each feeds a tile of x's rows: 4 rows of W by up to 4 of x for a
+// small batch, 2 by 8 for a larger one (16 accumulators). Each block is thus
+// dequantized once per tile of x's rows, which measured faster than dequantizing it
+// once into a float panel and running a small GEMM over that: the dequantization is a
+// few instructions beside the tile's products, and the panel costs loads and stores.
+// Elsewhere a portable body (the panel form, which the compiler vectorizes; the tests
+// also build it on AVX-512).
 #include <cstring>
 #include <vector>
 
@@ -30,7 +38,7 @@ namespace jaxpd_native {
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kTile = 4;   // rows of x per pass over a weight row
+constexpr int64_t kRowTile = 4;    // rows of W per tile: what tasks are made of
 
 inline float HalfToFloat(uint16_t h) {
 #if defined(__F16C__)
@@ -63,8 +71,152 @@ struct Problem {
   const uint16_t* min;   // [O, nb] (q4_1)
   float* out;            // [M, O]
   int64_t M, I, O, nb, row_bytes, fmt;
+
+  float RowScale(int64_t o) const {   // int8's per-row scale, applied to the sum
+    return fmt == 0 ? static_cast<const float*>(scale)[o] : 1.0f;
+  }
+  float BlockScale(int64_t o, int64_t b) const {
+    return HalfToFloat(static_cast<const uint16_t*>(scale)[o * nb + b]);
+  }
 };
 
+#if defined(__AVX512F__)
+// Block b of row o as two vectors of 16 floats (elements 0-15 and 16-31).
+template <int64_t FMT>
+inline void Dequant512(const Problem& p, int64_t o, int64_t b, __m512& lo, __m512& hi) {
+  const uint8_t* row = p.data + o * p.row_bytes;
+  if constexpr (FMT <= 1) {
+    const __m128i* q = reinterpret_cast<const __m128i*>(row + b * kBlock);
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+    if constexpr (FMT == 1) {
+      const __m512 d = _mm512_set1_ps(p.BlockScale(o, b));
+      lo = _mm512_mul_ps(lo, d);
+      hi = _mm512_mul_ps(hi, d);
+    }
+  } else {
+    // The block's 16 possible values as a table; vpermps reads only the low 4 bits of
+    // each index lane, so a byte widened to 32 bits indexes by its low nibble, and
+    // shifted right by 4 by its high one.
+    const __m512i idx = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kBlock / 2)));
+    const __m512 d = _mm512_set1_ps(p.BlockScale(o, b));
+    __m512 table;
+    if constexpr (FMT == 3) {
+      table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                              d, _mm512_set1_ps(HalfToFloat(p.min[o * p.nb + b])));
+    } else {
+      table = _mm512_mul_ps(
+          _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), d);
+    }
+    lo = _mm512_permutexvar_ps(idx, table);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
+  }
+}
+
+// The sums of four vectors' lanes, in order.
+inline __m128 Sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // 128-bit lanes: ab = (a0 + a2, a1 + a3, b0 + b2, b1 + b3), cd alike.
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44),
+                                  _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44),
+                                  _mm512_shuffle_f32x4(c, d, 0xEE));
+  // 128-bit lane k now holds four partial sums of the k-th vector.
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88),
+                                    _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  const __m128 l01 = _mm_hadd_ps(_mm512_castps512_ps128(abcd), _mm512_extractf32x4_ps(abcd, 1));
+  const __m128 l23 = _mm_hadd_ps(_mm512_extractf32x4_ps(abcd, 2), _mm512_extractf32x4_ps(abcd, 3));
+  return _mm_hadd_ps(l01, l23);
+}
+
+// out[m0 + t, o0 + r * stride] = sum of acc[r][t]'s lanes (times int8's row scale).
+template <int64_t TO, int64_t TM>
+inline void Store512(const Problem& p, const __m512 (&acc)[TO][TM], int64_t o0, int64_t m0,
+                     int64_t stride) {
+  if constexpr (TO == 4) {
+    for (int64_t t = 0; t < TM; ++t) {
+      const __m128 sums = Sum4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]);
+      float* out = p.out + (m0 + t) * p.O + o0;
+      if (stride == 1) {
+        const __m128 row_scale = p.fmt == 0
+            ? _mm_loadu_ps(static_cast<const float*>(p.scale) + o0) : _mm_set1_ps(1.0f);
+        _mm_storeu_ps(out, _mm_mul_ps(sums, row_scale));
+      } else {
+        alignas(16) float s[4];
+        _mm_store_ps(s, sums);
+        for (int64_t r = 0; r < 4; ++r) out[r * stride] = s[r] * p.RowScale(o0 + r * stride);
+      }
+    }
+  } else {
+    for (int64_t r = 0; r < TO; ++r)
+      for (int64_t t = 0; t < TM; ++t)
+        p.out[(m0 + t) * p.O + o0 + r * stride] =
+            _mm512_reduce_add_ps(acc[r][t]) * p.RowScale(o0 + r * stride);
+  }
+}
+
+// Rows o0 + r * stride (r < TO) of W against TM rows of x from m0, blocks dequantized in
+// registers.
+template <int64_t FMT, int64_t TO, int64_t TM>
+void RegisterTile512(const Problem& p, int64_t o0, int64_t stride, int64_t m0) {
+  __m512 acc[TO][TM];
+  for (int64_t r = 0; r < TO; ++r)
+    for (int64_t t = 0; t < TM; ++t) acc[r][t] = _mm512_setzero_ps();
+  const float* x0 = p.x + m0 * p.I;
+  for (int64_t b = 0; b < p.I / kBlock; ++b) {
+    __m512 lo[TO], hi[TO];
+    for (int64_t r = 0; r < TO; ++r) Dequant512<FMT>(p, o0 + r * stride, b, lo[r], hi[r]);
+    for (int64_t t = 0; t < TM; ++t) {
+      const float* x = x0 + t * p.I + b * kBlock;
+      const __m512 xl = _mm512_loadu_ps(x), xh = _mm512_loadu_ps(x + 16);
+      for (int64_t r = 0; r < TO; ++r) {
+        acc[r][t] = _mm512_fmadd_ps(xl, lo[r], acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(xh, hi[r], acc[r][t]);
+      }
+    }
+  }
+  Store512<TO, TM>(p, acc, o0, m0, stride);
+}
+
+// The tile of `rows` (< TM) rows of x from m0: the last, partial tile.
+template <int64_t FMT, int64_t TO, int64_t TM>
+void PartialTile512(const Problem& p, int64_t o0, int64_t stride, int64_t m0, int64_t rows) {
+  if constexpr (TM > 1) {
+    if (rows == TM - 1) return RegisterTile512<FMT, TO, TM - 1>(p, o0, stride, m0);
+    return PartialTile512<FMT, TO, TM - 1>(p, o0, stride, m0, rows);
+  }
+}
+
+// Rows [begin, end) of W in tiles of TO rows, one from each of TO equal parts of the
+// range: TO sequential streams through W, which the hardware prefetchers follow, where
+// TO adjacent rows read block by block (stored one after another) stall on memory.
+// Groups of kGroup tiles (a few KiB of W as stored) stay in L1/L2 while each tile of
+// TM rows of x goes over them.
+template <int64_t FMT, int64_t TO, int64_t TM>
+void Streams512(const Problem& p, int64_t begin, int64_t end) {
+  constexpr int64_t kGroup = 16;
+  const int64_t part = (end - begin) / TO;
+  for (int64_t g = 0; g < part; g += kGroup) {
+    const int64_t group_end = std::min(part, g + kGroup);
+    int64_t m = 0;
+    for (; m + TM <= p.M; m += TM)
+      for (int64_t i = g; i < group_end; ++i) RegisterTile512<FMT, TO, TM>(p, begin + i, part, m);
+    if (m < p.M)
+      for (int64_t i = g; i < group_end; ++i)
+        PartialTile512<FMT, TO, TM>(p, begin + i, part, m, p.M - m);
+  }
+  for (int64_t o = begin + TO * part; o < end; ++o)   // rows past the last tile
+    Streams512<FMT, 1, TM>(p, o, o + 1);
+}
+
+template <int64_t FMT>
+void Rows512(const Problem& p, int64_t begin, int64_t end) {
+  // Few rows of x (a small decode batch): 4 rows of W per tile, for independent sums.
+  // More: 2 rows of W by 8 of x, 16 accumulators, 2 dequantized blocks per 32 products.
+  if (p.M <= 4) return Streams512<FMT, 4, 4>(p, begin, end);
+  return Streams512<FMT, 2, 8>(p, begin, end);
+}
+#else
 // One block of row o dequantized into w[32] (before the int8 format's row scale).
 inline void Dequant(const Problem& p, int64_t o, int64_t b, float* w) {
   const uint8_t* row = p.data + o * p.row_bytes;
@@ -77,14 +229,14 @@ inline void Dequant(const Problem& p, int64_t o, int64_t b, float* w) {
     }
     case 1: {
       const int8_t* q = reinterpret_cast<const int8_t*>(row) + b * kBlock;
-      const float d = HalfToFloat(static_cast<const uint16_t*>(p.scale)[o * p.nb + b]);
+      const float d = p.BlockScale(o, b);
 #pragma omp simd
       for (int64_t j = 0; j < kBlock; ++j) w[j] = static_cast<float>(q[j]) * d;
       return;
     }
     default: {
       const uint8_t* q = row + b * (kBlock / 2);
-      const float d = HalfToFloat(static_cast<const uint16_t*>(p.scale)[o * p.nb + b]);
+      const float d = p.BlockScale(o, b);
       const bool has_min = p.fmt == 3;
       const float m = has_min ? HalfToFloat(p.min[o * p.nb + b]) : 0.0f;
       const float shift = has_min ? 0.0f : 8.0f;
@@ -98,95 +250,52 @@ inline void Dequant(const Problem& p, int64_t o, int64_t b, float* w) {
   }
 }
 
-#if defined(__AVX512F__)
-// The block of row o as two vectors of 16 floats (elements 0-15 and 16-31).
-template <int64_t FMT>
-inline void Dequant512(const Problem& p, int64_t o, int64_t b, __m512& w0, __m512& w1) {
-  const uint8_t* row = p.data + o * p.row_bytes;
-  if constexpr (FMT <= 1) {
-    const __m128i* q = reinterpret_cast<const __m128i*>(row + b * kBlock);
-    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
-    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
-    if constexpr (FMT == 1) {
-      const __m512 d = _mm512_set1_ps(
-          HalfToFloat(static_cast<const uint16_t*>(p.scale)[o * p.nb + b]));
-      w0 = _mm512_mul_ps(w0, d);
-      w1 = _mm512_mul_ps(w1, d);
-    }
-  } else {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kBlock / 2));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
-    const __m512 hi = _mm512_cvtepi32_ps(
-        _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
-    const __m512 d = _mm512_set1_ps(
-        HalfToFloat(static_cast<const uint16_t*>(p.scale)[o * p.nb + b]));
-    // q4_0: (q - 8) * d = q * d - 8 d; q4_1: q * d + m.
-    const float offset_value = FMT == 3 ? HalfToFloat(p.min[o * p.nb + b])
-                                        : -8.0f * HalfToFloat(static_cast<const uint16_t*>(
-                                              p.scale)[o * p.nb + b]);
-    const __m512 offset = _mm512_set1_ps(offset_value);
-    w0 = _mm512_fmadd_ps(lo, d, offset);
-    w1 = _mm512_fmadd_ps(hi, d, offset);
-  }
+// A float panel per thread: kRowTile rows of W dequantized, reused across calls.
+float* Panel(int64_t floats) {
+  thread_local std::vector<float> panel;
+  if (static_cast<int64_t>(panel.size()) < floats) panel.resize(floats);
+  return panel.data();
 }
 
-template <int64_t T, int64_t FMT>
-void RowTile512(const Problem& p, int64_t o, int64_t m0) {
-  __m512 acc[T][2];
-  for (int64_t t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-  const int64_t nblocks = p.I / kBlock;
-  const float* x0 = p.x + m0 * p.I;
-  for (int64_t b = 0; b < nblocks; ++b) {
-    __m512 w0, w1;
-    Dequant512<FMT>(p, o, b, w0, w1);
-    for (int64_t t = 0; t < T; ++t) {
-      const float* x = x0 + t * p.I + b * kBlock;
-      acc[t][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x), w0, acc[t][0]);
-      acc[t][1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), w1, acc[t][1]);
+// The portable body: a panel of up to kRowTile rows of W dequantized once, then each
+// pair of x's rows against it in lanes of 8 the compiler vectorizes.
+constexpr int64_t kLanes = 8;
+
+template <int64_t TM>
+void PortableTile(const Problem& p, const float* panel, int64_t rows, int64_t o0, int64_t m0) {
+  float acc[kRowTile][TM][kLanes] = {};
+  for (int64_t j = 0; j < p.I; j += kLanes)
+    for (int64_t t = 0; t < TM; ++t) {
+      const float* x = p.x + (m0 + t) * p.I + j;
+      for (int64_t r = 0; r < kRowTile; ++r) {
+        const float* w = panel + r * p.I + j;
+#pragma omp simd
+        for (int64_t k = 0; k < kLanes; ++k) acc[r][t][k] += x[k] * w[k];
+      }
     }
-  }
-  const float row_scale = FMT == 0 ? static_cast<const float*>(p.scale)[o] : 1.0f;
-  for (int64_t t = 0; t < T; ++t)
-    p.out[(m0 + t) * p.O + o] =
-        _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1])) * row_scale;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = 0; t < TM; ++t) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < kLanes; ++k) s += acc[r][t][k];
+      p.out[(m0 + t) * p.O + o0 + r] = s * p.RowScale(o0 + r);
+    }
 }
 
-template <int64_t FMT>
-void Rows512(const Problem& p, int64_t begin, int64_t end) {
-  for (int64_t o = begin; o < end; ++o) {
+void PortableRows(const Problem& p, int64_t begin, int64_t end) {
+  float* panel = Panel(kRowTile * p.I);
+  for (int64_t o = begin; o < end; o += kRowTile) {
+    const int64_t rows = std::min(kRowTile, end - o);
+    // Rows past the end of W are zeros: computed, never stored.
+    if (rows < kRowTile)
+      std::memset(panel + rows * p.I, 0, sizeof(float) * (kRowTile - rows) * p.I);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t b = 0; b < p.I / kBlock; ++b) Dequant(p, o + r, b, panel + r * p.I + b * kBlock);
     int64_t m = 0;
-    // Tiles of 8 rows (16 accumulators), then 4, then single rows: each tile reads the
-    // block it dequantized once.
-    for (; m + 8 <= p.M; m += 8) RowTile512<8, FMT>(p, o, m);
-    for (; m + 4 <= p.M; m += 4) RowTile512<4, FMT>(p, o, m);
-    for (; m < p.M; ++m) RowTile512<1, FMT>(p, o, m);
+    for (; m + 2 <= p.M; m += 2) PortableTile<2>(p, panel, rows, o, m);
+    if (m < p.M) PortableTile<1>(p, panel, rows, o, m);
   }
 }
 #endif
-
-// The portable body (any CPU; the compiler vectorizes its loops of 32).
-template <int64_t T>
-void RowTile(const Problem& p, int64_t o, int64_t m0) {
-  float acc[T][kBlock] = {};
-  alignas(64) float w[kBlock];
-  const int64_t nblocks = p.I / kBlock;
-  for (int64_t b = 0; b < nblocks; ++b) {
-    Dequant(p, o, b, w);
-    for (int64_t t = 0; t < T; ++t) {
-      const float* x = p.x + (m0 + t) * p.I + b * kBlock;
-#pragma omp simd
-      for (int64_t j = 0; j < kBlock; ++j) acc[t][j] += x[j] * w[j];
-    }
-  }
-  const float row_scale =
-      p.fmt == 0 ? static_cast<const float*>(p.scale)[o] : 1.0f;
-  for (int64_t t = 0; t < T; ++t) {
-    float s = 0.0f;
-    for (int64_t j = 0; j < kBlock; ++j) s += acc[t][j];
-    p.out[(m0 + t) * p.O + o] = s * row_scale;
-  }
-}
 
 void Rows(const Problem& p, int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
@@ -197,11 +306,7 @@ void Rows(const Problem& p, int64_t begin, int64_t end) {
     default: return Rows512<3>(p, begin, end);
   }
 #else
-  for (int64_t o = begin; o < end; ++o) {
-    int64_t m = 0;
-    for (; m + kTile <= p.M; m += kTile) RowTile<kTile>(p, o, m);
-    for (; m < p.M; ++m) RowTile<1>(p, o, m);
-  }
+  PortableRows(p, begin, end);
 #endif
 }
 
@@ -251,13 +356,27 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
     p.min = static_cast<const uint16_t*>(min.untyped_data()) + layer * p.O * p.nb;
   }
   p.x = x.typed_data();
+  // x's vectors are loaded whole from every row of x, once per tile of W: where x does
+  // not start on a 32-byte boundary each load straddles two, so x is copied to one that
+  // does (XLA's buffers usually do).
+  std::vector<float> x_aligned;
+  if (reinterpret_cast<uintptr_t>(p.x) % 32) {
+    x_aligned.resize(p.M * p.I + 8);
+    const uintptr_t address = reinterpret_cast<uintptr_t>(x_aligned.data());
+    float* start = x_aligned.data() + (8 - address / sizeof(float) % 8) % 8;
+    std::memcpy(start, p.x, sizeof(float) * p.M * p.I);
+    p.x = start;
+  }
   p.data = static_cast<const uint8_t*>(data.untyped_data()) + layer * p.O * want_cols;
   p.scale = static_cast<const uint8_t*>(scale.untyped_data()) + layer * p.O * p.nb * scale_bytes;
   p.out = out->typed_data();
   p.row_bytes = want_cols;
-  // Tasks of whole rows, several per thread so uneven progress evens out.
+  // Tasks of whole tiles of rows, two per thread: a thread that starts late still finds
+  // work, and each task's streams through W stay long (shorter ones, from more tasks,
+  // leave the hardware prefetchers less to follow).
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t chunk = std::max<int64_t>(8, p.O / (threads * 8) + 1);
+  const int64_t tiles = (p.O + kRowTile - 1) / kRowTile;
+  const int64_t chunk = kRowTile * std::max<int64_t>(2, tiles / (threads * 2) + 1);
   const Problem pr = p;
   RunTasks(pool, (p.O + chunk - 1) / chunk, [pr, chunk](int64_t c) {
     Rows(pr, c * chunk, std::min(pr.O, (c + 1) * chunk));

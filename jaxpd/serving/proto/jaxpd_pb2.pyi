@@ -189,7 +189,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("mesh", "queue_waiting", "slots_active", "slots_total", "pages_used", "pages_total", "transfers", "transfer_bytes", "transfer_s", "num_compiled_programs", "compiled_programs", "rejections", "rejections_queue_full", "rejections_slo", "preemptions", "finished", "aborted", "prefill_batches", "prefill_tokens", "decode_steps", "local_prefills", "prefill_s_per_token", "requests_in_flight", "transfer_failures", "decode_failovers", "prefill_failovers", "requests_submitted", "prefix_query_tokens", "prefix_hit_tokens", "prefix_evictions", "pages_cached", "prefix_saved_bytes", "prefix_skip_misses", "handoff_waits_expired", "prefill_cache_query_tokens", "prefill_cache_hit_tokens", "prefill_pages_cached", "resplits", "resplit_moved_requests", "prefill_devices", "decode_devices")
+    __slots__ = ("mesh", "queue_waiting", "slots_active", "slots_total", "pages_used", "pages_total", "transfers", "transfer_bytes", "transfer_s", "num_compiled_programs", "compiled_programs", "rejections", "rejections_queue_full", "rejections_slo", "preemptions", "finished", "aborted", "prefill_batches", "prefill_tokens", "decode_steps", "local_prefills", "prefill_s_per_token", "requests_in_flight", "transfer_failures", "decode_failovers", "prefill_failovers", "requests_submitted", "prefix_query_tokens", "prefix_hit_tokens", "prefix_evictions", "pages_cached", "prefix_saved_bytes", "prefix_skip_misses", "handoff_waits_expired", "prefill_cache_query_tokens", "prefill_cache_hit_tokens", "prefill_pages_cached", "resplits", "resplit_moved_requests", "prefill_devices", "decode_devices", "prefix_host_hit_tokens", "host_tier_stored_pages", "host_tier_restored_pages", "host_tier_corrupt_pages", "host_tier_pages", "host_tier_bytes", "migrations_out", "migrations", "migration_fallbacks", "prefill_cache_host_hit_tokens", "prefill_host_tier_stored_pages", "prefill_host_tier_restored_pages", "prefill_host_tier_corrupt_pages")
     class CompiledProgramsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,19 @@ class StatsResponse(_message.Message):
     RESPLIT_MOVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_DEVICES_FIELD_NUMBER: _ClassVar[int]
     DECODE_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_STORED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_RESTORED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_CORRUPT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_OUT_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CACHE_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_HOST_TIER_STORED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_HOST_TIER_RESTORED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_HOST_TIER_CORRUPT_PAGES_FIELD_NUMBER: _ClassVar[int]
     mesh: str
     queue_waiting: int
     slots_active: int
@@ -279,4 +292,17 @@ class StatsResponse(_message.Message):
     resplit_moved_requests: int
     prefill_devices: int
     decode_devices: int
-    def __init__(self, mesh: _Optional[str] = ..., queue_waiting: _Optional[int] = ..., slots_active: _Optional[int] = ..., slots_total: _Optional[int] = ..., pages_used: _Optional[int] = ..., pages_total: _Optional[int] = ..., transfers: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., num_compiled_programs: _Optional[int] = ..., compiled_programs: _Optional[_Mapping[str, int]] = ..., rejections: _Optional[int] = ..., rejections_queue_full: _Optional[int] = ..., rejections_slo: _Optional[int] = ..., preemptions: _Optional[int] = ..., finished: _Optional[int] = ..., aborted: _Optional[int] = ..., prefill_batches: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_steps: _Optional[int] = ..., local_prefills: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., requests_in_flight: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., decode_failovers: _Optional[int] = ..., prefill_failovers: _Optional[int] = ..., requests_submitted: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., pages_cached: _Optional[int] = ..., prefix_saved_bytes: _Optional[int] = ..., prefix_skip_misses: _Optional[int] = ..., handoff_waits_expired: _Optional[int] = ..., prefill_cache_query_tokens: _Optional[int] = ..., prefill_cache_hit_tokens: _Optional[int] = ..., prefill_pages_cached: _Optional[int] = ..., resplits: _Optional[int] = ..., resplit_moved_requests: _Optional[int] = ..., prefill_devices: _Optional[int] = ..., decode_devices: _Optional[int] = ...) -> None: ...
+    prefix_host_hit_tokens: int
+    host_tier_stored_pages: int
+    host_tier_restored_pages: int
+    host_tier_corrupt_pages: int
+    host_tier_pages: int
+    host_tier_bytes: int
+    migrations_out: int
+    migrations: int
+    migration_fallbacks: int
+    prefill_cache_host_hit_tokens: int
+    prefill_host_tier_stored_pages: int
+    prefill_host_tier_restored_pages: int
+    prefill_host_tier_corrupt_pages: int
+    def __init__(self, mesh: _Optional[str] = ..., queue_waiting: _Optional[int] = ..., slots_active: _Optional[int] = ..., slots_total: _Optional[int] = ..., pages_used: _Optional[int] = ..., pages_total: _Optional[int] = ..., transfers: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., num_compiled_programs: _Optional[int] = ..., compiled_programs: _Optional[_Mapping[str, int]] = ..., rejections: _Optional[int] = ..., rejections_queue_full: _Optional[int] = ..., rejections_slo: _Optional[int] = ..., preemptions: _Optional[int] = ..., finished: _Optional[int] = ..., aborted: _Optional[int] = ..., prefill_batches: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_steps: _Optional[int] = ..., local_prefills: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., requests_in_flight: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., decode_failovers: _Optional[int] = ..., prefill_failovers: _Optional[int] = ..., requests_submitted: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., pages_cached: _Optional[int] = ..., prefix_saved_bytes: _Optional[int] = ..., prefix_skip_misses: _Optional[int] = ..., handoff_waits_expired: _Optional[int] = ..., prefill_cache_query_tokens: _Optional[int] = ..., prefill_cache_hit_tokens: _Optional[int] = ..., prefill_pages_cached: _Optional[int] = ..., resplits: _Optional[int] = ..., resplit_moved_requests: _Optional[int] = ..., prefill_devices: _Optional[int] = ..., decode_devices: _Optional[int] = ..., prefix_host_hit_tokens: _Optional[int] = ..., host_tier_stored_pages: _Optional[int] = ..., host_tier_restored_pages: _Optional[int] = ..., host_tier_corrupt_pages: _Optional[int] = ..., host_tier_pages: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., migrations_out: _Optional[int] = ..., migrations: _Optional[int] = ..., migration_fallbacks: _Optional[int] = ..., prefill_cache_host_hit_tokens: _Optional[int] = ..., prefill_host_tier_stored_pages: _Optional[int] = ..., prefill_host_tier_restored_pages: _Optional[int] = ..., prefill_host_tier_corrupt_pages: _Optional[int] = ...) -> None: ...
