@@ -19,6 +19,7 @@ def resolve_dtype(dtype: str, backend: str) -> str:
 
 
 ATTENTION_IMPLS = ("auto", "reference", "native", "pallas_gpu", "pallas_tpu")
+SCAN_LAYERS = ("auto", "all", "none")
 # The TPU kernel's blocks end in the head dim, which Mosaic tiles by 128 lanes.
 TPU_KERNEL_HEAD_DIM = 128
 
@@ -265,6 +266,15 @@ class EngineConfig:
     compile_threads: int | None = knob(
         None, "Threads compiling warm-up's programs at once (XLA compiles one program on "
         "one core; default: the host's CPU count, at most 4).", lower_bound=1)
+    scan_layers: str = knob(
+        "auto", "Run each run of identical decoder layers as one jax.lax.scan over their "
+        "stacked weights, so XLA compiles one layer body instead of every layer: 'all' "
+        "on every mesh (the shortest warm-up; XLA:CPU copies each float layer's weights "
+        "out of the stack per call, which slows memory-bound programs: decode steps, "
+        "short prompts), 'auto' only where every product reads its weight in place in "
+        "the stack (a CPU decode mesh running the native product of quantized weights), "
+        "'none' every layer unrolled. A prefill mesh sending layer-wise stays unrolled.",
+        choices=list(SCAN_LAYERS))
 
     def __post_init__(self):
         object.__setattr__(self, "mesh", parse_mesh_spec(self.mesh))
@@ -303,6 +313,8 @@ class EngineConfig:
             raise ValueError(f"handoff_wait_ms must be >= 0, got {self.handoff_wait_ms}")
         if self.kv_part_timeout_s <= 0:
             raise ValueError(f"kv_part_timeout_s must be positive, got {self.kv_part_timeout_s}")
+        if self.scan_layers not in SCAN_LAYERS:
+            raise ValueError(f"scan_layers must be one of {SCAN_LAYERS}, got {self.scan_layers!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, "
                              f"got {self.attention_impl!r}")

@@ -130,10 +130,29 @@ def paged_attention(q_BNH: jnp.ndarray, k_pool_PSKH: jnp.ndarray, v_pool_PSKH: j
     `window`, `softcap` as `causal_attention`'s (the query is the slot's last token).
     Returns [B, N, H].
     """
-    b, n, h = q_BNH.shape
-    _, s, kh, _ = k_pool_PSKH.shape
+    b, _, h = q_BNH.shape
+    kh = k_pool_PSKH.shape[2]
     k = k_pool_PSKH[block_tables].reshape(b, -1, kh, h)   # [B, max_pages*S, K, H]
     v = v_pool_PSKH[block_tables].reshape(b, -1, kh, h)
+    return _attend_one(q_BNH, k, v, lengths, window, softcap)
+
+
+def paged_attention_at(q_BNH: jnp.ndarray, k_pool_LPSKH: jnp.ndarray,
+                       v_pool_LPSKH: jnp.ndarray, layer, block_tables: jnp.ndarray,
+                       lengths: jnp.ndarray, window: int | None = None,
+                       softcap: float | None = None) -> jnp.ndarray:
+    """`paged_attention` on layer `layer` of the whole pools [L, P, S, K, H], `layer` an
+    int or a traced int32 (a scan over layers): one gather from the whole pool, as
+    `gather_pages` reads, so no layer's pool is sliced out (a copy) first."""
+    return _attend_one(q_BNH, gather_pages(k_pool_LPSKH, layer, block_tables),
+                       gather_pages(v_pool_LPSKH, layer, block_tables), lengths, window, softcap)
+
+
+def _attend_one(q_BNH, k, v, lengths, window, softcap):
+    """One query per row q [B, N, H] against its gathered keys and values k, v
+    [B, S, K, H], the first lengths[b] valid -> [B, N, H]."""
+    b, n, h = q_BNH.shape
+    kh = k.shape[2]
     q = q_BNH.reshape(b, kh, n // kh, h)
     scores = jnp.einsum("BKGH,BSKH->BKGS", q, k, preferred_element_type=jnp.float32)
     scores = _softcapped(scores * (h ** -0.5), softcap)

@@ -15,6 +15,12 @@ The engine's decode meshes run `fused=True` on params `fuse_params` prepared onc
 load (one q/k/v matmul, one gate/up matmul, a 2-D `o_proj`: `engine/placement.py`);
 checkpoints and `init_params` keep the separate projections of the checkpoint layout.
 
+Runs of equal layers may be *scanned*: `stack_layers` stacks each run's params under
+`stack_<start>_<stop>` (a leading L axis on every leaf, quantized weights too), and
+every forward pass runs such a run as one `jax.lax.scan` of one layer body, so XLA
+compiles one layer instead of L. The pool rides in the scan's carry and each step
+writes and reads its own layer in place (the layer index is data).
+
 Layer-wise prefill splits `prefill` into `embed_prompt`, `prefill_blocks` (a group of
 layers, params passed as a list) and `head`, so each group's K/V can leave the device
 while the next group computes.
@@ -35,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpd.models.attention import (causal_attention, gather_pages, paged_attention,
-                                    write_pages, write_prompt_pages)
+                                    paged_attention_at, write_pages, write_prompt_pages)
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.moe import ACTIVATIONS, grouped_experts, route
 from jaxpd.models.quant import (QuantizedWeight, is_quantized, project, quantize_int8,
@@ -309,17 +315,48 @@ class Llama(nn.Module):
             logits = project(h, self.lm_head, "...D,DV->...V", self.qmatmul, jnp.float32)
         return softcap_logits(self.cfg, logits)
 
+    def _layers(self, x, state, layer_fn):
+        """Every layer in order: `layer_fn(layer, i, kind, x, state) -> (x, state, out)`,
+        `layer` with the `Block` methods `qkv` and `finish`, `i` its index (an int, or a
+        traced int32 inside a scanned run: use it only as data, e.g. a pool index),
+        `kind` a layer of the same kinds as i (an int: `attention_options`, `_rope`).
+        Returns (x, state, outs stacked over layers, or None when layer_fn gives
+        None)."""
+        params = self.variables.get("params", {})
+        outs = []
+        for start, stop in layer_runs(self.cfg):
+            key = stack_key(start, stop)
+            if stop - start > 1 and key in params:
+                def body(carry, i, stacked=params[key], start=start):
+                    x, state = carry
+                    p = jax.tree.map(lambda a: a[i - start], stacked)
+                    block = Block(self.cfg, self.dtype, self.fused, self.cfg.is_sparse(start),
+                                  self.experts, _in_stack(self.qmatmul, stacked, p, i - start),
+                                  parent=None)
+                    x, state, out = layer_fn(_Applied(block, p), i, start, x, state)
+                    return (x, state), out
+                (x, state), out = jax.lax.scan(body, (x, state),
+                                               jnp.arange(start, stop, dtype=jnp.int32))
+                outs.append(out)
+                continue
+            for i in range(start, stop):
+                x, state, out = layer_fn(self.layers[i], i, i, x, state)
+                outs.append(None if out is None else jax.tree.map(lambda a: a[None], out))
+        if any(o is None for o in outs):
+            return x, state, None
+        return x, state, jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
+
     def _contiguous(self, tokens_BT):
         b, t = tokens_BT.shape
         positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-        x = self._embed(tokens_BT)
-        ks, vs = [], []
-        for i, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(x, positions, self._rope(i))
-            x = layer.finish(x, prompt_attention(self.cfg, i, self.prefill_attention, q, k, v))
-            ks.append(k)
-            vs.append(v)
-        return x, jnp.stack(ks), jnp.stack(vs)
+
+        def layer_fn(layer, i, kind, x, state):
+            q, k, v = layer.qkv(x, positions, self._rope(kind))
+            x = layer.finish(x, prompt_attention(self.cfg, kind, self.prefill_attention,
+                                                 q, k, v))
+            return x, state, (k, v)
+        x, _, (k, v) = self._layers(self._embed(tokens_BT), (), layer_fn)
+        return x, k, v
 
     def forward(self, tokens_BT):
         """Full causal forward: logits [B, T, V] (float32)."""
@@ -343,23 +380,28 @@ class Llama(nn.Module):
     def decode(self, tokens_B, positions_B, k_pool_LPSKH, v_pool_LPSKH, block_tables_BP):
         """One step: token b sits at positions[b]; its K/V are written, then attended with
         everything before it. Returns (logits [B, V], k_pool, v_pool)."""
-        x = self._embed(tokens_B[:, None])                       # [B, 1, D]
         pos = positions_B[:, None]
-        for i, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(x, pos, self._rope(i))
-            k_pool_LPSKH = write_pages(k_pool_LPSKH, i, k[:, 0], block_tables_BP, positions_B)
-            v_pool_LPSKH = write_pages(v_pool_LPSKH, i, v[:, 0], block_tables_BP, positions_B)
-            options = attention_options(self.cfg, i)
-            if options:     # window or softcap: the reference, which takes them
-                attn = paged_attention(q[:, 0], k_pool_LPSKH[i], v_pool_LPSKH[i],
-                                       block_tables_BP, positions_B + 1, **options)
+
+        def layer_fn(layer, i, kind, x, pools):
+            k_pool, v_pool = pools
+            q, k, v = layer.qkv(x, pos, self._rope(kind))
+            k_pool = write_pages(k_pool, i, k[:, 0], block_tables_BP, positions_B)
+            v_pool = write_pages(v_pool, i, v[:, 0], block_tables_BP, positions_B)
+            options = attention_options(self.cfg, kind)
+            if options or self.decode_attention is paged_attention:
+                # The reference (which takes a window and a softcap), read from the
+                # whole pool: a slice of layer i at a traced i would be a copy.
+                attn = paged_attention_at(q[:, 0], k_pool, v_pool, i, block_tables_BP,
+                                          positions_B + 1, **options)
             elif getattr(self.decode_attention, "whole_pool", False):   # reads layer i in place
-                attn = self.decode_attention(q[:, 0], k_pool_LPSKH, v_pool_LPSKH, i,
-                                             block_tables_BP, positions_B + 1)
+                attn = self.decode_attention(q[:, 0], k_pool, v_pool, i, block_tables_BP,
+                                             positions_B + 1)
             else:
-                attn = self.decode_attention(q[:, 0], k_pool_LPSKH[i], v_pool_LPSKH[i],
-                                             block_tables_BP, positions_B + 1)
-            x = layer.finish(x, attn[:, None])
+                attn = self.decode_attention(q[:, 0], k_pool[i], v_pool[i], block_tables_BP,
+                                             positions_B + 1)
+            return layer.finish(x, attn[:, None]), (k_pool, v_pool), None
+        x, (k_pool_LPSKH, v_pool_LPSKH), _ = self._layers(
+            self._embed(tokens_B[:, None]), (k_pool_LPSKH, v_pool_LPSKH), layer_fn)
         return self._logits(x[:, 0]), k_pool_LPSKH, v_pool_LPSKH
 
     def extend(self, tokens_BT, starts_B, lengths_B, k_pool_LPSKH, v_pool_LPSKH,
@@ -376,25 +418,109 @@ class Llama(nn.Module):
         offsets = jnp.broadcast_to(jnp.arange(t)[None, :], tokens_BT.shape)
         positions = starts_B[:, None] + offsets
         valid = offsets < lengths_B[:, None]
-        x = self._embed(tokens_BT)
-        for i, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(x, positions, self._rope(i))
-            k_pool_LPSKH = write_prompt_pages(k_pool_LPSKH, i, k, new_tables_BN, offsets, valid)
-            v_pool_LPSKH = write_prompt_pages(v_pool_LPSKH, i, v, new_tables_BN, offsets, valid)
+
+        def layer_fn(layer, i, kind, x, pools):
+            k_pool, v_pool = pools
+            q, k, v = layer.qkv(x, positions, self._rope(kind))
+            k_pool = write_prompt_pages(k_pool, i, k, new_tables_BN, offsets, valid)
+            v_pool = write_prompt_pages(v_pool, i, v, new_tables_BN, offsets, valid)
             prefix = None
             if prefix_tables_BW.shape[1]:
                 # Read from the pool this layer's write returned (the prefix pages are
                 # not among those written): a read of the pool as it was before a write
                 # makes XLA copy the whole pool to keep the write in place.
-                prefix = (gather_pages(k_pool_LPSKH, i, prefix_tables_BW),
-                          gather_pages(v_pool_LPSKH, i, prefix_tables_BW), starts_B)
+                prefix = (gather_pages(k_pool, i, prefix_tables_BW),
+                          gather_pages(v_pool, i, prefix_tables_BW), starts_B)
             # With no prefix in the batch, a plain prompt's (the native kernel where used).
-            attn = (causal_attention(q, k, v, prefix, **attention_options(self.cfg, i))
+            attn = (causal_attention(q, k, v, prefix, **attention_options(self.cfg, kind))
                     if prefix is not None
-                    else prompt_attention(self.cfg, i, self.prefill_attention, q, k, v))
-            x = layer.finish(x, attn)
+                    else prompt_attention(self.cfg, kind, self.prefill_attention, q, k, v))
+            return layer.finish(x, attn), (k_pool, v_pool), None
+        x, (k_pool_LPSKH, v_pool_LPSKH), _ = self._layers(
+            self._embed(tokens_BT), (k_pool_LPSKH, v_pool_LPSKH), layer_fn)
         last = x[jnp.arange(x.shape[0]), lengths_B - 1]
         return self._logits(last), k_pool_LPSKH, v_pool_LPSKH
+
+
+class _Applied:
+    """A scanned run's `Block` with one layer's params (a slice of the stacked run),
+    offering the bound layer's `qkv` and `finish`."""
+
+    def __init__(self, block: Block, params):
+        self.block, self.params = block, params
+
+    def qkv(self, *args):
+        return self.block.apply({"params": self.params}, *args, method=Block.qkv)
+
+    def finish(self, *args):
+        return self.block.apply({"params": self.params}, *args, method=Block.finish)
+
+
+def _in_stack(qmatmul: Callable | None, stacked, layer_params, j):
+    """`qmatmul` for one layer of a scanned run: a quantized weight of `layer_params`
+    (layer j's slices of `stacked`) is multiplied in place in its stack (the kernel's
+    `layer`), so no step copies a layer's weights out of the stack for the kernel. A
+    weight it cannot match goes to `qmatmul` as given."""
+    if qmatmul is None:
+        return None
+    pairs = zip(jax.tree.leaves(layer_params, is_leaf=is_quantized),
+                jax.tree.leaves(stacked, is_leaf=is_quantized))
+    whole = {id(w.data): s for w, s in pairs if is_quantized(w)}
+
+    def product(x, w):
+        s = whole.get(id(w.data))
+        return qmatmul(x, w) if s is None else qmatmul(x, s, layer=j)
+    return product
+
+
+def layer_runs(cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
+    """[start, stop) of the maximal runs of consecutive layers of equal kinds (sliding,
+    sparse): the runs `stack_layers` stacks and the forward passes scan."""
+    runs, start = [], 0
+    for i in range(1, cfg.num_layers + 1):
+        if i == cfg.num_layers or layer_kinds(cfg, i, i + 1) != layer_kinds(cfg, start, start + 1):
+            runs.append((start, i))
+            start = i
+    return tuple(runs)
+
+
+def stack_key(start: int, stop: int) -> str:
+    """The params key of the stacked run of layers start .. stop - 1."""
+    return f"stack_{start}_{stop}"
+
+
+def is_stacked(params) -> bool:
+    """Whether `params` holds a stacked run (`stack_layers`' tree)."""
+    return any(name.startswith("stack_") for name in params)
+
+
+def stack_layers(cfg: ModelConfig, params, stack: Callable | None = None):
+    """A params tree (checkpoint or fused layout) -> the same tree with each run of two
+    or more equal layers (`layer_runs`) as one `stack_<start>_<stop>` entry whose
+    leaves are the layers' leaves stacked on a new leading axis (any pytree: quantized
+    weights stack part by part); a lone layer keeps its `layers_<i>` entry. `stack`:
+    how a list of equal trees becomes one (default `jnp.stack` leaf by leaf; the engine
+    passes one that keeps each leaf's sharding)."""
+    stack = stack or (lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees))
+    out = {name: p for name, p in params.items() if not name.startswith("layers_")}
+    for start, stop in layer_runs(cfg):
+        layers = [params[f"layers_{i}"] for i in range(start, stop)]
+        if len(layers) == 1:
+            out[f"layers_{start}"] = layers[0]
+        else:
+            out[stack_key(start, stop)] = stack(layers)
+    return out
+
+
+def unstack_layers(cfg: ModelConfig, params):
+    """`stack_layers`' inverse: every layer as its own `layers_<i>` entry."""
+    out = {name: p for name, p in params.items() if not name.startswith("stack_")}
+    for start, stop in layer_runs(cfg):
+        key = stack_key(start, stop)
+        if key in params:
+            for i in range(start, stop):
+                out[f"layers_{i}"] = jax.tree.map(lambda a, j=i - start: a[j], params[key])
+    return out
 
 
 def attention_options(cfg: ModelConfig, layer: int) -> dict:

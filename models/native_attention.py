@@ -143,16 +143,17 @@ def unavailable_reason() -> str:
 
 
 def paged_attention_native(q_BNH: jnp.ndarray, k_pool_LPSKH: jnp.ndarray,
-                           v_pool_LPSKH: jnp.ndarray, layer: int, block_tables: jnp.ndarray,
+                           v_pool_LPSKH: jnp.ndarray, layer, block_tables: jnp.ndarray,
                            lengths: jnp.ndarray) -> jnp.ndarray:
     """`attention.paged_attention` on layer `layer` of the whole pools (read in place):
-    q [B, N, H] float32, pools [L, P, page_size, K, H] float32 -> [B, N, H]."""
+    q [B, N, H] float32, pools [L, P, page_size, K, H] float32 -> [B, N, H]. `layer`
+    is data (an int or a traced int32 scalar, as a scan over layers has it)."""
     if not available():
         raise RuntimeError(f"the native attention kernel is not available: "
                            f"{unavailable_reason()}")
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q_BNH.shape, jnp.float32))
     return call(q_BNH, k_pool_LPSKH, v_pool_LPSKH, block_tables.astype(jnp.int32),
-                lengths.astype(jnp.int32), layer=layer)
+                lengths.astype(jnp.int32), jnp.asarray(layer, jnp.int32))
 
 
 # The decode model passes this kernel the whole pools and the layer (`Llama.decode`).

@@ -214,21 +214,24 @@ def native_available() -> bool:
     return native_attention.available()
 
 
-def native_matmul(x: jnp.ndarray, w: QuantizedWeight) -> jnp.ndarray | None:
+def native_matmul(x: jnp.ndarray, w: QuantizedWeight, layer=None) -> jnp.ndarray | None:
     """x [M, I] float32 @ w -> [M, O] float32 through the native CPU kernel
     (`native/quant_matmul.cc`), or None where it does not serve (more than
     `NATIVE_MAX_ROWS` rows, another dtype, the kernel not built): the caller then takes
     the jnp form. Opaque to GSPMD: pass it only where the weights are whole on each
-    device (a decode mesh without tp)."""
+    device (a decode mesh without tp). `layer`: w's parts stack a run of layers on a
+    leading axis and the product uses this one (an int or a traced int32), read in
+    place in the stack."""
     if x.shape[0] > NATIVE_MAX_ROWS or x.dtype != jnp.float32 or not native_available():
         return None
     from jaxpd.models.native_attention import QUANT_MATMUL_TARGET
 
-    o = math.prod(w.out_shape)
+    lead = () if layer is None else w.data.shape[:1]
+    o = math.prod(w.data.shape[len(lead):-1])
     low = w.min if w.min is not None else w.scale
     call = jax.ffi.ffi_call(QUANT_MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], o), jnp.float32))
-    return call(x, w.data.reshape(o, -1), w.scale.reshape(o, -1), low.reshape(o, -1),
-                fmt=_FMT_CODES[w.fmt])
+    return call(x, *(a.reshape(*lead, o, -1) for a in (w.data, w.scale, low)),
+                jnp.asarray(0 if layer is None else layer, jnp.int32), fmt=_FMT_CODES[w.fmt])
 
 
 # --- sizes and placement -------------------------------------------------------------

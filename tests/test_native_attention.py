@@ -46,7 +46,7 @@ def _portable_kernel():
     def call(q, k_pool, v_pool, layer, tables, lengths):
         fn = jax.ffi.ffi_call("jaxpd_paged_decode_f32_portable",
                               jax.ShapeDtypeStruct(q.shape, jnp.float32))
-        return fn(q, k_pool, v_pool, tables, lengths, layer=layer)
+        return fn(q, k_pool, v_pool, tables, lengths, jnp.asarray(layer, jnp.int32))
     return call
 
 

@@ -144,7 +144,7 @@ def _kernel_call(target: str):
         low = w.min if w.min is not None else w.scale
         fn = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], o), jnp.float32))
         return fn(x, w.data.reshape(o, -1), w.scale.reshape(o, -1), low.reshape(o, -1),
-                  fmt=quant._FMT_CODES[w.fmt])
+                  jnp.int32(0), fmt=quant._FMT_CODES[w.fmt])
     return call
 
 
@@ -195,6 +195,13 @@ def test_native_product_matches_the_jnp_form(fmt, body):
                                np.asarray(quant.matmul(x, w)), rtol=1e-5, atol=1e-4)
     big = jnp.zeros((quant.NATIVE_MAX_ROWS + 1, cols), jnp.float32)
     assert quant.native_matmul(big, w) is None       # a prefill's rows: the jnp form
+    if body == "built":     # a scanned run's stack: the layer named, read in place
+        other = (quant.quantize_int8(rng.normal(size=(cols, rows)).astype(np.float32), (0,))
+                 if fmt == "int8" else random_blocks(fmt, rows, cols, rng))
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), w, other, w)
+        got = jax.jit(lambda x, s, j: quant.native_matmul(x, s, layer=j))(x, stacked, 1)
+        want = np.asarray(x) @ np.asarray(quant.dequantize_rows(other)).T
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
 
 def test_unsupported_block_format_names_the_tensor_and_auto_serves_it_as_float(

@@ -201,18 +201,20 @@ class Engine:
     def _serving(self) -> bool:
         return not (self._stop.is_set() or self._paused.is_set())
 
-    def _params_on(self, c: EngineConfig, mesh, fuse: bool, prefill_only: bool = False):
+    def _params_on(self, c: EngineConfig, mesh, fuse: bool, prefill_only: bool = False,
+                   scan: bool = False):
         """(params on `mesh`, its logical rules, whether fused: `engine.placement`; the
         attention kernels for its devices: `resolve_attention_impl`). A CPU mesh that
         only prefills gets quantized weights as float: a prompt's many rows are
         compute-bound, and XLA:CPU's product of the jnp form unpacks every weight on
-        every call."""
+        every call. `scan`: runs of equal layers stacked, to be scanned."""
         platform = self.lower_for or mesh.devices.flat[0].platform
         params = self.model.params
         if prefill_only and platform == "cpu":
             from jaxpd.models import quant
             params = quant.dequantize_params(params)
-        return (*place_params(self.model.cfg, params, mesh, self.dtype, fuse=fuse),
+        return (*place_params(self.model.cfg, params, mesh, self.dtype, fuse=fuse,
+                              scan=scan),
                 resolve_attention_impl(c.attention_impl, platform, c.attention_interpret,
                                        c.dtype, self.model.cfg.head_dim))
 
@@ -263,7 +265,9 @@ class Engine:
     def _build_prefill(self, p: Phases) -> None:
         c, mesh, topology = p.config, p.meshes.prefill, p.topology
         params, rules, fused, attention = self._params_on(c, mesh, fuse=False,
-                                                          prefill_only=True)
+                                                          prefill_only=True,
+                                                          scan=c.scan_layers == "all"
+                                                          and not topology.layerwise)
         p.prefill_runner = lead(PrefillRunner(
             self.model.cfg, params, mesh, rules, c.page_size, self.counter, self.dtype,
             fused=fused, gather_pages=bool(self.plan and not self.plan.offers),
@@ -300,7 +304,12 @@ class Engine:
 
     def _build_decode(self, p: Phases, inbound: list[InboundQueue] | None) -> None:
         c, mesh, spec, topology = p.config, p.meshes.decode, p.config.mesh, p.topology
-        params, rules, fused, attention = self._params_on(c, mesh, fuse=True)
+        # "auto" scans where the native quantized product reads every layer's weights
+        # in place in the stack; elsewhere XLA:CPU would copy a float layer out of it
+        # in every step.
+        scan = c.scan_layers == "all" or (
+            c.scan_layers == "auto" and self._quant_matmul(c, self.model.params, mesh) is not None)
+        params, rules, fused, attention = self._params_on(c, mesh, fuse=True, scan=scan)
         p.decode_runner = runner = lead(DecodeRunner(
             self.model.cfg, params, mesh, rules, spec.decode_dp * c.slots_per_shard,
             c.pages_per_shard, c.page_size, self.counter, self.dtype, fused=fused,

@@ -47,10 +47,14 @@ def param_specs(params, rules):
     """The `shard_map` in_specs over dp of a decode program's params: expert weights
     split over dp where the rules split experts over it (each shard gets its own
     experts), everything else whole (replicated over dp)."""
-    split = P("dp") if "dp" in _axes(rules) else P()
+    over_dp = "dp" in _axes(rules)
 
     def spec(path, _):   # a quantized expert weight's parts all lead with the expert
-        return split if any(getattr(k, "key", None) in EXPERT_WEIGHTS for k in path) else P()
+        if not over_dp or not any(getattr(k, "key", None) in EXPERT_WEIGHTS for k in path):
+            return P()
+        # A stacked run (`models.llama.stack_layers`) leads with its layer axis.
+        stacked = str(getattr(path[0], "key", "")).startswith("stack_")
+        return P(None, "dp") if stacked else P("dp")
     return jax.tree_util.tree_map_with_path(spec, params)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpd.models.attention import causal_attention
@@ -52,10 +53,13 @@ def kernel_per_tp_shard(attention, kv_axis: str | None):
         layers = P(None, None, None, kv_axis, None)
 
         def per_shard_layer(q, k_pool, v_pool, layer, *rest):
-            return shard_map(functools.partial(_at_layer, attention, layer),
+            # The layer is an operand: a scan over layers passes a traced index.
+            return shard_map(functools.partial(_at_layer, attention),
                              mesh=jax.sharding.get_abstract_mesh(), axis_names={"tp"},
-                             check_vma=False, in_specs=(heads, layers, layers, whole, whole),
-                             out_specs=heads)(q, k_pool, v_pool, *rest)
+                             check_vma=False,
+                             in_specs=(heads, layers, layers, whole, whole, whole),
+                             out_specs=heads)(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32),
+                                              *rest)
         per_shard_layer.whole_pool = True
         return per_shard_layer
 
@@ -66,5 +70,5 @@ def kernel_per_tp_shard(attention, kv_axis: str | None):
     return per_shard
 
 
-def _at_layer(attention, layer, q, k_pool, v_pool, block_tables, lengths):
+def _at_layer(attention, q, k_pool, v_pool, layer, block_tables, lengths):
     return attention(q, k_pool, v_pool, layer, block_tables, lengths)

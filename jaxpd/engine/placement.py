@@ -7,14 +7,21 @@ another layout each step): 1.07x on SmolLM2-135M's batch-32 step on CPU. Prefill
 long prompts gains nothing measurable from it (0.99x at 512 tokens), so only decode
 meshes are fused. The fusion happens here, once per mesh, where the params are placed:
 the loaded tree and the files stay as they are.
+
+With `scan` the placed tree's runs of equal layers are stacked last
+(`models.llama.stack_layers`), each leaf keeping its per-layer sharding behind a new
+replicated leading axis, so the programs scan one layer body over them.
 """
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpd.models.config import ModelConfig
 from jaxpd.models import quant
-from jaxpd.models.llama import abstract_params, can_fuse, can_fuse_quantized, fuse_params
+from jaxpd.models.llama import (abstract_params, can_fuse, can_fuse_quantized, fuse_params,
+                                stack_layers)
 from jaxpd.sharding import logical_rules, named_shardings
 
 
@@ -37,12 +44,13 @@ def role_shardings(cfg: ModelConfig, mesh_spec):
         cfg, meshes.prefill if meshes.prefill is not None else meshes.decode)
 
 
-def place_params(cfg: ModelConfig, params, mesh, dtype, *, fuse: bool):
+def place_params(cfg: ModelConfig, params, mesh, dtype, *, fuse: bool, scan: bool = False):
     """`params` (the checkpoint tree) cast to `dtype` and placed on `mesh` ->
     (params, logical rules of the mesh, fused). Fused when `fuse` and the fused tree
     shards correctly on this mesh (`can_fuse`: kv heads split over tp as query heads
     do, and quantized projections that fuse share a format); quantized weights keep
-    their stored types. Pass the returned `fused` to the runners."""
+    their stored types. `scan`: runs of equal layers stacked (`stack_layers`), which
+    the model then scans. Pass the returned `fused` to the runners."""
     rules = logical_rules(mesh, **cfg.logical_dims())
     fused = fuse and can_fuse(rules) and can_fuse_quantized(params)
     params = quant.cast_floats(params, dtype)
@@ -50,4 +58,20 @@ def place_params(cfg: ModelConfig, params, mesh, dtype, *, fuse: bool):
         params = fuse_params(cfg, params)
     _, logical = abstract_params(cfg, dtype, fused)
     # Quantized weights go where their float weights would (`quant.shardings_like`).
-    return quant.place(params, named_shardings(logical, mesh, rules)), rules, fused
+    params = quant.place(params, named_shardings(logical, mesh, rules))
+    if scan:
+        params = stack_layers(cfg, params, stack_sharded)
+    return params, rules, fused
+
+
+def stack_sharded(trees):
+    """Equal trees of placed arrays -> one tree of their leaves stacked on a new leading
+    axis, each stacked leaf sharded as its layers were (the new axis replicated)."""
+    def sharding(leaf):
+        s = leaf.sharding
+        if isinstance(s, NamedSharding):
+            return NamedSharding(s.mesh, PartitionSpec(None, *s.spec), memory_kind=s.memory_kind)
+        return None
+    out = jax.tree.map(sharding, trees[0])
+    return jax.jit(lambda ts: jax.tree.map(lambda *a: jnp.stack(a), *ts),
+                   out_shardings=out)(trees)

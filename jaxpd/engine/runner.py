@@ -35,7 +35,8 @@ from jaxpd.engine.sampler import Logprobs, SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
 from jaxpd.engine.kernels import kernel_per_tp_shard, prefill_attention, prefill_kernel
 from jaxpd.engine.experts import decode_experts, held_experts, param_specs
-from jaxpd.models.llama import Llama, layer_kinds, prefill_blocks
+from jaxpd.models.llama import (Llama, is_stacked, layer_kinds, prefill_blocks,
+                                unstack_layers)
 from jaxpd.models.pallas_attention import decode_attention
 from jaxpd.sharding.compat import shard_map
 
@@ -85,6 +86,7 @@ class PrefillRunner:
                  attention_impl: str = "reference"):
         self.cfg, self.params, self.mesh, self.page_size = cfg, params, mesh, page_size
         self.counter, self.name = counter, name
+        self._unstacked = None
         attention = prefill_attention(attention_impl, mesh, rules, cfg.head_dim)
         self.kernel = prefill_kernel(attention)
         # On a decode mesh (its own prefills) experts stay where its rules split them.
@@ -166,7 +168,7 @@ class PrefillRunner:
                             (self.params, inputs[0]))]
         for size in sorted({stop - start for start, stop in groups}):
             start = next(s for s, e in groups if e - s == size)
-            layers = [self.params[f"layers_{i}"] for i in range(start, start + size)]
+            layers = self._layer_params(start, start + size)
             programs.append(Program(f"{self.name}_blocks{size}_b{b}_t{t}",
                                     self._blocks_of(layer_kinds(self.cfg, start, start + size)),
                                     (layers, x), self.kernel))
@@ -195,12 +197,21 @@ class PrefillRunner:
         for g, (start, stop) in enumerate(groups):
             kinds = layer_kinds(self.cfg, start, stop)
             self.counter.note(f"{self.name}_blocks", (tokens.shape, kinds))
-            x, k, v = self._blocks([self.params[f"layers_{i}"] for i in range(start, stop)], x,
-                                   kinds)
+            x, k, v = self._blocks(self._layer_params(start, stop), x, kinds)
             if g == len(groups) - 1:
                 first, logprobs = self._head(self.params, x, *inputs)
             parts.append(self.take_rows(k, v, rows))
         return first, logprobs, parts
+
+    def _layer_params(self, start: int, stop: int) -> list:
+        """Each layer's own params, start .. stop - 1 (what `prefill_blocks` takes). The
+        engine gives a layer-wise prefill mesh unstacked params; stacked ones (a mesh
+        that scans its layers) are unstacked once, on first use."""
+        if is_stacked(self.params):
+            if self._unstacked is None:
+                self._unstacked = unstack_layers(self.cfg, self.params)
+            return [self._unstacked[f"layers_{i}"] for i in range(start, stop)]
+        return [self.params[f"layers_{i}"] for i in range(start, stop)]
 
     def take_rows(self, k, v, rows: list[tuple[int, int, int]]):
         """`take_pages` for each (row, first_page, num_pages) of `rows`, in order."""

@@ -280,13 +280,17 @@ void AttendSlots(const Problem& pr, int64_t begin, int64_t end) {
 ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_BNH,
                        ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
                        ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> lengths,
-                       int64_t layer, ffi::ResultBuffer<ffi::F32> out_BNH) {
+                       ffi::Buffer<ffi::S32> layer_index, ffi::ResultBuffer<ffi::F32> out_BNH) {
   const auto qd = q_BNH.dimensions();
   const auto pd = k_pool.dimensions();
   const auto td = block_tables.dimensions();
   if (qd.size() != 3 || pd.size() != 5 || td.size() != 2 || lengths.dimensions().size() != 1)
     return ffi::Error::InvalidArgument("paged_decode: q [B,N,H], pools [L,P,page_size,K,H], "
                                        "block_tables [B,W], lengths [B]");
+  // The layer is an operand, not an attribute: a scan over layers passes its counter.
+  if (layer_index.element_count() != 1)
+    return ffi::Error::InvalidArgument("paged_decode: layer must be one int32");
+  const int64_t layer = layer_index.typed_data()[0];
   const int64_t B = qd[0], N = qd[1], H = qd[2];
   const int64_t L = pd[0], P = pd[1], page_size = pd[2], K = pd[3];
   if (pd[4] != H || td[0] != B || lengths.dimensions()[0] != B || K == 0 || N % K != 0 ||
@@ -317,5 +321,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpdPagedDecodeF32, PagedDecode,
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // v pool
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // block tables [B,W]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // lengths [B]
-                                  .Attr<int64_t>("layer")
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // layer []
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // out [B, N, H]

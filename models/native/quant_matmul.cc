@@ -311,20 +311,32 @@ void Rows(const Problem& p, int64_t begin, int64_t end) {
 }
 
 ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
-                       ffi::AnyBuffer scale, ffi::AnyBuffer min, int64_t fmt,
+                       ffi::AnyBuffer scale, ffi::AnyBuffer min,
+                       ffi::Buffer<ffi::S32> layer_index, int64_t fmt,
                        ffi::ResultBuffer<ffi::F32> out) {
+  // data, scale and min are [O, *] or, for a run of stacked layers, [L, O, *]: then the
+  // product uses layer `layer_index` (an operand, so a scan over layers passes its
+  // counter and no layer's weight is copied out of the stack).
   const auto xd = x.dimensions();
   const auto dd = data.dimensions();
   const auto sd = scale.dimensions();
-  if (xd.size() != 2 || dd.size() != 2 || sd.size() != 2)
-    return ffi::Error::InvalidArgument("quant_matmul: x [M, I], data [O, I'], scale [O, nb]");
+  const size_t rank = dd.size();
+  if (xd.size() != 2 || (rank != 2 && rank != 3) || sd.size() != rank ||
+      layer_index.element_count() != 1)
+    return ffi::Error::InvalidArgument("quant_matmul: x [M, I], data [(L,) O, I'], "
+                                       "scale [(L,) O, nb], one layer");
+  const int64_t L = rank == 3 ? dd[0] : 1;
+  const int64_t layer = layer_index.typed_data()[0];
+  const size_t r = rank - 2;   // the first per-layer dim
+  if (layer < 0 || layer >= L || (rank == 3 && sd[0] != L))
+    return ffi::Error::InvalidArgument("quant_matmul: layer out of range");
   Problem p{};
   p.M = xd[0];
   p.I = xd[1];
-  p.O = dd[0];
-  p.nb = sd[1];
+  p.O = dd[r];
+  p.nb = sd[r + 1];
   p.fmt = fmt;
-  if (fmt < 0 || fmt > 3 || p.I % kBlock || sd[0] != p.O)
+  if (fmt < 0 || fmt > 3 || p.I % kBlock || sd[r] != p.O)
     return ffi::Error::InvalidArgument("quant_matmul: unknown format or shapes");
   const bool nibbles = fmt >= 2;
   const int64_t want_cols = nibbles ? p.I / 2 : p.I;
@@ -332,15 +344,16 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   const auto want_data = nibbles ? ffi::DataType::U8 : ffi::DataType::S8;
   const auto want_scale = fmt == 0 ? ffi::DataType::F32 : ffi::DataType::F16;
   // Every extent is checked against x's: the loops below never index past a buffer.
-  if (dd[1] != want_cols || p.nb != want_nb || data.element_type() != want_data ||
+  if (dd[r + 1] != want_cols || p.nb != want_nb || data.element_type() != want_data ||
       scale.element_type() != want_scale)
     return ffi::Error::InvalidArgument("quant_matmul: data or scale do not fit x and fmt");
+  const int64_t scale_bytes = fmt == 0 ? 4 : 2;
   if (fmt == 3) {
     const auto md = min.dimensions();
-    if (md.size() != 2 || md[0] != p.O || md[1] != p.nb ||
+    if (md.size() != rank || md[r] != p.O || md[r + 1] != p.nb || (rank == 3 && md[0] != L) ||
         min.element_type() != ffi::DataType::F16)
-      return ffi::Error::InvalidArgument("quant_matmul: q4_1 needs min [O, nb] float16");
-    p.min = static_cast<const uint16_t*>(min.untyped_data());
+      return ffi::Error::InvalidArgument("quant_matmul: q4_1 needs min [(L,) O, nb] float16");
+    p.min = static_cast<const uint16_t*>(min.untyped_data()) + layer * p.O * p.nb;
   }
   p.x = x.typed_data();
   // x's vectors are loaded whole from every row of x, once per tile of W: where x does
@@ -354,8 +367,8 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
     std::memcpy(start, p.x, sizeof(float) * p.M * p.I);
     p.x = start;
   }
-  p.data = static_cast<const uint8_t*>(data.untyped_data());
-  p.scale = scale.untyped_data();
+  p.data = static_cast<const uint8_t*>(data.untyped_data()) + layer * p.O * want_cols;
+  p.scale = static_cast<const uint8_t*>(scale.untyped_data()) + layer * p.O * p.nb * scale_bytes;
   p.out = out->typed_data();
   p.row_bytes = want_cols;
   // Tasks of whole tiles of rows, two per thread: a thread that starts late still finds
@@ -378,8 +391,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpdQuantMatmul, jaxpd_native::QuantMatmul,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // x [M, I]
-                                  .Arg<xla::ffi::AnyBuffer>()               // data [O, I']
-                                  .Arg<xla::ffi::AnyBuffer>()               // scale [O, nb]
-                                  .Arg<xla::ffi::AnyBuffer>()               // min [O, nb]
+                                  .Arg<xla::ffi::AnyBuffer>()               // data [(L,) O, I']
+                                  .Arg<xla::ffi::AnyBuffer>()               // scale [(L,) O, nb]
+                                  .Arg<xla::ffi::AnyBuffer>()               // min [(L,) O, nb]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // layer []
                                   .Attr<int64_t>("fmt")
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // out [M, O]
