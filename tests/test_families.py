@@ -36,6 +36,7 @@ def _greedy(llm, prompts):
     return [list(o.token_ids) for o in outs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_forward_logits_match_transformers(hf_models, name):
     path, hf_model = hf_models(name)
