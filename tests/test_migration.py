@@ -127,19 +127,24 @@ def test_a_forged_migration_installs_nothing(engines):
     prompt = list(range(3, 13))
     forged = KVHandoff("nobody-registered-this", len(prompt), 5, pages, pages,
                        {"request_id": "nobody-registered-this"}, fingerprint=target.fingerprint)
+    rejected = lambda: target.stats()["handoffs_rejected"] - before["handoffs_rejected"]
     sender.send(dataclasses.replace(forged, destination=address))
-    # A registered request, and KV of another model or of the wrong length for it.
+    _wait(lambda: rejected() >= 1)
+    # A registered request, and KV of the wrong length for it, then of another model.
+    # One at a time: the first refusal sends the request back to prefill, after which
+    # a handoff for it is stale rather than refused, so the order must be known.
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     victim = Request("victim-1", prompt, params, state=State.TRANSFERRING)
     victim.output_ids = [7, 8]
     target.engine.register(victim)
     wire = victim.to_wire(num_tokens=len(prompt) + 1)
-    for bad in (dataclasses.replace(forged, request_id="victim-1", payload=wire,
-                                    num_tokens=len(prompt) - 4),
-                dataclasses.replace(forged, request_id="victim-1", payload=wire,
-                                    num_tokens=len(prompt) + 1, fingerprint="0" * 64)):
+    for i, bad in enumerate((dataclasses.replace(forged, request_id="victim-1", payload=wire,
+                                                 num_tokens=len(prompt) - 4),
+                             dataclasses.replace(forged, request_id="victim-1", payload=wire,
+                                                 num_tokens=len(prompt) + 1,
+                                                 fingerprint="0" * 64))):
         sender.send(dataclasses.replace(bad, destination=address))
-    _wait(lambda: target.stats()["handoffs_rejected"] - before["handoffs_rejected"] >= 3)
+        _wait(lambda: rejected() >= 2 + i)
     stats = target.stats()
     assert stats["handoffs_model_mismatch"] - before["handoffs_model_mismatch"] == 1
     assert stats["transfers"] == before["transfers"]     # nothing was placed
