@@ -221,10 +221,9 @@ def test_expert_parallel_dispatch_equals_the_grouped_matmuls(dp, tp, num_experts
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from jaxpd.engine.experts import decode_experts, param_specs
     from jaxpd.models.moe import grouped_experts, route
     from jaxpd.sharding import logical_rules
-    from jaxpd.sharding.compat import shard_map
+    from tests.support.quant_experts import dispatched
 
     mesh = Mesh(np.array(jax.devices()[:dp * tp]).reshape(dp, tp), ("dp", "tp"))
     rules = logical_rules(mesh, num_heads=4, num_kv_heads=2, intermediate_size=64,
@@ -241,13 +240,7 @@ def test_expert_parallel_dispatch_equals_the_grouped_matmuls(dp, tp, num_experts
     expected = grouped_experts(x, ids, weights, *ws)
     params = jax.device_put({"layers_0": dict(zip(names, ws))},
                             NamedSharding(mesh, P(axis) if axis else P()))
-    experts = decode_experts(rules)
-
-    def body(p, x, ids, weights):
-        return experts(x, ids, weights, *(p["layers_0"][n] for n in names))
-    got = jax.jit(shard_map(body, mesh=mesh, axis_names={"dp"},
-                            in_specs=(param_specs(params, rules), P("dp"), P("dp"), P("dp")),
-                            out_specs=P("dp")))(params, x, ids, weights)
+    got = dispatched(params, rules, mesh, names, x, ids, weights)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-4)
 
 

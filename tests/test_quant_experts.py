@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxpd.models import quant
 from jaxpd.models.moe import grouped_experts, num_held, route
 from jaxpd.sharding import logical_rules, named_shardings
-from tests.support.quant_experts import quantized_experts
+from tests.support.quant_experts import dispatched, quantized_experts
 
 Q = gguf.GGMLQuantizationType
 NAMES = ("experts_gate", "experts_up", "experts_down")
@@ -80,9 +80,6 @@ def test_kept_experts_equal_their_float_weights(qtype):
 def test_kept_experts_split_over_a_decode_mesh(dp, tp, num_experts, axis):
     """Placed as the engine places them (`quant.place`, each part where the float
     weight's experts go), dispatched by `engine.experts` inside the dp `shard_map`."""
-    from jaxpd.engine.experts import decode_experts, param_specs
-    from jaxpd.sharding.compat import shard_map
-
     mesh = Mesh(np.array(jax.devices()[:dp * tp]).reshape(dp, tp), ("dp", "tp"))
     rules = logical_rules(mesh, num_heads=4, num_kv_heads=2, intermediate_size=64,
                           vocab_size=64, num_experts=num_experts, moe_intermediate_size=F)
@@ -96,13 +93,7 @@ def test_kept_experts_split_over_a_decode_mesh(dp, tp, num_experts, axis):
     split = axis if isinstance(axis, tuple) else (axis,)
     for part in (gate.data, gate.scale, gate.min):     # scales travel with their experts
         assert part.sharding.spec[0] in (axis, split)
-    experts = decode_experts(rules)
-
-    def body(p, x, ids, weights):
-        return experts(x, ids, weights, *(p["layers_0"][n] for n in NAMES))
-    got = jax.jit(shard_map(body, mesh=mesh, axis_names={"dp"},
-                            in_specs=(param_specs(params, rules), P("dp"), P("dp"), P("dp")),
-                            out_specs=P("dp")))(params, x, ids, weights)
+    got = dispatched(params, rules, mesh, NAMES, x, ids, weights)
     _close(got, expected)
 
 

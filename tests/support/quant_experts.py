@@ -1,6 +1,8 @@
 """Expert weights in GGUF block formats, made the way llama.cpp's converter writes a
-stacked `ffn_*_exps` tensor, for tests of the kept-quantized mixture of experts."""
+stacked `ffn_*_exps` tensor, for tests of the kept-quantized mixture of experts; and the
+decode step's expert dispatch run on its own (`dispatched`)."""
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -20,3 +22,19 @@ def quantized_experts(w_EIO: np.ndarray, qtype: gguf.GGMLQuantizationType,
     return quant.QuantizedWeight(*(None if a is None else jnp.asarray(a.reshape(e, o, -1))
                                    for a in parts),
                                  fmt=fmt, float_shape=(e, i, o), in_dims=(1,))
+
+
+def dispatched(params, rules, mesh, names, x, ids, weights):
+    """`engine.experts.decode_experts` over `params["layers_0"]`'s expert weights
+    `names`, run as a decode step runs it: inside the dp `shard_map`, rows split over dp."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpd.engine.experts import decode_experts, param_specs
+    from jaxpd.sharding.compat import shard_map
+    experts = decode_experts(rules)
+
+    def body(p, x, ids, weights):
+        return experts(x, ids, weights, *(p["layers_0"][n] for n in names))
+    return jax.jit(shard_map(body, mesh=mesh, axis_names={"dp"},
+                             in_specs=(param_specs(params, rules), P("dp"), P("dp"), P("dp")),
+                             out_specs=P("dp")))(params, x, ids, weights)
