@@ -1,14 +1,42 @@
 """Shared fixtures for engine tests: one tiny HF model, its reference outputs."""
 from __future__ import annotations
 
+import threading
 import time
 
+import jax
 import numpy as np
 
 from jaxpd import LLM
 from tests.hf_fixtures import build_hf_model, hf_greedy
 
 PAGE_SIZE = 16
+
+
+class XlaCompiles:
+    """Counts XLA compiles while entered: jax records this event around every compile
+    its in-memory cache misses (a persistent-cache hit included), so it counts what a
+    call would have compiled. `on_request_threads`: leave out jaxpd's own compile
+    threads (warm-up's and the background compiles), which serving may use."""
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self, on_request_threads: bool = False):
+        self.count, self.on_request_threads = 0, on_request_threads
+
+    def __call__(self, event, duration, **kwargs):
+        if event != self.EVENT:
+            return
+        if self.on_request_threads and \
+                threading.current_thread().name.startswith("jaxpd-compile"):
+            return
+        self.count += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self)
 
 
 def mixed_prompts(num: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -16,28 +16,7 @@ from jaxpd.config import EngineConfig
 from jaxpd.engine.program import ProgramSpec
 from jaxpd.engine.warmup import compile_programs, compile_threads, serving_programs
 from jaxpd.request import Request, State
-from tests.engine_fixtures import assert_all_pages_free
-
-# Recorded by jax around every compile its in-memory cache misses (a persistent-cache
-# hit included), so it counts what a call would have compiled.
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-class _Compiles:
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, event, duration, **kwargs):
-        if event == _COMPILE_EVENT:
-            self.count += 1
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self)
-
+from tests.engine_fixtures import XlaCompiles, assert_all_pages_free
 
 @pytest.fixture(scope="module")
 def cold_llm():
@@ -57,12 +36,12 @@ def test_threads_compile_what_the_calls_run(cold_llm):
             "decode step", "the penalty context update", "page insert for "} <= set(by_kind)
     specs = list(by_kind.values())
     messages = []
-    with _Compiles() as compiled:
+    with XlaCompiles() as compiled:
         compile_programs(specs, messages.append, threads=2)
     assert compiled.count >= len(specs)
     assert [int(re.match(r"compiling (\d+)/(\d+): ", m).group(1)) for m in messages] == \
         list(range(1, len(specs) + 1))
-    with _Compiles() as run:
+    with XlaCompiles() as run:
         for spec in specs:
             spec.warm()
     assert run.count == 0
