@@ -8,7 +8,6 @@ import re
 import threading
 import time
 
-import jax
 import pytest
 
 from jaxpd import LLM, SamplingParams
