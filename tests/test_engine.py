@@ -7,8 +7,8 @@ import pytest
 from jaxpd import LLM, SamplingParams
 from jaxpd.engine.background_compile import settle
 from jaxpd.sizes import coarse_sizes
-from tests.engine_fixtures import (assert_all_pages_free, build_hf_model, mixed_prompts,
-                                   reference)
+from tests.engine_fixtures import (XlaCompiles, assert_all_pages_free, build_hf_model,
+                                   mixed_prompts, reference)
 
 NUM_REQUESTS = 28
 # prefill=1,decode=1 is held to transformers' tokens by test_handoff_stall and the
@@ -315,8 +315,12 @@ def test_no_handoff_program_compiles_on_a_serving_thread_after_warmup(tiny):
         assert counts["prefill_cached_take"] == counts["insert"] == len(sizes)
         pages = {-(-len(p) // 16) for p in prompts}
         assert len(pages) >= 5, pages
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=[
-            _greedy(n) for n in max_tokens])
+        # Warm-up compiled these programs without running them: each first call
+        # finds its executable (jax traces and compiles nothing on a serving thread).
+        with XlaCompiles(on_request_threads=True) as xla:
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=[
+                _greedy(n) for n in max_tokens])
         assert [o.token_ids for o in outs] == expected
+        assert xla.count == 0
         assert llm.engine.counter.counts() == counts
         assert_all_pages_free(llm)

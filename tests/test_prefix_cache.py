@@ -9,9 +9,11 @@ import pytest
 
 from jaxpd import LLM, SamplingParams
 from jaxpd.engine.background_compile import settle
+from jaxpd.engine.warmup import likely_prefix_shapes
 from jaxpd.engine.page_allocator import PageAllocator, page_hashes
 from jaxpd.engine.scheduler import DecodeScheduler
 from jaxpd.request import Request, State
+from tests.engine_fixtures import XlaCompiles
 from tests.hf_fixtures import hf_greedy
 from tests.support.prefix_chats import (chat, chats_at_once, check_pool, conversation,
                                         greedy, page_bytes, start_workers)
@@ -573,6 +575,39 @@ def test_closing_a_background_compiler_waits_for_the_compile_in_progress():
     assert not closing.is_alive() and compiler.get("k") == "program"   # ... which lands
 
 
+def test_a_program_a_batch_asks_for_compiles_before_those_anticipated():
+    import threading
+
+    from jaxpd.engine.background_compile import BackgroundCompiler
+    from jaxpd.engine.runner import CompileCounter
+    order, release = [], threading.Event()
+
+    def lowered(key):
+        class Lowered:
+            def compile(self):
+                if key == "first":
+                    release.wait(10)        # holds the thread while the rest queue
+                order.append(key)
+                return key
+        return Lowered
+
+    compiler = BackgroundCompiler("probe", CompileCounter())
+    compiler.request("first", lowered("first"))
+    for key in ("a", "b", "c"):
+        compiler.anticipate(key, lowered(key))
+    compiler.request("d", lowered("d"))
+    compiler.request("c", lowered("c"))     # anticipated, now asked for: moves ahead
+    compiler.anticipate("d", lowered("d"))  # asked for already: stays ahead
+    assert compiler.pending == 5
+    release.set()
+    deadline = time.monotonic() + 10
+    while compiler.pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert order == ["first", "d", "c", "a", "b"]
+    assert compiler.counter.counts() == {"probe": 5}
+    compiler.close()
+
+
 # Beside a prefill mesh, programs with a prefix compile after warm-up, on demand.
 @pytest.mark.slow
 @pytest.mark.parametrize("extend_below", [0, 256])
@@ -584,7 +619,9 @@ def test_programs_with_a_prefix_compile_in_the_background_after_warmup(tiny_hf_m
     through the prefill mesh), or through the prefill mesh instead of the decode mesh's
     prefill with context (256) -- and asks for it in the background; the same kind of
     turn in the next chat, once it is compiled, uses it. Same greedy tokens as
-    transformers throughout, and nothing compiles on a serving thread."""
+    transformers throughout, and nothing compiles on a serving thread. Programs of a
+    prefix of at most a quarter of the context are compiled right after warm-up,
+    before any turn asks (`likely_prefix_shapes`): such a turn's first repeat pays."""
     path, hf_model = tiny_hf_model
     rng = np.random.default_rng(12)
     with LLM(path, mesh="prefill=1,decode=1", max_model_len=128, page_size=8,
@@ -592,6 +629,25 @@ def test_programs_with_a_prefix_compile_in_the_background_after_warmup(tiny_hf_m
              prefix_extend_below=extend_below, warmup=True) as llm:
         compiled = llm.engine.counter.counts()
         assert "extend" not in compiled
+        anticipated, _ = likely_prefix_shapes(llm.engine)
+        assert anticipated and all(w * 8 <= 32 for _, _, w in anticipated), anticipated
+        assert settle(llm.engine, 120) == {}
+        cache = llm.engine.prefill_cache
+        assert all(cache.compiler.get(((b, t), (b, w))) is not None
+                   for b, t, w in anticipated)
+        if extend_below == 0:     # a repeat within a quarter of the context: a hit at once
+            short = rng.integers(3, 256, 24).tolist()
+            before = llm.stats()
+            with XlaCompiles(on_request_threads=True) as xla:
+                for prompt in (short, short + rng.integers(3, 256, 6).tolist()):
+                    out = llm.generate(prompt_token_ids=[prompt],
+                                       sampling_params=SamplingParams(max_tokens=4,
+                                                                      temperature=0))
+                    assert out[0].token_ids == hf_greedy(hf_model, prompt, 4)
+            after = llm.stats()
+            assert after["prefill_cache_hit_tokens"] - before["prefill_cache_hit_tokens"] == 24
+            assert after["prefill_cache_cold_batches"] == before["prefill_cache_cold_batches"]
+            assert xla.count == 0 and cache.compiler.pending == 0
         seen = []
         for _ in range(2):
             before = llm.stats()

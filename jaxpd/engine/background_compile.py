@@ -10,6 +10,11 @@ computes), so nothing waits for a compile and nothing is compiled that traffic n
 needs. `get` returns the compiled program once it is ready. A compile that fails is
 logged and remembered (`failed`): that shape keeps the fallback.
 
+Programs a workload is likely to reach soon can be asked for ahead of demand
+(`anticipate`): they compile when nothing asked for by a batch is waiting, in the
+order given, so a program a batch needs waits at most for the one compile in
+progress, never behind a queue of guesses.
+
 A compile competes with serving while it runs: on few cores it slows decode steps
 while it lasts. The lowest CPU priority for
 this thread made it worse (the thread holding the GIL was preempted while the serving
@@ -18,6 +23,7 @@ used: it is a one-off per program shape, and a benchmark settles it (`settle`).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -27,6 +33,10 @@ from typing import Callable, Hashable
 _log = logging.getLogger(__name__)
 
 
+# Queue priorities: a program a batch asked for, then one asked for ahead of demand.
+_DEMANDED, _ANTICIPATED = 0, 1
+
+
 class BackgroundCompiler:
     """`name`: what the compiled programs are, for the log and `counter` (a
     `CompileCounter`: each compiled key is noted under `name`)."""
@@ -34,9 +44,11 @@ class BackgroundCompiler:
     def __init__(self, name: str, counter):
         self.name, self.counter = name, counter
         self._ready: dict[Hashable, object] = {}
-        self._asked: set[Hashable] = set()
+        self._asked: dict[Hashable, int] = {}           # key -> its best priority
+        self._started: set[Hashable] = set()
         self.failed: dict[Hashable, str] = {}
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()                 # FIFO within a priority
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -54,16 +66,25 @@ class BackgroundCompiler:
 
     def request(self, key: Hashable, lower: Callable[[], object]) -> None:
         """Compile `lower()` (a `jax.stages.Lowered`) for `key` on the compile thread,
-        unless it is asked for already."""
+        before every program only anticipated, unless it is asked for already (one
+        anticipated and not started yet moves ahead)."""
+        self._put(key, lower, _DEMANDED)
+
+    def anticipate(self, key: Hashable, lower: Callable[[], object]) -> None:
+        """`request`, but after every program asked for with `request`, even later:
+        for a program a workload is likely to reach, compiled before it does."""
+        self._put(key, lower, _ANTICIPATED)
+
+    def _put(self, key: Hashable, lower: Callable[[], object], priority: int) -> None:
         with self._lock:
-            if key in self._asked:
+            if self._asked.get(key, priority + 1) <= priority or key in self._started:
                 return
-            self._asked.add(key)
+            self._asked[key] = priority
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name=f"jaxpd-compile-{self.name}")
                 self._thread.start()
-        self._queue.put((key, lower))
+            self._queue.put((priority, next(self._order), key, lower))
 
     def close(self, timeout_s: float = 120.0) -> None:
         """Stop the compile thread after the compile in progress (what is queued is
@@ -72,7 +93,7 @@ class BackgroundCompiler:
         throwing`). `timeout_s` 0 abandons the compile in progress: for a caller that
         ends the process with `os._exit`, which runs no C++ teardown."""
         self._closed.set()
-        self._queue.put(None)
+        self._queue.put((-1, -1, None, None))
         with self._lock:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread() and timeout_s > 0:
@@ -86,10 +107,13 @@ class BackgroundCompiler:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None or self._closed.is_set():
+            _, _, key, lower = self._queue.get()
+            if key is None or self._closed.is_set():
                 return
-            key, lower = item
+            with self._lock:
+                if key in self._started:         # queued again at a higher priority
+                    continue
+                self._started.add(key)
             try:
                 compiled = lower().compile()
             except Exception as e:             # noqa: BLE001 -- the fallback serves on

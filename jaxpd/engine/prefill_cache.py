@@ -35,6 +35,8 @@ Nothing here is thread-safe: the prefill loop's thread alone calls it.
 """
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -218,6 +220,14 @@ class PrefillCache:
         return self.compiler.ready(((rows, length), (rows, width)),
                                    lambda: self._lower(rows, length, width))
 
+    def anticipate(self, shapes: list[tuple[int, int, int]]) -> None:
+        """Compile these (rows, new tokens, prefix pages) programs in the background
+        before any batch asks for them, in this order, after whatever a batch asks for
+        (`BackgroundCompiler.anticipate`; after `start_background`)."""
+        for rows, length, width in shapes:
+            self.compiler.anticipate(((rows, length), (rows, width)),
+                                     lambda r=rows, t=length, w=width: self._lower(r, t, w))
+
     def _lower(self, rows: int, length: int, width: int):
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         program = self.run_program(zeros(rows, length), zeros(rows), zeros(rows),
@@ -254,7 +264,8 @@ class PrefillCache:
     def offload_program(self, m: int) -> Program:
         """The program `offload` dispatches for `m` padded pages."""
         return Program(f"{self.name}_offload_m{m}", self._offload, self._take_args([0] * m),
-                       host_sharding=self._replicated)
+                       host_sharding=self._replicated,
+                       note=functools.partial(self.counter.note, f"{self.name}_offload", m))
 
     def insert(self, shard: int, page_ids: list[int], k_pages, v_pages) -> None:
         """Write [L, m, S, K, H] pages (on `shard_sharding`; m = `coarse_ceil` of their
@@ -271,7 +282,8 @@ class PrefillCache:
         """The program `insert` dispatches for `m` padded pages."""
         pages = jax.device_put(jnp.zeros(self.pages_shape(m), self.k_pool.dtype), self._pages)
         return Program(f"{self.name}_insert_m{m}", self._insert,
-                       self._insert_args([0] * m, pages, pages))
+                       self._insert_args([0] * m, pages, pages),
+                       note=functools.partial(self.counter.note, f"{self.name}_insert", m))
 
     def host_sizes(self) -> list[int]:
         """Padded page counts the host tier offloads and inserts (warm-up's)."""
@@ -380,7 +392,9 @@ class PrefillCache:
         (b, t), w = tokens.shape, prefix_tables.shape[1]
         return Program(f"{self.name}_b{b}_t{t}_w{w}", self._extend,
                        self._run_args(tokens, starts, lengths, prefix_tables, new_tables,
-                                      sampling), self.kernel)
+                                      sampling), self.kernel,
+                       note=functools.partial(self.counter.note, self.name,
+                                              (tokens.shape, prefix_tables.shape)))
 
     def run_chunk(self, tokens: np.ndarray, start: int, length: int, prefix_table: np.ndarray,
                   new_table: np.ndarray, sampling: SamplingArrays, context: np.ndarray):
@@ -439,7 +453,8 @@ class PrefillCache:
 
     def take_program(self, m: int) -> Program:
         """The program `take` dispatches for `m` padded pages."""
-        return Program(f"{self.name}_take_m{m}", self._take, self._take_args([0] * m))
+        return Program(f"{self.name}_take_m{m}", self._take, self._take_args([0] * m),
+                       note=functools.partial(self.counter.note, f"{self.name}_take", m))
 
     def take_sizes(self) -> list[int]:
         """Every padded count `take` can cut (a request's pages, at most `max_pages`)."""

@@ -21,12 +21,15 @@ NO_KERNEL = "none"
 class Program:
     """`fn` (jitted) called with `args`: arrays on the mesh (params, pools, inputs put
     where the serving call puts them) and host numpy inputs (which the program places
-    by its `shard_map` specs: `host_sharding`). `kernel`: its attention core."""
+    by its `shard_map` specs: `host_sharding`). `kernel`: its attention core.
+    `note`: records in the runner's `CompileCounter` what its serving call records, for
+    a program compiled ahead of its first call (`warmup.compile_programs`)."""
     name: str
     fn: Callable
     args: tuple
     kernel: str = NO_KERNEL
     host_sharding: jax.sharding.Sharding | None = None
+    note: Callable[[], None] | None = None
 
     def abstract_args(self) -> tuple:
         """`args` as `jax.ShapeDtypeStruct`s with their shardings (what lowering needs)."""
@@ -42,8 +45,9 @@ class ProgramSpec:
     through the runner's serving call (compiling it); `build` makes its `Program`(s)
     for lowering. `background`: compiled on first demand while serving (prefix
     programs), not at warm-up; still served, so still exported. `ahead`: `build`'s
-    programs are the very jitted functions `warm` calls, so compiling them ahead
-    (`warmup.compile_programs`) compiles what `warm` runs."""
+    programs are the very jitted functions `warm` calls, with the arguments it passes,
+    so compiling them ahead (`warmup.compile_programs`) compiles what the serving call
+    runs, and warm-up need not run it."""
     describe: str
     warm: Callable[[], object]
     build: Callable[[], list[Program]]

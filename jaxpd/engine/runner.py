@@ -153,7 +153,8 @@ class PrefillRunner:
         """The program `run` dispatches for these inputs' shapes."""
         b, t = tokens.shape
         return Program(f"{self.name}_b{b}_t{t}", self._prefill,
-                       self._run_args(tokens, lengths, sampling), self.kernel)
+                       self._run_args(tokens, lengths, sampling), self.kernel,
+                       note=functools.partial(self.counter.note, self.name, tokens.shape))
 
     def layerwise_programs(self, tokens: np.ndarray, lengths: np.ndarray,
                            sampling: SamplingArrays, groups: list[tuple[int, int]]
@@ -361,7 +362,8 @@ class DecodeRunner:
         pages = jax.device_put(jnp.zeros(self.pages_shape(m), self.k_pool.dtype),
                                self.shard_sharding(0))
         return Program(f"insert_m{m}", self._insert,
-                       self._insert_args(0, [0] * m, pages, pages))
+                       self._insert_args(0, [0] * m, pages, pages),
+                       note=functools.partial(self.counter.note, "insert", m))
 
     def pages_shape(self, m: int) -> tuple[int, ...]:
         """[L, m, S, K, H]: `m` pages of this pool."""
@@ -382,7 +384,8 @@ class DecodeRunner:
     def take_program(self, m: int) -> Program:
         """The program `take` dispatches for `m` padded pages."""
         return Program(f"take_m{m}", self._take, self._take_args(0, [0] * m),
-                       host_sharding=NamedSharding(self.mesh, P()))
+                       host_sharding=NamedSharding(self.mesh, P()),
+                       note=functools.partial(self.counter.note, "take", m))
 
     def offload(self, shard: int, page_ids: list[int]) -> tuple[jax.Array, jax.Array]:
         """Copies of `shard`'s pages at `page_ids` for the host tier, as `take` cuts
@@ -395,12 +398,14 @@ class DecodeRunner:
     def offload_program(self, m: int) -> Program:
         """The program `offload` dispatches for `m` padded pages."""
         return Program(f"offload_m{m}", self._offload, self._take_args(0, [0] * m),
-                       host_sharding=NamedSharding(self.mesh, P()))
+                       host_sharding=NamedSharding(self.mesh, P()),
+                       note=functools.partial(self.counter.note, "offload", m))
 
     def penalties_program(self) -> Program:
         """The program `set_penalties` dispatches (one for every slot and length)."""
         p = self.penalties
-        return Program("penalties_set_slot", p.set_row_program, p.set_slot_args(0, [], []))
+        return Program("penalties_set_slot", p.set_row_program, p.set_slot_args(0, [], []),
+                       note=functools.partial(self.counter.note, "set_penalties", ()))
 
     def set_penalties(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         """The penalty context of the request just inserted at `slot` (one with penalties)."""
@@ -432,7 +437,8 @@ class DecodeRunner:
         n, w = block_tables.shape
         return Program(f"decode_rows{n}_w{w}", self._step,
                        self._step_args(host_tokens, fed_from_host, positions, block_tables,
-                                       sampling, rows), self.kernel, self.slot_sharding)
+                                       sampling, rows), self.kernel, self.slot_sharding,
+                       note=functools.partial(self.counter.note, "decode", block_tables.shape))
 
     def every_slot(self) -> np.ndarray:
         """`step`'s rows for every slot, in order: each shard's local slot ids."""
@@ -469,7 +475,9 @@ class DecodeRunner:
         (rows, t), w = tokens.shape, prefix_tables.shape[1]
         return Program(f"extend_rows{rows}_t{t}_w{w}", self._extend,
                        self._extend_args(tokens, starts, lengths, prefix_tables, new_tables,
-                                         row_slots, sampling), "reference", self.slot_sharding)
+                                         row_slots, sampling), "reference", self.slot_sharding,
+                       note=functools.partial(self.counter.note, "extend",
+                                              (tokens.shape, prefix_tables.shape)))
 
     def start_background_extend(self) -> None:
         """From now on `extend_ready` asks for a program it lacks, compiled on a thread
@@ -484,6 +492,16 @@ class DecodeRunner:
             return True
         return self.extend_compiler.ready(((rows, length), (rows, width)),
                                           lambda: self._lower_extend(rows, length, width))
+
+    def anticipate_extend(self, shapes: list[tuple[int, int, int]]) -> None:
+        """Compile these (rows, new tokens, prefix pages) programs of `extend` in the
+        background before a request asks for them, in this order, after whatever
+        requests ask for (`BackgroundCompiler.anticipate`; after
+        `start_background_extend`)."""
+        for rows, length, width in shapes:
+            self.extend_compiler.anticipate(
+                ((rows, length), (rows, width)),
+                lambda r=rows, t=length, w=width: self._lower_extend(r, t, w))
 
     def _lower_extend(self, rows: int, length: int, width: int):
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731

@@ -24,33 +24,39 @@ def warm_up(engine, progress: Callable[[str], None],
             spans_processes: bool = False) -> None:
     """Every prefill (batch, length) bucket, every decode (rows, context width),
     every padded insert, take and host-tier offload size, and the penalty context
-    update. Runs before the engine's threads start; the decode calls only touch the
-    null page. Programs with a cached prefix compile in the background on first
-    demand, and long-prompt chunks at once (both started here, once the rest are
-    compiled).
+    update. Runs before the engine's threads start. Programs with a cached prefix
+    compile in the background on first demand, and long-prompt chunks at once (both
+    started here, once the rest are compiled).
 
     `engine`: the `Phases` to warm up. XLA compiles a program on one core, so the
-    programs compile first on `compile_threads` threads (`compile_programs`); then each
-    runs once, in order, on this thread, finding its executable compiled. A role
-    `spans_processes` compiles on this thread alone: its followers replay each dispatch
-    in the leader's order."""
+    programs compile on `compile_threads` threads (`compile_programs`) and none runs:
+    each serving call finds its executable compiled (or loaded from the persistent
+    cache). Only a spec that is not `ahead` runs once here, compiling where it runs. A
+    role `spans_processes` runs every program once on this thread instead, touching
+    only the null page: its followers compile by replaying each dispatch in the
+    leader's order."""
     specs = [s for s in serving_programs(engine) if not s.background]
-    threads = 1 if spans_processes else compile_threads(engine.config)
-    if threads > 1:
-        compile_programs(specs, progress, threads)
-    for i, spec in enumerate(specs):
-        if threads == 1:
+    if spans_processes:
+        for i, spec in enumerate(specs):
             progress(f"compiling {i + 1}/{len(specs)}: {spec.describe}")
-        spec.warm()
+            spec.warm()
+    else:
+        compile_programs(specs, progress, compile_threads(engine.config))
+        for spec in specs:
+            if not spec.ahead:
+                spec.warm()
     if engine.decode_runner is not None:
         jax.block_until_ready(engine.decode_runner.k_pool)
+    cached, extended = likely_prefix_shapes(engine)
     if engine.prefill_cache is not None:
         loop = engine.prefill_loop
         engine.prefill_cache.start_background(
             chunk_shapes(loop) if loop is not None and loop.chunk_tokens is not None else [])
+        engine.prefill_cache.anticipate(cached)
     if engine.decode_loop is not None and engine.decode_loop.extend is not None and \
             engine.decode_loop.extend.lazy:
         engine.decode_runner.start_background_extend()
+        engine.decode_runner.anticipate_extend(extended)
 
 
 def compile_threads(config) -> int:
@@ -64,7 +70,8 @@ def compile_programs(specs: list[ProgramSpec], progress: Callable[[str], None],
 
     Each is lowered with the arguments its serving call passes (`Program.args`: the
     runner's own arrays, host inputs as numpy), so the call finds the same executable
-    in jax's compile cache (a spec that is not `ahead` compiles when it runs).
+    in jax's compile cache, and noted in its runner's `CompileCounter` as the call
+    would note it (a spec that is not `ahead` compiles when it runs).
     Lowering holds the GIL, XLA's compile does not, so the threads overlap compiles.
     Progress is reported in list order as each finishes. A failure, or an exception
     from `progress`, raises once reached in that order, and the compiles not yet
@@ -72,6 +79,8 @@ def compile_programs(specs: list[ProgramSpec], progress: Callable[[str], None],
     def compile_one(spec: ProgramSpec) -> None:
         for program in spec.build() if spec.ahead else ():
             program.fn.lower(*program.args).compile()
+            if program.note is not None:
+                program.note()
 
     pool = ThreadPoolExecutor(threads, thread_name_prefix="jaxpd-compile")
     try:
@@ -102,9 +111,8 @@ def serving_programs(engine) -> list[ProgramSpec]:
 
 
 def _prefill(loop) -> list[ProgramSpec]:
-    sched, runner = loop.scheduler, loop.runner
-    shapes = sorted({(sched.padded_batch(b, t), t) for t in sched.buckets
-                     for b in sched.batch_sizes})
+    runner = loop.runner
+    shapes = _batch_shapes(loop)
     specs = _chunks(loop) if loop.chunk_tokens is not None else []
     if loop.cache is not None:
         return specs + _prefill_cached(loop, shapes)
@@ -162,10 +170,8 @@ def _prefill_cached(loop, shapes) -> list[ProgramSpec]:
     those with one compile in the background on first demand (`background`).
     Padding rows write the null page."""
     cache, page_size = loop.cache, loop.page_size
-    shapes = sorted({(b, new, w) for b, t in shapes
-                     for new, w in cache.shapes(t, loop.scheduler.buckets)})
     specs = []
-    for b, t, w in shapes:
+    for b, t, w in _cached_shapes(loop, shapes):
         args = (np.zeros((b, t), np.int32), np.zeros(b, np.int32), np.ones(b, np.int32),
                 np.zeros((b, w), np.int32), np.zeros((b, pages_for(t, page_size)), np.int32),
                 SamplingArrays.empty(b))
@@ -188,6 +194,20 @@ def _prefill_cached(loop, shapes) -> list[ProgramSpec]:
                                      cache.shard_sharding(0)),))),
                                  lambda m=m: [cache.insert_program(m)]))
     return specs
+
+
+def _cached_shapes(loop, shapes) -> list[tuple[int, int, int]]:
+    """(rows, new tokens, prefix pages) of every program of the prefill cache for
+    these (padded batch, bucket) `shapes`."""
+    return sorted({(b, new, w) for b, t in shapes
+                   for new, w in loop.cache.shapes(t, loop.scheduler.buckets)})
+
+
+def _batch_shapes(loop) -> list[tuple[int, int]]:
+    """(padded batch, bucket) of every prefill batch `loop` can form."""
+    sched = loop.scheduler
+    return sorted({(sched.padded_batch(b, t), t) for t in sched.buckets
+                   for b in sched.batch_sizes})
 
 
 def _decode(engine) -> list[ProgramSpec]:
@@ -241,12 +261,8 @@ def _extend(engine) -> list[ProgramSpec]:
     have (none included; with a prefix, compiled on demand when the loop is `lazy`)."""
     loop, page_size, runner = engine.decode_loop.extend, engine.config.page_size, \
         engine.decode_runner
-    shapes = set()
-    for t in loop.warm_buckets:
-        shapes |= {(rows, t, w) for rows in loop.rows_for(t)
-                   for w in loop.widths(loop.max_prefix_pages(t))}
     specs = []
-    for rows, t, w in sorted(shapes):
+    for rows, t, w in _extend_shapes(loop):
         args = (np.zeros((rows, t), np.int32), np.zeros(rows, np.int32), np.ones(rows, np.int32),
                 np.zeros((rows, w), np.int32),
                 np.zeros((rows, pages_for(t, page_size)), np.int32),
@@ -256,3 +272,40 @@ def _extend(engine) -> list[ProgramSpec]:
             lambda args=args: runner.extend(*args), lambda args=args: [runner.extend_program(*args)],
             background=loop.lazy and w > 0))
     return specs
+
+
+def _extend_shapes(loop) -> list[tuple[int, int, int]]:
+    """(rows, new tokens, prefix pages) of every program of the extend loop `loop`."""
+    shapes = set()
+    for t in loop.warm_buckets:
+        shapes |= {(rows, t, w) for rows in loop.rows_for(t)
+                   for w in loop.widths(loop.max_prefix_pages(t))}
+    return sorted(shapes)
+
+
+def likely_prefix_shapes(engine) -> tuple[list[tuple[int, int, int]],
+                                          list[tuple[int, int, int]]]:
+    """The programs with a cached prefix that warm-up leaves to the background and a
+    workload is likely to reach, as (rows, new tokens, prefix pages) of the prefill
+    cache and of the decode mesh's extend loop, in the order it reaches them. A
+    conversation's prefix grows turn by turn, so the narrow prefixes come first and
+    the wide ones rarely: those of at most a quarter of `max_model_len` are likely,
+    the rest compile on demand. Within a width, the prefill cache's come by fewer rows
+    (batches grow with the load), then fewer new tokens; the extend loop's by fewer new
+    tokens, with every row count together (a request goes there only once all of its
+    row counts are compiled: `ExtendLoop.ready_for`)."""
+    config = engine.config
+
+    def likely(shape):
+        return 0 < shape[2] * config.page_size <= config.max_model_len // 4
+
+    cached, extended = [], []
+    loop = engine.prefill_loop
+    if loop is not None and loop.cache is not None and loop.cache.reuse:
+        cached = sorted(filter(likely, _cached_shapes(loop, _batch_shapes(loop))),
+                        key=lambda s: (s[2], s[0], s[1]))
+    extend = engine.decode_loop.extend if engine.decode_loop is not None else None
+    if extend is not None and extend.lazy:
+        extended = sorted(filter(likely, _extend_shapes(extend)),
+                          key=lambda s: (s[2], s[1], s[0]))
+    return cached, extended
