@@ -289,9 +289,11 @@ class Engine:
             attention_impl=attention
         ) if topology.paged_prefill else None
         if caching and p.prefill_cache is not None and c.prefill_host_cache_gb > 0:
-            # Its own journal-less store: the router ranks prefill workers by pool pages.
+            # Advertised like the decode side's: the router ranks prefill workers by the
+            # tokens each would compute, counting what its host tier can restore.
             p.prefill_cache.attach_host(HostTier(
-                p.prefill_cache, HostStore(int(c.prefill_host_cache_gb * 2**30)),
+                p.prefill_cache, HostStore(int(c.prefill_host_cache_gb * 2**30),
+                                           self.cache_journal),
                 c.pages_per_slot, self.counters, counts="prefill_host_tier"))
         p.prefill_loop = PrefillLoop(p.prefill_runner, p.prefill_scheduler, sender,
                                      self.requests, self.requests.prefill_inbox, c.page_size,
@@ -354,7 +356,8 @@ class Engine:
                 expected_below=None if every else max(c.prefix_extend_below, c.local_prefill_below),
                 expects_fresh=every or c.local_prefill_below > 0,
                 chunk_tokens=c.chunked_prefill_tokens if topology.chunked_in_slots else None,
-                host=p.host_tier)
+                host=p.host_tier,
+                reroute=self.requests.prefill_instead if topology.prefill_loop else None)
         p.decode_loop = DecodeLoop(runner, scheduler, queues, self.requests, self.counters,
                                    c.pages_per_slot, c.decode_context_step,
                                    by_length=attention != "reference", extend=extend)
@@ -462,6 +465,12 @@ class Engine:
         cache = self.prefill_cache.allocator if self.prefill_cache is not None else None
         counts["prefix_evictions"] = sum(a.num_evictions for a in allocators) + (
             cache.num_evictions if cache is not None else 0)
+        host = self.host_tier.store if self.host_tier is not None else None
+        prefill_tier = self.prefill_cache.host if self.prefill_cache is not None else None
+        prefill_host = prefill_tier.store if prefill_tier is not None else None
+        counts["host_tier_evicted_pages"] = host.num_evicted if host is not None else 0
+        counts["prefill_host_tier_evicted_pages"] = \
+            prefill_host.num_evicted if prefill_host is not None else 0
         return EngineStats(
             mesh=str(self.config.mesh), compiled_programs=self.counter.counts(),
             num_compiled_programs=self.counter.total, **counts,
@@ -470,8 +479,10 @@ class Engine:
             pages_used=sum(a.num_used for a in allocators),
             pages_cached=sum(a.num_cached_free for a in allocators),
             prefill_pages_cached=cache.num_cached_free if cache is not None else 0,
-            host_tier_pages=len(self.host_tier.store) if self.host_tier is not None else 0,
-            host_tier_bytes=self.host_tier.store.num_bytes if self.host_tier is not None else 0,
+            host_tier_pages=len(host) if host is not None else 0,
+            host_tier_bytes=host.num_bytes if host is not None else 0,
+            prefill_host_tier_pages=len(prefill_host) if prefill_host is not None else 0,
+            prefill_host_tier_bytes=prefill_host.num_bytes if prefill_host is not None else 0,
             queue_waiting=self.requests.num_waiting(), prefill_devices=spec.prefill_tp,
             decode_devices=spec.decode_dp * spec.decode_tp)
 

@@ -485,6 +485,12 @@ class DecodeRunner:
         return self.extend_compiler.ready(((rows, length), (rows, width)),
                                           lambda: self._lower_extend(rows, length, width))
 
+    def extend_compiled(self, rows: int, length: int, width: int) -> bool:
+        """Whether `extend` of this shape runs a program compiled in the background
+        (before `start_background_extend`: always); asks for nothing."""
+        return self.extend_compiler is None or \
+            self.extend_compiler.get(((rows, length), (rows, width))) is not None
+
     def _lower_extend(self, rows: int, length: int, width: int):
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         program = self.extend_program(
