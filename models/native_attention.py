@@ -71,9 +71,10 @@ def _compiler() -> str | None:
         shutil.which("clang++")
 
 
-def _build(extra_flags: tuple[str, ...] = ()) -> Path:
+def _build(extra_flags: tuple[str, ...] = (), sources: tuple[Path, ...] = _SOURCES) -> Path:
     """The compiled library's path, building it if this machine has none yet
-    (`extra_flags`: e.g. `-mno-avx512f` for the portable body, as a test builds it)."""
+    (`extra_flags`: e.g. `-mno-avx512f` for the portable body, as a test builds it;
+    `sources`: a subset of the kernels, as a test of one kernel's body builds it)."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
@@ -81,7 +82,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout.splitlines()[:1]
     key = hashlib.sha256("\0".join([
-        *(f.read_text() for f in (*_SOURCES, *_HEADERS)), jaxlib.__version__, compiler,
+        *(f.read_text() for f in (*sources, *_HEADERS)), jaxlib.__version__, compiler,
         *version, *_FLAGS, *extra_flags, _cpu_identity()]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"paged_attention-{key}.so"
     if out.exists():
@@ -92,7 +93,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     os.close(fd)
     try:
         command = [compiler, *_FLAGS, *extra_flags, "-I", jax.ffi.include_dir(),
-                   *map(str, _SOURCES), "-o", tmp]
+                   *map(str, sources), "-o", tmp]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[:2000]}")
