@@ -193,8 +193,17 @@ def test_int8_activations_keep_greedy_tokens_of_a_tiny_gguf(tmp_path, hf_models,
 
 
 def test_quant_activations_default_to_float_and_are_checked():
-    """"float" by default, "int8" accepted, anything else refused naming the field."""
+    """"float" by default, "int8" accepted (also as the launcher's flag), anything else
+    refused naming the field."""
+    from absl import flags
+
     from jaxpd.config import EngineConfig
+    from jaxpd.serving import launch_flags
+
+    fv = flags.FlagValues()
+    launch_flags.define_flags(fv)
+    fv(["prog", "--quant_activations", "int8"])
+    assert launch_flags.engine_options(fv)["quant_activations"] == "int8"
 
     assert EngineConfig(mesh="prefill=1,decode=1").quant_activations == "float"
     assert EngineConfig(mesh="prefill=1,decode=1", quant_activations="int8").quant_activations == "int8"
