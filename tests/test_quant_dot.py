@@ -5,11 +5,12 @@ model served through it keeps the float path's greedy tokens.
 
 Tolerances. Against `dot_reference` only the order of float sums differs: 1e-5 of the
 largest output. That is far below what one element of x rounded to the other side
-would move an output (a step of x times a weight: about 1e-4 of the largest output
+would move an output (a step of x times a weight: 1e-4 of the largest output or more
 here), so the integer part, x's rounding included, must match exactly. Against the
 float product x's rounding costs up to half a step of each block (1/254 of its largest
-element): on the tiny model's decode steps logits stay within 0.05 of the float path's
-(their spread is about 1).
+element): the tiny model's logits stay within LOGIT_ATOL of the float path's (their
+spread over the vocabulary is about 7), and a greedy token may differ only where the
+float path's two best logits are closer than that.
 """
 import ctypes
 
@@ -182,7 +183,9 @@ def test_int8_activations_keep_greedy_tokens_of_a_tiny_gguf(tmp_path, hf_models,
     if qtype != Q.Q4_1:
         return
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
-    with LLM(model=path, mesh="prefill=1,decode=1", max_model_len=64,
+    # Few programs: short context, few slots and batch sizes, no prefix-cache programs.
+    with LLM(model=path, mesh="prefill=1,decode=1", max_model_len=64, slots_per_shard=4,
+             max_prefill_batch=4, enable_prefix_caching=False,
              quant_activations="int8") as llm:
         outs = llm.generate(PROMPTS, params)
         prefill, decode = llm.engine.prefill_runner, llm.engine.decode_runner
