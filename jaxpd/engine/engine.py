@@ -202,15 +202,16 @@ class Engine:
         return not (self._stop.is_set() or self._paused.is_set())
 
     def _params_on(self, c: EngineConfig, mesh, fuse: bool, prefill_only: bool = False,
-                   scan: bool = False):
+                   scan: bool = False, keep_quantized: bool = False):
         """(params on `mesh`, its logical rules, whether fused: `engine.placement`; the
         attention kernels for its devices: `resolve_attention_impl`). A CPU mesh that
-        only prefills gets quantized weights as float: a prompt's many rows are
+        only prefills gets quantized weights as float (a prompt's many rows are
         compute-bound, and XLA:CPU's product of the jnp form unpacks every weight on
-        every call. `scan`: runs of equal layers stacked, to be scanned."""
+        every call) unless `keep_quantized` (its prompts take `_prefill_product`).
+        `scan`: runs of equal layers stacked, to be scanned."""
         platform = self.lower_for or mesh.devices.flat[0].platform
         params = self.model.params
-        if prefill_only and platform == "cpu":
+        if prefill_only and platform == "cpu" and not keep_quantized:
             from jaxpd.models import quant
             params = quant.dequantize_params(params)
         return (*place_params(self.model.cfg, params, mesh, self.dtype, fuse=fuse,
@@ -219,9 +220,10 @@ class Engine:
                                        c.dtype, self.model.cfg.head_dim))
 
     def _quant_matmul(self, c: EngineConfig, params, mesh):
-        """The native product of quantized weights for a decode mesh where it serves:
-        CPU devices, float32, weights whole on each device (no tp: the kernel is opaque
-        to GSPMD), the kernel built. None otherwise (the jnp form everywhere)."""
+        """The native product of quantized weights for a mesh where it serves: CPU
+        devices, float32, weights whole on each device (no tp: the kernel is opaque to
+        GSPMD), the kernel built; with int8 activations when `quant_activations` says
+        so. None otherwise (the jnp form everywhere)."""
         from jaxpd.models import quant
 
         if not quant.any_quantized(params):
@@ -230,7 +232,17 @@ class Engine:
                 or c.dtype != "float32"
                 or mesh.shape.get("tp", 1) != 1 or not quant.native_available()):
             return None
-        return quant.native_matmul
+        return quant.native_dot if c.quant_activations == "int8" else quant.native_matmul
+
+    def _prefill_product(self, c: EngineConfig, mesh, layerwise: bool):
+        """The product a prefill mesh's prompts take its quantized weights through, or
+        None (its weights are float: `_params_on`): with int8 activations, where
+        `_quant_matmul` serves, for a model without experts (their grouped products
+        have no native prompt form) and a prefill that is not layer-wise (its middle
+        programs take the layers' params as arguments, float)."""
+        if c.quant_activations != "int8" or layerwise or self.model.cfg.is_moe:
+            return None
+        return self._quant_matmul(c, self.model.params, mesh)
 
     def _prefill_scheduler(self, c: EngineConfig, buckets: list[int],
                            chunked: bool = False) -> PrefillScheduler:
@@ -264,14 +276,16 @@ class Engine:
 
     def _build_prefill(self, p: Phases) -> None:
         c, mesh, topology = p.config, p.meshes.prefill, p.topology
+        product = self._prefill_product(c, mesh, topology.layerwise)
         params, rules, fused, attention = self._params_on(c, mesh, fuse=False,
                                                           prefill_only=True,
                                                           scan=c.scan_layers == "all"
-                                                          and not topology.layerwise)
+                                                          and not topology.layerwise,
+                                                          keep_quantized=product is not None)
         p.prefill_runner = lead(PrefillRunner(
             self.model.cfg, params, mesh, rules, c.page_size, self.counter, self.dtype,
             fused=fused, gather_pages=bool(self.plan and not self.plan.offers),
-            attention_impl=attention), self.plan)
+            attention_impl=attention, quant_matmul=product), self.plan)
         chunked = topology.paged_prefill and c.buckets[-1] > c.prefill_chunk_tokens
         buckets = [b for b in c.buckets if b <= c.prefill_chunk_tokens] if chunked else c.buckets
         p.prefill_scheduler = self._prefill_scheduler(c, buckets, chunked)
@@ -286,7 +300,7 @@ class Engine:
                                                              caching),
             c.page_size, c.pages_per_slot, self.prefix_root if caching else None,
             self.counter, self.dtype, fused=fused, journal=self.cache_journal,
-            attention_impl=attention
+            attention_impl=attention, quant_matmul=product
         ) if topology.paged_prefill else None
         if caching and p.prefill_cache is not None and c.prefill_host_cache_gb > 0:
             # Advertised like the decode side's: the router ranks prefill workers by the

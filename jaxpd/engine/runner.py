@@ -76,6 +76,8 @@ class CompileCounter:
 
 class PrefillRunner:
     """`fused`: `params` are `fuse_params`'s tree (`place_params` says which).
+    `quant_matmul`: the product of quantized weights (`models.quant.native_dot`) where
+    the params hold them and a native product serves, else None.
     `gather_pages`: cut pages come out replicated over the mesh rather than split over
     its kv heads, so one process of a mesh spanning several holds them whole (the
     leader of `engine.multihost`, which sends them on)."""
@@ -83,15 +85,17 @@ class PrefillRunner:
     def __init__(self, cfg: ModelConfig, params, mesh: Mesh, rules, page_size: int,
                  counter: CompileCounter, dtype=jnp.float32, name: str = "prefill",
                  fused: bool = False, gather_pages: bool = False,
-                 attention_impl: str = "reference"):
+                 attention_impl: str = "reference", quant_matmul: Callable | None = None):
         self.cfg, self.params, self.mesh, self.page_size = cfg, params, mesh, page_size
+        self.quant_matmul = quant_matmul
         self.counter, self.name = counter, name
         self._unstacked = None
         attention = prefill_attention(attention_impl, mesh, rules, cfg.head_dim)
         self.kernel = prefill_kernel(attention)
         # On a decode mesh (its own prefills) experts stay where its rules split them.
         experts = held_experts(rules, mesh)
-        model = Llama(cfg, dtype, fused, prefill_attention=attention, experts=experts)
+        model = Llama(cfg, dtype, fused, prefill_attention=attention, experts=experts,
+                      qmatmul=quant_matmul)
         replicated = NamedSharding(mesh, P())
 
         def first_token(logits, tokens, lengths, sampling):
