@@ -122,7 +122,8 @@ class Engine:
         started = time.perf_counter()
         self.fingerprint = model_fingerprint(model.path, model.cfg, config.dtype,
                                              config.page_size, config.kv_transfer_dtype,
-                                             quantization=model.quantization)
+                                             quantization=model.quantization,
+                                             activations=config.quant_activations)
         _log.info("model fingerprint %s (%s, %.2f s)", short(self.fingerprint), model.path,
                   time.perf_counter() - started)
         if plan is not None:
