@@ -9,8 +9,10 @@ the contraction, as GGUF stores a row:
 
 Formats: `int8` (weight-only, one block per output channel, float32 scale: quantized
 at load from a float checkpoint), and GGUF's `q8_0` (value = q * d), `q4_0`
-((q - 8) * d) and `q4_1` (q * d + m), blocks of 32 with float16 scales as stored. A
-nibble pair byte j of a block holds element j (low) and element j + 16 (high).
+((q - 8) * d) and `q4_1` (q * d + m), blocks of 32 with float16 scales as stored; `q4_k`
+(`q4_1`'s layout) and `q6_k` (int8, blocks of 16), GGUF's K-quants re-read at load with
+float32 scales (`models.kquant`). A nibble pair byte j of a block holds element j (low)
+and element j + 16 (high).
 
 `float_shape` and `in_dims` say which float weight it stands for (the float layout of
 `models.llama`, e.g. q_proj [D, N, H] contracting dim 0, o_proj [N, H, D] contracting
@@ -36,8 +38,8 @@ from flax import struct
 
 BLOCK = 32
 # Formats and, per block of BLOCK elements, the bytes a decode step reads.
-FORMATS = ("int8", "q8_0", "q4_0", "q4_1")
-_NIBBLES = ("q4_0", "q4_1")
+FORMATS = ("int8", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
+_NIBBLES = ("q4_0", "q4_1", "q4_k")
 # GGUF's name of each kept block format.
 GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 _GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
@@ -224,6 +226,8 @@ def native_matmul(x: jnp.ndarray, w: QuantizedWeight, layer=None) -> jnp.ndarray
     leading axis and the product uses this one (an int or a traced int32), read in
     place in the stack."""
     if x.shape[0] > NATIVE_MAX_ROWS:
+        return None
+    if w.fmt not in _FMT_CODES:     # the K-quants (`models.kquant`): the jnp form
         return None
     from jaxpd.models.native_attention import QUANT_MATMUL_TARGET
     return _native_call(QUANT_MATMUL_TARGET, x, w, layer)
