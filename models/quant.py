@@ -220,14 +220,12 @@ def native_available() -> bool:
 def native_matmul(x: jnp.ndarray, w: QuantizedWeight, layer=None) -> jnp.ndarray | None:
     """x [M, I] float32 @ w -> [M, O] float32 through the native CPU kernel
     (`native/quant_matmul.cc`), or None where it does not serve (more than
-    `NATIVE_MAX_ROWS` rows, another dtype, the kernel not built): the caller then takes
-    the jnp form. Opaque to GSPMD: pass it only where the weights are whole on each
-    device (a decode mesh without tp). `layer`: w's parts stack a run of layers on a
+    `NATIVE_MAX_ROWS` rows, another dtype or block format, the kernel not built): the
+    caller then takes the jnp form. Opaque to GSPMD: pass it only where the weights are
+    whole on each device (a decode mesh without tp). `layer`: w's parts stack a run of layers on a
     leading axis and the product uses this one (an int or a traced int32), read in
     place in the stack."""
     if x.shape[0] > NATIVE_MAX_ROWS:
-        return None
-    if w.fmt not in _FMT_CODES:     # the K-quants (`models.kquant`): the jnp form
         return None
     from jaxpd.models.native_attention import QUANT_MATMUL_TARGET
     return _native_call(QUANT_MATMUL_TARGET, x, w, layer)
@@ -244,8 +242,8 @@ def native_dot(x: jnp.ndarray, w: QuantizedWeight, layer=None) -> jnp.ndarray | 
 
 
 def _native_call(target: str, x: jnp.ndarray, w: QuantizedWeight, layer) -> jnp.ndarray | None:
-    if x.dtype != jnp.float32 or not native_available():
-        return None
+    if x.dtype != jnp.float32 or w.fmt not in _FMT_CODES or not native_available():
+        return None                 # (the K-quants, `models.kquant`: the jnp form)
     lead = () if layer is None else w.data.shape[:1]
     o = math.prod(w.data.shape[len(lead):-1])
     low = w.min if w.min is not None else w.scale
