@@ -20,6 +20,7 @@ def resolve_dtype(dtype: str, backend: str) -> str:
 
 ATTENTION_IMPLS = ("auto", "reference", "native", "pallas_gpu", "pallas_tpu")
 SCAN_LAYERS = ("auto", "all", "none")
+QUANT_ACTIVATIONS = ("float", "int8")
 # The TPU kernel's blocks end in the head dim, which Mosaic tiles by 128 lanes.
 TPU_KERNEL_HEAD_DIM = 128
 
@@ -263,6 +264,15 @@ class EngineConfig:
         "made at load), 'auto' (a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as stored and "
         "multiplied without unpacking to float; other files float).",
         choices=list(QUANTIZATIONS))
+    quant_activations: str = knob(
+        "float", "Activations of the native CPU product of quantized weights (float32 "
+        "meshes without tp): 'float' (each block of weights unpacked to float32 in "
+        "registers and multiplied with x as it is) or 'int8' (each row of x rounded to "
+        "int8 blocks of 32 with a scale each, as llama.cpp does, and each block's product "
+        "taken in integers: faster, but x loses precision, so greedy tokens can differ "
+        "where two logits nearly tie). With 'int8' a CPU mesh that only prefills keeps "
+        "the weights quantized too and runs its prompts through the same product.",
+        choices=list(QUANT_ACTIVATIONS))
     compile_threads: int | None = knob(
         None, "Threads compiling warm-up's programs at once (XLA compiles one program on "
         "one core; default: the host's CPU count, at most 4).", lower_bound=1)
@@ -313,6 +323,9 @@ class EngineConfig:
             raise ValueError(f"handoff_wait_ms must be >= 0, got {self.handoff_wait_ms}")
         if self.kv_part_timeout_s <= 0:
             raise ValueError(f"kv_part_timeout_s must be positive, got {self.kv_part_timeout_s}")
+        if self.quant_activations not in QUANT_ACTIVATIONS:
+            raise ValueError(f"quant_activations must be one of {QUANT_ACTIVATIONS}, "
+                             f"got {self.quant_activations!r}")
         if self.scan_layers not in SCAN_LAYERS:
             raise ValueError(f"scan_layers must be one of {SCAN_LAYERS}, got {self.scan_layers!r}")
         if self.attention_impl not in ATTENTION_IMPLS:

@@ -154,6 +154,9 @@ class Request:
         # handoff found the hint stale, none again (`kv_skip_missed`).
         self.kv_skip_pages = 0
         self.kv_skip_missed = False
+        # Why the migration that was to bring its KV failed, once one did (a decode
+        # worker's Decode stream tells the router).
+        self.move_failure: str | None = None
         # Per output token, when params.logprobs is set: (its log-probability, the
         # params.logprobs most likely (token id, log-probability) pairs, best first).
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None

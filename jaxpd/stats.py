@@ -76,6 +76,10 @@ class EngineStats(collections.abc.Mapping):
     prefill_host_tier_corrupt_pages: int = _counter("Prefill host tier pages refused on "
                                                     "restore: their bytes did not match their "
                                                     "checksum (dropped, computed instead).")
+    host_tier_evicted_pages: int = _counter("Pages the decode pool's host tier dropped for room "
+                                            "(least recently used first).")
+    prefill_host_tier_evicted_pages: int = _counter("Pages the prefill mesh's host tier dropped "
+                                                    "for room (least recently used first).")
     prefill_cache_query_tokens: int = _counter("Tokens looked up in the prefill mesh's own prefix "
                                                "cache.")
     prefill_cache_hit_tokens: int = _counter("Tokens the prefill mesh found in its prefix cache "
@@ -83,6 +87,10 @@ class EngineStats(collections.abc.Mapping):
     prefill_cache_cold_batches: int = _counter("Prefill batches computed without their cached "
                                                "prefix: its program was still compiling in the "
                                                "background.")
+    extend_cold_requests: int = _counter("Requests routed to the decode mesh's prefill with "
+                                         "context that went through the prefill mesh instead: "
+                                         "the program their prefix needed by then was still "
+                                         "compiling in the background.")
     prefix_evictions: int = _counter("Cached pages evicted to make room.")
     prefix_saved_bytes: int = _counter("Bytes of KV cache a handoff did not carry: the leading "
                                        "pages the decode side held cached.")
@@ -102,10 +110,17 @@ class EngineStats(collections.abc.Mapping):
     migrations_out: int = _counter("Decode worker: decoding requests whose KV and sampling "
                                    "state were cut out of its pool to go on at another "
                                    "decode worker (a drain).")
-    migrations: int = _counter("Router: requests moved to another decode worker with their "
-                               "KV, going on from their next token (not prefilled again).")
-    migration_fallbacks: int = _counter("Router: moves that failed (target gone, transfer "
-                                        "error): the request was prefilled again instead.")
+    migrations: int = _counter("Router: requests whose KV a drained decode worker sent to "
+                               "another, to go on there from their next token (not prefilled "
+                               "again); those whose KV did not land count in "
+                               "migration_failures too.")
+    migration_fallbacks: int = _counter("Router: moves the drained decode worker could not "
+                                        "send (target gone, transfer error): the request was "
+                                        "prefilled again instead.")
+    migration_failures: int = _counter("Moves whose KV the drained decode worker sent but "
+                                       "that did not land (the target's pull or its checks "
+                                       "failed): the target prefilled the request again. "
+                                       "Counted by the target decode worker and the router.")
     preemptions: int = _counter("Requests preempted for lack of pages.")
     finished: int = _counter("Requests finished (stop or length).",
                              metric="jaxpd_requests_finished_total")
@@ -121,6 +136,8 @@ class EngineStats(collections.abc.Mapping):
                                        "(none is in use between batches).")
     host_tier_pages: int = _gauge("Pages the decode pool's host tier holds.")
     host_tier_bytes: int = _gauge("Bytes the decode pool's host tier holds.")
+    prefill_host_tier_pages: int = _gauge("Pages the prefill mesh's host tier holds.")
+    prefill_host_tier_bytes: int = _gauge("Bytes the prefill mesh's host tier holds.")
     queue_waiting: int = _gauge("Requests waiting for prefill.")
     prefill_devices: int = _gauge("Devices of the prefill mesh (an elastic split moves them).")
     decode_devices: int = _gauge("Devices of the decode mesh (an elastic split moves them).")

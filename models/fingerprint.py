@@ -13,7 +13,8 @@ can. It covers:
 - the config fields that shape attention (layers, heads, kv heads, head dim, RoPE
   theta and scaling, q/k/v bias; a sliding window is refused by `ModelConfig`);
 - the dtype the KV is stored in, the dtype it travels in (`kv_transfer_dtype`), and
-  the page size.
+  the page size;
+- how the weights are held (kept quantized) and multiplied (int8 activations).
 
 `short(fp)` (the first 12 hex digits) is what logs, /health and Info show.
 """
@@ -53,12 +54,13 @@ def is_fingerprint(value) -> bool:
 
 def model_fingerprint(path: str, cfg, kv_dtype: str, page_size: int,
                       kv_transfer_dtype: str | None = None, cache_dir: str | None = None,
-                      quantization: str = "none") -> str:
+                      quantization: str = "none", activations: str = "float") -> str:
     """The 64-hex-digit blake2b fingerprint of the checkpoint at `path` (a directory or
     a GGUF file) served as `cfg` (a `ModelConfig`) with KV stored in `kv_dtype`, sent
     in `kv_transfer_dtype` (None: as stored) in pages of `page_size` tokens, its
     weights held as `quantization` says (`checkpoint.LoadedModel.quantization`: other
-    numbers, other KV). Equal on
+    numbers, other KV) and multiplied with activations rounded to `activations` (int8:
+    other numbers again; only quantized weights have such a product). Equal on
     every host that holds the same files and serves them alike; different when any
     weight byte differs. Raises OSError when the files cannot be read."""
     attention = {name: _plain(getattr(cfg, name, None)) for name in _ATTENTION_FIELDS}
@@ -71,6 +73,8 @@ def model_fingerprint(path: str, cfg, kv_dtype: str, page_size: int,
              "kv_transfer_dtype": kv_transfer_dtype or "", "page_size": int(page_size)}
     if quantization != "none":       # float weights keep the fingerprint they had
         parts["quantization"] = quantization
+        if activations != "float":
+            parts["activations"] = activations
     return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(),
                            digest_size=32).hexdigest()
 

@@ -28,9 +28,9 @@ hyperparameters instead of storing them; we derive them as it does:
   architectures, and its converter cannot write one); experts are stacked 3-D tensors
   `ffn_{gate,up,down}_exps`. Top-k weights are renormalised for Mixtral and qwen3moe
   and not for qwen2moe, whose shared expert is gated by sigmoid(`ffn_gate_inp_shexp`).
-  Stacked experts in a kept block format stay quantized with
-  quantization="auto" (`models.moe`); routers and shared experts are served as float,
-  a quantized one dequantized at load.
+  Stacked experts in a kept block format, or in Q4_K / Q6_K (`models.kquant`), stay
+  quantized with quantization="auto" (`models.moe`); routers and shared experts are
+  served as float, a quantized one dequantized at load, as are projections in a K-quant.
 - the tokenizer is metadata instead of a `tokenizer.json`; `gguf_tokenizer` rebuilds it.
 
 Anything we would run differently from llama.cpp is refused with a `ValueError` naming
@@ -398,7 +398,7 @@ def weights(f: GGUFFile, cfg: ModelConfig, keep_quantized: bool = False
         if name not in f.tensors:
             raise ValueError(f"{f.path}: missing tensor {name!r}")
         qtype = f.tensors[name].tensor_type.name
-        if keep_quantized and rows is not None and qtype not in _FLOAT_TYPES:
+        if keep_quantized and rows is not None and _served_kept(qtype, ours[-1]):
             yield ours, _kept(f, name, ours[-1], rows)
         else:
             yield ours, to_ours(dequantize(f, name))
@@ -412,48 +412,67 @@ def tensor_names(cfg: ModelConfig) -> dict[tuple[str, ...], str]:
 def unkept_tensor(f: GGUFFile, cfg: ModelConfig) -> tuple[str, str] | None:
     """(name, quant type) of the first projection `weights(keep_quantized=True)` would
     refuse (a quantized type not served kept), or None when every one can be kept."""
-    from jaxpd.models import quant
+    from jaxpd.models import kquant, quant
 
     for _, name, _, rows in _mapping(cfg):
         if rows is None or name not in f.tensors:
             continue
         qtype = f.tensors[name].tensor_type.name
-        if qtype not in _FLOAT_TYPES and qtype not in quant.GGUF_FORMATS:
+        if qtype not in _FLOAT_TYPES + tuple(quant.GGUF_FORMATS) + tuple(kquant.K_FORMATS):
             return name, qtype
     return None
+
+
+def _served_kept(qtype: str, ours: str) -> bool:
+    """Whether `weights(keep_quantized=True)` keeps a projection or expert weight (our
+    name `ours`) stored as `qtype` quantized: every quantized type but a K-quant,
+    which only stacked experts keep (a projection in one is read as float). A type
+    it cannot keep is refused there, naming it."""
+    from jaxpd.models import kquant
+    from jaxpd.models.moe import EXPERT_IN_DIMS
+
+    if qtype in _FLOAT_TYPES:
+        return False
+    return qtype not in kquant.K_FORMATS or ours in EXPERT_IN_DIMS
 
 
 def float_served_quantized(f: GGUFFile, cfg: ModelConfig) -> list[tuple[str, str]]:
     """(name, quant type) of every quantized tensor that is served as float whatever
     the quantization, dequantized at load: the routers and shared experts of a mixture
-    of experts (its stacked experts are kept like the projections)."""
+    of experts (its stacked experts are kept like the projections), and projections in
+    a K-quant (kept for stacked experts only)."""
     out = []
-    for _, name, _, rows in _mapping(cfg):
-        if rows is None and name in f.tensors:
+    for ours, name, _, rows in _mapping(cfg):
+        if name in f.tensors:
             qtype = f.tensors[name].tensor_type.name
-            if qtype not in _FLOAT_TYPES:
+            if qtype not in _FLOAT_TYPES and (rows is None or not _served_kept(qtype, ours[-1])):
                 out.append((name, qtype))
     return out
 
 
 def _kept(f: GGUFFile, name: str, ours: str, rows: Callable):
-    from jaxpd.models import quant
+    from jaxpd.models import kquant, quant
     from jaxpd.models.llama import QUANTIZABLE
     from jaxpd.models.moe import EXPERT_IN_DIMS
 
     tensor = f.tensors[name]
     qtype = tensor.tensor_type.name
     fmt = quant.GGUF_FORMATS.get(qtype)
-    if fmt is None:
+    if fmt is None and not (qtype in kquant.K_FORMATS and ours in EXPERT_IN_DIMS):
         raise ValueError(f"{f.path}: tensor {name!r} has quant type {qtype}, which is not "
-                         f"served kept quantized (kept: {sorted(quant.GGUF_FORMATS)}); pass "
+                         f"served kept quantized (kept: {sorted(quant.GGUF_FORMATS)}, and "
+                         f"{sorted(kquant.K_FORMATS)} for stacked experts); pass "
                          f"quantization='none' to dequantize it to float at load")
     *lead, cols = f.shape(name)     # stacked experts: [E, out, cols]
     rows_fn, in_shape = rows
     if math.prod(in_shape) != cols:
         raise ValueError(f"{f.path}: tensor {name!r} has rows of {cols} elements, "
                          f"expected {math.prod(in_shape)} from the metadata")
-    data, scale, low = quant.from_gguf_rows(tensor.data, fmt, math.prod(lead), cols, name)
+    if fmt is None:
+        fmt, data, scale, low = kquant.from_gguf_k_rows(tensor.data, qtype, math.prod(lead),
+                                                        cols, name)
+    else:
+        data, scale, low = quant.from_gguf_rows(tensor.data, fmt, math.prod(lead), cols, name)
     in_dims = EXPERT_IN_DIMS[ours] if ours in EXPERT_IN_DIMS else QUANTIZABLE[ours]
     parts = [None if a is None else rows_fn(a.reshape(*lead, a.shape[-1]))
              for a in (data, scale, low)]

@@ -254,7 +254,8 @@ class Block(nn.Module):
         logits = jnp.einsum("TD,DE->TE", y, self.w_router)
         weights, ids = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
         out = self.experts(y, ids, weights.astype(y.dtype), self.w_experts_gate,
-                           self.w_experts_up, self.w_experts_down, 0, c.hidden_act)
+                           self.w_experts_up, self.w_experts_down, 0, c.hidden_act,
+                           native=self.qmatmul)
         if c.shared_expert_intermediate_size:
             gate = jnp.einsum("TD,DF->TF", y, self.w_shared_gate)
             up = jnp.einsum("TD,DF->TF", y, self.w_shared_up)
@@ -459,17 +460,25 @@ class _Applied:
 def _in_stack(qmatmul: Callable | None, stacked, layer_params, j):
     """`qmatmul` for one layer of a scanned run: a quantized weight of `layer_params`
     (layer j's slices of `stacked`) is multiplied in place in its stack (the kernel's
-    `layer`), so no step copies a layer's weights out of the stack for the kernel. A
-    weight it cannot match goes to `qmatmul` as given."""
+    `layer`), so no step copies a layer's weights out of the stack for the kernel. An
+    expert weight's product names its expert (`layer=e`, `models.moe`): the stack's
+    [L, E, ...] parts are read as [L*E, ...], entry j*E + e. A weight it cannot match
+    goes to `qmatmul` as given."""
     if qmatmul is None:
         return None
     pairs = zip(jax.tree.leaves(layer_params, is_leaf=is_quantized),
                 jax.tree.leaves(stacked, is_leaf=is_quantized))
     whole = {id(w.data): s for w, s in pairs if is_quantized(w)}
 
-    def product(x, w):
+    def product(x, w, layer=None):
         s = whole.get(id(w.data))
-        return qmatmul(x, w) if s is None else qmatmul(x, s, layer=j)
+        if s is None:
+            return qmatmul(x, w) if layer is None else qmatmul(x, w, layer=layer)
+        if layer is None:
+            return qmatmul(x, s, layer=j)
+        e = s.data.shape[1]
+        flat = s.map_out(lambda a: a.reshape(-1, *a.shape[2:]), s.float_shape)
+        return qmatmul(x, flat, layer=j * e + layer)
     return product
 
 

@@ -1,6 +1,8 @@
-"""Native attention kernels for XLA:CPU (`attention_impl="native"`): paged decode
-attention (`native/paged_attention.cc`) and, on CPUs with AVX-512, the causal attention
-of a prompt (`native/causal_prefill.cc`; elsewhere prefill stays on the jnp reference).
+"""Native kernels for XLA:CPU: paged decode attention (`attention_impl="native"`,
+`native/paged_attention.cc`), on CPUs with AVX-512 the causal attention of a prompt
+(`native/causal_prefill.cc`; elsewhere prefill stays on the jnp reference), and the two
+products of quantized weights (`models.quant`: `native/quant_matmul.cc`, float
+activations; `native/quant_dot.cc`, activations quantized to int8).
 
 The sources are compiled into one library with the system's C++ compiler the first time it
 is needed, against the XLA FFI headers of the *installed* jaxlib (so the handler always
@@ -29,8 +31,8 @@ from jaxpd import paths
 _NATIVE = Path(__file__).parent / "native"
 # One library: the attention kernels and the quantized product (`models.quant`).
 _SOURCES = (_NATIVE / "paged_attention.cc", _NATIVE / "causal_prefill.cc",
-            _NATIVE / "quant_matmul.cc")
-_HEADERS = (_NATIVE / "common.h",)
+            _NATIVE / "quant_matmul.cc", _NATIVE / "quant_dot.cc")
+_HEADERS = (_NATIVE / "common.h", _NATIVE / "quant_common.h")
 # The oldest jaxlib it has served with. With jaxlib 0.6.0 (`.ci/min_versions`) it built
 # but a decode worker process failed its requests, not yet understood: older ones use
 # the reference.
@@ -38,6 +40,7 @@ MIN_JAXLIB = (0, 10)
 _TARGET = "jaxpd_paged_decode_f32"
 _PREFILL_TARGET = "jaxpd_causal_prefill_f32"
 QUANT_MATMUL_TARGET = "jaxpd_quant_matmul"
+QUANT_DOT_TARGET = "jaxpd_quant_dot"
 _prefill_registered = False     # set by `_load` where the library has the prefill kernel
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17",
           "-shared", "-fPIC", "-w")
@@ -68,9 +71,10 @@ def _compiler() -> str | None:
         shutil.which("clang++")
 
 
-def _build(extra_flags: tuple[str, ...] = ()) -> Path:
+def _build(extra_flags: tuple[str, ...] = (), sources: tuple[Path, ...] = _SOURCES) -> Path:
     """The compiled library's path, building it if this machine has none yet
-    (`extra_flags`: e.g. `-mno-avx512f` for the portable body, as a test builds it)."""
+    (`extra_flags`: e.g. `-mno-avx512f` for the portable body, as a test builds it;
+    `sources`: a subset of the kernels, as a test of one kernel's body builds it)."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
@@ -78,7 +82,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout.splitlines()[:1]
     key = hashlib.sha256("\0".join([
-        *(f.read_text() for f in (*_SOURCES, *_HEADERS)), jaxlib.__version__, compiler,
+        *(f.read_text() for f in (*sources, *_HEADERS)), jaxlib.__version__, compiler,
         *version, *_FLAGS, *extra_flags, _cpu_identity()]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"paged_attention-{key}.so"
     if out.exists():
@@ -89,7 +93,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     os.close(fd)
     try:
         command = [compiler, *_FLAGS, *extra_flags, "-I", jax.ffi.include_dir(),
-                   *map(str, _SOURCES), "-o", tmp]
+                   *map(str, sources), "-o", tmp]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[:2000]}")
@@ -123,6 +127,8 @@ def _load() -> tuple[bool, str]:
                                     platform="cpu")
         jax.ffi.register_ffi_target(QUANT_MATMUL_TARGET,
                                     jax.ffi.pycapsule(library.JaxpdQuantMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(QUANT_DOT_TARGET,
+                                    jax.ffi.pycapsule(library.JaxpdQuantDot), platform="cpu")
         if hasattr(library, "JaxpdCausalPrefillF32"):      # built where AVX-512 is
             jax.ffi.register_ffi_target(_PREFILL_TARGET,
                                         jax.ffi.pycapsule(library.JaxpdCausalPrefillF32),

@@ -9,8 +9,10 @@ the contraction, as GGUF stores a row:
 
 Formats: `int8` (weight-only, one block per output channel, float32 scale: quantized
 at load from a float checkpoint), and GGUF's `q8_0` (value = q * d), `q4_0`
-((q - 8) * d) and `q4_1` (q * d + m), blocks of 32 with float16 scales as stored. A
-nibble pair byte j of a block holds element j (low) and element j + 16 (high).
+((q - 8) * d) and `q4_1` (q * d + m), blocks of 32 with float16 scales as stored; `q4_k`
+(`q4_1`'s layout) and `q6_k` (int8, blocks of 16), GGUF's K-quants re-read at load with
+float32 scales (`models.kquant`). A nibble pair byte j of a block holds element j (low)
+and element j + 16 (high).
 
 `float_shape` and `in_dims` say which float weight it stands for (the float layout of
 `models.llama`, e.g. q_proj [D, N, H] contracting dim 0, o_proj [N, H, D] contracting
@@ -21,7 +23,8 @@ stay its documentation, sharding follows the float weight's logical axes
 `project(x, w, spec)` is the one product every projection goes through: an einsum for
 a float weight; for a quantized one, x's trailing contraction dims against the blocks
 (`matmul`): the portable jnp form (dequantize inside the jitted product), or a native
-kernel the caller passes (`native_matmul`, CPU, few rows).
+kernel the caller passes (`native_matmul`, CPU, few rows; or `native_dot`, CPU, x's
+rows quantized to int8 blocks and each block's product taken in integers).
 """
 from __future__ import annotations
 
@@ -35,8 +38,8 @@ from flax import struct
 
 BLOCK = 32
 # Formats and, per block of BLOCK elements, the bytes a decode step reads.
-FORMATS = ("int8", "q8_0", "q4_0", "q4_1")
-_NIBBLES = ("q4_0", "q4_1")
+FORMATS = ("int8", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
+_NIBBLES = ("q4_0", "q4_1", "q4_k")
 # GGUF's name of each kept block format.
 GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 _GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
@@ -217,21 +220,76 @@ def native_available() -> bool:
 def native_matmul(x: jnp.ndarray, w: QuantizedWeight, layer=None) -> jnp.ndarray | None:
     """x [M, I] float32 @ w -> [M, O] float32 through the native CPU kernel
     (`native/quant_matmul.cc`), or None where it does not serve (more than
-    `NATIVE_MAX_ROWS` rows, another dtype, the kernel not built): the caller then takes
-    the jnp form. Opaque to GSPMD: pass it only where the weights are whole on each
-    device (a decode mesh without tp). `layer`: w's parts stack a run of layers on a
+    `NATIVE_MAX_ROWS` rows, another dtype or block format, the kernel not built): the
+    caller then takes the jnp form. Opaque to GSPMD: pass it only where the weights are
+    whole on each device (a decode mesh without tp). `layer`: w's parts stack a run of layers on a
     leading axis and the product uses this one (an int or a traced int32), read in
     place in the stack."""
-    if x.shape[0] > NATIVE_MAX_ROWS or x.dtype != jnp.float32 or not native_available():
+    if x.shape[0] > NATIVE_MAX_ROWS:
         return None
     from jaxpd.models.native_attention import QUANT_MATMUL_TARGET
+    return _native_call(QUANT_MATMUL_TARGET, x, w, layer)
 
+
+def native_dot(x: jnp.ndarray, w: QuantizedWeight, layer=None) -> jnp.ndarray | None:
+    """`native_matmul`'s contract, with x's rows quantized to int8 blocks of 32 (one
+    scale each, as llama.cpp's Q8 activations) and each block's product with w's
+    taken in integers (`native/quant_dot.cc`): x is rounded to 8 bits, so the result
+    differs from the float product by that rounding (see `dot_reference`). Any number
+    of rows."""
+    from jaxpd.models.native_attention import QUANT_DOT_TARGET
+    return _native_call(QUANT_DOT_TARGET, x, w, layer)
+
+
+def _native_call(target: str, x: jnp.ndarray, w: QuantizedWeight, layer) -> jnp.ndarray | None:
+    if x.dtype != jnp.float32 or w.fmt not in _FMT_CODES or not native_available():
+        return None                 # (the K-quants, `models.kquant`: the jnp form)
     lead = () if layer is None else w.data.shape[:1]
     o = math.prod(w.data.shape[len(lead):-1])
     low = w.min if w.min is not None else w.scale
-    call = jax.ffi.ffi_call(QUANT_MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], o), jnp.float32))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], o), jnp.float32))
     return call(x, *(a.reshape(*lead, o, -1) for a in (w.data, w.scale, low)),
                 jnp.asarray(0 if layer is None else layer, jnp.int32), fmt=_FMT_CODES[w.fmt])
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [M, I] float32 (I a multiple of 32) as `native_dot` quantizes it: per block of
+    32, d = max|x| / 127 and q = x * (127 / max|x|) rounded to nearest even (all in
+    float32) -> (q int8 [M, I], d float32 [M, I/32])."""
+    x = np.asarray(x, np.float32)
+    blocks = x.reshape(x.shape[0], -1, BLOCK)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(blocks * inv).astype(np.int8)
+    return q.reshape(x.shape), (amax[..., 0] / np.float32(127)).astype(np.float32)
+
+
+def dot_reference(x: np.ndarray, w: QuantizedWeight) -> np.ndarray:
+    """What `native_dot` computes, in numpy: x quantized (`quantize_activations`), each
+    block's integer product with w's blocks exact in int64, scaled by both blocks'
+    scales and summed in float64 -> [M, O] float64."""
+    q, d = quantize_activations(x)
+    m, nb = d.shape
+    o = math.prod(w.out_shape)
+    xq = q.reshape(m, nb, BLOCK).astype(np.int64)
+    data = np.asarray(w.data).reshape(o, -1)
+    if w.fmt in _NIBBLES:
+        b = data.reshape(o, nb, BLOCK // 2).astype(np.int64)
+        wq = np.concatenate([b & 0xF, b >> 4], axis=-1)
+        if w.fmt == "q4_0":
+            wq = wq - 8
+    else:
+        wq = data.reshape(o, nb, BLOCK).astype(np.int64)
+    dots = np.einsum("MBJ,OBJ->MOB", xq, wq)                       # exact integers
+    if w.fmt == "int8":
+        scaled = dots * d[:, None, :]
+        return scaled.sum(-1) * np.asarray(w.scale, np.float64).reshape(1, o)
+    dw = np.asarray(w.scale, np.float64).reshape(o, nb)
+    y = (dots * dw[None] * d[:, None, :].astype(np.float64)).sum(-1)
+    if w.fmt == "q4_1":   # + m * dx * sum(xq) per block
+        sx = d.astype(np.float64) * xq.sum(-1)
+        y = y + sx @ np.asarray(w.min, np.float64).reshape(o, nb).T
+    return y
 
 
 # --- sizes and placement -------------------------------------------------------------

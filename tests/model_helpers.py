@@ -11,26 +11,27 @@ from jaxpd.models.llama import Llama
 
 
 @functools.cache
-def _prefill_program(cfg):
-    """`Llama.prefill` as one jitted program kept per config: op by op, every op of the
-    model would compile alone."""
-    model = Llama(cfg)
+def _prefill_program(cfg, qmatmul=None):
+    """`Llama.prefill` as one jitted program kept per config (and product of quantized
+    weights): op by op, every op of the model would compile alone."""
+    model = Llama(cfg, qmatmul=qmatmul)
     return jax.jit(lambda p, tokens, lengths: model.apply({"params": p}, tokens, lengths,
                                                           method=Llama.prefill))
 
 
 def paged_greedy(cfg, params, prompt: list[int], num_new: int, page_size: int = 16,
-                 bucket: int | None = None) -> tuple[list[int], np.ndarray]:
+                 bucket: int | None = None, qmatmul=None) -> tuple[list[int], np.ndarray]:
     """Greedy tokens via prefill -> pages -> paged decode; slot 1 stays empty all along.
+    `qmatmul`: the product of quantized weights (`Llama`'s), in prefill and decode.
 
     Returns the tokens and the logits of every decode step (for comparison with a
     full forward)."""
-    model = Llama(cfg)
+    model = Llama(cfg, qmatmul=qmatmul)
     t = len(prompt)
     bucket = bucket or max(16, 1 << (t - 1).bit_length())
     tokens = np.zeros((1, bucket), np.int32)
     tokens[0, :t] = prompt
-    logits, k, v = _prefill_program(cfg)(params, jnp.asarray(tokens), jnp.asarray([t]))
+    logits, k, v = _prefill_program(cfg, qmatmul)(params, jnp.asarray(tokens), jnp.asarray([t]))
     out = [int(jnp.argmax(logits[0]))]
     total = t + num_new
     num_pages = -(-total // page_size)

@@ -23,7 +23,8 @@ from jaxpd.models import checkpoint, source
 from jaxpd.models.llama import Llama
 from tests.hf_fixtures import hf_greedy, hf_logits
 from tests.support.gguf_files import (CHAT_TEMPLATE, CORPUS, SentencePieceVocab,
-                                      gguf_tensors, train_bpe, write_gguf)
+                                      gguf_tensors, random_k_blocks, train_bpe,
+                                      write_gguf)
 from tests.model_helpers import paged_greedy
 
 Q = gguf.GGMLQuantizationType
@@ -149,19 +150,6 @@ def test_llama_with_a_sentencepiece_vocabulary_matches_transformers(tmp_path, hf
     # Prompts start with BOS, as llama.cpp tokenizes them for this vocabulary.
     loaded = assert_same_model(path, transformers_gguf(path), greedy_prompts=())
     assert loaded.tokenizer.encode(PROMPTS[0])[0] == spm.tokens.index("<s>")
-
-
-def random_k_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
-    """Random K-quant blocks with small f16 scales (random bytes there could be inf)."""
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
-    # Byte offsets of the f16 super-block scales: d and dmin first, or d last (Q6_K).
-    offsets = (size - 2,) if qtype == Q.Q6_K else (0, 2)
-    scale = 3e-5 if qtype == Q.Q6_K else 2e-4
-    for off in offsets:
-        blocks[:, off:off + 2] = rng.uniform(scale / 2, scale, len(blocks)).astype(np.float16) \
-            .view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, cols // block * size)
 
 
 @pytest.mark.slow

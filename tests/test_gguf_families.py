@@ -30,8 +30,8 @@ from jaxpd.models.llama import Llama
 from jaxpd.models.quant import dequantize, is_quantized
 from tests.hf_fixtures import hf_greedy
 from tests.model_helpers import forward_greedy
-from tests.support.gguf_files import (converter_metadata, converter_tensors, train_bpe,
-                                      write_gguf)
+from tests.support.gguf_files import (converter_metadata, converter_tensors,
+                                      random_k_blocks, train_bpe, write_gguf)
 
 Q = gguf.GGMLQuantizationType
 # transformers fixture (`tests.hf_fixtures.CONFIGS`) -> llama.cpp architecture.
@@ -164,6 +164,49 @@ def test_kept_experts_give_the_float_paths_tokens(tmp_path, hf_models, bpe, qtyp
         ours, theirs = (np.asarray(run(m.params, jnp.asarray([tokens]))[0]) for m in (kept, flat))
         np.testing.assert_allclose(ours, theirs, atol=1e-4)
         assert ours.argmax(-1).tolist() == theirs.argmax(-1).tolist()
+
+
+@pytest.mark.slow
+def test_k_quant_experts_stay_quantized(tmp_path, hf_models, bpe, caplog):
+    """A qwen3moe file whose stacked experts are Q4_K (gate) and Q6_K (up) -- random
+    super-blocks: `gguf` cannot write K-quants -- and whose q projection is Q4_K: with
+    quantization="auto" the experts stay quantized, each dequantizing to exactly what
+    `gguf`'s own dequantizer gives (the file read with quantization="none"), the q
+    projection is read as float (logged), and logits agree up to summation order."""
+    path, model = hf_models("qwen3_moe", vocab_size=len(bpe[0]), hidden_size=256, num_layers=1)
+    cfg = model.config
+    tensors = converter_tensors(path, cfg, "qwen3moe")
+    rng = np.random.default_rng(0)
+    e, f, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    raw, q_rows = {}, tensors["blk.0.attn_q.weight"].shape[0]
+    for name, qtype, rows in (("blk.0.ffn_gate_exps.weight", Q.Q4_K, e * f),
+                              ("blk.0.ffn_up_exps.weight", Q.Q6_K, e * f),
+                              ("blk.0.attn_q.weight", Q.Q4_K, q_rows)):
+        del tensors[name]
+        blocks = random_k_blocks(rows, d, qtype, rng)
+        raw[name] = (blocks.reshape(e, f, -1) if "exps" in name else blocks, qtype)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    file = write_gguf(os.path.join(tmp_path, "k.gguf"), tensors, Q.Q8_0, arch="qwen3moe",
+                      vocab=bpe, block_count=1, hidden=d, ffn=cfg.intermediate_size,
+                      heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+                      head_dim=cfg.head_dim, rope_theta=rope["rope_theta"],
+                      eps=cfg.rms_norm_eps, extra=converter_metadata(cfg, "qwen3moe"), raw=raw)
+    with caplog.at_level(logging.WARNING):
+        kept = checkpoint.load(file, quantization="auto")
+    assert "'blk.0.attn_q.weight' is Q4_K" in caplog.text
+    flat = checkpoint.load(file, quantization="none")
+    layer = kept.params["layers_0"]
+    assert not is_quantized(layer["q_proj"])
+    assert [layer[n].fmt for n in ("experts_gate", "experts_up", "experts_down")] == [
+        "q4_k", "q6_k", "q8_0"]
+    for name in ("experts_gate", "experts_up"):
+        np.testing.assert_array_equal(np.asarray(dequantize(layer[name])),
+                                      np.asarray(flat.params["layers_0"][name]))
+    run = jax.jit(lambda p, x: Llama(kept.cfg).apply({"params": p}, x, method=Llama.forward))
+    prompt = jnp.asarray([_prompt(kept.cfg.vocab_size)])
+    ours, theirs = (np.asarray(run(m.params, prompt)[0]) for m in (kept, flat))
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
+    assert ours.argmax(-1).tolist() == theirs.argmax(-1).tolist()
 
 
 # Serving these families is the default run's in `tests/test_families.py` (from

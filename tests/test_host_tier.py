@@ -2,6 +2,8 @@
 checksum per page), and an engine whose tiny pool evicts a conversation that comes
 back restored from it -- against transformers, with the page accounting and the
 compile count checked."""
+import types
+
 import numpy as np
 import pytest
 
@@ -249,7 +251,51 @@ def test_host_tier_counts_are_exported_to_prometheus():
     assert {"jaxpd_prefix_host_hit_tokens_total", "jaxpd_prefix_hit_tokens_total",
             "jaxpd_host_tier_restored_pages_total", "jaxpd_host_tier_corrupt_pages_total",
             "jaxpd_host_tier_stored_pages_total", "jaxpd_host_tier_pages",
-            "jaxpd_host_tier_bytes"} <= names
+            "jaxpd_host_tier_bytes", "jaxpd_host_tier_evicted_pages_total"} <= names
+    # The prefill mesh's tier alike: what it holds, its hits, what it dropped.
+    assert {"jaxpd_prefill_host_tier_pages", "jaxpd_prefill_host_tier_bytes",
+            "jaxpd_prefill_cache_host_hit_tokens_total",
+            "jaxpd_prefill_host_tier_restored_pages_total",
+            "jaxpd_prefill_host_tier_stored_pages_total",
+            "jaxpd_prefill_host_tier_evicted_pages_total"} <= names
+
+
+def test_prefill_host_tier_pages_are_scored_apart_from_the_pool():
+    """The router ranks prefill workers by the tokens each would compute, counting the
+    pages its host tier advertises as restorable (never as held), its pool's pages
+    breaking ties, then its queue."""
+    from jaxpd.engine.page_allocator import page_hashes
+    from jaxpd.serving.prefix_index import PrefixIndex
+    from jaxpd.serving.router import RouterConfig
+    from jaxpd.serving.router_flow import RequestFlow
+    from jaxpd.serving.worker_pool import Worker
+    from jaxpd.request import Request
+    from jaxpd.sampling_params import SamplingParams
+
+    ids = list(range(3, 83))                               # 80 tokens, 5 pages of 16
+    keys = [h[:8] for h in page_hashes(ids, 16, ROOT)]
+    p1, p2, p3 = (Worker("prefill", name, None, static=True) for name in ("p1", "p2", "p3"))
+    for w in (p1, p2, p3):
+        w.load["queue"] = 0
+
+    class Pool:
+        def live(self, role, exclude=(), model=None):
+            return [p1, p2, p3]
+
+    flow = RequestFlow(Pool(), RouterConfig(), None, PrefixIndex(16), 100, None)
+    advertise = lambda w, add, host: flow.prefix.advertise(w.address, {  # noqa: E731
+        "root": ROOT, "seq": 1, "full": True, "add": add, "drop": [], "host_add": host})
+    advertise(p1, keys[:2], [])
+    advertise(p2, keys[:1], keys[1:4])
+    advertise(p3, [], [])
+    r = Request("r", ids, SamplingParams(max_tokens=4))
+    query = flow.prefix.query(ids)
+    decoder = types.SimpleNamespace(info=types.SimpleNamespace(model="m"))
+    assert flow.prefill_order(r, decoder, query) == [p2, p1, p3]   # p2 computes the least
+    advertise(p1, keys[:2], keys[2:4])                     # as far, more in its pool
+    assert flow.prefill_order(r, decoder, query) == [p1, p2, p3]
+    p1.load["queue"] = 1                                   # a queued request outweighs it
+    assert flow.prefill_order(r, decoder, query) == [p2, p3, p1]
 
 
 # ---- the prefill mesh's own cache -----------------------------------------------------
@@ -288,9 +334,20 @@ def test_prefill_host_tier_restores_an_evicted_prompt_prefix(tiny_hf_model):
                      "prefill_cache_host_hit_tokens": 2 * PAGE,
                      "prefill_host_tier_restored_pages": 2,
                      "prefill_host_tier_corrupt_pages": 0, "host_tier_restored_pages": 0}, d
-        assert llm.stats()["prefill_host_tier_stored_pages"] >= 2
+        stats = llm.stats()
+        assert stats["prefill_host_tier_stored_pages"] >= 2
         assert cache.allocator.cached_prefix(hashes)            # restored pages published
         cache.host.store.check()
+        # Its gauges, and its pages advertised apart from the pool's (a worker's
+        # heartbeat): every page it holds, by key.
+        store = cache.host.store
+        assert stats["prefill_host_tier_pages"] == len(store) > 0
+        assert stats["prefill_host_tier_bytes"] == store.num_bytes > 0
+        assert stats["prefill_host_tier_evicted_pages"] == store.num_evicted
+        llm.engine.cache_journal.resync()
+        advertised = llm.engine.cache_journal.take()
+        held = [h[:8] for h in cache.hashes(conv) + cache.hashes(first) if h in store]
+        assert held and set(held) <= set(advertised["host_add"])
         check_pool(llm)
         # What ran is what warm-up compiles: one offload and one restore program per
         # padded page count.
@@ -302,3 +359,90 @@ def test_prefill_host_tier_restores_an_evicted_prompt_prefix(tiny_hf_model):
         counts = llm.engine.counter.counts()
         assert 1 <= counts["prefill_cached_offload"] <= len(cache.host_sizes())
         assert counts["prefill_cached_insert"] == 1             # the one restore: 2 pages
+
+
+# ---- the decode mesh's prefill with context beside a prefill mesh ----------------------
+
+class _ExtendRunner:
+    """`DecodeRunner`'s extend side, numpy only: `compiled` holds the (rows, length,
+    width) shapes compiled in the background; `asked` what was asked for, `ran` what
+    ran (each row's first token: its last prompt token + 1)."""
+
+    def __init__(self):
+        self.compiled, self.asked, self.ran = set(), [], []
+
+    def extend_compiled(self, rows, length, width):
+        return (rows, length, width) in self.compiled
+
+    def extend_ready(self, rows, length, width):
+        self.asked.append((rows, length, width))
+        return self.extend_compiled(rows, length, width)
+
+    def extend(self, tokens, starts, lengths, prefix_tables, new_tables, row_slots, sampling):
+        shape = (tokens.shape[0], tokens.shape[1], prefix_tables.shape[1])
+        assert shape in self.compiled, f"{shape} would compile on the decode thread"
+        self.ran.append(shape)
+        last = tokens[np.arange(len(tokens)), np.maximum(lengths - 1, 0)]
+        return last + 1, None
+
+
+def test_host_tier_routed_turn_whose_program_is_cold_goes_to_the_prefill_mesh():
+    """Routing counts what the host tier could restore, and the pool can evict between
+    routing and admission, so the decode mesh's prefill with context may find another
+    prefix than routing saw, needing a program still compiling in the background: that
+    request goes through the prefill mesh instead (counted), its program is asked for,
+    nothing is compiled on the decode thread and no page stays held; a row whose
+    program with the rows already in the call is not compiled waits for the next call."""
+    import queue as queue_mod
+    from jaxpd.engine.extend_loop import ExtendLoop
+    from jaxpd.engine.scheduler import DecodeScheduler
+    from jaxpd.request import Request, State
+    from jaxpd.sampling_params import SamplingParams
+    from jaxpd.stats import StatsCounter
+
+    page = 4
+    sched = DecodeScheduler(1, 2, 17, page, prefix_root=b"root")
+    runner, inbox, stats, rerouted = _ExtendRunner(), queue_mod.SimpleQueue(), StatsCounter(), []
+    loop = ExtendLoop(runner, sched, inbox, stats, buckets=[4, 8, 16, 32], max_batch=2,
+                      max_tokens=64, max_pages_per_slot=8, context_step=4, expected_below=16,
+                      expects_fresh=False, reroute=rerouted.append)
+    system = list(range(10, 22))                           # 3 full pages
+    old = Request("old", system + [50], SamplingParams(max_tokens=4))
+    slot, shared = sched.find_slot(old.num_tokens, old.prefill_ids)
+    sched.admit(slot, old, old.num_tokens, ready=True, shared=shared)
+    sched.release(slot)                                    # its 3 pages stay cached
+
+    def turn(rid, prompt):
+        r = Request(rid, prompt, SamplingParams(max_tokens=4))
+        inbox.put(r)
+        return r
+
+    # Its prefix is cached (3 pages: width 4), its rest (2 tokens) runs in bucket 4:
+    # not compiled yet -> the prefill mesh, and the program is asked for.
+    first = turn("first", system + [60, 61])
+    assert loop.run_once() == []
+    assert rerouted == [first] and first.state is State.WAITING
+    assert first.kv_skip_pages == 3                        # the pool pages it may skip
+    assert runner.asked == [(1, 4, 4)] and runner.ran == []
+    assert stats.snapshot()["extend_cold_requests"] == 1
+    assert all(s is None for s in sched.slots) and sched.allocators[0].num_used == 0
+
+    # Once compiled, the same shape runs here, with its prefix shared.
+    runner.compiled.add((1, 4, 4))
+    second = turn("second", system + [70, 71])
+    [(_, r, token)] = loop.run_once()
+    assert r is second and token == 72 and runner.ran == [(1, 4, 4)]
+    sched.release(sched.slot_of(second))
+
+    # Two rows whose call together needs (2, 16, 4): only (1, 16, 4) is compiled, so
+    # the first runs alone and the second leads the next call, alone, compiled too.
+    runner.compiled |= {(1, 16, 4), (1, 4, 4)}
+    third = turn("third", system + list(range(80, 90)))    # 10 new tokens: bucket 16
+    fourth = turn("fourth", system + [90, 91])
+    assert [r for _, r, _ in loop.run_once()] == [third]
+    assert [r for _, r, _ in loop.run_once()] == [fourth]
+    assert runner.ran[1:] == [(1, 16, 4), (1, 4, 4)]
+    assert len(rerouted) == 1 and stats.snapshot()["extend_cold_requests"] == 1
+    for s in [i for i, s in enumerate(sched.slots) if s is not None]:
+        sched.release(s)
+    assert sched.allocators[0].num_used == 0

@@ -14,19 +14,24 @@ import numpy as np
 import pytest
 
 from jaxpd import LLM, SamplingParams
-from jaxpd.engine.migration import take_decoding
+from jaxpd.engine.migration import MOVED, moved, take_decoding
 from jaxpd.request import Request, State
 from jaxpd.serving.migration import MigrationOutbox
 from jaxpd.serving.role_rpc import ROLE_SERVICE
 from jaxpd.serving.role_server import RoleServer, RoleService
 from jaxpd.serving.router import Router
 from jaxpd.serving.router_config import RouterConfig
-from jaxpd.transfer.connector import KVHandoff
+from jaxpd.transfer.connector import KVHandoff, TransferError
 from jaxpd.transfer.grpc_stream import GrpcReceiver, GrpcSender
 from jaxpd.transfer.wire import WIRE_VERSION, pack, unpack
 from tests.engine_fixtures import assert_all_pages_free, mixed_prompts
+from tests.fake_runner import FakeReceiver, InlineExecutor
+from tests.fake_runner import pages as fake_pages
 from tests.hf_fixtures import hf_greedy
+from tests.support.decode_env import LAYERS, PAGE_SIZE, assert_no_page_held, make
+from tests.support.decode_env import run as run_env
 from tests.support.internal_plane import AUTH, TOKEN, wait_until
+from tests.support.moving_decode_worker import MovingDecodeWorker
 
 MAX_MODEL_LEN = 96
 OPTIONS = dict(max_model_len=MAX_MODEL_LEN, slots_per_shard=4, migrate_on_drain=True)
@@ -301,3 +306,109 @@ def test_a_drained_decode_worker_migrates_its_streams_behind_a_router(tiny_hf_mo
             if service.migration is not None:
                 service.migration.close()
             llm.shutdown()
+
+
+# ---- a move whose KV was sent but never landed ------------------------------------------
+
+class _PullFails(FakeReceiver):
+    """Handoffs arrive; placing the pages of one marked as a migration fails (its
+    source is gone before the pull)."""
+
+    def place(self, handoff, sharding):
+        if moved(handoff.payload):
+            raise TransferError("pull failed: the offer's process is gone")
+        return super().place(handoff, sharding)
+
+
+def test_a_migration_whose_pull_fails_counts_as_a_failed_move_and_prefills_again(caplog):
+    """At the target, a moved request's KV that fails to arrive after the drained
+    worker sent it is a failed migration (counted, logged with the reason, kept on
+    the request for its Decode stream), not an ordinary transfer failure, and the
+    request is prefilled again there; an ordinary handoff's failure still counts as
+    one. No page stays held."""
+    env = make(InlineExecutor(), remote=True, receiver=_PullFails())
+    params = SamplingParams(max_tokens=6)
+    moving = Request.from_wire(Request("moving-1", [1, 2, 3, 4, 5], params).to_wire())
+    moving.output_ids = [6, 7]                       # the client has seen two tokens
+    env.requests.register(moving)
+    n = moving.num_tokens - 1                        # its KV: all but the last token
+    kv = fake_pages(LAYERS, -(-n // PAGE_SIZE), 1.0, PAGE_SIZE)
+    env.receiver.push(KVHandoff("moving-1", n, 7, kv, kv,
+                                {**moving.to_wire(num_tokens=n), MOVED: True}))
+    with caplog.at_level(logging.WARNING, logger="jaxpd.engine.decode_loop"):
+        run_env(env, lambda: moving.state is State.WAITING)
+    counts = env.stats.snapshot()
+    assert counts["migration_failures"] == 1 and counts["transfer_failures"] == 0
+    assert "pull failed" in moving.move_failure
+    assert any("migration of moving-1 failed" in rec.getMessage() and
+               "pull failed" in rec.getMessage() for rec in caplog.records)
+    assert env.requests.prefill_inbox.get_nowait() is moving     # prefilled again here
+    assert moving.output_ids == [6, 7]
+    # An ordinary handoff (no mark; a forged mark that is not True is none) still
+    # places, and one that fails counts as an ordinary transfer failure.
+    plain = Request.from_wire(Request("plain-1", [1, 2, 3], params).to_wire())
+    env.requests.register(plain)
+    kv = fake_pages(LAYERS, 1, 1.0, PAGE_SIZE)
+    env.receiver.push(KVHandoff("plain-1", 3, 40, kv, kv, {**plain.to_wire(), MOVED: "yes"}))
+    run_env(env, lambda: plain.is_final)
+    assert plain.output_ids == [40 + i for i in range(6)] and plain.move_failure is None
+    assert_no_page_held(env)
+
+
+@pytest.mark.parametrize("move_failure", [None, "TransferError: pull failed", "bad\x00reason"])
+def test_a_migration_that_never_lands_is_a_failed_move_at_the_router(caplog, move_failure):
+    """Behind a router: the drained worker accepts Migrate (KV sent) and the target
+    then says the KV never landed and it prefilled the request again: counted as a
+    failed migration (with the target's reason in the log), not as a move the source
+    could not send (`migration_fallbacks`) nor a lost stream, and the client's stream
+    goes on. A target that says so in unprintable text is a malformed peer: its
+    stream is cut (the request aborts: no other decode worker is left)."""
+    from jaxpd.default_model import default_model_dir
+    workers = [MovingDecodeWorker(move_failure=move_failure) for _ in range(2)]
+    router = Router(default_model_dir(), RouterConfig(max_model_len=512, lease_s=120.0))
+    try:
+        address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
+        for w in workers:
+            w.register(address)
+        wait_until(lambda: len(router.workers.live("decode")) == 2, 20)
+        with caplog.at_level(logging.WARNING, logger="jaxpd.serving.router"):
+            r = router.submit(router.make_request(prompt_token_ids=[5, 6, 7],
+                                                  sampling_params=SamplingParams(max_tokens=5)))
+            out = router._wait(r)
+        counts = router.counters.snapshot()
+        source = next(w for w in workers if w.migrate_calls)
+        target = next(w for w in workers if w is not source)
+        [call] = source.migrate_calls
+        assert call["request_id"] == r.request_id
+        assert call["destination"] == target.info.kv_address
+        assert counts["migrations"] == 1 and counts["migration_fallbacks"] == 0
+        if move_failure == "bad\x00reason":
+            assert r.state is State.ABORTED and counts["migration_failures"] == 0
+            return
+        assert out.token_ids == [7, 7, 8, 8, 8] and out.finish_reason == "length"
+        assert counts["decode_failovers"] == 0 and counts["aborted"] == 0
+        assert counts["migration_failures"] == int(move_failure is not None)
+        logged = [rec.getMessage() for rec in caplog.records
+                  if "failed after its KV was sent" in rec.getMessage()]
+        assert logged == ([] if move_failure is None else [
+            f"moving {r.request_id} from {source.info.address} to {target.info.address} "
+            f"failed after its KV was sent ({move_failure}); {target.info.address} "
+            f"prefilled it again"])
+    finally:
+        router.shutdown()
+        for w in workers:
+            w.close()
+
+
+def test_a_decode_role_spanning_processes_refuses_migration_with_the_reason():
+    """A mesh across processes does not migrate (each process holds only its own part
+    of a request's KV): the flag is refused naming why, and by default such a worker's
+    requests are prefilled again elsewhere when it drains; a one-process worker moves
+    them unless told not to."""
+    from jaxpd.serving.worker import migrates
+    with pytest.raises(ValueError, match="spanning processes: each process holds only"):
+        migrates(True, spans_processes=True)
+    assert migrates(None, spans_processes=True) is False
+    assert migrates(False, spans_processes=True) is False
+    assert migrates(None, spans_processes=False) is True
+    assert migrates(False, spans_processes=False) is False

@@ -44,6 +44,11 @@ def test_fingerprint_tells_other_weights_dtype_and_pages_apart(tiny_hf_model, tm
     for change in (dict(kv_dtype="bfloat16"), dict(page_size=32),
                    dict(kv_transfer_dtype="int8")):
         assert fingerprint(path, **change) != base, change
+    # Weights held quantized, and multiplied with int8 activations, are other numbers;
+    # int8 activations change nothing for float weights (they have no such product).
+    q8 = fingerprint(path, quantization="int8")
+    assert len({base, q8, fingerprint(path, quantization="int8", activations="int8")}) == 3
+    assert fingerprint(path, activations="int8") == base
 
 
 def test_fingerprint_names_a_window_or_experts_only_where_the_config_sets_them(

@@ -70,14 +70,17 @@ def test_prefill_worker_killed_mid_conversation_fails_over_and_accounting_is_exa
     balanced) and it received exactly three handoffs that, with the cached pages they
     left out, cover every prompt page (no transfer failed, none refused, no stale
     skip); the surviving prefill worker holds nothing; the router counts one prefill
-    failover, one dropped worker, three finished requests, no other failover or abort."""
+    failover, one dropped worker, three finished requests, no other failover or abort.
+    The lease is six heartbeats: on a loaded host a late heartbeat must not drop a live
+    worker (the decode worker, the only one, would take the turn with it)."""
     from jaxpd.auth import InternalAuth
     from jaxpd.serving.router import Router, RouterConfig
     path, hf_model = tiny_hf_model
     auth = InternalAuth(token="t" * 32)
     workers, killed = [], set()
-    router = Router(path, RouterConfig(max_model_len=192, heartbeat_s=1.0, prefix_routing=True,
-                                       prefix_extend_below=0), auth=auth)
+    router = Router(path, RouterConfig(max_model_len=192, heartbeat_s=1.0, lease_s=6.0,
+                                       prefix_routing=True, prefix_extend_below=0),
+                    auth=auth)
     release = threading.Event()
     try:
         address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"

@@ -57,7 +57,7 @@ def test_stats_carries_the_host_tier_and_migration_counters():
     names = [n for n in EngineStats.__dataclass_fields__
              if n.startswith(("host_tier_", "prefix_host_", "migration", "prefill_host_tier_",
                               "prefill_cache_host_"))]
-    assert len(names) == 13
+    assert len(names) == 18
     for name in names:
         assert name in fields, name
         assert fields[name].type == fields[name].TYPE_INT64, name

@@ -22,6 +22,7 @@ from jaxpd.models import gguf as gguf_reader, quant
 from jaxpd.models.llama import Llama, fuse_params, quantize_params
 from tests.model_helpers import paged_greedy
 from tests.support.gguf_files import gguf_tensors, train_bpe, write_gguf
+from tests.support.quant_blocks import kernel_call, random_blocks
 
 Q = gguf.GGMLQuantizationType
 PROMPTS = ["Hello world, hello", "The quick brown fox", "Prefill and decode run on"]
@@ -124,30 +125,6 @@ def test_int8_scales_follow_their_output_channels():
                                np.einsum("BD,DNH->BNH", x, back), rtol=1e-5, atol=1e-4)
 
 
-def random_blocks(fmt: str, rows: int, cols: int, rng) -> quant.QuantizedWeight:
-    """A [cols -> rows] weight of random blocks in a GGUF format, small float16 scales."""
-    size = {"q8_0": 34, "q4_0": 18, "q4_1": 20}[fmt]
-    raw = rng.integers(0, 256, size=(rows, cols // 32, size), dtype=np.uint8)
-    raw[:, :, 0:2] = rng.uniform(0.005, 0.02, (rows, cols // 32, 1)).astype(np.float16).view(np.uint8)
-    if fmt == "q4_1":
-        raw[:, :, 2:4] = rng.uniform(-0.1, 0.0, (rows, cols // 32, 1)).astype(np.float16).view(np.uint8)
-    parts = quant.from_gguf_rows(raw.reshape(-1), fmt, rows, cols, "w")
-    return quant.QuantizedWeight(*(None if a is None else jnp.asarray(a) for a in parts),
-                                 fmt=fmt, float_shape=(cols, rows), in_dims=(0,))
-
-
-def _kernel_call(target: str):
-    """x @ w through the native kernel registered as `target`, at any number of rows
-    (`quant.native_matmul` hands more than `NATIVE_MAX_ROWS` to the jnp form)."""
-    def call(x, w):
-        o = int(np.prod(w.out_shape))
-        low = w.min if w.min is not None else w.scale
-        fn = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], o), jnp.float32))
-        return fn(x, w.data.reshape(o, -1), w.scale.reshape(o, -1), low.reshape(o, -1),
-                  jnp.int32(0), fmt=quant._FMT_CODES[w.fmt])
-    return call
-
-
 def _portable_product():
     """The kernel's portable body, built without AVX-512 under its own target name, or
     None where this CPU has no AVX-512 (the default build is then that body already)."""
@@ -159,7 +136,7 @@ def _portable_product():
     library = ctypes.cdll.LoadLibrary(str(native_attention._build(("-mno-avx512f",))))
     jax.ffi.register_ffi_target("jaxpd_quant_matmul_portable",
                                 jax.ffi.pycapsule(library.JaxpdQuantMatmul), platform="cpu")
-    return _kernel_call("jaxpd_quant_matmul_portable")
+    return kernel_call("jaxpd_quant_matmul_portable")
 
 
 @pytest.mark.parametrize("body", ["built", "portable"])
@@ -173,7 +150,7 @@ def test_native_product_matches_the_jnp_form(fmt, body):
     from jaxpd.models import native_attention
     if not native_attention.available():
         pytest.skip(native_attention.unavailable_reason())
-    product = _kernel_call(native_attention.QUANT_MATMUL_TARGET)
+    product = kernel_call(native_attention.QUANT_MATMUL_TARGET)
     if body == "portable":
         product = _portable_product()
         if product is None:

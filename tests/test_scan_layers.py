@@ -3,6 +3,7 @@ layers compute: every forward pass, on tiny models whose layers differ (Gemma 3 
 local/global attention, a mixture of experts with dense layers), quantized weights too."""
 from __future__ import annotations
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +16,7 @@ from jaxpd.models.llama import (Llama, abstract_params, fuse_params, is_stacked,
                                 quantize_params, stack_key, stack_layers, unstack_layers)
 from tests.engine_fixtures import assert_all_pages_free
 from tests.hf_fixtures import hf_greedy
+from tests.support.quant_experts import quantized_experts
 
 # Local attention on layers 0-2, experts (and a shared one) on layers 2-4: runs of two
 # local dense layers, one local sparse and two global sparse ones.
@@ -22,9 +24,10 @@ MIXED = ModelConfig(model_type="qwen2_moe", vocab_size=64, hidden_size=32, inter
                     num_layers=5, num_heads=4, num_kv_heads=2, head_dim=8,
                     max_position_embeddings=64, qk_norm=True, sliding_window=5,
                     rope_local_theta=10000.0, sliding_layers=(True,) * 3 + (False,) * 2,
-                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                     shared_expert_intermediate_size=24, sparse_layers=(False,) * 2 + (True,) * 3)
 PAGE, PAGES = 4, 24
+EXPERTS = {"experts_gate", "experts_up", "experts_down"}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,7 @@ def test_runs_split_at_every_change_of_kind(params):
     stacked = stack_layers(MIXED, params)
     assert set(stacked) - {"embed_tokens", "norm", "lm_head"} == {
         stack_key(0, 2), "layers_2", stack_key(3, 5)}
-    assert stacked[stack_key(3, 5)]["experts_gate"].shape == (2, 4, 32, 16)
+    assert stacked[stack_key(3, 5)]["experts_gate"].shape == (2, 4, 32, 32)
     back = unstack_layers(MIXED, stacked)
     assert jax.tree.structure(back) == jax.tree.structure(params)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back),
@@ -88,11 +91,16 @@ def _traced_passes(cfg: ModelConfig, params, fused: bool, qmatmul, tokens):
 def test_scanned_equals_unrolled(params, layout):
     """forward, extend (with and without a prefix) and decode, local and global layers,
     dense and sparse: the same logits and pools, in the checkpoint layout and in the
-    decode mesh's (fused, int8 weights: quantized leaves stack too, and the native
-    product reads them in place in the stack where it is built)."""
+    decode mesh's (fused, int8 weights and experts kept in Q8_0 blocks: quantized
+    leaves stack too, and the native product reads them in place in the stack where it
+    is built, an expert by its index in the stack's layers x experts)."""
     cfg, fused, qmatmul = MIXED, layout != "checkpoint", None
     if fused:
         params = fuse_params(cfg, quantize_params(params))
+        for layer in (params[f"layers_{i}"] for i in range(cfg.num_layers)):
+            for name in EXPERTS & set(layer):
+                layer[name] = quantized_experts(np.asarray(layer[name]),
+                                                gguf.GGMLQuantizationType.Q8_0)
         qmatmul = quant.native_matmul if quant.native_available() else None
     unrolled = _passes(cfg, params, fused, qmatmul)
     scanned = _passes(cfg, stack_layers(cfg, params), fused, qmatmul)

@@ -40,7 +40,7 @@ from jaxpd.bench.shift import format_phase_table, phase_reports
 from jaxpd.bench import datasets
 from jaxpd.bench.workload import (make_shift_workload, make_workload, parse_length_mix,
                                   parse_phases, poisson_arrivals, random_streams)
-from jaxpd.config import ATTENTION_IMPLS, EngineConfig
+from jaxpd.config import ATTENTION_IMPLS, QUANT_ACTIVATIONS, EngineConfig
 from jaxpd.models.source import QUANTIZATIONS
 from jaxpd.metrics import find_goodput, format_table, run_report, slo_attainment
 from jaxpd.sharding.spec import AUTO, auto_mesh
@@ -95,6 +95,11 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--quantization", default=EngineConfig.quantization, choices=QUANTIZATIONS,
                    help="engine weights: float, int8 made at load, or 'auto' (a GGUF "
                         "file's Q8_0/Q4_0/Q4_1 blocks kept as stored)")
+    s.add_argument("--quant_activations", default=EngineConfig.quant_activations,
+                   choices=QUANT_ACTIVATIONS,
+                   help="engine activations of the native product of quantized weights: "
+                        "float, or int8 blocks multiplied in integers (then a CPU prefill "
+                        "mesh keeps the blocks too)")
     s.add_argument("--prefix_caching", default="default", choices=("default", "on", "off"),
                    help="the engines' prefix cache: each mesh's default (on beside a prefill "
                         "mesh in one process), or on / off for all (the prefix workloads "
@@ -230,7 +235,8 @@ class Benchmark:
                                    slots_per_shard=args.slots_per_shard,
                                    max_prefill_batch=args.max_prefill_batch,
                                    attention_impl=args.attention_impl,
-                                   quantization=args.quantization)
+                                   quantization=args.quantization,
+                                   quant_activations=args.quant_activations)
         if args.handoff_wait_ms is not None:
             self.engine_options["handoff_wait_ms"] = args.handoff_wait_ms
         if args.prefix_caching != "default":

@@ -139,6 +139,10 @@ def serve(llm, chats: list[Chat], output_len: int, think_s: float, stats=None,
         "transfer_bytes": stats["transfer_bytes"],
         "saved_bytes": stats.get("prefix_saved_bytes", 0),
         "evictions": stats.get("prefix_evictions", 0),
+        # Served without their prefix (or through the prefill mesh) meanwhile: their
+        # program with a prefix was still compiling in the background.
+        "cold_batches": stats.get("prefill_cache_cold_batches", 0),
+        "extend_cold_requests": stats.get("extend_cold_requests", 0),
         "outputs": {f"{i}.{turn}": ids for i, turn, _, ids in sorted(done, key=lambda d: d[:2])},
     }
 
@@ -240,6 +244,11 @@ def format_prefix_table(runs: list[dict]) -> str:
                     f"{r['hit_rate']:>10.0%}{r['host_hit_rate']:>10.0%}"
                     f"{r['transfer_bytes'] / 2**20:>8.2f}"
                     f"{r['saved_bytes'] / 2**20:>10.2f}")
+    for r in runs:
+        if r.get("cold_batches") or r.get("extend_cold_requests"):
+            rows.append(f"{r['name']}: {r['cold_batches']} prefill batches and "
+                        f"{r['extend_cold_requests']} decode-mesh prefills went without "
+                        f"their prefix (its program still compiling in the background)")
     for r in runs:
         if "outputs_identical" in r:
             rows.append(f"{r['mesh']}: greedy outputs identical with the cache on and off"

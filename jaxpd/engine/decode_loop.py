@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jaxpd.engine.extend_loop import ExtendLoop
+from jaxpd.engine.migration import moved
 from jaxpd.engine.page_allocator import pages_for
 from jaxpd.engine.requests import Requests
 from jaxpd.engine.runner import DecodeRunner
@@ -210,7 +211,7 @@ class DecodeLoop:
             if r.abort(f"refused: {error}"):
                 self.stats.add(aborted=1)
         elif self.requests.resubmit(r):
-            self.stats.add(transfer_failures=1)
+            self._count_failure(r, error, payload)
 
     def _mirror_first_tokens(self) -> None:
         """A request prefilled in another process learns its first token from the
@@ -224,7 +225,8 @@ class DecodeLoop:
                 try:
                     logprobs = handoff_logprobs(inbound.payload, r.params.logprobs)
                 except ValueError as e:
-                    self._fail_transfer(r, HandoffRejected(f"{r.request_id!r}: {e}"))
+                    self._fail_transfer(r, HandoffRejected(f"{r.request_id!r}: {e}"),
+                                        payload=inbound.payload)
                     continue
                 if r.append_token(inbound.first_token, time.perf_counter(), logprobs):
                     self.stats.add(finished=int(r.state is State.FINISHED))
@@ -311,20 +313,34 @@ class DecodeLoop:
                                        f"covers {a.inbound.num_tokens}: not its first token's")
             if isinstance(result, TransferError):
                 self._drop(a)
-                self._fail_transfer(r, result)
+                self._fail_transfer(r, result, payload=a.inbound.payload)
                 continue
             self._admitted.remove(a)
             self._insert(a, result)
 
-    def _fail_transfer(self, r: Request, error: TransferError, inbound: Inbound | None = None
-                       ) -> None:
-        """Never decode from pages we do not have: prefill again."""
-        _log.warning("transfer of %s failed (%s); re-prefilling", r.request_id, error)
+    def _fail_transfer(self, r: Request, error: TransferError, inbound: Inbound | None = None,
+                       payload=None) -> None:
+        """Never decode from pages we do not have: prefill again. `payload`: the failed
+        handoff's (`inbound`'s when given)."""
         if inbound is not None:
             inbound.end()
-        self.stats.add(transfer_failures=1, handoffs_rejected=int(
-            isinstance(error, HandoffRejected)))
+            payload = inbound.payload
+        self.stats.add(handoffs_rejected=int(isinstance(error, HandoffRejected)))
+        self._count_failure(r, error, payload)
         self.requests.resubmit(r)
+
+    def _count_failure(self, r: Request, error: Exception, payload) -> None:
+        """A transfer of `r` failed and it is prefilled again. A migration's (its
+        handoff came from another decode worker's pool, `engine.migration`) counts as
+        the failed move it is, and `r` keeps the reason for its Decode stream."""
+        if moved(payload):
+            r.move_failure = f"{type(error).__name__}: {error}"
+            _log.warning("migration of %s failed after its KV was sent (%s); prefilling "
+                         "it again here", r.request_id, r.move_failure)
+            self.stats.add(migration_failures=1)
+        else:
+            _log.warning("transfer of %s failed (%s); re-prefilling", r.request_id, error)
+            self.stats.add(transfer_failures=1)
 
     def _insert(self, a: _Admitted, placed: Placed) -> None:
         r, slot, inbound = a.request, a.slot, a.inbound

@@ -122,7 +122,8 @@ class Engine:
         started = time.perf_counter()
         self.fingerprint = model_fingerprint(model.path, model.cfg, config.dtype,
                                              config.page_size, config.kv_transfer_dtype,
-                                             quantization=model.quantization)
+                                             quantization=model.quantization,
+                                             activations=config.quant_activations)
         _log.info("model fingerprint %s (%s, %.2f s)", short(self.fingerprint), model.path,
                   time.perf_counter() - started)
         if plan is not None:
@@ -202,15 +203,16 @@ class Engine:
         return not (self._stop.is_set() or self._paused.is_set())
 
     def _params_on(self, c: EngineConfig, mesh, fuse: bool, prefill_only: bool = False,
-                   scan: bool = False):
+                   scan: bool = False, keep_quantized: bool = False):
         """(params on `mesh`, its logical rules, whether fused: `engine.placement`; the
         attention kernels for its devices: `resolve_attention_impl`). A CPU mesh that
-        only prefills gets quantized weights as float: a prompt's many rows are
+        only prefills gets quantized weights as float (a prompt's many rows are
         compute-bound, and XLA:CPU's product of the jnp form unpacks every weight on
-        every call. `scan`: runs of equal layers stacked, to be scanned."""
+        every call) unless `keep_quantized` (its prompts take `_prefill_product`).
+        `scan`: runs of equal layers stacked, to be scanned."""
         platform = self.lower_for or mesh.devices.flat[0].platform
         params = self.model.params
-        if prefill_only and platform == "cpu":
+        if prefill_only and platform == "cpu" and not keep_quantized:
             from jaxpd.models import quant
             params = quant.dequantize_params(params)
         return (*place_params(self.model.cfg, params, mesh, self.dtype, fuse=fuse,
@@ -219,9 +221,10 @@ class Engine:
                                        c.dtype, self.model.cfg.head_dim))
 
     def _quant_matmul(self, c: EngineConfig, params, mesh):
-        """The native product of quantized weights for a decode mesh where it serves:
-        CPU devices, float32, weights whole on each device (no tp: the kernel is opaque
-        to GSPMD), the kernel built. None otherwise (the jnp form everywhere)."""
+        """The native product of quantized weights for a mesh where it serves: CPU
+        devices, float32, weights whole on each device (no tp: the kernel is opaque to
+        GSPMD), the kernel built; with int8 activations when `quant_activations` says
+        so. None otherwise (the jnp form everywhere)."""
         from jaxpd.models import quant
 
         if not quant.any_quantized(params):
@@ -230,7 +233,17 @@ class Engine:
                 or c.dtype != "float32"
                 or mesh.shape.get("tp", 1) != 1 or not quant.native_available()):
             return None
-        return quant.native_matmul
+        return quant.native_dot if c.quant_activations == "int8" else quant.native_matmul
+
+    def _prefill_product(self, c: EngineConfig, mesh, layerwise: bool):
+        """The product a prefill mesh's prompts take its quantized weights through, or
+        None (its weights are float: `_params_on`): with int8 activations, where
+        `_quant_matmul` serves, for a model without experts (their grouped products
+        have no native prompt form) and a prefill that is not layer-wise (its middle
+        programs take the layers' params as arguments, float)."""
+        if c.quant_activations != "int8" or layerwise or self.model.cfg.is_moe:
+            return None
+        return self._quant_matmul(c, self.model.params, mesh)
 
     def _prefill_scheduler(self, c: EngineConfig, buckets: list[int],
                            chunked: bool = False) -> PrefillScheduler:
@@ -264,14 +277,16 @@ class Engine:
 
     def _build_prefill(self, p: Phases) -> None:
         c, mesh, topology = p.config, p.meshes.prefill, p.topology
+        product = self._prefill_product(c, mesh, topology.layerwise)
         params, rules, fused, attention = self._params_on(c, mesh, fuse=False,
                                                           prefill_only=True,
                                                           scan=c.scan_layers == "all"
-                                                          and not topology.layerwise)
+                                                          and not topology.layerwise,
+                                                          keep_quantized=product is not None)
         p.prefill_runner = lead(PrefillRunner(
             self.model.cfg, params, mesh, rules, c.page_size, self.counter, self.dtype,
             fused=fused, gather_pages=bool(self.plan and not self.plan.offers),
-            attention_impl=attention), self.plan)
+            attention_impl=attention, quant_matmul=product), self.plan)
         chunked = topology.paged_prefill and c.buckets[-1] > c.prefill_chunk_tokens
         buckets = [b for b in c.buckets if b <= c.prefill_chunk_tokens] if chunked else c.buckets
         p.prefill_scheduler = self._prefill_scheduler(c, buckets, chunked)
@@ -286,12 +301,14 @@ class Engine:
                                                              caching),
             c.page_size, c.pages_per_slot, self.prefix_root if caching else None,
             self.counter, self.dtype, fused=fused, journal=self.cache_journal,
-            attention_impl=attention
+            attention_impl=attention, quant_matmul=product
         ) if topology.paged_prefill else None
         if caching and p.prefill_cache is not None and c.prefill_host_cache_gb > 0:
-            # Its own journal-less store: the router ranks prefill workers by pool pages.
+            # Advertised like the decode side's: the router ranks prefill workers by the
+            # tokens each would compute, counting what its host tier can restore.
             p.prefill_cache.attach_host(HostTier(
-                p.prefill_cache, HostStore(int(c.prefill_host_cache_gb * 2**30)),
+                p.prefill_cache, HostStore(int(c.prefill_host_cache_gb * 2**30),
+                                           self.cache_journal),
                 c.pages_per_slot, self.counters, counts="prefill_host_tier"))
         p.prefill_loop = PrefillLoop(p.prefill_runner, p.prefill_scheduler, sender,
                                      self.requests, self.requests.prefill_inbox, c.page_size,
@@ -354,7 +371,8 @@ class Engine:
                 expected_below=None if every else max(c.prefix_extend_below, c.local_prefill_below),
                 expects_fresh=every or c.local_prefill_below > 0,
                 chunk_tokens=c.chunked_prefill_tokens if topology.chunked_in_slots else None,
-                host=p.host_tier)
+                host=p.host_tier,
+                reroute=self.requests.prefill_instead if topology.prefill_loop else None)
         p.decode_loop = DecodeLoop(runner, scheduler, queues, self.requests, self.counters,
                                    c.pages_per_slot, c.decode_context_step,
                                    by_length=attention != "reference", extend=extend)
@@ -462,6 +480,12 @@ class Engine:
         cache = self.prefill_cache.allocator if self.prefill_cache is not None else None
         counts["prefix_evictions"] = sum(a.num_evictions for a in allocators) + (
             cache.num_evictions if cache is not None else 0)
+        host = self.host_tier.store if self.host_tier is not None else None
+        prefill_tier = self.prefill_cache.host if self.prefill_cache is not None else None
+        prefill_host = prefill_tier.store if prefill_tier is not None else None
+        counts["host_tier_evicted_pages"] = host.num_evicted if host is not None else 0
+        counts["prefill_host_tier_evicted_pages"] = \
+            prefill_host.num_evicted if prefill_host is not None else 0
         return EngineStats(
             mesh=str(self.config.mesh), compiled_programs=self.counter.counts(),
             num_compiled_programs=self.counter.total, **counts,
@@ -470,8 +494,10 @@ class Engine:
             pages_used=sum(a.num_used for a in allocators),
             pages_cached=sum(a.num_cached_free for a in allocators),
             prefill_pages_cached=cache.num_cached_free if cache is not None else 0,
-            host_tier_pages=len(self.host_tier.store) if self.host_tier is not None else 0,
-            host_tier_bytes=self.host_tier.store.num_bytes if self.host_tier is not None else 0,
+            host_tier_pages=len(host) if host is not None else 0,
+            host_tier_bytes=host.num_bytes if host is not None else 0,
+            prefill_host_tier_pages=len(prefill_host) if prefill_host is not None else 0,
+            prefill_host_tier_bytes=prefill_host.num_bytes if prefill_host is not None else 0,
             queue_waiting=self.requests.num_waiting(), prefill_devices=spec.prefill_tp,
             decode_devices=spec.decode_dp * spec.decode_tp)
 

@@ -62,21 +62,20 @@ def decode_experts(rules, native=None):
     """The `experts` callable (`moe.grouped_experts`'s signature) for a program run
     inside a decode mesh's dp `shard_map`, its params split by `param_specs`:
     expert-parallel over the axes `experts` maps to; the plain grouped matmuls when
-    experts are not split. `native`: the product of quantized weights the mesh runs
-    (`models.quant.native_matmul`, only where there is no tp) or None."""
+    experts are not split. The callable takes the product of quantized weights each
+    call (`native`, as `moe.grouped_experts`); `native` here is the one the mesh's
+    programs pass (`models.quant.native_matmul`) or None, refused where experts split
+    over tp."""
     axes = _axes(rules)
-    if native is not None:
-        grouped = functools.partial(grouped_experts, native=native)
-        if "tp" in axes:
-            raise ValueError("the native product of quantized weights is opaque to GSPMD: "
-                             "it cannot serve experts split over tp")
-    else:
-        grouped = grouped_experts
+    if native is not None and "tp" in axes:
+        raise ValueError("the native product of quantized weights is opaque to GSPMD: "
+                         "it cannot serve experts split over tp")
     if not axes:
-        return grouped
+        return grouped_experts
     over_dp, over_tp = "dp" in axes, "tp" in axes
 
-    def parallel(x, ids, weights, w_gate, w_up, w_down, first_expert=0, activation="silu"):
+    def parallel(x, ids, weights, w_gate, w_up, w_down, first_expert=0, activation="silu",
+                 native=None):
         first = 0
         if over_dp:     # this shard holds experts [dp_index * E', (dp_index + 1) * E')
             first = jax.lax.axis_index("dp") * num_held(w_gate)
@@ -90,7 +89,8 @@ def decode_experts(rules, native=None):
                             in_specs=(whole, whole, whole, split, split, split, whole),
                             out_specs=whole)(x, ids, weights, w_gate, w_up, w_down, first)
         else:
-            out = grouped(x, ids, weights, w_gate, w_up, w_down, first, activation)
+            out = grouped_experts(x, ids, weights, w_gate, w_up, w_down, first, activation,
+                                  native)
         if over_dp:
             out = jax.lax.psum_scatter(out, "dp", scatter_dimension=0, tiled=True)
         return out
@@ -115,7 +115,9 @@ def held_experts(rules, mesh):
         return grouped_experts
     split, whole = P(axes), P()
 
-    def parallel(x, ids, weights, w_gate, w_up, w_down, first_expert=0, activation="silu"):
+    def parallel(x, ids, weights, w_gate, w_up, w_down, first_expert=0, activation="silu",
+                 native=None):
+        # `native` is None here: the program runs under GSPMD, where the product is opaque.
         return shard_map(functools.partial(_own_experts, axes, mesh.shape, activation),
                          mesh=mesh, in_specs=(whole,) * 3 + (split,) * 3 + (whole,),
                          out_specs=whole, check_vma=False)(

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import queue
 import time
+from typing import Callable
 
 import jax
 import numpy as np
@@ -62,16 +63,19 @@ class ExtendLoop:
     `expects_fresh`: requests may come with nothing cached (else warm-up compiles only
     programs with a prefix). `chunk_tokens`: a request computes at most this many
     tokens per call (a bucket; `max_tokens` is then at most it), None: all at once.
-    `host`: the pool's host tier, whose pages a request's prefix may continue in."""
+    `host`: the pool's host tier, whose pages a request's prefix may continue in.
+    `reroute`: where a request goes whose call would need a program still compiling
+    in the background (the prefill mesh beside a `lazy` loop; see `_admit`)."""
 
     def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler,
                  inbox: queue.SimpleQueue, stats: StatsCounter, buckets: list[int],
                  max_batch: int, max_tokens: int, max_pages_per_slot: int, context_step: int,
                  expected_below: int | None = None,
                  expects_fresh: bool = True, chunk_tokens: int | None = None,
-                 host: HostTier | None = None):
+                 host: HostTier | None = None,
+                 reroute: Callable[[Request], None] | None = None):
         self.runner, self.scheduler, self.inbox, self.stats = runner, scheduler, inbox, stats
-        self.host = host
+        self.host, self.reroute = host, reroute
         if chunk_tokens is not None:
             if chunk_tokens not in buckets:
                 raise ValueError(f"chunk_tokens={chunk_tokens} is not a bucket of {buckets}")
@@ -207,6 +211,18 @@ class ExtendLoop:
             row = _Row(slot, r, cached, self._count(r, cached))
             if not self._fits(batch + admitted, row):
                 break
+            if not self._compiled(batch + admitted + [row]):
+                if batch or admitted:
+                    break                      # it leads the next call, alone
+                # Its prefix is not what routing saw (evicted meanwhile, or the host
+                # tier holds less): its own program is still compiling. The prefill
+                # mesh serves it instead, so no call here compiles.
+                self.runner.extend_ready(*self._shape([row]))
+                self.waiting.popleft()
+                r.kv_skip_pages = 0 if r.kv_skip_missed else len(shared)
+                self.stats.add(extend_cold_requests=1)
+                self.reroute(r)
+                continue
             self.waiting.popleft()
             if not r.transition(State.PREFILLING):
                 continue                       # aborted since it was queued
@@ -232,14 +248,29 @@ class ExtendLoop:
     def _padded(self, n: int) -> int:
         return next(s for s in self.batch_sizes if s >= n)
 
+    def _shape(self, batch: list[_Row]) -> tuple[int, int, int]:
+        """The program a call of `batch` runs: (rows, new-token length, prefix width)."""
+        per_shard = collections.Counter(self.scheduler.shard_of(row.slot) for row in batch)
+        return (self.scheduler.num_shards * self._padded(max(per_shard.values())),
+                self.bucket_for(max(row.count for row in batch)),
+                self.width(max(row.start for row in batch) // self.scheduler.page_size))
+
+    def _compiled(self, batch: list[_Row]) -> bool:
+        """Whether a call of `batch` runs on a compiled program: always unless `lazy`
+        (warm-up compiled every one) or nowhere to send a request instead; else a
+        program without a prefix of a warm bucket, or one compiled in the background."""
+        if not self.lazy or self.reroute is None:
+            return True
+        rows, length, width = self._shape(batch)
+        if width == 0 and self.expects_fresh and length in self.warm_buckets:
+            return True
+        return self.runner.extend_compiled(rows, length, width)
+
     def _run(self, batch: list[_Row]) -> list[tuple[int, Request, int]]:
         sched = self.scheduler
-        per_shard = collections.Counter(sched.shard_of(row.slot) for row in batch)
-        r_pad = self._padded(max(per_shard.values()))
-        length = self.bucket_for(max(row.count for row in batch))
+        rows, length, width = self._shape(batch)
+        r_pad = rows // sched.num_shards
         page_size = sched.page_size
-        width = self.width(max(row.start for row in batch) // page_size)
-        rows = sched.num_shards * r_pad
         tokens = np.zeros((rows, length), np.int32)
         starts = np.zeros(rows, np.int32)
         lengths = np.ones(rows, np.int32)      # padding rows: one token, to the null page

@@ -12,7 +12,8 @@ there from its next token without a prefill.
    and it leaves this engine's registry: from here it lives where its handoff lands.
 3. **Resume.** The threads start again; the pause is one gather per request.
 
-The handoff carries the request's wire form up to its KV (`Request.to_wire`): prompt,
+The handoff carries the request's wire form up to its KV (`Request.to_wire`, marked
+`moved`, so that the receiver counts a failure as a failed migration): prompt,
 output so far, seed, sampling parameters, stop ids, the last token's log-probabilities.
 That is the whole sampling state: the sampler's key for a token depends only on the
 seed and the token's position, penalties are recounted from prompt + output when the
@@ -31,6 +32,8 @@ from jaxpd.request import Request, State
 from jaxpd.transfer.connector import KVHandoff
 
 _log = logging.getLogger(__name__)
+
+MOVED = "moved"         # a migration handoff's wire form says so
 
 
 @dataclasses.dataclass
@@ -89,6 +92,12 @@ def _cut(engine, request_ids: set[str] | None) -> list[Migrant]:
         sched.release(slot)
         engine.requests.forget(r)
         migrants.append(Migrant(r, KVHandoff(
-            r.request_id, n, r.output_ids[-1], k, v, r.to_wire(num_tokens=n),
+            r.request_id, n, r.output_ids[-1], k, v, {**r.to_wire(num_tokens=n), MOVED: True},
             fingerprint=engine.fingerprint)))
     return migrants
+
+
+def moved(payload) -> bool:
+    """Whether a handoff's wire form says it comes from another decode worker's pool
+    (a migration; only what the receiver counts a failure as depends on it)."""
+    return isinstance(payload, dict) and payload.get(MOVED) is True

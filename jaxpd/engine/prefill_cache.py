@@ -36,6 +36,7 @@ Nothing here is thread-safe: the prefill loop's thread alone calls it.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -109,12 +110,13 @@ class PrefillCache:
     `root`: the hash chain's root (`Engine._prefix_root`); `journal`: where publishes
     and evictions are noted for the router. `root` None: a pool without reuse (prefix
     caching off): every batch and chunk still computes into its pages, released after
-    the handoff, but nothing is shared or published."""
+    the handoff, but nothing is shared or published. `quant_matmul`: as `PrefillRunner`'s."""
 
     def __init__(self, cfg: ModelConfig, params, mesh: Mesh, rules, num_pages: int,
                  page_size: int, max_pages: int, root: bytes, counter: CompileCounter,
                  dtype=jnp.float32, fused: bool = False, name: str = "prefill_cached",
-                 journal: CacheJournal | None = None, attention_impl: str = "reference"):
+                 journal: CacheJournal | None = None, attention_impl: str = "reference",
+                 quant_matmul: Callable | None = None):
         self.cfg, self.params, self.page_size, self.max_pages = cfg, params, page_size, max_pages
         self.root, self.counter, self.name = root, counter, name
         self.reuse = root is not None
@@ -127,7 +129,7 @@ class PrefillCache:
         self.k_pool, self.v_pool = zeros(), zeros()
         attention = prefill_attention(attention_impl, mesh, rules, cfg.head_dim)
         self.kernel = prefill_kernel(attention)
-        model = Llama(cfg, dtype, fused, prefill_attention=attention)
+        model = Llama(cfg, dtype, fused, prefill_attention=attention, qmatmul=quant_matmul)
 
         def extend(params, k_pool, v_pool, tokens, starts, lengths, prefix_tables, new_tables,
                    sampling):

@@ -148,6 +148,12 @@ class Requests:
         self._route(request)
         return True
 
+    def prefill_instead(self, request: Request) -> None:
+        """A waiting request the decode mesh was to prefill with its cached prefix goes
+        through the prefill mesh instead (`ExtendLoop`)."""
+        self.prefill_inbox.put(request)
+        self.wake.set()
+
     def handed_off(self, request: Request) -> None:
         """Its KV left for another process: the request lives on there."""
         if self.remote_decode:

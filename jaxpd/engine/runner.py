@@ -76,6 +76,8 @@ class CompileCounter:
 
 class PrefillRunner:
     """`fused`: `params` are `fuse_params`'s tree (`place_params` says which).
+    `quant_matmul`: the product of quantized weights (`models.quant.native_dot`) where
+    the params hold them and a native product serves, else None.
     `gather_pages`: cut pages come out replicated over the mesh rather than split over
     its kv heads, so one process of a mesh spanning several holds them whole (the
     leader of `engine.multihost`, which sends them on)."""
@@ -83,15 +85,17 @@ class PrefillRunner:
     def __init__(self, cfg: ModelConfig, params, mesh: Mesh, rules, page_size: int,
                  counter: CompileCounter, dtype=jnp.float32, name: str = "prefill",
                  fused: bool = False, gather_pages: bool = False,
-                 attention_impl: str = "reference"):
+                 attention_impl: str = "reference", quant_matmul: Callable | None = None):
         self.cfg, self.params, self.mesh, self.page_size = cfg, params, mesh, page_size
+        self.quant_matmul = quant_matmul
         self.counter, self.name = counter, name
         self._unstacked = None
         attention = prefill_attention(attention_impl, mesh, rules, cfg.head_dim)
         self.kernel = prefill_kernel(attention)
         # On a decode mesh (its own prefills) experts stay where its rules split them.
         experts = held_experts(rules, mesh)
-        model = Llama(cfg, dtype, fused, prefill_attention=attention, experts=experts)
+        model = Llama(cfg, dtype, fused, prefill_attention=attention, experts=experts,
+                      qmatmul=quant_matmul)
         replicated = NamedSharding(mesh, P())
 
         def first_token(logits, tokens, lengths, sampling):
@@ -502,6 +506,12 @@ class DecodeRunner:
             self.extend_compiler.anticipate(
                 ((rows, length), (rows, width)),
                 lambda r=rows, t=length, w=width: self._lower_extend(r, t, w))
+
+    def extend_compiled(self, rows: int, length: int, width: int) -> bool:
+        """Whether `extend` of this shape runs a program compiled in the background
+        (before `start_background_extend`: always); asks for nothing."""
+        return self.extend_compiler is None or \
+            self.extend_compiler.get(((rows, length), (rows, width))) is not None
 
     def _lower_extend(self, rows: int, length: int, width: int):
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731

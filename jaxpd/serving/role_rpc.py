@@ -197,6 +197,16 @@ def check_load(d: Any) -> dict[str, int]:
     return load
 
 
+def check_move_failure(value: Any) -> str:
+    """A Decode event's "migration_failed": why the migration that was to bring the
+    request's KV failed (printable text of at most `MAX_REASON_LEN` characters)."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_REASON_LEN or \
+            not value.isprintable():
+        raise ValueError(f"migration_failed must be printable text of at most "
+                         f"{MAX_REASON_LEN} characters")
+    return value
+
+
 def check_draining(value: Any) -> str | None:
     """A heartbeat's "draining": None, or why the worker takes no new request
     (printable text of at most `MAX_REASON_LEN` characters)."""

@@ -165,6 +165,7 @@ class RoleService:
         local = bool(msg.get("local"))
         r = self._request(msg, State.WAITING if local else State.TRANSFERRING)
         sent = len(r.output_ids)            # tokens the router holds already (a failover)
+        told_move_failure = False
         outputs = self._outputs(r)
         if local:
             self._submit(r)
@@ -188,8 +189,14 @@ class RoleService:
             if finish == MIGRATING:         # it moves on with its KV (`Migrate`)
                 yield {"migrating": True}
                 return
-            yield {"token_ids": ids, "finish": finish, "abort_reason": r.abort_reason,
-                   **_logprobs_of(r, sent, len(ids))}
+            event = {"token_ids": ids, "finish": finish, "abort_reason": r.abort_reason,
+                     **_logprobs_of(r, sent, len(ids))}
+            if r.move_failure is not None and not told_move_failure:
+                # Its KV was to come from a drained decode worker and did not: it was
+                # prefilled again here (the router counts the failed move).
+                event["migration_failed"] = _printable(r.move_failure, MAX_REASON_LEN)
+                told_move_failure = True
+            yield event
             sent += len(ids)
             if finish is not None:
                 return
@@ -318,6 +325,11 @@ def _logprobs_of(r: Request, start: int, count: int) -> dict:
     if r.logprobs is None:
         return {}
     return {"logprobs": r.logprobs[start:start + count]}
+
+
+def _printable(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters, anything unprintable replaced."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit]) or "?"
 
 
 def _describe(e: Exception) -> str:

@@ -105,6 +105,7 @@ class Router(Frontend):
         self._closed = threading.Event()
         self.counters = StatsCounter(("requests_submitted", "finished", "aborted",
                                       "decode_failovers", "migrations", "migration_fallbacks",
+                                      "migration_failures",
                                       "prefill_failovers", "decode_prefills", "workers_dropped",
                                       "prefix_routed", "prefix_host_routed", "resplits",
                                       "split_vetoes"))

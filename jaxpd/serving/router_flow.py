@@ -20,7 +20,7 @@ import grpc
 from jaxpd.request import Request, State
 from jaxpd.auth import InternalAuth
 from jaxpd.serving.prefix_index import PrefixIndex, PrefixQuery
-from jaxpd.serving.role_rpc import AsyncRoleClient, check_tokens
+from jaxpd.serving.role_rpc import AsyncRoleClient, check_move_failure, check_tokens
 from jaxpd.serving.router_config import RouterConfig
 from jaxpd.serving.worker_pool import Call, Worker, WorkerPool
 from jaxpd.stats import StatsCounter
@@ -85,6 +85,7 @@ class RequestFlow:
         tried: set[str] = set()
         query = self.prefix.query(r.prefill_ids) if self.prefix is not None else None
         source: Worker | None = None    # a draining decode worker holding r's KV for us
+        moved_from: Worker | None = None   # the one that sent it to the decoder now
         model = self.workers.serving_model()
         while not r.is_final:
             decoders = [] if model is None else self.workers.live("decode", tried, model)
@@ -108,7 +109,10 @@ class RequestFlow:
                 if not r.is_final:
                     call.last_seen = None                      # not read while prefilling
                     moved_from, source = source, None
-                    if moved_from is not None and await self._migrate(r, moved_from, decoder):
+                    if moved_from is not None and \
+                            not await self._migrate(r, moved_from, decoder):
+                        moved_from = None                      # prefilled again, below
+                    if moved_from is not None:
                         pass                                   # its KV is on its way there
                     elif restorable and \
                             r.num_tokens - restorable < self.config.prefix_extend_below:
@@ -132,6 +136,11 @@ class RequestFlow:
                     call.last_seen = time.monotonic()
                     if isinstance(event, dict) and event.get("migrating") is True:
                         raise _Migrating()
+                    if isinstance(event, dict) and "migration_failed" in event and \
+                            moved_from is not None:
+                        self._move_failed(r, moved_from, decoder,
+                                          check_move_failure(event["migration_failed"]))
+                        moved_from = None
                     if self.relay(r, event):
                         if self.prefix is not None and r.state is State.FINISHED:
                             # KV is written for all of it but the last token.
@@ -184,6 +193,15 @@ class RequestFlow:
         self.counters.add(migrations=1)
         return True
 
+    def _move_failed(self, r: Request, source: Worker, target: Worker, why: str) -> None:
+        """`target` says the KV `source` sent it for `r` did not land (`why`), and it
+        prefilled `r` again itself: a failed migration, counted apart from a move the
+        source could not send (`migration_fallbacks`)."""
+        _log.warning("moving %s from %s to %s failed after its KV was sent (%s); %s "
+                     "prefilled it again", r.request_id, source.address, target.address, why,
+                     target.address)
+        self.counters.add(migration_failures=1)
+
     def choose_decoder(self, decoders: list[Worker], query: PrefixQuery | None
                        ) -> tuple[Worker, int, int]:
         """The least loaded decode worker, unless one believed to hold a prefix of the
@@ -207,17 +225,19 @@ class RequestFlow:
                       ) -> list[Worker]:
         """Prefill workers of `decoder`'s fingerprint (another model's KV would be
         meaningless there), cheapest first: the tokens each would compute (all but the
-        prefix its cache is believed to hold, `prefix_index`) plus its queue, counted in
-        requests of this one's length (Dynamo's "blocks to compute + load"). Without
-        prefix routing, the least loaded first."""
+        prefix its cache is believed to hold, `prefix_index`, counting what its host tier
+        can restore) plus its queue, counted in requests of this one's length (Dynamo's
+        "blocks to compute + load"); of two that compute as much, the one holding more in
+        its pool (a restore is a copy). Without prefix routing, the least loaded first."""
         workers = self.workers.live("prefill", model=decoder.info.model)
         if query is None:
             return sorted(workers, key=lambda w: w.load["queue"] + w.num_calls)
         n = r.num_tokens
 
-        def cost(w: Worker) -> int:
+        def cost(w: Worker) -> tuple[int, int]:
             cached = min(self.prefix.cached_tokens(w.address, query), n - 1)
-            return n - cached + (w.load["queue"] + w.num_calls) * n
+            restorable = min(max(cached, self.prefix.restorable_tokens(w.address, query)), n - 1)
+            return n - restorable + (w.load["queue"] + w.num_calls) * n, -cached
         return sorted(workers, key=cost)
 
     async def _prefill(self, r: Request, decoder: Worker, query: PrefixQuery | None) -> None:

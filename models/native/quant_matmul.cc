@@ -4,13 +4,7 @@
 // each weight byte from memory once, so a batch of M rows costs little more than the
 // products of M rows.
 //
-// Formats (attr `fmt`), per row of W:
-//   0 int8:  data int8 [O, I], scale float32 [O, 1]: w = q * scale (scale applied once
-//            to the row's sum).
-//   1 q8_0:  data int8 [O, I], scale float16 [O, I/32]: w = q * d.
-//   2 q4_0:  data uint8 [O, I/2], scale float16 [O, I/32]: w = (q - 8) * d.
-//   3 q4_1:  as q4_0, and min float16 [O, I/32]: w = q * d + m.
-// A nibble block's byte j holds element j (low 4 bits) and element j + 16 (high).
+// Formats: quant_common.h.
 // Every dequantized element is exactly the float32 the jnp form computes (q * d is
 // exact in float32 for these widths, and q * d + m is rounded once either way), so the
 // two differ only in summation order.
@@ -28,56 +22,17 @@
 #include <cstring>
 #include <vector>
 
-#include "common.h"
-
-#if defined(__F16C__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "quant_common.h"
 
 namespace jaxpd_native {
 namespace {
 
-constexpr int64_t kBlock = 32;
+constexpr int64_t kBlock = kQuantBlock;
 constexpr int64_t kRowTile = 4;    // rows of W per tile: what tasks are made of
 
-inline float HalfToFloat(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {   // subnormal: renormalize
-      int e = -1;
-      uint32_t m = man;
-      do { ++e; m <<= 1; } while (!(m & 0x400u));
-      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ffu) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  }
-  return __builtin_bit_cast(float, bits);
-#endif
-}
-
-struct Problem {
+struct Problem : QuantOperands {
   const float* x;        // [M, I]
-  const uint8_t* data;   // row stride `row_bytes`
-  const void* scale;     // [O, nb]
-  const uint16_t* min;   // [O, nb] (q4_1)
   float* out;            // [M, O]
-  int64_t M, I, O, nb, row_bytes, fmt;
-
-  float RowScale(int64_t o) const {   // int8's per-row scale, applied to the sum
-    return fmt == 0 ? static_cast<const float*>(scale)[o] : 1.0f;
-  }
-  float BlockScale(int64_t o, int64_t b) const {
-    return HalfToFloat(static_cast<const uint16_t*>(scale)[o * nb + b]);
-  }
 };
 
 #if defined(__AVX512F__)
@@ -112,21 +67,6 @@ inline void Dequant512(const Problem& p, int64_t o, int64_t b, __m512& lo, __m51
     lo = _mm512_permutexvar_ps(idx, table);
     hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
   }
-}
-
-// The sums of four vectors' lanes, in order.
-inline __m128 Sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  // 128-bit lanes: ab = (a0 + a2, a1 + a3, b0 + b2, b1 + b3), cd alike.
-  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44),
-                                  _mm512_shuffle_f32x4(a, b, 0xEE));
-  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44),
-                                  _mm512_shuffle_f32x4(c, d, 0xEE));
-  // 128-bit lane k now holds four partial sums of the k-th vector.
-  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88),
-                                    _mm512_shuffle_f32x4(ab, cd, 0xDD));
-  const __m128 l01 = _mm_hadd_ps(_mm512_castps512_ps128(abcd), _mm512_extractf32x4_ps(abcd, 1));
-  const __m128 l23 = _mm_hadd_ps(_mm512_extractf32x4_ps(abcd, 2), _mm512_extractf32x4_ps(abcd, 3));
-  return _mm_hadd_ps(l01, l23);
 }
 
 // out[m0 + t, o0 + r * stride] = sum of acc[r][t]'s lanes (times int8's row scale).
@@ -314,47 +254,11 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
                        ffi::AnyBuffer scale, ffi::AnyBuffer min,
                        ffi::Buffer<ffi::S32> layer_index, int64_t fmt,
                        ffi::ResultBuffer<ffi::F32> out) {
-  // data, scale and min are [O, *] or, for a run of stacked layers, [L, O, *]: then the
-  // product uses layer `layer_index` (an operand, so a scan over layers passes its
-  // counter and no layer's weight is copied out of the stack).
-  const auto xd = x.dimensions();
-  const auto dd = data.dimensions();
-  const auto sd = scale.dimensions();
-  const size_t rank = dd.size();
-  if (xd.size() != 2 || (rank != 2 && rank != 3) || sd.size() != rank ||
-      layer_index.element_count() != 1)
-    return ffi::Error::InvalidArgument("quant_matmul: x [M, I], data [(L,) O, I'], "
-                                       "scale [(L,) O, nb], one layer");
-  const int64_t L = rank == 3 ? dd[0] : 1;
-  const int64_t layer = layer_index.typed_data()[0];
-  const size_t r = rank - 2;   // the first per-layer dim
-  if (layer < 0 || layer >= L || (rank == 3 && sd[0] != L))
-    return ffi::Error::InvalidArgument("quant_matmul: layer out of range");
   Problem p{};
-  p.M = xd[0];
-  p.I = xd[1];
-  p.O = dd[r];
-  p.nb = sd[r + 1];
-  p.fmt = fmt;
-  if (fmt < 0 || fmt > 3 || p.I % kBlock || sd[r] != p.O)
-    return ffi::Error::InvalidArgument("quant_matmul: unknown format or shapes");
-  const bool nibbles = fmt >= 2;
-  const int64_t want_cols = nibbles ? p.I / 2 : p.I;
-  const int64_t want_nb = fmt == 0 ? 1 : p.I / kBlock;
-  const auto want_data = nibbles ? ffi::DataType::U8 : ffi::DataType::S8;
-  const auto want_scale = fmt == 0 ? ffi::DataType::F32 : ffi::DataType::F16;
-  // Every extent is checked against x's: the loops below never index past a buffer.
-  if (dd[r + 1] != want_cols || p.nb != want_nb || data.element_type() != want_data ||
-      scale.element_type() != want_scale)
-    return ffi::Error::InvalidArgument("quant_matmul: data or scale do not fit x and fmt");
-  const int64_t scale_bytes = fmt == 0 ? 4 : 2;
-  if (fmt == 3) {
-    const auto md = min.dimensions();
-    if (md.size() != rank || md[r] != p.O || md[r + 1] != p.nb || (rank == 3 && md[0] != L) ||
-        min.element_type() != ffi::DataType::F16)
-      return ffi::Error::InvalidArgument("quant_matmul: q4_1 needs min [(L,) O, nb] float16");
-    p.min = static_cast<const uint16_t*>(min.untyped_data()) + layer * p.O * p.nb;
-  }
+  if (ffi::Error e = ParseQuantOperands("quant_matmul", x.dimensions(), data, scale, min,
+                                        layer_index, fmt, &p);
+      e.failure())
+    return e;
   p.x = x.typed_data();
   // x's vectors are loaded whole from every row of x, once per tile of W: where x does
   // not start on a 32-byte boundary each load straddles two, so x is copied to one that
@@ -367,10 +271,7 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
     std::memcpy(start, p.x, sizeof(float) * p.M * p.I);
     p.x = start;
   }
-  p.data = static_cast<const uint8_t*>(data.untyped_data()) + layer * p.O * want_cols;
-  p.scale = static_cast<const uint8_t*>(scale.untyped_data()) + layer * p.O * p.nb * scale_bytes;
   p.out = out->typed_data();
-  p.row_bytes = want_cols;
   // Tasks of whole tiles of rows, two per thread: a thread that starts late still finds
   // work, and each task's streams through W stay long (shorter ones, from more tasks,
   // leave the hardware prefetchers less to follow).

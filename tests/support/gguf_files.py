@@ -213,3 +213,16 @@ def converter_metadata(hf_cfg, arch: str) -> dict:
         extra[f"{arch}.expert_shared_feed_forward_length"] = int(
             get("shared_expert_intermediate_size"))
     return extra
+
+
+def random_k_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
+    """Random K-quant blocks with small f16 scales (random bytes there could be inf)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    # Byte offsets of the f16 super-block scales: d and dmin first, or d last (Q6_K).
+    offsets = (size - 2,) if qtype == gguf.GGMLQuantizationType.Q6_K else (0, 2)
+    scale = 3e-5 if qtype == gguf.GGMLQuantizationType.Q6_K else 2e-4
+    for off in offsets:
+        blocks[:, off:off + 2] = rng.uniform(scale / 2, scale, len(blocks)).astype(np.float16) \
+            .view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, cols // block * size)

@@ -38,3 +38,19 @@ def dispatched(params, rules, mesh, names, x, ids, weights):
     return jax.jit(shard_map(body, mesh=mesh, axis_names={"dp"},
                              in_specs=(param_specs(params, rules), P("dp"), P("dp"), P("dp")),
                              out_specs=P("dp")))(params, x, ids, weights)
+
+
+def experts_reference(x, ids, weights, w_gate, w_up, w_down, first_expert: int = 0):
+    """`models.moe.grouped_experts` pair by pair in float64 numpy (silu experts): the
+    sum over k of weights[t, k] * expert ids[t, k](x[t]), for the experts
+    `first_expert` .. `first_expert + E - 1` only."""
+    x, ids, weights = (np.asarray(a, np.float64) for a in (x, ids, weights))
+    w_gate, w_up, w_down = (np.asarray(a, np.float64) for a in (w_gate, w_up, w_down))
+    out = np.zeros_like(x)
+    for t, k in np.ndindex(*ids.shape):
+        e = int(ids[t, k]) - first_expert
+        if 0 <= e < w_gate.shape[0]:
+            gate = x[t] @ w_gate[e]
+            hidden = gate / (1 + np.exp(-gate)) * (x[t] @ w_up[e])
+            out[t] += weights[t, k] * (hidden @ w_down[e])
+    return out

@@ -1,0 +1,38 @@
+"""Quantized weights of random blocks, and the native products called directly, for
+tests of `models.quant`'s kernels."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpd.models import quant
+
+
+def random_blocks(fmt: str, rows: int, cols: int, rng) -> quant.QuantizedWeight:
+    """A [cols -> rows] weight of random blocks in a GGUF format, small float16 scales."""
+    size = {"q8_0": 34, "q4_0": 18, "q4_1": 20}[fmt]
+    raw = rng.integers(0, 256, size=(rows, cols // 32, size), dtype=np.uint8)
+    raw[:, :, 0:2] = rng.uniform(0.005, 0.02, (rows, cols // 32, 1)).astype(np.float16).view(np.uint8)
+    if fmt == "q4_1":
+        raw[:, :, 2:4] = rng.uniform(-0.1, 0.0, (rows, cols // 32, 1)).astype(np.float16).view(np.uint8)
+    parts = quant.from_gguf_rows(raw.reshape(-1), fmt, rows, cols, "w")
+    return quant.QuantizedWeight(*(None if a is None else jnp.asarray(a) for a in parts),
+                                 fmt=fmt, float_shape=(cols, rows), in_dims=(0,))
+
+
+def random_weight(fmt: str, rows: int, cols: int, rng) -> quant.QuantizedWeight:
+    """`random_blocks`, or for `int8` a random float weight quantized per channel."""
+    if fmt == "int8":
+        return quant.quantize_int8(rng.normal(size=(cols, rows)).astype(np.float32), (0,))
+    return random_blocks(fmt, rows, cols, rng)
+
+
+def kernel_call(target: str):
+    """x @ w through the native kernel registered as `target` (either product's FFI
+    signature), at any number of rows."""
+    def call(x, w):
+        o = int(np.prod(w.out_shape))
+        low = w.min if w.min is not None else w.scale
+        fn = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], o), jnp.float32))
+        return fn(x, w.data.reshape(o, -1), w.scale.reshape(o, -1), low.reshape(o, -1),
+                  jnp.int32(0), fmt=quant._FMT_CODES[w.fmt])
+    return call
