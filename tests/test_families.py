@@ -112,6 +112,7 @@ def test_decode_mesh_prefills_short_prompts_of_a_mixture(hf_models):
         assert_all_pages_free(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_num_params_counts_every_weight_and_active_ones_per_token(hf_models, name):
     import jax
@@ -211,6 +212,7 @@ def test_bad_routing_config_names_the_field():
         ModelConfig.from_hf_dict(base)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp,tp,num_experts,axis", [
     (2, 2, 8, ("dp", "tp")), (2, 2, 2, "tp"), (4, 1, 4, "dp"), (1, 4, 8, "tp"),
     (2, 2, 3, None)])
@@ -315,6 +317,7 @@ def test_decode_mesh_prefill_runs_experts_where_they_lie():
     assert collectives == ["all-reduce"] * cfg.num_layers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (40, 3.0), (300, None)])
 def test_windowed_attention_with_a_prefix_equals_one_masked_softmax(window, softcap):
     """The reference cores' window and softcap against a direct masked softmax over the
