@@ -619,9 +619,10 @@ def test_programs_with_a_prefix_compile_in_the_background_after_warmup(tiny_hf_m
     through the prefill mesh), or through the prefill mesh instead of the decode mesh's
     prefill with context (256) -- and asks for it in the background; the same kind of
     turn in the next chat, once it is compiled, uses it. Same greedy tokens as
-    transformers throughout, and nothing compiles on a serving thread. Programs of a
-    prefix of at most a quarter of the context are compiled right after warm-up,
-    before any turn asks (`likely_prefix_shapes`): such a turn's first repeat pays."""
+    transformers throughout, and nothing compiles on a serving thread. The narrowest
+    programs of a prefix of at most a quarter of the context are compiled right after
+    warm-up, before any turn asks (`likely_prefix_shapes`): such a turn's first repeat
+    pays."""
     path, hf_model = tiny_hf_model
     rng = np.random.default_rng(12)
     with LLM(path, mesh="prefill=1,decode=1", max_model_len=128, page_size=8,

@@ -283,6 +283,10 @@ def _extend_shapes(loop) -> list[tuple[int, int, int]]:
     return sorted(shapes)
 
 
+# The most programs with a prefix queued after warm-up, per runner (`likely_prefix_shapes`).
+LIKELY_PROGRAMS = 16
+
+
 def likely_prefix_shapes(engine) -> tuple[list[tuple[int, int, int]],
                                           list[tuple[int, int, int]]]:
     """The programs with a cached prefix that warm-up leaves to the background and a
@@ -293,7 +297,9 @@ def likely_prefix_shapes(engine) -> tuple[list[tuple[int, int, int]],
     the rest compile on demand. Within a width, the prefill cache's come by fewer rows
     (batches grow with the load), then fewer new tokens; the extend loop's by fewer new
     tokens, with every row count together (a request goes there only once all of its
-    row counts are compiled: `ExtendLoop.ready_for`)."""
+    row counts are compiled: `ExtendLoop.ready_for`). At most `LIKELY_PROGRAMS` of
+    each: every one takes a core while it compiles and holds its executable's memory
+    after, beside a serving engine."""
     config = engine.config
 
     def likely(shape):
@@ -308,4 +314,4 @@ def likely_prefix_shapes(engine) -> tuple[list[tuple[int, int, int]],
     if extend is not None and extend.lazy:
         extended = sorted(filter(likely, _extend_shapes(extend)),
                           key=lambda s: (s[2], s[1], s[0]))
-    return cached, extended
+    return cached[:LIKELY_PROGRAMS], extended[:LIKELY_PROGRAMS]
