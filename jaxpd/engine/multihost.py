@@ -44,6 +44,8 @@ _PLAN, _BEAT, _MODEL = "jaxpd/plan/", "jaxpd/beat/", "jaxpd/model"
 # How long a follower waits for its leader's fingerprint: the leader loads the same
 # checkpoint first, and a large one takes minutes to read.
 MODEL_WAIT_S = 600.0
+# How long a leader that refuses a follower lets it print its reason and exit first.
+COMPARED_GRACE_S = 1.0
 _DTYPES = {"int32": np.int32, "float32": np.float32, "bool": np.bool_,
            "bfloat16": ml_dtypes.bfloat16}
 _MAX_ELEMENTS = 1 << 24   # a plan array larger than this is not one we send (pages: their own cap)
@@ -217,9 +219,13 @@ class PlanChannel:
         others = range(1, self.group.num_processes) if self.group.is_leader else (0,)
         for other in others:
             theirs = self._fingerprint_of(other, timeout_s)
+            if not self.group.is_leader:
+                self.client.key_value_set_bytes(f"{_MODEL}/compared/{pid}", b"1",
+                                                allow_overwrite=True)
             if theirs == fingerprint:
                 continue
             if self.group.is_leader:
+                self._await_comparison(other)
                 raise PlanError(
                     f"follower process {other}'s checkpoint differs from this leader's (model "
                     f"fingerprint {theirs[:12]}, the leader's {fingerprint[:12]}): every "
@@ -228,6 +234,18 @@ class PlanChannel:
                 f"refusing to join: this follower's checkpoint differs from its leader's "
                 f"(model fingerprint {fingerprint[:12]}, the leader's {theirs[:12]}): every "
                 f"process of a role must load the same model files")
+
+    def _await_comparison(self, pid: int, timeout_s: float = 10.0) -> None:
+        """A leader that stops takes the coordination service with it, and a follower
+        still connected to it then aborts without saying why: so the leader stops only
+        once the follower has compared too (and is on its way out, naming both), or
+        `timeout_s` after it did not."""
+        try:
+            self.client.blocking_key_value_get_bytes(f"{_MODEL}/compared/{pid}",
+                                                     int(timeout_s * 1000))
+        except Exception:                 # jax's runtime error type moved across versions
+            return
+        time.sleep(COMPARED_GRACE_S)
 
     def _fingerprint_of(self, pid: int, timeout_s: float) -> str:
         try:
