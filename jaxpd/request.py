@@ -157,6 +157,8 @@ class Request:
         # Why the migration that was to bring its KV failed, once one did (a decode
         # worker's Decode stream tells the router).
         self.move_failure: str | None = None
+        # A first token recorded but not yet streamed (`append_token(hold=True)`).
+        self._held: int | None = None
         # Per output token, when params.logprobs is set: (its log-probability, the
         # params.logprobs most likely (token id, log-probability) pairs, best first).
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
@@ -276,10 +278,16 @@ class Request:
         self.state = new
 
     def append_token(self, token: int, now: float,
-                     logprobs: TokenLogprobs | None = None) -> bool:
+                     logprobs: TokenLogprobs | None = None, hold: bool = False) -> bool:
         """Record one generated token (and, when asked for, its log-probabilities); True
         when it ends the request (and it is finished). A request that is already final
         (e.g. aborted meanwhile) takes no more tokens and answers True.
+
+        `hold`: a prefill's first token whose KV still has to reach the decode side.
+        It is recorded (the handoff carries it) but streamed, and timed, only by
+        `release_first_token` once the request decodes, so the stream's second token
+        never waits for the transfer; any later token, finish or abort streams it
+        first. A token that ends the request is never held.
 
         The token, the stop checks and the move to FINISHED, with their events, are one
         step under the request's lock: an `abort` from another thread lands before it
@@ -289,8 +297,9 @@ class Request:
         with self._lock:
             if self.state in FINAL:
                 return True
+            if not self._stream_held(now):
+                return True
             self.output_ids.append(token)
-            self.timings.token_times.append(now)
             if self.logprobs is not None:
                 self.logprobs.append(logprobs if logprobs is not None else (float("nan"), ()))
             reason = None
@@ -300,6 +309,10 @@ class Request:
                 reason = "stop"
             elif len(self.output_ids) >= self.params.max_tokens:
                 reason = "length"
+            if hold and reason is None:
+                self._held = token
+                return False
+            self.timings.token_times.append(now)
             if not self.events.put(([token], None)):
                 self.abort_reason = SLOW_READER
                 self._end(State.ABORTED, "abort", now)
@@ -308,6 +321,25 @@ class Request:
                 return False
             self._end(State.FINISHED, reason, now)
             return True
+
+    def release_first_token(self, now: float) -> None:
+        """Stream the first token `append_token` held: the request decodes now."""
+        with self._lock:
+            if self.state not in FINAL:
+                self._stream_held(now)
+
+    def _stream_held(self, now: float) -> bool:
+        """Stream a held token (caller holds the lock); False when the sink refused it
+        and the request is aborted as a slow reader."""
+        if self._held is None:
+            return True
+        token, self._held = self._held, None
+        self.timings.token_times.append(now)
+        if self.events.put(([token], None)):
+            return True
+        self.abort_reason = SLOW_READER
+        self._end(State.ABORTED, "abort", now)
+        return False
 
     def finish(self, reason: str) -> bool:
         """End the request as its sampler said when the checks here cannot see why
@@ -333,7 +365,11 @@ class Request:
 
     def _end(self, final: State, reason: str, now: float) -> None:
         """Move to a final state and tell the stream (caller holds the lock, so the
-        final event is the last one the stream gets)."""
+        final event is the last one the stream gets; a held token goes before it)."""
+        if self._held is not None:
+            token, self._held = self._held, None
+            self.timings.token_times.append(now)
+            self.events.put(([token], None))
         self._move(final)
         self.finish_reason = reason
         self.timings.finish = now

@@ -99,6 +99,21 @@ def test_stream_deltas_add_up_to_the_completion(llm, tiny):
 
 
 @pytest.mark.slow
+def test_a_handed_off_first_token_streams_once_its_request_decodes(llm, tiny):
+    """The first token of a prompt prefilled on the prefill mesh reaches the stream when
+    its KV is in the decode pool, so its transfer never shows as a gap before the
+    second token. (A prompt no other test sends: a cached prefix would be extended
+    on the decode mesh, with no handoff.)"""
+    _, prompts, _, _ = tiny
+    r = llm.submit(llm.make_request(prompt_token_ids=[t + 1 for t in prompts[5]],
+                                    sampling_params=_greedy(4)))
+    out = llm._wait(r)
+    assert len(out.token_ids) == 4 and r.timings.transfer_bytes > 0
+    assert r.timings.prefill_end <= r.timings.kv_ready == r.timings.token_times[0]
+    assert_all_pages_free(llm)
+
+
+@pytest.mark.slow
 def test_stop_token_ends_with_reason_stop(llm, tiny):
     _, prompts, max_tokens, expected = tiny
     stop = expected[7][4]

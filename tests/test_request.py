@@ -69,3 +69,45 @@ def test_race_abort_during_a_token_that_does_not_end_it_lands_after_it():
     assert r.append_token(43, time.perf_counter())
     assert r.output_ids == [42]
     assert drain(r) == [([42], None), ([], "abort")]
+
+
+def prefilled(max_tokens: int = 8) -> Request:
+    r = Request("r", [1, 2, 3], SamplingParams(max_tokens=max_tokens))
+    assert r.transition(State.PREFILLING)
+    return r
+
+
+def test_a_held_first_token_streams_when_the_request_decodes():
+    """Recorded at once (its handoff carries it), streamed and timed only at release."""
+    r = prefilled()
+    assert not r.append_token(5, 1.0, hold=True)
+    assert r.output_ids == [5] and r.timings.token_times == [] and drain(r) == []
+    assert r.transition(State.TRANSFERRING) and r.transition(State.DECODING)
+    r.release_first_token(2.0)
+    r.release_first_token(3.0)                         # nothing held any more: no-op
+    assert drain(r) == [([5], None)] and r.timings.token_times == [2.0]
+    assert not r.append_token(6, 4.0)
+    assert drain(r) == [([6], None)] and r.timings.token_times == [2.0, 4.0]
+
+
+def test_a_held_first_token_goes_out_before_any_later_event():
+    """A re-prefill's next token, a finish or an abort streams the held token first,
+    so the stream never loses it."""
+    again = prefilled()
+    again.append_token(5, 1.0, hold=True)
+    assert not again.append_token(6, 2.0)
+    assert drain(again) == [([5], None), ([6], None)]
+    assert again.timings.token_times == [2.0, 2.0]
+    for end in (lambda r: r.abort("cancelled"), lambda r: r.finish("stop")):
+        r = prefilled()
+        r.append_token(5, 1.0, hold=True)
+        assert end(r)
+        events = drain(r)
+        assert events[0] == ([5], None) and events[-1][1] in ("abort", "stop")
+        assert len(events) == 2 and r.timings.token_times and r.output_ids == [5]
+
+
+def test_a_first_token_that_ends_the_request_is_never_held():
+    r = prefilled(max_tokens=1)
+    assert r.append_token(5, 1.0, hold=True)
+    assert r.state is State.FINISHED and drain(r) == [([5], None), ([], "length")]

@@ -374,6 +374,7 @@ class DecodeLoop:
         if r.params.has_penalties:
             self.runner.set_penalties(slot, r.prompt_ids, r.output_ids)
         r.timings.kv_ready = time.perf_counter()
+        r.release_first_token(r.timings.kv_ready)
         self._first_token[slot] = first_token
         self._stepped[slot] = None
         self.scheduler.mark_ready(slot)

@@ -317,7 +317,8 @@ class Engine:
                                      handoff_wait_s=c.handoff_wait_ms / 1000,
                                      cache=p.prefill_cache,
                                      chunk_tokens=c.prefill_chunk_tokens if chunked else None,
-                                     fingerprint=self.fingerprint)
+                                     fingerprint=self.fingerprint,
+                                     hold_first_token=topology.decode_mesh)
 
     def _build_decode(self, p: Phases, inbound: list[InboundQueue] | None) -> None:
         c, mesh, spec, topology = p.config, p.meshes.decode, p.config.mesh, p.topology
@@ -360,7 +361,7 @@ class Engine:
             p.local_scheduler = self._prefill_scheduler(c, buckets)
             p.local_loop = PrefillLoop(local, p.local_scheduler, pipe, self.requests,
                                        self.requests.local_inbox, c.page_size, self.counters,
-                                       on_decode_mesh=True)
+                                       on_decode_mesh=True, hold_first_token=True)
         extend = None
         if topology.extend_loop:
             every = topology.extend_all

@@ -46,6 +46,9 @@ class PrefillLoop:
     attending to the pages of the chunks before it; one chunk per `run_once`, taking
     turns with the other batches, so a long prompt never holds the short ones for
     its whole prefill. Its KV leaves once the last chunk has sampled its first token.
+    `hold_first_token`: the decode mesh that takes the handoff is in this process; a
+    first token is streamed when its request decodes there (`Request.append_token`),
+    so the transfer shows in its time to first token, not as a gap before its second.
     """
 
     def __init__(self, runner: PrefillRunner, scheduler: PrefillScheduler, sender: KVSender,
@@ -53,7 +56,8 @@ class PrefillLoop:
                  stats: StatsCounter, *, on_decode_mesh: bool = False,
                  layerwise: list[tuple[int, int]] | None = None, layerwise_min_tokens: int = 0,
                  handoff_wait_s: float = 0.0, cache: PrefillCache | None = None,
-                 chunk_tokens: int | None = None, fingerprint: str = ""):
+                 chunk_tokens: int | None = None, fingerprint: str = "",
+                 hold_first_token: bool = False):
         self.runner, self.scheduler, self.sender = runner, scheduler, sender
         self.requests, self.inbox = requests, inbox
         self.page_size, self.stats = page_size, stats
@@ -64,6 +68,7 @@ class PrefillLoop:
         self.cache = cache
         self.fingerprint = fingerprint     # stamped on every handoff (`models.fingerprint`)
         self.chunk_tokens = chunk_tokens
+        self.hold_first_token = hold_first_token
         if scheduler.chunked and (cache is None or chunk_tokens is None):
             raise ValueError("a chunked prefill scheduler needs a paged pool and chunk_tokens")
         self._running = False                  # a batch is being run (its pages held)
@@ -354,7 +359,8 @@ class PrefillLoop:
         log-probabilities, when read back); True if the request is final after it."""
         if r.timings.prefill_end is None:
             r.timings.prefill_end = now
-        if r.append_token(token, now, None if logprobs is None else logprobs.of_row(row, r)):
+        if r.append_token(token, now, None if logprobs is None else logprobs.of_row(row, r),
+                          hold=self.hold_first_token):
             self.stats.add(finished=int(r.state is State.FINISHED))
             return True
         return False
