@@ -76,17 +76,22 @@ def test_tpu_kernel_lowers_in_every_decode_program_on_a_dp_tp_mesh(tmp_path, mod
     assert "P(None, 'dp', None, 'tp', None)" in decode["in_shardings"]    # the pool
 
 
+# The built-in model (head_dim None, 8/4 heads as the 128 one) with the reference core
+# on a platform and mesh another case already lowers (cuda 2x2: the 128 model; tpu
+# prefill=4,decode=4: the float32 full-bucket test below) runs in the matrix only.
 @pytest.mark.slow
 @pytest.mark.parametrize("platform,mesh,head_dim,impl,kernel", [
     ("tpu", "prefill=4,decode=4", 128, "auto", "pallas_tpu"),
     ("tpu", "prefill=4,decode=4", 64, "auto", "reference"),
     ("tpu", "prefill=2,decode=2x2", None, "auto", "reference"),
-    ("tpu", "prefill=4,decode=4", None, "auto", "reference"),
+    pytest.param("tpu", "prefill=4,decode=4", None, "auto", "reference",
+                 marks=pytest.mark.matrix),
     ("cuda", "prefill=4,decode=4", 128, "pallas_gpu", "pallas_gpu"),
     ("cuda", "prefill=2,decode=2x2", 64, "pallas_gpu", "pallas_gpu"),
     ("cuda", "prefill=2,decode=2x2", 128, "auto", "reference"),
     ("cuda", "prefill=4,decode=4", None, "pallas_gpu", "pallas_gpu"),
-    ("cuda", "prefill=2,decode=2x2", None, "auto", "reference"),
+    pytest.param("cuda", "prefill=2,decode=2x2", None, "auto", "reference",
+                 marks=pytest.mark.matrix),
 ])
 def test_every_serving_program_lowers(tmp_path, models, platform, mesh, head_dim, impl,
                                       kernel):
