@@ -32,7 +32,8 @@ from launch import default_corpus
 from jaxpd.models import checkpoint
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.hf_io import save_hf_params
-from jaxpd.models.llama import Llama, init_params
+from jaxpd.models.layout import init_params
+from jaxpd.models.llama import Llama
 
 NUM_EVALS = 20                 # points on the validation curve
 NUM_EVAL_WINDOWS = 64          # fixed windows each periodic evaluation scores

@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 from jaxpd.models.config import ModelConfig
 from jaxpd.models import source
 from jaxpd.models.hf_io import DTYPES, load_hf_params, tree_get, tree_set
-from jaxpd.models.llama import abstract_params
+from jaxpd.models.layout import abstract_params
 from jaxpd.models.tokenizer import Tokenizer
 
 _log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def load(path: str, dtype: str = "float32", shardings=None,
 def _int8(model: LoadedModel, shardings) -> LoadedModel:
     """`model` with its projections and embeddings quantized to int8 where they lie."""
     from jaxpd.models import quant
-    from jaxpd.models.llama import quantize_params
+    from jaxpd.models.layout import quantize_params
 
     params = jax.jit(quantize_params)(model.params)
     if shardings is not None:

@@ -452,7 +452,7 @@ def float_served_quantized(f: GGUFFile, cfg: ModelConfig) -> list[tuple[str, str
 
 def _kept(f: GGUFFile, name: str, ours: str, rows: Callable):
     from jaxpd.models import kquant, quant
-    from jaxpd.models.llama import QUANTIZABLE
+    from jaxpd.models.layout import QUANTIZABLE
     from jaxpd.models.moe import EXPERT_IN_DIMS
 
     tensor = f.tensors[name]

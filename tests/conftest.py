@@ -10,6 +10,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# transformers' reference forwards are of tiny models, a few tokens at a time: torch's
+# intra-op threads add nothing to them but a wait at every op for cores the engine's
+# threads (and, under -n, the other worker) are using. One thread, read by torch (and
+# numpy's BLAS) when first imported, here and in every process a test starts.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # One persistent XLA compilation cache for the session and every process it starts
 # (launch subprocesses inherit it): the same tiny-model programs compile once, not in
 # every engine. Removed at exit unless the caller chose the directory.

@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 from jaxpd.models import checkpoint
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.hf_io import save_hf_params
-from jaxpd.models.llama import abstract_params
+from jaxpd.models.layout import abstract_params
 from jaxpd.sharding import build_meshes, logical_rules, named_shardings
 
 

@@ -299,43 +299,52 @@ def test_compressed_transfer_saves_bytes_and_keeps_greedy_tokens(default_uncompr
         assert_all_pages_free(llm)
 
 
-@pytest.mark.slow
-def test_duplicate_handoff_of_a_request_is_dropped(tiny, monkeypatch):
-    # A router retry can make two prefills of one request reach the decode side.
-    path, prompts, max_tokens, expected = tiny
-    with LLM(path, mesh="prefill=1,decode=1", max_model_len=160, slots_per_shard=4) as llm:
-        connector = llm.engine.connector
-        original = connector.send
-        monkeypatch.setattr(connector, "send", lambda h: (original(h), original(h)))
-        outs = llm.generate(prompt_token_ids=prompts[:6],
-                            sampling_params=[_greedy(n) for n in max_tokens[:6]])
-        assert [o.token_ids for o in outs] == expected[:6]
-        assert llm.stats()["transfers"] == 6
-        assert_all_pages_free(llm)
+@pytest.fixture(scope="module")
+def warm_llm(tiny):
+    """A warmed-up prefill=1,decode=1 engine with the prefill cache on (the default),
+    whose background compiles have settled."""
+    with LLM(tiny[0], mesh="prefill=1,decode=1", max_model_len=160, slots_per_shard=4,
+             warmup=True) as llm:
+        assert settle(llm.engine, 300) == {}
+        yield llm
 
 
 @pytest.mark.slow
-def test_no_handoff_program_compiles_on_a_serving_thread_after_warmup(tiny):
+def test_no_handoff_program_compiles_on_a_serving_thread_after_warmup(warm_llm, tiny):
     """A handoff carries its pages padded to `coarse_ceil` of their count, so cutting
     them out of the prefill cache and writing them into the pool are one program per
     padded count, all compiled by warm-up; prompts of every page count then run none
     on a serving thread, with transformers' greedy tokens."""
-    path, prompts, max_tokens, expected = tiny
-    with LLM(path, mesh="prefill=1,decode=1", max_model_len=160, slots_per_shard=4,
-             warmup=True) as llm:
-        assert llm.engine.prefill_cache is not None        # the cache is on by default
-        assert settle(llm.engine, 300) == {}
-        counts = llm.engine.counter.counts()
-        sizes = coarse_sizes(llm.config.pages_per_slot)
-        assert counts["prefill_cached_take"] == counts["insert"] == len(sizes)
-        pages = {-(-len(p) // 16) for p in prompts}
-        assert len(pages) >= 5, pages
-        # Warm-up compiled these programs without running them: each first call
-        # finds its executable (jax traces and compiles nothing on a serving thread).
-        with XlaCompiles(on_request_threads=True) as xla:
-            outs = llm.generate(prompt_token_ids=prompts, sampling_params=[
-                _greedy(n) for n in max_tokens])
-        assert [o.token_ids for o in outs] == expected
-        assert xla.count == 0
-        assert llm.engine.counter.counts() == counts
-        assert_all_pages_free(llm)
+    _, prompts, max_tokens, expected = tiny
+    llm = warm_llm
+    assert llm.engine.prefill_cache is not None        # the cache is on by default
+    counts = llm.engine.counter.counts()
+    sizes = coarse_sizes(llm.config.pages_per_slot)
+    assert counts["prefill_cached_take"] == counts["insert"] == len(sizes)
+    pages = {-(-len(p) // 16) for p in prompts}
+    assert len(pages) >= 5, pages
+    # Warm-up compiled these programs without running them: each first call
+    # finds its executable (jax traces and compiles nothing on a serving thread).
+    with XlaCompiles(on_request_threads=True) as xla:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=[
+            _greedy(n) for n in max_tokens])
+    assert [o.token_ids for o in outs] == expected
+    assert xla.count == 0
+    assert llm.engine.counter.counts() == counts
+    assert_all_pages_free(llm)
+
+
+@pytest.mark.slow
+def test_duplicate_handoff_of_a_request_is_dropped(warm_llm, tiny, monkeypatch):
+    # A router retry can make two prefills of one request reach the decode side.
+    _, prompts, max_tokens, expected = tiny
+    llm = warm_llm
+    connector = llm.engine.connector
+    original = connector.send
+    monkeypatch.setattr(connector, "send", lambda h: (original(h), original(h)))
+    before = llm.stats()["transfers"]
+    outs = llm.generate(prompt_token_ids=prompts[:6],
+                        sampling_params=[_greedy(n) for n in max_tokens[:6]])
+    assert [o.token_ids for o in outs] == expected[:6]
+    assert llm.stats()["transfers"] - before == 6
+    assert_all_pages_free(llm)

@@ -8,7 +8,8 @@ import pytest
 
 from jaxpd.models.attention import QUERY_BLOCK, causal_attention
 from jaxpd.models.config import ModelConfig
-from jaxpd.models.llama import Llama, init_params
+from jaxpd.models.layout import init_params
+from jaxpd.models.llama import Llama
 
 
 def test_new_tokens_after_a_prefix_attend_as_one_causal_sequence():

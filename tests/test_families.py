@@ -117,7 +117,7 @@ def test_decode_mesh_prefills_short_prompts_of_a_mixture(hf_models):
 def test_num_params_counts_every_weight_and_active_ones_per_token(hf_models, name):
     import jax
 
-    from jaxpd.models.llama import abstract_params
+    from jaxpd.models.layout import abstract_params
 
     path, _ = hf_models(name)
     cfg = ModelConfig.from_dir(path)
@@ -286,7 +286,7 @@ def test_decode_mesh_prefill_runs_experts_where_they_lie():
     from jaxpd.engine.placement import place_params
     from jaxpd.engine.runner import CompileCounter, PrefillRunner
     from jaxpd.engine.sampler import SamplingArrays
-    from jaxpd.models.llama import init_params
+    from jaxpd.models.layout import init_params
 
     cfg = ModelConfig.from_hf_dict({
         "model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 64,

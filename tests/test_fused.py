@@ -13,7 +13,8 @@ from jax.sharding import Mesh
 
 from jaxpd.engine.placement import place_params
 from jaxpd.models.config import ModelConfig
-from jaxpd.models.llama import Llama, abstract_params, fuse_params, init_params, prefill_blocks
+from jaxpd.models.layout import abstract_params, fuse_params, init_params
+from jaxpd.models.llama import Llama, prefill_blocks
 
 CFG = ModelConfig("llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
                   num_heads=8, num_kv_heads=4, head_dim=16, max_position_embeddings=128)

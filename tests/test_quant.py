@@ -19,7 +19,8 @@ import pytest
 
 from jaxpd.models import checkpoint
 from jaxpd.models import gguf as gguf_reader, quant
-from jaxpd.models.llama import Llama, fuse_params, quantize_params
+from jaxpd.models.layout import fuse_params, quantize_params
+from jaxpd.models.llama import Llama
 from tests.model_helpers import paged_greedy
 from tests.support.gguf_files import gguf_tensors, train_bpe, write_gguf
 from tests.support.quant_blocks import kernel_call, random_blocks
@@ -245,7 +246,7 @@ def test_quantized_weights_shard_like_their_float_weights(tmp_path, hf_llama, bp
 @pytest.mark.slow
 def test_int8_from_float_params_fuses_and_projects():
     from jaxpd.models.config import ModelConfig
-    from jaxpd.models.llama import init_params
+    from jaxpd.models.layout import init_params
 
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
                       num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,

@@ -1,4 +1,4 @@
-"""Scanned runs of equal layers (`models.llama.stack_layers`) compute what the unrolled
+"""Scanned runs of equal layers (`models.layout.stack_layers`) compute what the unrolled
 layers compute: every forward pass, on tiny models whose layers differ (Gemma 3 style
 local/global attention, a mixture of experts with dense layers), quantized weights too."""
 from __future__ import annotations
@@ -12,8 +12,9 @@ import pytest
 from jaxpd import LLM, SamplingParams
 from jaxpd.models import quant
 from jaxpd.models.config import ModelConfig
-from jaxpd.models.llama import (Llama, abstract_params, fuse_params, is_stacked, layer_runs,
-                                quantize_params, stack_key, stack_layers, unstack_layers)
+from jaxpd.models.layout import (abstract_params, fuse_params, is_stacked, quantize_params,
+                                 stack_layers, unstack_layers)
+from jaxpd.models.llama import Llama, layer_runs, stack_key
 from tests.engine_fixtures import assert_all_pages_free
 from tests.hf_fixtures import hf_greedy
 from tests.support.quant_experts import quantized_experts

@@ -98,7 +98,7 @@ def random_model_dir(fields: dict, path: str) -> str:
     from jaxpd.default_model import default_model_dir
     from jaxpd.models.config import ModelConfig
     from jaxpd.models.hf_io import save_hf_params
-    from jaxpd.models.llama import init_params
+    from jaxpd.models.layout import init_params
 
     src = default_model_dir()
     with open(os.path.join(src, "config.json")) as f:

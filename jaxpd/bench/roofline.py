@@ -240,7 +240,7 @@ def run_roofline(model_dir: str, args: argparse.Namespace) -> dict:
     from jaxpd.config import resolve_attention_impl
     from jaxpd.engine.scheduler import length_buckets
     from jaxpd.models import checkpoint
-    from jaxpd.models.llama import fuse_params
+    from jaxpd.models.layout import fuse_params
 
     from jaxpd.models import quant
     loaded = checkpoint.load(model_dir, dtype="float32",

@@ -52,7 +52,7 @@ def param_specs(params, rules):
     def spec(path, _):   # a quantized expert weight's parts all lead with the expert
         if not over_dp or not any(getattr(k, "key", None) in EXPERT_WEIGHTS for k in path):
             return P()
-        # A stacked run (`models.llama.stack_layers`) leads with its layer axis.
+        # A stacked run (`models.layout.stack_layers`) leads with its layer axis.
         stacked = str(getattr(path[0], "key", "")).startswith("stack_")
         return P(None, "dp") if stacked else P("dp")
     return jax.tree_util.tree_map_with_path(spec, params)

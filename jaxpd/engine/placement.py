@@ -2,14 +2,14 @@
 
 Checkpoints hold separate q/k/v, gate/up and a 3-D `o_proj`; the decode step runs
 faster on one q/k/v matmul, one gate/up matmul and a 2-D `o_proj`
-(`models.llama.fuse_params`; XLA:CPU otherwise copies every layer's 3-D `o_proj` to
+(`models.layout.fuse_params`; XLA:CPU otherwise copies every layer's 3-D `o_proj` to
 another layout each step): 1.07x on SmolLM2-135M's batch-32 step on CPU. Prefill of
 long prompts gains nothing measurable from it (0.99x at 512 tokens), so only decode
 meshes are fused. The fusion happens here, once per mesh, where the params are placed:
 the loaded tree and the files stay as they are.
 
 With `scan` the placed tree's runs of equal layers are stacked last
-(`models.llama.stack_layers`), each leaf keeping its per-layer sharding behind a new
+(`models.layout.stack_layers`), each leaf keeping its per-layer sharding behind a new
 replicated leading axis, so the programs scan one layer body over them.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpd.models.config import ModelConfig
 from jaxpd.models import quant
-from jaxpd.models.llama import (abstract_params, can_fuse, can_fuse_quantized, fuse_params,
-                                stack_layers)
+from jaxpd.models.layout import (abstract_params, can_fuse, can_fuse_quantized, fuse_params,
+                                 stack_layers)
 from jaxpd.sharding import logical_rules, named_shardings
 
 

@@ -35,8 +35,8 @@ from jaxpd.engine.sampler import Logprobs, SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
 from jaxpd.engine.kernels import kernel_per_tp_shard, prefill_attention, prefill_kernel
 from jaxpd.engine.experts import decode_experts, held_experts, param_specs
-from jaxpd.models.llama import (Llama, is_stacked, layer_kinds, prefill_blocks,
-                                unstack_layers)
+from jaxpd.models.layout import is_stacked, unstack_layers
+from jaxpd.models.llama import Llama, layer_kinds, prefill_blocks
 from jaxpd.models.pallas_attention import decode_attention
 from jaxpd.sharding.compat import shard_map
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from typing import Callable
 
@@ -80,12 +81,13 @@ def export_programs(platform: str, mesh: str = "prefill=4,decode=4", model: str 
                     dtype: str | None = None, attention_impl: str = "auto",
                     max_model_len: int | None = None, out: str | None = None,
                     progress: Callable[[str], None] = lambda msg: None,
-                    **engine_options) -> dict:
+                    match: str | None = None, **engine_options) -> dict:
     """Lower every serving program for `platform` ("tpu", "cuda" or "cpu") on `mesh`
     (the launcher's spec) of `model` (a checkpoint directory or registered name; None:
     the built-in model) in `dtype` (None: the platform's serving default), with the
     decode attention core `attention_impl` ("auto": what the engine picks there) and
-    `max_model_len` (None: the model's context). Other keyword arguments go to
+    `max_model_len` (None: the model's context); `match`: only the programs whose name
+    the regular expression finds (None: every one). Other keyword arguments go to
     `EngineConfig`. Writes `<name>.jax_export` per program and `summary.json` to `out`
     when given. Returns the summary: {"platform", "mesh", "dtype", "attention_impl",
     "model", "max_model_len", "seconds", "programs": [{"name", "file", "kernel",
@@ -96,6 +98,10 @@ def export_programs(platform: str, mesh: str = "prefill=4,decode=4", model: str 
     shapes. Needs as many devices as `mesh` (CPU ones stand in for the target's: asked
     for here if jax has not started yet, `sharding.cpu_devices`), else a ValueError."""
     dtype, spec = check_options(platform, mesh, dtype)
+    try:
+        wanted = re.compile(match) if match is not None else None
+    except re.error as e:
+        raise ValueError(f"--match {match!r} is not a regular expression: {e}") from e
     from jaxpd.sharding.cpu_devices import ensure_cpu_devices
     ensure_cpu_devices(str(spec))
 
@@ -139,6 +145,8 @@ def export_programs(platform: str, mesh: str = "prefill=4,decode=4", model: str 
         specs = serving_programs(engine)
         for i, program_spec in enumerate(specs):
             for program in program_spec.build():
+                if wanted is not None and not wanted.search(program.name):
+                    continue
                 progress(f"lowering {i + 1}/{len(specs)}: {program.name}")
                 programs.append(_lower(program, platform, out))
     finally:

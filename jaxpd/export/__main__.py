@@ -1,7 +1,7 @@
 """`python -m jaxpd.export --platform tpu|cuda|cpu [--mesh SPEC] [--model DIR|NAME]
-[--dtype float32|bfloat16] [--attention_impl IMPL] [--max_model_len N] --out DIR`:
-lower every serving program for the platform (`jaxpd.export.export_programs`) and
-print one line per program. Exit 2 on a bad flag, 1 when a program fails to lower."""
+[--dtype float32|bfloat16] [--attention_impl IMPL] [--max_model_len N] [--match REGEX]
+--out DIR`: lower every serving program for the platform (or those `--match` names:
+`jaxpd.export.export_programs`) and print one line per program. Exit 2 on a bad flag, 1 when a program fails to lower."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +25,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_model_len", type=int, default=None,
                    help="prompt + output tokens per request (default: the model's context); "
                         "sets the buckets and context widths")
+    p.add_argument("--match", default=None,
+                   help="only the programs whose name this regular expression finds")
     p.add_argument("--out", required=True, help="directory for the .jax_export files")
     return p.parse_args(argv)
 
@@ -39,7 +41,8 @@ def main(argv=None) -> int:
     try:
         summary = export_programs(args.platform, args.mesh, args.model, args.dtype,
                                   args.attention_impl, args.max_model_len, args.out,
-                                  progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+                                  progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+                                  match=args.match)
     except ValueError as e:
         print(f"python -m jaxpd.export: error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 // What the two quantized products (quant_matmul.cc: float activations; quant_dot.cc:
-// activations quantized to int8 blocks) share: float16 scales, and the operands of a
-// weight kept quantized (models/quant.py), checked against x before anything is read.
+// activations quantized to int8 blocks) share: float16 scales, the operands of a
+// weight kept quantized (models/quant.py), checked against x before anything is read,
+// the split of W's rows into tasks, and the XLA FFI signature both handlers bind.
 #ifndef JAXPD_NATIVE_QUANT_COMMON_H_
 #define JAXPD_NATIVE_QUANT_COMMON_H_
 
@@ -112,6 +113,36 @@ inline ffi::Error ParseQuantOperands(const char* name, ffi::Span<const int64_t> 
   p.row_bytes = want_cols;
   *q = p;
   return ffi::Error::Success();
+}
+
+// Rows [0, O) of W in tasks of whole tiles of `tile` rows, run on XLA's intra-op pool
+// (`RunTasks`): about two tasks per thread, each at least two tiles, so a thread that
+// starts late still finds work and each task's streams through W stay long (shorter
+// ones, from more tasks, leave the hardware prefetchers less to follow). `rows(begin,
+// end)` is copied into the tasks, so it must capture by value.
+template <typename RowsFn>
+inline void SplitRows(ffi::ThreadPool& pool, int64_t O, int64_t tile, RowsFn rows) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t tiles = (O + tile - 1) / tile;
+  const int64_t chunk = tile * std::max<int64_t>(2, tiles / (threads * 2) + 1);
+  RunTasks(pool, (O + chunk - 1) / chunk, [rows, chunk, O](int64_t c) {
+    rows(c * chunk, std::min(O, (c + 1) * chunk));
+  });
+}
+
+// The XLA FFI binding of a quantized product, whose handler is
+//   (ThreadPool, x [M, I] float32, data, scale, min, layer int32 [], fmt) -> out [M, O]
+// with the weight's parts as `ParseQuantOperands` reads them.
+inline auto QuantProductBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()   // x [M, I]
+      .Arg<ffi::AnyBuffer>()          // data [(L,) O, I']
+      .Arg<ffi::AnyBuffer>()          // scale [(L,) O, nb]
+      .Arg<ffi::AnyBuffer>()          // min [(L,) O, nb]
+      .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+      .Attr<int64_t>("fmt")
+      .Ret<ffi::Buffer<ffi::F32>>();  // out [M, O]
 }
 
 #if defined(__AVX512F__)

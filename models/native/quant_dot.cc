@@ -17,7 +17,7 @@
 // AVX2 (`vpmaddubsw`, then pairs of int16 summed into int32: no sum of two products
 // overflows int16, since |wq| <= 128 and |xq| <= 127), and a portable scalar body.
 // Register tiles of rows of W by rows of x, over tasks of rows of W on XLA's intra-op
-// pool, as quant_matmul.cc.
+// pool (quant_common.h's SplitRows).
 #include <vector>
 
 #include "quant_common.h"
@@ -479,17 +479,11 @@ ffi::Error QuantDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
   p.xs = s;
   p.xsum = sums;
   p.out = out->typed_data();
-  // Tasks of whole tiles of rows of W, two per thread (as quant_matmul.cc).
   int64_t tile = kRowTile;
 #if defined(JAXPD_DOT_PANEL)
   if (p.M >= kPanelMinRows) tile = kPanelRows;
 #endif
-  const int64_t tiles = (p.O + tile - 1) / tile;
-  const int64_t chunk = tile * std::max<int64_t>(2, tiles / (threads * 2) + 1);
-  const DotProblem pr = p;
-  RunTasks(pool, (p.O + chunk - 1) / chunk, [pr, chunk](int64_t c) {
-    Rows(pr, c * chunk, std::min(pr.O, (c + 1) * chunk));
-  });
+  SplitRows(pool, p.O, tile, [p](int64_t begin, int64_t end) { Rows(p, begin, end); });
   return ffi::Error::Success();
 }
 
@@ -497,12 +491,4 @@ ffi::Error QuantDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
 }  // namespace jaxpd_native
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpdQuantDot, jaxpd_native::QuantDot,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // x [M, I]
-                                  .Arg<xla::ffi::AnyBuffer>()               // data [(L,) O, I']
-                                  .Arg<xla::ffi::AnyBuffer>()               // scale [(L,) O, nb]
-                                  .Arg<xla::ffi::AnyBuffer>()               // min [(L,) O, nb]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // layer []
-                                  .Attr<int64_t>("fmt")
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // out [M, O]
+                              jaxpd_native::QuantProductBinding());

@@ -9,8 +9,8 @@
 // exact in float32 for these widths, and q * d + m is rounded once either way), so the
 // two differ only in summation order.
 //
-// Rows of W are split over XLA's intra-op thread pool (common.h's RunTasks) in ranges of
-// whole tiles. On a CPU with AVX-512 a tile's blocks are dequantized in registers (a
+// Rows of W are split over XLA's intra-op thread pool in ranges of whole tiles
+// (quant_common.h's SplitRows). On a CPU with AVX-512 a tile's blocks are dequantized in registers (a
 // block is two vectors of 16; a nibble indexes a 16-entry table of its block's values
 // with vpermps) and each feeds a tile of x's rows: 4 rows of W by up to 4 of x for a
 // small batch, 2 by 8 for a larger one (16 accumulators). Each block is thus
@@ -272,16 +272,7 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
     p.x = start;
   }
   p.out = out->typed_data();
-  // Tasks of whole tiles of rows, two per thread: a thread that starts late still finds
-  // work, and each task's streams through W stay long (shorter ones, from more tasks,
-  // leave the hardware prefetchers less to follow).
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t tiles = (p.O + kRowTile - 1) / kRowTile;
-  const int64_t chunk = kRowTile * std::max<int64_t>(2, tiles / (threads * 2) + 1);
-  const Problem pr = p;
-  RunTasks(pool, (p.O + chunk - 1) / chunk, [pr, chunk](int64_t c) {
-    Rows(pr, c * chunk, std::min(pr.O, (c + 1) * chunk));
-  });
+  SplitRows(pool, p.O, kRowTile, [p](int64_t begin, int64_t end) { Rows(p, begin, end); });
   return ffi::Error::Success();
 }
 
@@ -289,12 +280,4 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
 }  // namespace jaxpd_native
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpdQuantMatmul, jaxpd_native::QuantMatmul,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // x [M, I]
-                                  .Arg<xla::ffi::AnyBuffer>()               // data [(L,) O, I']
-                                  .Arg<xla::ffi::AnyBuffer>()               // scale [(L,) O, nb]
-                                  .Arg<xla::ffi::AnyBuffer>()               // min [(L,) O, nb]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // layer []
-                                  .Attr<int64_t>("fmt")
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // out [M, O]
+                              jaxpd_native::QuantProductBinding());

@@ -16,6 +16,12 @@ from jaxpd.serving.role_rpc import ROLE_SERVICE, WorkerInfo, register, router_id
 from jaxpd.transfer.wire import pack, unpack
 
 
+def unary_handler(fn):
+    """A unary RoleService method served by the coroutine `fn(msg, context)`."""
+    return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=unpack,
+                                               response_serializer=pack)
+
+
 class AioDecodeWorker:
     def __init__(self):
         self.num_open = self.num_cancelled = self.num_done = 0
@@ -34,17 +40,19 @@ class AioDecodeWorker:
     def _call(self, coro, timeout=30):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
+    def _handlers(self) -> dict:
+        """The RoleService methods served, by name; a subclass adds its own to these."""
+        return {"Info": unary_handler(self._info),
+                "Decode": grpc.unary_stream_rpc_method_handler(
+                    self._decode, request_deserializer=unpack, response_serializer=pack),
+                "Reprefill": unary_handler(self._reprefill),
+                "Abort": unary_handler(self._abort)}
+
     async def _start(self) -> int:
         self.gate = asyncio.Event()
         self._server = grpc.aio.server()
-        unary = lambda fn: grpc.unary_unary_rpc_method_handler(
-            fn, request_deserializer=unpack, response_serializer=pack)
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            ROLE_SERVICE, {
-                "Info": unary(self._info),
-                "Decode": grpc.unary_stream_rpc_method_handler(
-                    self._decode, request_deserializer=unpack, response_serializer=pack),
-                "Reprefill": unary(self._reprefill), "Abort": unary(self._abort)}),))
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(ROLE_SERVICE, self._handlers()),))
         port = self._server.add_insecure_port("127.0.0.1:0")
         await self._server.start()
         return port

@@ -6,13 +6,7 @@ streams the rest, its first event saying `move_failure` when one is set: the tar
 word that the sent KV never landed and it prefilled the request again."""
 from __future__ import annotations
 
-import asyncio
-
-import grpc
-
-from jaxpd.serving.role_rpc import ROLE_SERVICE
-from jaxpd.transfer.wire import pack, unpack
-from tests.support.aio_decode_worker import AioDecodeWorker
+from tests.support.aio_decode_worker import AioDecodeWorker, unary_handler
 
 
 class MovingDecodeWorker(AioDecodeWorker):
@@ -21,21 +15,8 @@ class MovingDecodeWorker(AioDecodeWorker):
         self.migrate_calls: list[dict] = []
         super().__init__()
 
-    async def _start(self) -> int:
-        self.gate = asyncio.Event()
-        self._server = grpc.aio.server()
-        unary = lambda fn: grpc.unary_unary_rpc_method_handler(   # noqa: E731
-            fn, request_deserializer=unpack, response_serializer=pack)
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            ROLE_SERVICE, {
-                "Info": unary(self._info),
-                "Decode": grpc.unary_stream_rpc_method_handler(
-                    self._decode, request_deserializer=unpack, response_serializer=pack),
-                "Reprefill": unary(self._reprefill), "Abort": unary(self._abort),
-                "Migrate": unary(self._migrate)}),))
-        port = self._server.add_insecure_port("127.0.0.1:0")
-        await self._server.start()
-        return port
+    def _handlers(self) -> dict:
+        return {**super()._handlers(), "Migrate": unary_handler(self._migrate)}
 
     async def _migrate(self, msg, context) -> dict:
         self.migrate_calls.append(msg)
