@@ -43,6 +43,7 @@ from jaxpd.engine.routing import Routing
 from jaxpd.engine.runner import CompileCounter, DecodeRunner, PrefillRunner
 from jaxpd.engine.scheduler import DecodeScheduler, PrefillScheduler
 from jaxpd.engine.topology import Topology
+from jaxpd.engine.kept import KeptExecutables
 from jaxpd.engine.warmup import warm_up
 from jaxpd.models.checkpoint import LoadedModel
 from jaxpd.models.fingerprint import model_fingerprint, short
@@ -148,7 +149,8 @@ class Engine:
             self.connector.stage_on(self._staging_sharding())
         if warmup and not self.is_follower:     # a follower replays the leader's warm-up
             warm_up(self.phases, progress or (lambda msg: None),
-                    spans_processes=self.plan is not None)
+                    spans_processes=self.plan is not None,
+                    keep=KeptExecutables.for_engine(self.fingerprint, config))
         self.warmed = warmup
         self.prepared_splits: dict = {}        # an elastic split's (`engine.elastic`)
         self._stop = threading.Event()
