@@ -16,6 +16,14 @@ keeps an `Executables` table from the key its call computes to the executable wa
 installed there (`Program.install`); the call runs the table's entry, else its jitted
 function.
 
+A program that misses is lowered; its lowered text (with the devices and platform) is a
+second key (`lowered-<key>.exe`): another engine whose config lowers it the same (a
+changed timeout, a change of jaxpd's source that leaves it as it was) loads it from
+there, and keeps it under its own key for its next start. Only a fresh compile is
+kept: an executable read back from a serialized form (jax's persistent cache) serializes
+again without all of its code (XLA:CPU), so one jax found in its caches is served but
+not kept.
+
 Files: `<dir>/<program name>-<key>.exe`: a one-line JSON header (format, key, the
 devices it runs on, size and sha256 of the payload and the header's own fields) and the
 payload, written to a temporary file and renamed into place. A file whose header or
@@ -26,6 +34,7 @@ least recently used files past `MAX_BYTES` are removed (`prune`).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -115,18 +124,16 @@ def _cpu_identity() -> str:
     return "\n".join(first.values()) or platform.processor() or platform.machine()
 
 
-def context_digest(fingerprint: str, config) -> str:
-    """sha256 of what decides every program of an engine besides its own name and
-    arguments: `fingerprint` (`models.fingerprint`), `config` (an `EngineConfig`), jax
-    and jaxlib, the XLA flags and lowering options, the devices and host, and
-    `source_digest`."""
+@functools.lru_cache(maxsize=1)
+def platform_digest() -> str:
+    """sha256 of what decides a lowered program's executable besides its text: jax and
+    jaxlib, the XLA flags and lowering options, the devices and the host CPU."""
     import jaxlib
 
     devices = jax.devices()
     backend = devices[0].client
     parts = {
-        "format": FORMAT, "fingerprint": fingerprint, "config": repr(config),
-        "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+        "format": FORMAT, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "libtpu_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
         "options": {name: str(getattr(jax.config, name, None)) for name in _JAX_OPTIONS},
@@ -134,9 +141,55 @@ def context_digest(fingerprint: str, config) -> str:
         "devices": [[d.id, d.platform, d.device_kind, d.process_index] for d in devices],
         "processes": jax.process_count(),
         "cpu": _cpu_identity() if backend.platform == "cpu" else "",
-        "source": source_digest(),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def context_digest(fingerprint: str, config) -> str:
+    """sha256 of what decides every program of an engine besides its own name and
+    arguments: `fingerprint` (`models.fingerprint`), `config` (an `EngineConfig`),
+    `source_digest` and `platform_digest`."""
+    parts = [fingerprint, repr(config), source_digest(), platform_digest()]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+class _Compiles(threading.local):
+    fresh = 0       # XLA compiles jax timed on this thread
+    read_back = 0   # of them, read back from its persistent cache
+
+
+_compiles = _Compiles()
+_listening = threading.Lock()
+_listener_registered = False
+
+
+def _on_event(event: str, *args, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compiles.fresh += 1
+    elif event == "/jax/compilation_cache/cache_hits":
+        _compiles.read_back += 1
+
+
+@contextlib.contextmanager
+def _compiling():
+    """While entered, what jax compiles on this thread: yields an object whose
+    `fresh` says, once exited, whether XLA compiled (a fresh executable: neither read
+    back from jax's persistent cache nor found in its memory)."""
+    global _listener_registered
+    with _listening:
+        if not _listener_registered:
+            jax.monitoring.register_event_listener(_on_event)
+            jax.monitoring.register_event_duration_secs_listener(_on_event)
+            _listener_registered = True
+
+    class Seen:
+        fresh = False
+
+    seen, before = Seen(), (_compiles.fresh, _compiles.read_back)
+    try:
+        yield seen
+    finally:
+        seen.fresh = _compiles.fresh > before[0] and _compiles.read_back == before[1]
 
 
 def _sharding_key(sharding) -> list | None:
@@ -165,12 +218,14 @@ class KeptExecutables:
     what it compiles under `directory` for the next start. `directory` None: compiles
     only (no compilation cache in use). `context`: `context_digest` of the engine.
     Thread-safe: warm-up's threads and the background compilers share one.
-    `loaded`, `compiled`, `refused`: counts, for the log and tests."""
+    `loaded`, `lowered` (missed their key), `compiled`, `refused`: counts of programs,
+    for the log and tests."""
 
     def __init__(self, directory: str | None, context: str = ""):
         self.directory = Path(directory) if directory else None
         self.context = context
-        self.loaded = self.compiled = self.refused = 0
+        self.platform = platform_digest() if directory else ""
+        self.loaded = self.lowered = self.compiled = self.refused = 0
         self._lock = threading.Lock()
 
     @classmethod
@@ -204,27 +259,78 @@ class KeptExecutables:
 
     def compile(self, program: Program):
         """`program`'s executable (a `jax.stages.Compiled`): loaded when kept, else
-        compiled and kept."""
+        lowered and loaded by its lowered text when kept under that (another engine's,
+        of a config that lowers it the same), else compiled; kept under both keys."""
         key = self.key(program) if self.directory is not None else ""
-        executable = self._load(program, key) if key else None
+        executable = self._load(self.path(program.name, key), key, program) if key else None
         if executable is not None:
-            with self._lock:
-                self.loaded += 1
-            return executable
+            return self._count("loaded", executable)
         # Lowered from the arguments' shapes and shardings, not their buffers: a pool
         # a background compile names may be donated by a serving call meanwhile.
-        executable = program.fn.lower(*program.abstract_args()).compile()
+        lowered = program.fn.lower(*program.abstract_args())
+        self._count("lowered", None)
+        text_key = self._text_key(lowered, program) if key else ""
+        if text_key:
+            path = self.path("lowered", text_key)
+            executable = self._load(path, text_key, program)
+            if executable is not None:
+                self._copy(path, text_key, self.path(program.name, key), key)
+                return self._count("loaded", executable)
+        with _compiling() as seen:
+            executable = lowered.compile()
+        if key and not seen.fresh:
+            # An executable jax read back (from its persistent cache, or one its memory
+            # holds that may come from there) serializes without all of its code:
+            # served, not kept (a fresh compile of it will be).
+            _log.info("program %s came from jax's caches: not kept", program.name)
+        elif key:
+            payload = self._serialize(program, executable)
+            if payload is not None:
+                self._write(self.path("lowered", text_key), text_key, *payload)
+                self._write(self.path(program.name, key), key, *payload)
+        return self._count("compiled", executable)
+
+    def _count(self, what: str, executable):
         with self._lock:
-            self.compiled += 1
-        if key:
-            self._save(program, key, executable)
+            setattr(self, what, getattr(self, what) + 1)
         return executable
 
-    def path(self, program: Program, key: str) -> Path:
-        return self.directory / f"{program.name}-{key}{SUFFIX}"
+    def path(self, name: str, key: str) -> Path:
+        """The file of a program named `name` under `key`."""
+        return self.directory / f"{name}-{key}{SUFFIX}"
 
-    def _load(self, program: Program, key: str):
-        path = self.path(program, key)
+    def _text_key(self, lowered, program: Program) -> str:
+        """sha256 of what decides an executable besides the config: the lowered
+        program's text, the devices it runs on, in order, and the context's platform
+        parts (`context_digest` without the fingerprint, config and source)."""
+        devices = [_sharding_key(leaf.sharding)[1] for leaf in
+                   jax.tree.leaves(program.abstract_args()) if leaf.sharding is not None]
+        text = lowered.as_text()
+        return hashlib.sha256(json.dumps([self.platform, devices]).encode() + b"\0" +
+                              text.encode()).hexdigest()
+
+    def _load(self, path: Path, key: str, program: Program):
+        """The executable kept at `path` under `key`, or None (absent, or refused)."""
+        checked = self._read(path, key, program)
+        if checked is None:
+            return None
+        payload, devices = checked
+        by_id = {d.id: d for d in jax.devices()}
+        try:
+            blob, in_tree, out_tree = pickle.loads(payload)
+            executable = serialize_executable.deserialize_and_load(
+                blob, in_tree, out_tree, execution_devices=[by_id[i] for i in devices])
+        except Exception as e:             # noqa: BLE001 -- recompiled, as a miss
+            return self._refuse(path, f"does not load: {type(e).__name__}: {e}")
+        try:
+            os.utime(path)                 # recently used: `prune` keeps it
+        except OSError:
+            pass
+        return executable
+
+    def _read(self, path: Path, key: str, program: Program) -> tuple[bytes, list] | None:
+        """(payload, device ids) of the file at `path` when its header and digest match
+        `key` and `program`'s devices; None when absent or refused."""
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -244,22 +350,11 @@ class KeptExecutables:
         if header.get("size") != len(payload) or \
                 header.get("sha256") != _digest(key, devices, payload):
             return self._refuse(path, "truncated or corrupt")
-        by_id = {d.id: d for d in jax.devices()}
+        known = {d.id for d in jax.devices()}
         if not isinstance(devices, list) or not devices or \
-                any(i not in by_id for i in devices) or \
-                not _devices(program) <= set(devices):
+                any(i not in known for i in devices) or not _devices(program) <= set(devices):
             return self._refuse(path, f"devices {devices} are not the program's")
-        try:
-            blob, in_tree, out_tree = pickle.loads(payload)
-            executable = serialize_executable.deserialize_and_load(
-                blob, in_tree, out_tree, execution_devices=[by_id[i] for i in devices])
-        except Exception as e:             # noqa: BLE001 -- recompiled, as a miss
-            return self._refuse(path, f"does not load: {type(e).__name__}: {e}")
-        try:
-            os.utime(path)                 # recently used: `prune` keeps it
-        except OSError:
-            pass
-        return executable
+        return payload, devices
 
     def _refuse(self, path: Path, why: str) -> None:
         _log.warning("kept executable %s refused (%s); compiling it again", path, why)
@@ -267,19 +362,32 @@ class KeptExecutables:
             self.refused += 1
         return None
 
-    def _save(self, program: Program, key: str, executable) -> None:
-        """Write atomically (a temporary file renamed into place); a program jax cannot
-        serialize, or a directory that refuses the write, is logged and not kept."""
+    def _serialize(self, program: Program, executable) -> tuple[bytes, list] | None:
+        """(payload, device ids in the executable's order), or None where jax cannot
+        serialize it (logged: served, just not kept)."""
         try:
             blob, in_tree, out_tree = serialize_executable.serialize(executable)
-            payload = pickle.dumps((blob, in_tree, out_tree))
             devices = [d.id for d in executable.runtime_executable().local_devices()]
-        except Exception as e:             # noqa: BLE001 -- served, just not kept
+            return pickle.dumps((blob, in_tree, out_tree)), devices
+        except Exception as e:             # noqa: BLE001
             _log.info("program %s is not kept: %s: %s", program.name, type(e).__name__, e)
+            return None
+
+    def _copy(self, source: Path, source_key: str, path: Path, key: str) -> None:
+        """Keep the payload of `source` (checked) under `key` at `path` too."""
+        try:
+            data = source.read_bytes()
+        except OSError:
             return
-        header = {"format": FORMAT, "key": key, "name": program.name, "devices": devices,
-                  "size": len(payload), "sha256": _digest(key, devices, payload)}
-        path = self.path(program, key)
+        end = data.index(b"\n")
+        devices = json.loads(data[:end])["devices"]
+        self._write(path, key, data[end + 1:], devices)
+
+    def _write(self, path: Path, key: str, payload: bytes, devices: list) -> None:
+        """Write atomically (a temporary file renamed into place); a directory that
+        refuses the write is logged."""
+        header = {"format": FORMAT, "key": key, "devices": devices, "size": len(payload),
+                  "sha256": _digest(key, devices, payload)}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
@@ -292,7 +400,7 @@ class KeptExecutables:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
         except OSError as e:
-            _log.warning("could not keep program %s in %s: %s", program.name, path.parent, e)
+            _log.warning("could not keep an executable in %s: %s", path.parent, e)
 
     def prune(self, max_bytes: int = MAX_BYTES) -> int:
         """Remove the least recently used kept files (by modification time, which a load

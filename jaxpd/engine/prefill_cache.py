@@ -295,7 +295,8 @@ class PrefillCache:
 
     def insert_program(self, m: int) -> Program:
         """The program `insert` dispatches for `m` padded pages."""
-        pages = jax.device_put(jnp.zeros(self.pages_shape(m), self.k_pool.dtype), self._pages)
+        pages = jax.ShapeDtypeStruct(self.pages_shape(m), self.k_pool.dtype,
+                                     sharding=self._pages)         # shapes: nothing allocated
         return Program(f"{self.name}_insert_m{m}", self._insert,
                        self._insert_args([0] * m, pages, pages),
                        note=functools.partial(self.counter.note, f"{self.name}_insert", m),

@@ -20,7 +20,8 @@ NO_KERNEL = "none"
 @dataclasses.dataclass(frozen=True)
 class Program:
     """`fn` (jitted) called with `args`: arrays on the mesh (params, pools, inputs put
-    where the serving call puts them) and host numpy inputs (which the program places
+    where the serving call puts them; large inputs may be `jax.ShapeDtypeStruct`s with
+    their shardings, for lowering only) and host numpy inputs (which the program places
     by its `shard_map` specs: `host_sharding`). `kernel`: its attention core.
     `note`: records in the runner's `CompileCounter` what its serving call records, for
     a program compiled ahead of its first call (`warmup.compile_programs`).

@@ -369,11 +369,15 @@ class DecodeRunner:
                 self._assemble(shard, v_pages), ids)
 
     def insert_program(self, m: int) -> Program:
-        """The program `insert` dispatches for `m` padded pages."""
-        pages = jax.device_put(jnp.zeros(self.pages_shape(m), self.k_pool.dtype),
-                               self.shard_sharding(0))
+        """The program `insert` dispatches for `m` padded pages (its pages as shapes:
+        what `_assemble` makes of one shard's, nothing allocated)."""
+        l, _, *rest = self.pages_shape(m)
+        pages = jax.ShapeDtypeStruct((l, self.num_shards * m, *rest), self.k_pool.dtype,
+                                     sharding=NamedSharding(self.mesh, self.pool_spec))
+        ids = np.zeros(self.num_shards * m, np.int32)
         return Program(f"insert_m{m}", self._insert,
-                       self._insert_args(0, [0] * m, pages, pages),
+                       (self.k_pool, self.v_pool, pages, pages,
+                        jax.device_put(ids, self.slot_sharding)),
                        note=functools.partial(self.counter.note, "insert", m),
                        install=functools.partial(self.executables.put, ("insert", m)))
 
