@@ -44,6 +44,7 @@ import pickle
 import platform
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Hashable
 
@@ -59,6 +60,7 @@ FORMAT = 1
 SUFFIX = ".exe"
 # Kept executables past this many bytes in one directory: the least recently used go.
 MAX_BYTES = 2 << 30
+_STALE_TMP_S = 3600.0
 # jax options that change what a program lowers to.
 _JAX_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable",
                 "jax_use_shardy_partitioner", "jax_default_prng_impl")
@@ -404,9 +406,16 @@ class KeptExecutables:
 
     def prune(self, max_bytes: int = MAX_BYTES) -> int:
         """Remove the least recently used kept files (by modification time, which a load
-        refreshes) until the rest hold at most `max_bytes`; returns how many went."""
+        refreshes) until the rest hold at most `max_bytes`, and temporary files an hour
+        old (their writer died); returns how many kept files went."""
         if self.directory is None or not self.directory.is_dir():
             return 0
+        for tmp in self.directory.glob(".tmp-*"):     # a writer that died mid-way
+            try:
+                if time.time() - tmp.stat().st_mtime > _STALE_TMP_S:
+                    tmp.unlink()
+            except OSError:
+                pass
         files = []
         for path in self.directory.glob(f"*{SUFFIX}"):
             try:

@@ -4,6 +4,7 @@ steady state compiles nothing (`Engine.counter` proves it in tests), and `jaxpd.
 lowers the same list for a TPU or GPU."""
 from __future__ import annotations
 
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -20,6 +21,8 @@ from jaxpd.engine.prefill_cache import chunk_widths
 from jaxpd.engine.scheduler import context_widths
 from jaxpd.models.hf_io import DTYPES
 from jaxpd.sizes import coarse_sizes
+
+_log = logging.getLogger(__name__)
 
 
 def warm_up(engine, progress: Callable[[str], None],
@@ -49,7 +52,10 @@ def warm_up(engine, progress: Callable[[str], None],
         for spec in specs:
             if not spec.ahead:
                 spec.warm()
-        keep.prune()
+        if keep.directory is not None:
+            _log.info("warm-up: %d programs loaded from %s, %d compiled, %d refused",
+                      keep.loaded, keep.directory, keep.compiled, keep.refused)
+            keep.prune()
     if engine.decode_runner is not None:
         jax.block_until_ready(engine.decode_runner.k_pool)
     cached, extended = likely_prefix_shapes(engine)
