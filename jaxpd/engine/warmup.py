@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxpd.engine.kept import KeptExecutables
@@ -250,7 +249,8 @@ def _decode(engine) -> list[ProgramSpec]:
     for m in coarse_sizes(cfg.pages_per_slot):
         def warm(m=m):
             shape = (model.num_layers, m, cfg.page_size, model.num_kv_heads, model.head_dim)
-            pages = jax.device_put(jnp.zeros(shape, DTYPES[cfg.dtype]), runner.shard_sharding(0))
+            # numpy zeros: put, not computed, so running it compiles only the insert
+            pages = jax.device_put(np.zeros(shape, DTYPES[cfg.dtype]), runner.shard_sharding(0))
             runner.insert(0, [0] * m, pages, pages)
         specs.append(ProgramSpec(f"page insert for {m} pages", warm,
                                  lambda m=m: [runner.insert_program(m)]))
