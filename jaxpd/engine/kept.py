@@ -303,13 +303,14 @@ class KeptExecutables:
 
     def _text_key(self, lowered, program: Program) -> str:
         """sha256 of what decides an executable besides the config: the lowered
-        program's text, the devices it runs on, in order, and the context's platform
-        parts (`context_digest` without the fingerprint, config and source)."""
-        devices = [_sharding_key(leaf.sharding)[1] for leaf in
-                   jax.tree.leaves(program.abstract_args()) if leaf.sharding is not None]
+        program's text, its arguments' tree (what a call passes), the devices it runs
+        on, in order, and `platform_digest`."""
+        leaves, tree = jax.tree.flatten(program.abstract_args())
+        devices = [_sharding_key(leaf.sharding)[1] for leaf in leaves
+                   if leaf.sharding is not None]
         text = lowered.as_text()
-        return hashlib.sha256(json.dumps([self.platform, devices]).encode() + b"\0" +
-                              text.encode()).hexdigest()
+        return hashlib.sha256(json.dumps([self.platform, str(tree), devices]).encode() +
+                              b"\0" + text.encode()).hexdigest()
 
     def _load(self, path: Path, key: str, program: Program):
         """The executable kept at `path` under `key`, or None (absent, or refused)."""
