@@ -220,14 +220,14 @@ class KeptExecutables:
     what it compiles under `directory` for the next start. `directory` None: compiles
     only (no compilation cache in use). `context`: `context_digest` of the engine.
     Thread-safe: warm-up's threads and the background compilers share one.
-    `loaded`, `lowered` (missed their key), `compiled`, `refused`: counts of programs,
-    for the log and tests."""
+    `loaded`, `lowered` (missed their key), `compiled`, `refused`, `unkept` (compiled
+    from jax's caches, so not kept): counts of programs, for the log and tests."""
 
     def __init__(self, directory: str | None, context: str = ""):
         self.directory = Path(directory) if directory else None
         self.context = context
         self.platform = platform_digest() if directory else ""
-        self.loaded = self.lowered = self.compiled = self.refused = 0
+        self.loaded = self.lowered = self.compiled = self.refused = self.unkept = 0
         self._lock = threading.Lock()
 
     @classmethod
@@ -285,6 +285,7 @@ class KeptExecutables:
             # holds that may come from there) serializes without all of its code:
             # served, not kept (a fresh compile of it will be).
             _log.info("program %s came from jax's caches: not kept", program.name)
+            self._count("unkept", None)
         elif key:
             payload = self._serialize(program, executable)
             if payload is not None:

@@ -52,8 +52,9 @@ def warm_up(engine, progress: Callable[[str], None],
             if not spec.ahead:
                 spec.warm()
         if keep.directory is not None:
-            _log.info("warm-up: %d programs loaded from %s, %d compiled, %d refused",
-                      keep.loaded, keep.directory, keep.compiled, keep.refused)
+            _log.info("warm-up: %d programs loaded from %s, %d compiled (%d of them from "
+                      "jax's cache, not kept), %d refused", keep.loaded, keep.directory,
+                      keep.compiled, keep.unkept, keep.refused)
             keep.prune()
     if engine.decode_runner is not None:
         jax.block_until_ready(engine.decode_runner.k_pool)
