@@ -4,6 +4,9 @@ loads them instead of compiling again.
 
 jax's own thresholds skip programs that compile in under a second, which is every
 program of a small model; unless the environment sets them, both are 0 here.
+
+Warm-up keeps its programs' executables whole beside it (`kept_dir`,
+`engine.kept`): found without tracing, on the same switch as this cache.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import os
 from jaxpd import paths
 
 OFF = "none"
+KEPT = "jaxpd-executables"
 
 
 def default_dir() -> str:
@@ -36,3 +40,12 @@ def enable(path: str | None) -> str | None:
         if option.upper() not in os.environ:
             jax.config.update(option, 0)
     return path
+
+
+def kept_dir() -> str | None:
+    """Where warm-up keeps executables (`engine.kept`): `jaxpd-executables/` inside the
+    compilation cache jax uses now; None when it uses none."""
+    import jax
+
+    path = jax.config.jax_compilation_cache_dir
+    return os.path.join(path, KEPT) if path else None

@@ -32,6 +32,7 @@ import time
 from typing import Callable
 
 from jaxpd.engine.page_allocator import pages_for
+from jaxpd.engine.kept import KeptExecutables
 from jaxpd.engine.warmup import warm_up
 from jaxpd.request import State
 from jaxpd.sharding.spec import MeshSpec
@@ -104,7 +105,8 @@ def _build(engine, spec: MeshSpec, progress: Callable[[str], None]):
     phases = engine.build_phases(dataclasses.replace(engine.config, mesh=spec),
                                  inbound=engine.decode_loop.inbound)
     if engine.warmed:
-        warm_up(phases, lambda msg: progress(f"{spec}: {msg}"))
+        warm_up(phases, lambda msg: progress(f"{spec}: {msg}"),
+                keep=KeptExecutables.for_engine(engine.fingerprint, phases.config))
     return phases
 
 

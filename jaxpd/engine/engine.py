@@ -43,6 +43,7 @@ from jaxpd.engine.routing import Routing
 from jaxpd.engine.runner import CompileCounter, DecodeRunner, PrefillRunner
 from jaxpd.engine.scheduler import DecodeScheduler, PrefillScheduler
 from jaxpd.engine.topology import Topology
+from jaxpd.engine.kept import KeptExecutables
 from jaxpd.engine.warmup import warm_up
 from jaxpd.models.checkpoint import LoadedModel
 from jaxpd.models.fingerprint import model_fingerprint, short
@@ -146,9 +147,12 @@ class Engine:
         self.phases = self.build_phases(config)
         if topology.in_process_handoffs and isinstance(self.connector, DevicePutConnector):
             self.connector.stage_on(self._staging_sharding())
+        # Where warm-up keeps its executables, and loads them from (`engine.kept`).
+        self.kept: KeptExecutables | None = None
         if warmup and not self.is_follower:     # a follower replays the leader's warm-up
+            self.kept = KeptExecutables.for_engine(self.fingerprint, config)
             warm_up(self.phases, progress or (lambda msg: None),
-                    spans_processes=self.plan is not None)
+                    spans_processes=self.plan is not None, keep=self.kept)
         self.warmed = warmup
         self.prepared_splits: dict = {}        # an elastic split's (`engine.elastic`)
         self._stop = threading.Event()

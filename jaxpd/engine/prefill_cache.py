@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpd.engine.background_compile import BackgroundCompiler
 from jaxpd.engine.host_tier import HostTier
+from jaxpd.engine.kept import Executables, KeptExecutables, lowering
 from jaxpd.engine.kernels import prefill_attention, prefill_kernel
 from jaxpd.engine.program import Program
 from jaxpd.engine.page_allocator import CacheJournal, PageAllocator, page_hashes, pages_for
@@ -182,12 +183,20 @@ class PrefillCache:
         # in the background; the loop serves a batch without its prefix meanwhile.
         self.compiler: BackgroundCompiler | None = None
         self._chunk_keys: list[tuple] = []
+        # The programs warm-up installed, by the key each serving call computes; what
+        # the background compiles is loaded where `keep` kept it.
+        self.executables = Executables()
+        self.keep = KeptExecutables(None)
 
-    def start_background(self, chunks: list[tuple[int, int]] = ()) -> None:
+    def start_background(self, chunks: list[tuple[int, int]] = (),
+                         keep: KeptExecutables | None = None) -> None:
         """From now on `ready` asks for a program with a prefix it lacks, compiled on a
-        thread of its own, instead of letting the batch compile it. `chunks`: the
-        (new tokens, prefix pages) of every chunk program (`run_chunk`), asked for at
-        once on that thread; until all are compiled `chunks_ready` is False."""
+        thread of its own (or loaded where `keep` kept it), instead of letting the
+        batch compile it. `chunks`: the (new tokens, prefix pages) of every chunk
+        program (`run_chunk`), asked for at once on that thread; until all are compiled
+        `chunks_ready` is False."""
+        if keep is not None:
+            self.keep = keep
         self.compiler = BackgroundCompiler(f"{self.name}_background", self.counter)
         for t, w in chunks:
             key = _chunk_key((1, t), (1, w))
@@ -205,7 +214,7 @@ class PrefillCache:
         program = self.chunk_program(zeros(1, length), 0, 1, zeros(1, width),
                                      zeros(1, pages_for(length, self.page_size)),
                                      SamplingArrays.empty(1), zeros(1, self.context_width()))
-        return self._extend_chunk.lower(*program.abstract_args())
+        return lowering(self.keep, program)
 
     def close(self, timeout_s: float = 120.0) -> None:
         """Stop the background compiles (`BackgroundCompiler.close`)."""
@@ -236,7 +245,7 @@ class PrefillCache:
                                    zeros(rows, width),
                                    zeros(rows, pages_for(length, self.page_size)),
                                    SamplingArrays.empty(rows))
-        return self._extend.lower(*program.abstract_args())
+        return lowering(self.keep, program)
 
     def attach_host(self, tier: HostTier) -> None:
         """Keep evicted prefix pages in `tier` (made on this cache: `HostTier(cache,
@@ -260,20 +269,24 @@ class PrefillCache:
         """Copies of the pages at `page_ids` for the host tier, padded with the null
         page to `coarse_ceil` of their count ([L, m, S, K, H]), dispatched, not waited
         for: a program dispatched after it that writes these pages runs after it."""
-        self.counter.note(f"{self.name}_offload", coarse_ceil(len(page_ids)))
-        return self._offload(*self._take_args(page_ids))
+        m = coarse_ceil(len(page_ids))
+        self.counter.note(f"{self.name}_offload", m)
+        return self.executables.get(("offload", m), self._offload)(*self._take_args(page_ids))
 
     def offload_program(self, m: int) -> Program:
         """The program `offload` dispatches for `m` padded pages."""
         return Program(f"{self.name}_offload_m{m}", self._offload, self._take_args([0] * m),
                        host_sharding=self._replicated,
-                       note=functools.partial(self.counter.note, f"{self.name}_offload", m))
+                       note=functools.partial(self.counter.note, f"{self.name}_offload", m),
+                       install=functools.partial(self.executables.put, ("offload", m)))
 
     def insert(self, shard: int, page_ids: list[int], k_pages, v_pages) -> None:
         """Write [L, m, S, K, H] pages (on `shard_sharding`; m = `coarse_ceil` of their
         real count) at `page_ids`, one id per real page; padding goes to the null page."""
-        self.counter.note(f"{self.name}_insert", k_pages.shape[1])
-        self.k_pool, self.v_pool = self._insert(*self._insert_args(page_ids, k_pages, v_pages))
+        m = k_pages.shape[1]
+        self.counter.note(f"{self.name}_insert", m)
+        insert = self.executables.get(("insert", m), self._insert)
+        self.k_pool, self.v_pool = insert(*self._insert_args(page_ids, k_pages, v_pages))
 
     def _insert_args(self, page_ids: list[int], k_pages, v_pages):
         ids = np.zeros(k_pages.shape[1], np.int32)
@@ -282,10 +295,12 @@ class PrefillCache:
 
     def insert_program(self, m: int) -> Program:
         """The program `insert` dispatches for `m` padded pages."""
-        pages = jax.device_put(jnp.zeros(self.pages_shape(m), self.k_pool.dtype), self._pages)
+        pages = jax.ShapeDtypeStruct(self.pages_shape(m), self.k_pool.dtype,
+                                     sharding=self._pages)         # shapes: nothing allocated
         return Program(f"{self.name}_insert_m{m}", self._insert,
                        self._insert_args([0] * m, pages, pages),
-                       note=functools.partial(self.counter.note, f"{self.name}_insert", m))
+                       note=functools.partial(self.counter.note, f"{self.name}_insert", m),
+                       install=functools.partial(self.executables.put, ("insert", m)))
 
     def host_sizes(self) -> list[int]:
         """Padded page counts the host tier offloads and inserts (warm-up's)."""
@@ -378,7 +393,7 @@ class PrefillCache:
         program = self.compiler.get(key) if self.compiler is not None else None
         if program is None:
             self.counter.note(self.name, key)
-            program = self._extend
+            program = self.executables.get(("run", key), self._extend)
         first, logprobs, self.k_pool, self.v_pool = program(*self._run_args(
             tokens, starts, lengths, prefix_tables, new_tables, sampling))
         return (np.asarray(first), jax.device_get(logprobs) if sampling.wants_logprobs else None)
@@ -396,7 +411,9 @@ class PrefillCache:
                        self._run_args(tokens, starts, lengths, prefix_tables, new_tables,
                                       sampling), self.kernel,
                        note=functools.partial(self.counter.note, self.name,
-                                              (tokens.shape, prefix_tables.shape)))
+                                              (tokens.shape, prefix_tables.shape)),
+                       install=functools.partial(self.executables.put,
+                                                 ("run", (tokens.shape, prefix_tables.shape))))
 
     def run_chunk(self, tokens: np.ndarray, start: int, length: int, prefix_table: np.ndarray,
                   new_table: np.ndarray, sampling: SamplingArrays, context: np.ndarray):
@@ -445,8 +462,9 @@ class PrefillCache:
         """The K and V of these pages, then padding pages up to `coarse_ceil` of their
         count (what a handoff carries: `KVHandoff`), [L, m, S, K, H] each, for the
         connector. One program per padded count (`take_sizes`, all warmed up)."""
-        self.counter.note(f"{self.name}_take", coarse_ceil(len(page_ids)))
-        return self._take(*self._take_args(page_ids))
+        m = coarse_ceil(len(page_ids))
+        self.counter.note(f"{self.name}_take", m)
+        return self.executables.get(("take", m), self._take)(*self._take_args(page_ids))
 
     def _take_args(self, page_ids: list[int]):
         ids = np.zeros(coarse_ceil(len(page_ids)), np.int32)     # padding: the null page
@@ -456,7 +474,8 @@ class PrefillCache:
     def take_program(self, m: int) -> Program:
         """The program `take` dispatches for `m` padded pages."""
         return Program(f"{self.name}_take_m{m}", self._take, self._take_args([0] * m),
-                       note=functools.partial(self.counter.note, f"{self.name}_take", m))
+                       note=functools.partial(self.counter.note, f"{self.name}_take", m),
+                       install=functools.partial(self.executables.put, ("take", m)))
 
     def take_sizes(self) -> list[int]:
         """Every padded count `take` can cut (a request's pages, at most `max_pages`)."""

@@ -20,16 +20,21 @@ NO_KERNEL = "none"
 @dataclasses.dataclass(frozen=True)
 class Program:
     """`fn` (jitted) called with `args`: arrays on the mesh (params, pools, inputs put
-    where the serving call puts them) and host numpy inputs (which the program places
+    where the serving call puts them; large inputs may be `jax.ShapeDtypeStruct`s with
+    their shardings, for lowering only) and host numpy inputs (which the program places
     by its `shard_map` specs: `host_sharding`). `kernel`: its attention core.
     `note`: records in the runner's `CompileCounter` what its serving call records, for
-    a program compiled ahead of its first call (`warmup.compile_programs`)."""
+    a program compiled ahead of its first call (`warmup.compile_programs`).
+    `install`: puts an executable of this program where its serving call runs it (the
+    runner's `kept.Executables` table, under the key the call computes); None: the
+    call runs `fn`, so compiling ahead must fill jax's own cache."""
     name: str
     fn: Callable
     args: tuple
     kernel: str = NO_KERNEL
     host_sharding: jax.sharding.Sharding | None = None
     note: Callable[[], None] | None = None
+    install: Callable[[object], None] | None = None
 
     def abstract_args(self) -> tuple:
         """`args` as `jax.ShapeDtypeStruct`s with their shardings (what lowering needs)."""

@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpd.engine.background_compile import BackgroundCompiler
+from jaxpd.engine.kept import Executables, KeptExecutables, lowering
 from jaxpd.engine.program import Program
 from jaxpd.sizes import coarse_ceil
 from jaxpd.engine.penalties import SlotPenalties, count_sampled, prefill_context
@@ -90,6 +91,7 @@ class PrefillRunner:
         self.quant_matmul = quant_matmul
         self.counter, self.name = counter, name
         self._unstacked = None
+        self.executables = Executables()       # `run`'s programs installed by warm-up
         attention = prefill_attention(attention_impl, mesh, rules, cfg.head_dim)
         self.kernel = prefill_kernel(attention)
         # On a decode mesh (its own prefills) experts stay where its rules split them.
@@ -145,7 +147,8 @@ class PrefillRunner:
         some row asks for them (else None: not read back), k, v [L, B, T, K, H] on the
         mesh)."""
         self.counter.note(self.name, tokens.shape)
-        first, logprobs, k, v = self._prefill(*self._run_args(tokens, lengths, sampling))
+        prefill = self.executables.get(tokens.shape, self._prefill)
+        first, logprobs, k, v = prefill(*self._run_args(tokens, lengths, sampling))
         return (np.asarray(first), jax.device_get(logprobs) if sampling.wants_logprobs else None,
                 k, v)
 
@@ -158,7 +161,8 @@ class PrefillRunner:
         b, t = tokens.shape
         return Program(f"{self.name}_b{b}_t{t}", self._prefill,
                        self._run_args(tokens, lengths, sampling), self.kernel,
-                       note=functools.partial(self.counter.note, self.name, tokens.shape))
+                       note=functools.partial(self.counter.note, self.name, tokens.shape),
+                       install=functools.partial(self.executables.put, tokens.shape))
 
     def layerwise_programs(self, tokens: np.ndarray, lengths: np.ndarray,
                            sampling: SamplingArrays, groups: list[tuple[int, int]]
@@ -254,6 +258,9 @@ class DecodeRunner:
         self.page_size, self.counter = page_size, counter
         self.pages_per_shard = pages_per_shard
         self.attention_impl = self.kernel = attention_impl
+        # The programs warm-up installed, by the key each serving call computes.
+        self.executables = Executables()
+        self.keep = KeptExecutables(None)      # warm-up's (`start_background_extend`)
         self.quant_matmul = quant_matmul
         self.num_shards = mesh.shape["dp"]
         kv_axis = dict(rules).get("kv_heads")
@@ -350,8 +357,8 @@ class DecodeRunner:
             raise ValueError(f"insert of {n} pages takes coarse_ceil({n}) = {coarse_ceil(n)} "
                              f"padded pages, got {m}")
         self.counter.note("insert", m)
-        self.k_pool, self.v_pool = self._insert(*self._insert_args(shard, page_ids, k_pages,
-                                                                   v_pages))
+        insert = self.executables.get(("insert", m), self._insert)
+        self.k_pool, self.v_pool = insert(*self._insert_args(shard, page_ids, k_pages, v_pages))
 
     def _insert_args(self, shard: int, page_ids: list[int], k_pages, v_pages):
         m = k_pages.shape[1]
@@ -362,12 +369,17 @@ class DecodeRunner:
                 self._assemble(shard, v_pages), ids)
 
     def insert_program(self, m: int) -> Program:
-        """The program `insert` dispatches for `m` padded pages."""
-        pages = jax.device_put(jnp.zeros(self.pages_shape(m), self.k_pool.dtype),
-                               self.shard_sharding(0))
+        """The program `insert` dispatches for `m` padded pages (its pages as shapes:
+        what `_assemble` makes of one shard's, nothing allocated)."""
+        l, _, *rest = self.pages_shape(m)
+        pages = jax.ShapeDtypeStruct((l, self.num_shards * m, *rest), self.k_pool.dtype,
+                                     sharding=NamedSharding(self.mesh, self.pool_spec))
+        ids = np.zeros(self.num_shards * m, np.int32)
         return Program(f"insert_m{m}", self._insert,
-                       self._insert_args(0, [0] * m, pages, pages),
-                       note=functools.partial(self.counter.note, "insert", m))
+                       (self.k_pool, self.v_pool, pages, pages,
+                        jax.device_put(ids, self.slot_sharding)),
+                       note=functools.partial(self.counter.note, "insert", m),
+                       install=functools.partial(self.executables.put, ("insert", m)))
 
     def pages_shape(self, m: int) -> tuple[int, ...]:
         """[L, m, S, K, H]: `m` pages of this pool."""
@@ -377,8 +389,9 @@ class DecodeRunner:
         """Copies of `shard`'s [L, m, S, K, H] pages at `page_ids`, padded (with its null
         page) to m = `coarse_ceil` of their count as a handoff is: an elastic re-split
         moves a decoding request's KV with them."""
-        self.counter.note("take", coarse_ceil(len(page_ids)))
-        return self._take(*self._take_args(shard, page_ids))
+        m = coarse_ceil(len(page_ids))
+        self.counter.note("take", m)
+        return self.executables.get(("take", m), self._take)(*self._take_args(shard, page_ids))
 
     def _take_args(self, shard: int, page_ids: list[int]):
         ids = np.zeros(coarse_ceil(len(page_ids)), np.int32)
@@ -389,32 +402,39 @@ class DecodeRunner:
         """The program `take` dispatches for `m` padded pages."""
         return Program(f"take_m{m}", self._take, self._take_args(0, [0] * m),
                        host_sharding=NamedSharding(self.mesh, P()),
-                       note=functools.partial(self.counter.note, "take", m))
+                       note=functools.partial(self.counter.note, "take", m),
+                       install=functools.partial(self.executables.put, ("take", m)))
 
     def offload(self, shard: int, page_ids: list[int]) -> tuple[jax.Array, jax.Array]:
         """Copies of `shard`'s pages at `page_ids` for the host tier, as `take` cuts
         them ([L, m, S, K, H], m = `coarse_ceil` of their count, padded with the null
         page), in pinned host memory where the devices have it. Dispatched, not waited
         for: a program dispatched after it that writes these pages runs after it."""
-        self.counter.note("offload", coarse_ceil(len(page_ids)))
-        return self._offload(*self._take_args(shard, page_ids))
+        m = coarse_ceil(len(page_ids))
+        self.counter.note("offload", m)
+        offload = self.executables.get(("offload", m), self._offload)
+        return offload(*self._take_args(shard, page_ids))
 
     def offload_program(self, m: int) -> Program:
         """The program `offload` dispatches for `m` padded pages."""
         return Program(f"offload_m{m}", self._offload, self._take_args(0, [0] * m),
                        host_sharding=NamedSharding(self.mesh, P()),
-                       note=functools.partial(self.counter.note, "offload", m))
+                       note=functools.partial(self.counter.note, "offload", m),
+                       install=functools.partial(self.executables.put, ("offload", m)))
 
     def penalties_program(self) -> Program:
         """The program `set_penalties` dispatches (one for every slot and length)."""
         p = self.penalties
         return Program("penalties_set_slot", p.set_row_program, p.set_slot_args(0, [], []),
-                       note=functools.partial(self.counter.note, "set_penalties", ()))
+                       note=functools.partial(self.counter.note, "set_penalties", ()),
+                       install=functools.partial(self.executables.put, ("set_penalties", ())))
 
     def set_penalties(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         """The penalty context of the request just inserted at `slot` (one with penalties)."""
         self.counter.note("set_penalties", ())
-        self.penalties.set_slot(slot, prompt_ids, output_ids)
+        p = self.penalties
+        set_row = self.executables.get(("set_penalties", ()), p.set_row_program)
+        p.counts, p.prompt = set_row(*p.set_slot_args(slot, prompt_ids, output_ids))
 
     def step(self, host_tokens, fed_from_host, positions, block_tables, sampling: SamplingArrays,
              rows=None) -> tuple[jax.Array, Logprobs]:
@@ -425,7 +445,8 @@ class DecodeRunner:
         program per (b, context width)."""
         self.counter.note("decode", block_tables.shape)
         p = self.penalties
-        nxt, logprobs, self.k_pool, self.v_pool, p.counts, self.prev_tokens = self._step(
+        step = self.executables.get(("decode", block_tables.shape), self._step)
+        nxt, logprobs, self.k_pool, self.v_pool, p.counts, self.prev_tokens = step(
             *self._step_args(host_tokens, fed_from_host, positions, block_tables, sampling, rows))
         return nxt, logprobs
 
@@ -442,7 +463,9 @@ class DecodeRunner:
         return Program(f"decode_rows{n}_w{w}", self._step,
                        self._step_args(host_tokens, fed_from_host, positions, block_tables,
                                        sampling, rows), self.kernel, self.slot_sharding,
-                       note=functools.partial(self.counter.note, "decode", block_tables.shape))
+                       note=functools.partial(self.counter.note, "decode", block_tables.shape),
+                       install=functools.partial(self.executables.put,
+                                                 ("decode", block_tables.shape)))
 
     def every_slot(self) -> np.ndarray:
         """`step`'s rows for every slot, in order: each shard's local slot ids."""
@@ -461,7 +484,7 @@ class DecodeRunner:
         program = self.extend_compiler.get(key) if self.extend_compiler is not None else None
         if program is None:
             self.counter.note("extend", key)
-            program = self._extend
+            program = self.executables.get(("extend", key), self._extend)
         nxt, logprobs, self.k_pool, self.v_pool = program(*self._extend_args(
             tokens, starts, lengths, prefix_tables, new_tables, row_slots, sampling))
         return nxt, logprobs
@@ -481,11 +504,15 @@ class DecodeRunner:
                        self._extend_args(tokens, starts, lengths, prefix_tables, new_tables,
                                          row_slots, sampling), "reference", self.slot_sharding,
                        note=functools.partial(self.counter.note, "extend",
-                                              (tokens.shape, prefix_tables.shape)))
+                                              (tokens.shape, prefix_tables.shape)),
+                       install=functools.partial(self.executables.put,
+                                                 ("extend", (tokens.shape, prefix_tables.shape))))
 
-    def start_background_extend(self) -> None:
+    def start_background_extend(self, keep: KeptExecutables | None = None) -> None:
         """From now on `extend_ready` asks for a program it lacks, compiled on a thread
-        of its own (`BackgroundCompiler`)."""
+        of its own (`BackgroundCompiler`), or loaded where `keep` kept it."""
+        if keep is not None:
+            self.keep = keep
         self.extend_compiler = BackgroundCompiler("extend_background", self.counter)
 
     def extend_ready(self, rows: int, length: int, width: int) -> bool:
@@ -518,7 +545,7 @@ class DecodeRunner:
         program = self.extend_program(
             zeros(rows, length), zeros(rows), zeros(rows), zeros(rows, width),
             zeros(rows, -(-length // self.page_size)), zeros(rows), SamplingArrays.empty(rows))
-        return self._extend.lower(*program.abstract_args())
+        return lowering(self.keep, program)
 
     def close(self, timeout_s: float = 120.0) -> None:
         """Stop the background compiles (`BackgroundCompiler.close`)."""

@@ -1,16 +1,18 @@
 """The programs an engine serves, listed once (`serving_programs`): warm-up compiles
-them before the engine serves, so steady state compiles nothing (`Engine.counter`
-proves it in tests), and `jaxpd.export` lowers the same list for a TPU or GPU."""
+them before the engine serves (or loads them where they were kept: `engine.kept`), so
+steady state compiles nothing (`Engine.counter` proves it in tests), and `jaxpd.export`
+lowers the same list for a TPU or GPU."""
 from __future__ import annotations
 
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from jaxpd.engine.kept import KeptExecutables
 from jaxpd.engine.program import ProgramSpec
 from jaxpd.engine.sampler import SamplingArrays
 from jaxpd.engine.page_allocator import pages_for
@@ -19,9 +21,11 @@ from jaxpd.engine.scheduler import context_widths
 from jaxpd.models.hf_io import DTYPES
 from jaxpd.sizes import coarse_sizes
 
+_log = logging.getLogger(__name__)
+
 
 def warm_up(engine, progress: Callable[[str], None],
-            spans_processes: bool = False) -> None:
+            spans_processes: bool = False, keep: KeptExecutables | None = None) -> None:
     """Every prefill (batch, length) bucket, every decode (rows, context width),
     every padded insert, take and host-tier offload size, and the penalty context
     update. Runs before the engine's threads start. Programs with a cached prefix
@@ -30,32 +34,40 @@ def warm_up(engine, progress: Callable[[str], None],
 
     `engine`: the `Phases` to warm up. XLA compiles a program on one core, so the
     programs compile on `compile_threads` threads (`compile_programs`) and none runs:
-    each serving call finds its executable compiled (or loaded from the persistent
-    cache). Only a spec that is not `ahead` runs once here, compiling where it runs. A
-    role `spans_processes` runs every program once on this thread instead, touching
-    only the null page: its followers compile by replaying each dispatch in the
-    leader's order."""
+    each serving call finds its executable installed in its runner's table, loaded
+    where `keep` kept it (`engine.kept`; None: compiled, not kept), and so do the
+    background compiles. Only a spec that is not `ahead` runs once here, compiling
+    where it runs. A role `spans_processes` runs every program once on this thread
+    instead, touching only the null page: its followers compile by replaying each
+    dispatch in the leader's order."""
+    keep = keep or KeptExecutables(None)
     specs = [s for s in serving_programs(engine) if not s.background]
     if spans_processes:
         for i, spec in enumerate(specs):
             progress(f"compiling {i + 1}/{len(specs)}: {spec.describe}")
             spec.warm()
     else:
-        compile_programs(specs, progress, compile_threads(engine.config))
+        compile_programs(specs, progress, compile_threads(engine.config), keep)
         for spec in specs:
             if not spec.ahead:
                 spec.warm()
+        if keep.directory is not None:
+            _log.info("warm-up: %d programs loaded from %s, %d compiled (%d of them from "
+                      "jax's cache, not kept), %d refused", keep.loaded, keep.directory,
+                      keep.compiled, keep.unkept, keep.refused)
+            keep.prune()
     if engine.decode_runner is not None:
         jax.block_until_ready(engine.decode_runner.k_pool)
     cached, extended = likely_prefix_shapes(engine)
     if engine.prefill_cache is not None:
         loop = engine.prefill_loop
         engine.prefill_cache.start_background(
-            chunk_shapes(loop) if loop is not None and loop.chunk_tokens is not None else [])
+            chunk_shapes(loop) if loop is not None and loop.chunk_tokens is not None else [],
+            keep)
         engine.prefill_cache.anticipate(cached)
     if engine.decode_loop is not None and engine.decode_loop.extend is not None and \
             engine.decode_loop.extend.lazy:
-        engine.decode_runner.start_background_extend()
+        engine.decode_runner.start_background_extend(keep)
         engine.decode_runner.anticipate_extend(extended)
 
 
@@ -65,20 +77,24 @@ def compile_threads(config) -> int:
 
 
 def compile_programs(specs: list[ProgramSpec], progress: Callable[[str], None],
-                     threads: int) -> None:
-    """Compile every program of `specs` on `threads` threads without running any.
+                     threads: int, keep: KeptExecutables | None = None) -> None:
+    """Compile (or load) every program of `specs` on `threads` threads without running
+    any.
 
-    Each is lowered with the arguments its serving call passes (`Program.args`: the
-    runner's own arrays, host inputs as numpy), so the call finds the same executable
-    in jax's compile cache, and noted in its runner's `CompileCounter` as the call
-    would note it (a spec that is not `ahead` compiles when it runs).
+    Each is compiled for the arguments its serving call passes (`Program.args`: the
+    runner's own arrays, host inputs as numpy) and installed where the call runs it
+    (`KeptExecutables.install`: loaded from `keep` when kept there, else compiled and
+    kept), and noted in its runner's `CompileCounter` as the call would note it (a spec
+    that is not `ahead` compiles when it runs).
     Lowering holds the GIL, XLA's compile does not, so the threads overlap compiles.
     Progress is reported in list order as each finishes. A failure, or an exception
     from `progress`, raises once reached in that order, and the compiles not yet
     started are dropped."""
+    keep = keep or KeptExecutables(None)
+
     def compile_one(spec: ProgramSpec) -> None:
         for program in spec.build() if spec.ahead else ():
-            program.fn.lower(*program.args).compile()
+            keep.install(program)
             if program.note is not None:
                 program.note()
 
@@ -234,7 +250,8 @@ def _decode(engine) -> list[ProgramSpec]:
     for m in coarse_sizes(cfg.pages_per_slot):
         def warm(m=m):
             shape = (model.num_layers, m, cfg.page_size, model.num_kv_heads, model.head_dim)
-            pages = jax.device_put(jnp.zeros(shape, DTYPES[cfg.dtype]), runner.shard_sharding(0))
+            # numpy zeros: put, not computed, so running it compiles only the insert
+            pages = jax.device_put(np.zeros(shape, DTYPES[cfg.dtype]), runner.shard_sharding(0))
             runner.insert(0, [0] * m, pages, pages)
         specs.append(ProgramSpec(f"page insert for {m} pages", warm,
                                  lambda m=m: [runner.insert_program(m)]))
