@@ -41,8 +41,12 @@ def models_dir() -> str:
 
 
 def xla_dir() -> str:
-    """`$JAX_COMPILATION_CACHE_DIR` if set (jax's own variable), else `<root>/xla`."""
-    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache_root(), "xla")
+    """`$JAX_COMPILATION_CACHE_DIR` if set (jax's own variable), else `<root>/compiled`.
+    jax's entries and warm-up's kept executables live there together: a program jax
+    serves from its own cache is never kept, so an XLA cache filled without the kept
+    store beside it would hold the warm start at tracing speed."""
+    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache_root(),
+                                                                       "compiled")
 
 
 def native_dir() -> str:

@@ -19,7 +19,7 @@ KEPT = "jaxpd-executables"
 
 
 def default_dir() -> str:
-    """`$JAX_COMPILATION_CACHE_DIR` if set, else `$JAXPD_CACHE/xla` (`jaxpd.paths`)."""
+    """`$JAX_COMPILATION_CACHE_DIR` if set, else `$JAXPD_CACHE/compiled` (`jaxpd.paths`)."""
     return paths.xla_dir()
 
 

@@ -13,7 +13,7 @@ def test_every_cache_lives_under_the_one_root(tmp_path, monkeypatch):
     monkeypatch.delenv("JAXPD_CACHE_DIR", raising=False)
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     assert paths.cache_root() == str(tmp_path)
-    for kind, where in [(paths.models_dir, "models"), (paths.xla_dir, "xla"),
+    for kind, where in [(paths.models_dir, "models"), (paths.xla_dir, "compiled"),
                         (paths.native_dir, "native"), (paths.fingerprint_dir, "fingerprint")]:
         assert kind() == os.path.join(str(tmp_path), where)
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))

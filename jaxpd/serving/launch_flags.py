@@ -101,7 +101,7 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                        lower_bound=0, upper_bound=1, flag_values=fv)
     flags.DEFINE_string("compilation_cache_dir", None, "Keep compiled programs here and "
                         "load them on the next start ('none': off). Default: "
-                        "$JAX_COMPILATION_CACHE_DIR, else $JAXPD_CACHE/xla (jaxpd.paths).",
+                        "$JAX_COMPILATION_CACHE_DIR, else $JAXPD_CACHE/compiled (jaxpd.paths).",
                         flag_values=fv)
 
 
