@@ -20,6 +20,7 @@ where a prompt is prefilled (`Routing` follows it); what a mesh spec builds is o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -39,7 +40,7 @@ from jaxpd.engine.page_allocator import CacheJournal, prefix_root
 from jaxpd.engine.prefill_cache import PrefillCache, cache_pages
 from jaxpd.engine.prefill_loop import PrefillLoop
 from jaxpd.engine.requests import Limits, Requests
-from jaxpd.engine.routing import Routing
+from jaxpd.engine.routing import Inbox, Routing
 from jaxpd.engine.runner import CompileCounter, DecodeRunner, PrefillRunner
 from jaxpd.engine.scheduler import DecodeScheduler, PrefillScheduler
 from jaxpd.engine.topology import Topology
@@ -318,7 +319,9 @@ class Engine:
                                      handoff_wait_s=c.handoff_wait_ms / 1000,
                                      cache=p.prefill_cache,
                                      chunk_tokens=c.prefill_chunk_tokens if chunked else None,
-                                     fingerprint=self.fingerprint)
+                                     fingerprint=self.fingerprint,
+                                     observe=functools.partial(self.requests.routing.observe,
+                                                               Inbox.PREFILL))
 
     def _build_decode(self, p: Phases, inbound: list[InboundQueue] | None) -> None:
         c, mesh, spec, topology = p.config, p.meshes.decode, p.config.mesh, p.topology
@@ -373,7 +376,8 @@ class Engine:
                 expects_fresh=every or c.local_prefill_below > 0,
                 chunk_tokens=c.chunked_prefill_tokens if topology.chunked_in_slots else None,
                 host=p.host_tier,
-                reroute=self.requests.prefill_instead if topology.prefill_loop else None)
+                reroute=self.requests.prefill_instead if topology.prefill_loop else None,
+                observe=functools.partial(self.requests.routing.observe, Inbox.EXTEND))
         p.decode_loop = DecodeLoop(runner, scheduler, queues, self.requests, self.counters,
                                    c.pages_per_slot, c.decode_context_step,
                                    by_length=attention != "reference", extend=extend)
