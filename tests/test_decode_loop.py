@@ -321,3 +321,47 @@ def test_a_step_runs_the_fewest_rows_that_hold_its_busiest_shard(pool):
     assert max(s["rows"] for s in env.runner.steps) == 2 * 8
     assert all(r.output_ids == [r.output_ids[0] + k for k in range(4)] for r in many)
     assert_no_page_held(env)
+
+
+def test_an_idle_loop_waiting_for_handoffs_sees_a_request_routed_to_extend(pool):
+    """An idle loop waits for a handoff in slices of `EXTEND_POLL_S`, looking at its
+    extend loop's inbox between them (the connector does not wake it for that), and
+    runs the extend in the same iteration."""
+    import queue as queue_mod
+    from tests.fake_runner import FakeReceiver
+
+    class _Extend:                        # the parts of `ExtendLoop` the loop uses
+        host = None
+
+        def __init__(self):
+            self.inbox, self.taken = queue_mod.SimpleQueue(), []
+
+        @property
+        def idle(self):
+            return self.inbox.empty()
+
+        def run_once(self):
+            while not self.inbox.empty():
+                self.taken.append(self.inbox.get_nowait())
+            return []
+
+    extend = _Extend()
+
+    class _Receiver(FakeReceiver):
+        def __init__(self):
+            super().__init__()
+            self.timeouts = []
+
+        def receive(self, timeout):
+            self.timeouts.append(timeout)
+            if len(self.timeouts) == 3:
+                extend.inbox.put("routed")    # arrives while the loop waits
+            return super().receive(timeout)
+
+    env = make(pool, receiver=_Receiver())
+    env.loop.extend = extend
+    env.loop.iterate(receive_timeout=60.0)
+    waits = env.receiver.timeouts
+    assert len(waits) == 3 and all(0 < t <= env.loop.EXTEND_POLL_S for t in waits)
+    assert extend.taken == ["routed"]
+    assert_no_page_held(env)

@@ -63,6 +63,22 @@ def test_allocator_shares_caches_and_evicts_least_recently_used():
     a.check()
 
 
+def test_allocator_evicts_a_released_prefix_from_its_tail():
+    """A released request's pages are evicted last page first: what stays of its
+    prefix is still found (a head evicted first would strand the rest, cached but
+    unreachable)."""
+    a = PageAllocator(6)                                 # 5 usable
+    p = a.allocate(4)
+    h = page_hashes(list(range(32)), 8, ROOT)
+    assert all(a.publish(page, hh) for page, hh in zip(p, h))
+    a.free(p)
+    a.allocate(2)                                        # one never-used, one evicted
+    assert a.num_evictions == 1 and a.cached_prefix(h) == p[:3]
+    a.allocate(2)
+    assert a.num_evictions == 3 and a.cached_prefix(h) == p[:1]
+    a.check()
+
+
 def test_allocator_refuses_misuse():
     a = PageAllocator(4)
     p = a.allocate(2)

@@ -100,7 +100,7 @@ class DecodeLoop:
         self._awaiting_parts = False
         if self.extend is not None and self.extend.host is not None:
             self.extend.host.settle()          # the host tier's copies that are done
-        self._receive(timeout)
+        self._wait_and_receive(timeout)
         self._mirror_first_tokens()
         self._release_final()
         self._admit()
@@ -143,6 +143,22 @@ class DecodeLoop:
             self._drop(a)
             self._fail_transfer(a.request, TransferError("not placed before a re-split"))
         self.finish_in_flight()
+
+    # How often an idle loop with an extend loop looks at the extend inbox while it
+    # waits for a handoff: the most a request routed there waits to be seen.
+    EXTEND_POLL_S = 0.002
+
+    def _wait_and_receive(self, timeout: float | None) -> int:
+        """`_receive`, waiting up to `timeout` s for a handoff -- or, with an extend loop,
+        until a request arrives in its inbox (which the connector does not wake)."""
+        if not timeout or self.extend is None:
+            return self._receive(timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            taken = self._receive(min(self.EXTEND_POLL_S, max(left, 0.0)) or None)
+            if taken or left <= 0 or not self.extend.idle:
+                return taken
 
     def _receive(self, timeout: float | None) -> int:
         """Take what the inbound queues hold; returns how many new handoffs."""

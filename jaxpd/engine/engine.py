@@ -20,6 +20,7 @@ where a prompt is prefilled (`Routing` follows it); what a mesh spec builds is o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -39,7 +40,7 @@ from jaxpd.engine.page_allocator import CacheJournal, prefix_root
 from jaxpd.engine.prefill_cache import PrefillCache, cache_pages
 from jaxpd.engine.prefill_loop import PrefillLoop
 from jaxpd.engine.requests import Limits, Requests
-from jaxpd.engine.routing import Routing
+from jaxpd.engine.routing import Inbox, Routing
 from jaxpd.engine.runner import CompileCounter, DecodeRunner, PrefillRunner
 from jaxpd.engine.scheduler import DecodeScheduler, PrefillScheduler
 from jaxpd.engine.topology import Topology
@@ -138,7 +139,8 @@ class Engine:
             local_prefill_below=config.local_prefill_below, extend_all=topology.extend_all,
             cached_tokens=self._cached_tokens if topology.decode_caching else None,
             extend_ready=self._extend_ready, extend_below=config.prefix_extend_below,
-            page_size=config.page_size)
+            page_size=config.page_size,
+            prefill_cached=self._prefill_cached if topology.prefill_caching else None)
         self.requests = Requests(
             self.counters, config.max_queued,
             Limits(model.cfg.vocab_size, config.max_prompt_len, config.max_model_len),
@@ -322,7 +324,9 @@ class Engine:
                                      cache=p.prefill_cache,
                                      chunk_tokens=c.prefill_chunk_tokens if chunked else None,
                                      fingerprint=self.fingerprint,
-                                     hold_first_token=topology.decode_mesh)
+                                     hold_first_token=topology.decode_mesh,
+                                     observe=functools.partial(self.requests.routing.observe,
+                                                               Inbox.PREFILL))
 
     def _build_decode(self, p: Phases, inbound: list[InboundQueue] | None) -> None:
         c, mesh, spec, topology = p.config, p.meshes.decode, p.config.mesh, p.topology
@@ -377,7 +381,8 @@ class Engine:
                 expects_fresh=every or c.local_prefill_below > 0,
                 chunk_tokens=c.chunked_prefill_tokens if topology.chunked_in_slots else None,
                 host=p.host_tier,
-                reroute=self.requests.prefill_instead if topology.prefill_loop else None)
+                reroute=self.requests.prefill_instead if topology.prefill_loop else None,
+                observe=functools.partial(self.requests.routing.observe, Inbox.EXTEND))
         p.decode_loop = DecodeLoop(runner, scheduler, queues, self.requests, self.counters,
                                    c.pages_per_slot, c.decode_context_step,
                                    by_length=attention != "reference", extend=extend)
@@ -419,6 +424,18 @@ class Engine:
                 n += self.host_tier.restorable(hashes[n:])
             restorable = max(restorable, n)
         return in_pool * sched.page_size, restorable * sched.page_size
+
+    def _prefill_cached(self, request: Request) -> int:
+        """Tokens of `request` the prefill mesh's own cache holds, in its pool or then
+        its host tier (a hint, read from the submitting thread)."""
+        cache = self.prefill_cache
+        if cache is None or not cache.reuse:
+            return 0
+        hashes = cache.hashes(request.prefill_ids[:request.num_tokens - 1])
+        n = len(cache.allocator.cached_prefix(hashes))
+        if cache.host is not None:
+            n += cache.host.restorable(hashes[n:])
+        return n * cache.page_size
 
     def _extend_ready(self, new_tokens: int, cached_tokens: int) -> bool:
         """Whether the decode mesh's extend loop runs such a rest on compiled programs

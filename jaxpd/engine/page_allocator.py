@@ -205,8 +205,12 @@ class PageAllocator:
         return pages
 
     def free(self, pages: list[int]) -> None:
-        """Drop one reference of each page; an unreferenced published page stays cached."""
-        for p in pages:
+        """Drop one reference of each page; an unreferenced published page stays cached.
+        `pages` are one request's in prefix order: they enter the LRU last page first,
+        so a prefix is evicted from its tail and what stays of it is still findable
+        (`cached_prefix` stops at the first missing page: a head evicted first would
+        leave the rest cached but unreachable)."""
+        for p in reversed(pages):
             if p not in self._refs:
                 raise ValueError(f"page {p} freed but not allocated (double free?)")
             self._refs[p] -= 1
