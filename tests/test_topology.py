@@ -100,36 +100,6 @@ def test_routing_sends_a_cached_turn_to_extend_only_while_that_route_is_cheaper(
     assert routing.route(_request(40)) is Inbox.PREFILL
 
 
-def test_routing_weighs_each_route_by_its_measured_seconds_per_token():
-    """Tokens alone favour the decode mesh; once its extends measure slower per token
-    than the prefill mesh's batches by more than the tokens saved, cached turns go
-    through the prefill mesh, and every `REMEASURE_AFTER`-th such turn goes to the
-    decode mesh to measure it again."""
-    from jaxpd.request import State
-    routing = Routing(has_prefill=True, has_decode=True, local_prefill=False,
-                      cached_tokens=lambda r: (32, 32), extend_below=64, page_size=16)
-
-    def route(n):
-        r = _request(n)
-        inbox = routing.route(r)
-        r.transition(State.PREFILLING)                            # taken at once
-        return inbox
-
-    routing.observe(Inbox.PREFILL, 100, 0.1)                      # 1 ms a token
-    assert route(48) is Inbox.EXTEND                              # not measured here yet
-    routing.observe(Inbox.EXTEND, 10, 0.1)                        # 10 ms a token
-    routing.observe(Inbox.EXTEND, 0, 5.0)                         # (nothing computed: ignored)
-    # 16 tokens at 10 ms against 48 at 1 ms.
-    assert [route(48) for _ in range(routing.REMEASURE_AFTER)] == \
-        [Inbox.PREFILL] * routing.REMEASURE_AFTER
-    assert route(48) is Inbox.EXTEND                              # measured again
-    assert route(48) is Inbox.PREFILL
-    # The running rate moves by `RATE_WEIGHT` of each measurement.
-    for _ in range(40):
-        routing.observe(Inbox.EXTEND, 100, 0.1)
-    assert route(48) is Inbox.EXTEND
-
-
 @pytest.mark.parametrize("has_prefill", [True, False])
 def test_routing_with_every_prompt_into_slots(has_prefill):
     every = Routing(has_prefill=has_prefill, has_decode=True, local_prefill=not has_prefill,

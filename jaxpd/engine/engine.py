@@ -20,7 +20,6 @@ where a prompt is prefilled (`Routing` follows it); what a mesh spec builds is o
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -40,7 +39,7 @@ from jaxpd.engine.page_allocator import CacheJournal, prefix_root
 from jaxpd.engine.prefill_cache import PrefillCache, cache_pages
 from jaxpd.engine.prefill_loop import PrefillLoop
 from jaxpd.engine.requests import Limits, Requests
-from jaxpd.engine.routing import Inbox, Routing
+from jaxpd.engine.routing import Routing
 from jaxpd.engine.runner import CompileCounter, DecodeRunner, PrefillRunner
 from jaxpd.engine.scheduler import DecodeScheduler, PrefillScheduler
 from jaxpd.engine.topology import Topology
@@ -324,9 +323,7 @@ class Engine:
                                      cache=p.prefill_cache,
                                      chunk_tokens=c.prefill_chunk_tokens if chunked else None,
                                      fingerprint=self.fingerprint,
-                                     hold_first_token=topology.decode_mesh,
-                                     observe=functools.partial(self.requests.routing.observe,
-                                                               Inbox.PREFILL))
+                                     hold_first_token=topology.decode_mesh)
 
     def _build_decode(self, p: Phases, inbound: list[InboundQueue] | None) -> None:
         c, mesh, spec, topology = p.config, p.meshes.decode, p.config.mesh, p.topology
@@ -381,8 +378,7 @@ class Engine:
                 expects_fresh=every or c.local_prefill_below > 0,
                 chunk_tokens=c.chunked_prefill_tokens if topology.chunked_in_slots else None,
                 host=p.host_tier,
-                reroute=self.requests.prefill_instead if topology.prefill_loop else None,
-                observe=functools.partial(self.requests.routing.observe, Inbox.EXTEND))
+                reroute=self.requests.prefill_instead if topology.prefill_loop else None)
         p.decode_loop = DecodeLoop(runner, scheduler, queues, self.requests, self.counters,
                                    c.pages_per_slot, c.decode_context_step,
                                    by_length=attention != "reference", extend=extend)

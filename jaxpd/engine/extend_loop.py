@@ -65,9 +65,7 @@ class ExtendLoop:
     tokens per call (a bucket; `max_tokens` is then at most it), None: all at once.
     `host`: the pool's host tier, whose pages a request's prefix may continue in.
     `reroute`: where a request goes whose call would need a program still compiling
-    in the background (the prefill mesh beside a `lazy` loop; see `_admit`).
-    `observe(tokens, seconds)`: told what each call that samples computed, and how long
-    it took until its tokens were read back (`Routing.observe`)."""
+    in the background (the prefill mesh beside a `lazy` loop; see `_admit`)."""
 
     def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler,
                  inbox: queue.SimpleQueue, stats: StatsCounter, buckets: list[int],
@@ -75,10 +73,9 @@ class ExtendLoop:
                  expected_below: int | None = None,
                  expects_fresh: bool = True, chunk_tokens: int | None = None,
                  host: HostTier | None = None,
-                 reroute: Callable[[Request], None] | None = None,
-                 observe: Callable[[int, float], None] | None = None):
+                 reroute: Callable[[Request], None] | None = None):
         self.runner, self.scheduler, self.inbox, self.stats = runner, scheduler, inbox, stats
-        self.host, self.reroute, self.observe = host, reroute, observe
+        self.host, self.reroute = host, reroute
         if chunk_tokens is not None:
             if chunk_tokens not in buckets:
                 raise ValueError(f"chunk_tokens={chunk_tokens} is not a bucket of {buckets}")
@@ -306,7 +303,6 @@ class ExtendLoop:
         self.stats.add(prefill_batches=1, prefill_tokens=sum(row.count for row in batch),
                        prefill_padded_tokens=tokens.size,
                        local_prefills=sum(row.final for row in batch))
-        began = time.perf_counter()
         first, logprobs = self.runner.extend(tokens, starts, lengths, prefix_tables, new_tables,
                                              row_slots, sampling)
         for row in batch:
@@ -318,8 +314,6 @@ class ExtendLoop:
         first = np.asarray(first)
         logprobs = jax.device_get(logprobs) if sampling.wants_logprobs else None
         now = time.perf_counter()
-        if self.observe is not None:
-            self.observe(sum(row.count for row in batch), now - began)
         ready = []
         for row, i in zip(batch, index_of):
             if not row.final:

@@ -11,7 +11,6 @@ import dataclasses
 import queue
 import secrets
 import time
-from typing import Callable
 
 import jax
 import numpy as np
@@ -58,12 +57,8 @@ class PrefillLoop:
                  layerwise: list[tuple[int, int]] | None = None, layerwise_min_tokens: int = 0,
                  handoff_wait_s: float = 0.0, cache: PrefillCache | None = None,
                  chunk_tokens: int | None = None, fingerprint: str = "",
-                 hold_first_token: bool = False,
-                 observe: Callable[[int, float], None] | None = None):
+                 hold_first_token: bool = False):
         self.runner, self.scheduler, self.sender = runner, scheduler, sender
-        # Told what each whole batch computed and how long until its first tokens were
-        # read back (`Routing.observe`).
-        self.observe = observe
         self.requests, self.inbox = requests, inbox
         self.page_size, self.stats = page_size, stats
         self.on_decode_mesh = on_decode_mesh
@@ -236,17 +231,8 @@ class PrefillLoop:
             sampling.set_row(i, r)
         return tokens, lengths, sampling
 
-    def _observed(self, tokens: int, began: float, first):
-        """`first` read back; the batch's cost told to `observe`."""
-        first = np.asarray(first)
-        if self.observe is not None:
-            self.observe(tokens, time.perf_counter() - began)
-        return first
-
     def _run_whole(self, live: list[Request], tokens, lengths, sampling) -> None:
-        began = time.perf_counter()
         first, logprobs, k, v = self.runner.run(tokens, lengths, sampling)
-        first = self._observed(int(lengths[:len(live)].sum()), began, first)
         now = time.perf_counter()
         going = []                             # (request, tokens, first page to send)
         for i, r in enumerate(live):
@@ -316,10 +302,8 @@ class PrefillLoop:
                            prefill_cache_hit_tokens=sum(c for _, c, _ in admitted)
                            - cache.restored_tokens,
                            prefill_cache_host_hit_tokens=cache.restored_tokens)
-            began = time.perf_counter()
             first, logprobs = cache.run(tokens, starts, lengths, prefix_tables, new_tables,
                                         sampling)
-            first = self._observed(int(lengths[:len(live)].sum()), began, first)
             for pages, cached, hashes in admitted:
                 cache.publish(pages, hashes, cached // page_size)
             now = time.perf_counter()

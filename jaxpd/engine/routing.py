@@ -13,7 +13,7 @@
   its extends one call at a time between steps, so a turn goes there only if the
   tokens queued there plus its rest are at most the tokens queued on the prefill mesh
   plus what the prefill mesh would compute for it (its prompt less what its own cache
-  holds), each weighed by its route's measured seconds per token. One that goes through the prefill mesh anyway carries the cached hint as
+  holds). One that goes through the prefill mesh anyway carries the cached hint as
   `kv_skip_pages`: its handoff leaves those pages out (the decode loop checks it still
   holds them; only pages in the pool are left out: a handoff is inserted, never
   restored).
@@ -63,25 +63,6 @@ class Routing:
         self._queued: dict[Inbox, dict[int, tuple[Request, int]]] = {
             Inbox.EXTEND: {}, Inbox.PREFILL: {}}
         self._lock = threading.Lock()
-        # Seconds per computed token of each route, as measured (`observe`); the routes
-        # are compared by tokens alone until both are.
-        self._rate: dict[Inbox, float | None] = {Inbox.EXTEND: None, Inbox.PREFILL: None}
-        self._skipped = 0          # cheaper-looking turns sent the long way in a row
-
-    # After this many turns in a row that could have gone to the decode mesh went
-    # through the prefill mesh on the measured rates, one goes there to measure again
-    # (a rate taken under a passing load would otherwise stand for good).
-    REMEASURE_AFTER = 16
-    RATE_WEIGHT = 0.25             # of each new measurement in the running rate
-
-    def observe(self, inbox: Inbox, tokens: int, seconds: float) -> None:
-        """A call on `inbox`'s route computed `tokens` tokens in `seconds` (its loop
-        says, after reading its first tokens back)."""
-        if tokens <= 0:
-            return
-        with self._lock:
-            rate, old = seconds / tokens, self._rate[inbox]
-            self._rate[inbox] = rate if old is None else old + self.RATE_WEIGHT * (rate - old)
 
     def queued(self, request: Request, inbox: Inbox, tokens: int) -> None:
         """Count `request` (`tokens` to compute) as waiting in `inbox` (and no other)."""
@@ -104,17 +85,8 @@ class Routing:
         rest, against the prompts queued on the prefill mesh and its prompt less what
         the prefill mesh's cache holds (it computes at least the last token)."""
         n = request.num_tokens
-        here = self.backlog(Inbox.EXTEND) + n - cached
-        there = self.backlog(Inbox.PREFILL) + n - min(self.prefill_cached(request), n - 1)
-        if here <= there:
-            with self._lock:
-                ext, pre = self._rate[Inbox.EXTEND], self._rate[Inbox.PREFILL]
-                if ext is None or pre is None or here * ext <= there * pre or \
-                        self._skipped >= self.REMEASURE_AFTER:
-                    self._skipped = 0
-                    return True
-                self._skipped += 1
-        return False
+        there = n - min(self.prefill_cached(request), n - 1)
+        return self.backlog(Inbox.EXTEND) + n - cached <= self.backlog(Inbox.PREFILL) + there
 
     def route(self, request: Request) -> Inbox:
         """Where `request` is prefilled (it may set `request.kv_skip_pages`)."""
