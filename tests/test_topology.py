@@ -71,35 +71,6 @@ def test_routing_sends_short_prompts_to_the_decode_mesh_and_cached_ones_to_exten
     assert routing.route(_request(8)) is Inbox.PREFILL
 
 
-def test_routing_sends_a_cached_turn_to_extend_only_while_that_route_is_cheaper():
-    """Beside a prefill mesh, a cached turn with a short rest goes to the decode mesh
-    only while the tokens queued there plus its rest are at most the prefill mesh's
-    queue plus what it would compute (its prompt less its own cache's hit); requests
-    stop counting once they leave the queue."""
-    from jaxpd.request import State
-    prefill_hit = {}
-    routing = Routing(has_prefill=True, has_decode=True, local_prefill=False,
-                      cached_tokens=lambda r: (32, 32), extend_below=64, page_size=16,
-                      prefill_cached=lambda r: prefill_hit.get(r.request_id, 0))
-    first, second = _request(48), _request(48)
-    assert routing.route(first) is Inbox.EXTEND                  # 16 here against 48 there
-    assert routing.route(second) is Inbox.EXTEND                 # 16 + 16 against 48
-    assert routing.backlog(Inbox.EXTEND) == 32
-    third, fourth = _request(40), _request(40)
-    assert routing.route(third) is Inbox.EXTEND                  # 32 + 8 against 40: a tie
-    assert routing.route(fourth) is Inbox.PREFILL                # 40 + 8 against 40
-    assert fourth.kv_skip_pages == 2                             # the pool pages it may skip
-    assert routing.backlog(Inbox.PREFILL) == 40 and routing.backlog(Inbox.EXTEND) == 40
-    for r in (first, second, third, fourth):
-        assert r.transition(State.PREFILLING)                    # taken by their loops
-    assert routing.backlog(Inbox.EXTEND) == routing.backlog(Inbox.PREFILL) == 0
-    # The prefill mesh's own cache holds all but the last 8 tokens: a tie, extend.
-    prefill_hit.update({"r40": 32})
-    assert routing.route(_request(40)) is Inbox.EXTEND
-    # ... and once 8 tokens wait here, there is cheaper.
-    assert routing.route(_request(40)) is Inbox.PREFILL
-
-
 @pytest.mark.parametrize("has_prefill", [True, False])
 def test_routing_with_every_prompt_into_slots(has_prefill):
     every = Routing(has_prefill=has_prefill, has_decode=True, local_prefill=not has_prefill,

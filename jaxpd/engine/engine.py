@@ -138,8 +138,7 @@ class Engine:
             local_prefill_below=config.local_prefill_below, extend_all=topology.extend_all,
             cached_tokens=self._cached_tokens if topology.decode_caching else None,
             extend_ready=self._extend_ready, extend_below=config.prefix_extend_below,
-            page_size=config.page_size,
-            prefill_cached=self._prefill_cached if topology.prefill_caching else None)
+            page_size=config.page_size)
         self.requests = Requests(
             self.counters, config.max_queued,
             Limits(model.cfg.vocab_size, config.max_prompt_len, config.max_model_len),
@@ -420,18 +419,6 @@ class Engine:
                 n += self.host_tier.restorable(hashes[n:])
             restorable = max(restorable, n)
         return in_pool * sched.page_size, restorable * sched.page_size
-
-    def _prefill_cached(self, request: Request) -> int:
-        """Tokens of `request` the prefill mesh's own cache holds, in its pool or then
-        its host tier (a hint, read from the submitting thread)."""
-        cache = self.prefill_cache
-        if cache is None or not cache.reuse:
-            return 0
-        hashes = cache.hashes(request.prefill_ids[:request.num_tokens - 1])
-        n = len(cache.allocator.cached_prefix(hashes))
-        if cache.host is not None:
-            n += cache.host.restorable(hashes[n:])
-        return n * cache.page_size
 
     def _extend_ready(self, new_tokens: int, cached_tokens: int) -> bool:
         """Whether the decode mesh's extend loop runs such a rest on compiled programs

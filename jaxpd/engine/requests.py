@@ -151,7 +151,6 @@ class Requests:
     def prefill_instead(self, request: Request) -> None:
         """A waiting request the decode mesh was to prefill with its cached prefix goes
         through the prefill mesh instead (`ExtendLoop`)."""
-        self.routing.queued(request, Inbox.PREFILL, request.num_tokens)
         self.prefill_inbox.put(request)
         self.wake.set()
 
