@@ -59,8 +59,11 @@ def test_sigterm_migrates_a_decode_workers_streams_across_processes(tiny_hf_mode
         while min(map(len, outs)) < 2:               # every prompt prefilled, decoding
             assert time.monotonic() < deadline, procs.tails()
             time.sleep(0.01)
-        busy = [d.info(timeout=10) for d in decoders]
-        held = [i["slots_total"] - i["free_slots"] for i in busy]
+        held = [0]
+        while max(held) == 0:                        # a decoder's slots are seen taken
+            assert time.monotonic() < deadline, procs.tails()
+            busy = [d.info(timeout=10) for d in decoders]
+            held = [i["slots_total"] - i["free_slots"] for i in busy]
         victim = held.index(max(held))
         before = prefill.info(timeout=10)["counters"]["prefill_tokens"]
         assert before == sum(map(len, prompts))
