@@ -44,8 +44,11 @@ def enable(path: str | None) -> str | None:
 
 def kept_dir() -> str | None:
     """Where warm-up keeps executables (`engine.kept`): `jaxpd-executables/` inside the
-    compilation cache jax uses now; None when it uses none."""
+    compilation cache jax uses now; None when it uses none, or when
+    `$JAXPD_KEEP_EXECUTABLES` is 0."""
     import jax
 
     path = jax.config.jax_compilation_cache_dir
-    return os.path.join(path, KEPT) if path else None
+    if not path or os.environ.get("JAXPD_KEEP_EXECUTABLES", "1") == "0":
+        return None
+    return os.path.join(path, KEPT)

@@ -15,6 +15,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # threads (and, under -n, the other worker) are using. One thread, read by torch (and
 # numpy's BLAS) when first imported, here and in every process a test starts.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Serializing every test engine's fresh compiles costs CI time and serves no later test:
+# kept executables are tested where they are asked for (test_kept).
+os.environ.setdefault("JAXPD_KEEP_EXECUTABLES", "0")
 # One persistent XLA compilation cache for the session and every process it starts
 # (launch subprocesses inherit it): the same tiny-model programs compile once, not in
 # every engine. Removed at exit unless the caller chose the directory.

@@ -4,6 +4,7 @@ compiled again) when its file is damaged or anything in its key changed."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import jax
@@ -166,13 +167,15 @@ _ENGINE = dict(mesh="prefill=1,decode=1", max_model_len=32, max_prefill_batch=1,
 
 
 @pytest.mark.slow
-def test_a_second_engine_loads_every_program_and_serves_the_same_tokens(hf_models):
+def test_a_second_engine_loads_every_program_and_serves_the_same_tokens(hf_models,
+                                                                         monkeypatch):
     """Two engines of one config in one compilation cache (the test session's): the
     first compiles its programs and keeps them; the second's warm-up loads every one
     without tracing or compiling on its threads; its requests compile nothing (their
     calls run the loaded executables) and give transformers' greedy tokens, as the
     first's do. A model of this test's own (one layer, its own vocabulary), so that
     no other test's compile of the same programs is in jax's cache before it."""
+    monkeypatch.setenv("JAXPD_KEEP_EXECUTABLES", "1")     # off for the rest of the suite
     path, hf_model = hf_models("llama_gqa", vocab_size=232, num_layers=1)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [[5, 9, 13], list(range(3, 15))]
@@ -196,3 +199,12 @@ def test_a_second_engine_loads_every_program_and_serves_the_same_tokens(hf_model
             got = [o.token_ids for o in second.generate(prompt_token_ids=prompts,
                                                         sampling_params=greedy)]
         assert serving.count == 0 and got == expected
+
+
+def test_keeping_follows_the_compilation_cache_and_its_switch(monkeypatch):
+    from jaxpd import xla_cache
+    cache = jax.config.jax_compilation_cache_dir
+    monkeypatch.setenv("JAXPD_KEEP_EXECUTABLES", "1")
+    assert xla_cache.kept_dir() == (os.path.join(cache, xla_cache.KEPT) if cache else None)
+    monkeypatch.setenv("JAXPD_KEEP_EXECUTABLES", "0")
+    assert xla_cache.kept_dir() is None
