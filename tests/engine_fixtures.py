@@ -13,7 +13,18 @@ from tests.hf_fixtures import build_hf_model, hf_greedy
 PAGE_SIZE = 16
 
 
-class XlaCompiles:
+class JaxEvents:
+    """A listener on jax's duration events while entered (`__call__` decides)."""
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self)
+
+
+class XlaCompiles(JaxEvents):
     """Counts XLA compiles while entered: jax records this event around every compile
     its in-memory cache misses (a persistent-cache hit included), so it counts what a
     call would have compiled. `on_request_threads`: leave out jaxpd's own compile
@@ -30,13 +41,6 @@ class XlaCompiles:
                 threading.current_thread().name.startswith("jaxpd-compile"):
             return
         self.count += 1
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self)
 
 
 def mixed_prompts(num: int, vocab: int, seed: int = 0) -> list[list[int]]:

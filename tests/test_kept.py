@@ -20,11 +20,11 @@ from jaxpd.engine.kept import KeptExecutables, context_digest
 from jaxpd.engine.program import Program
 from jaxpd.engine.warmup import serving_programs
 from jaxpd.sharding.compat import shard_map
-from tests.engine_fixtures import XlaCompiles
+from tests.engine_fixtures import JaxEvents, XlaCompiles
 from tests.hf_fixtures import hf_greedy
 
 
-class Events:
+class Events(JaxEvents):
     """Counts jax's traces and lowerings to MLIR (`compiles`: its XLA compiles instead)
     while entered, on threads whose name starts with `on_threads`."""
     TRACES = ("/jax/core/compile/jaxpr_trace_duration",
@@ -37,13 +37,6 @@ class Events:
     def __call__(self, event, duration, **kwargs):
         if event in self.events and threading.current_thread().name.startswith(self.prefix):
             self.count += 1
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self)
 
 
 def _pool_program(width: int) -> tuple[Program, list]:
