@@ -179,7 +179,31 @@ def test_a_request_from_another_process_learns_its_first_token_from_the_handoff(
     env.receiver.push(KVHandoff("remote", 5, 61, kv, kv, payload=wire))
     run(env, lambda: mirror.is_final)
     assert mirror.output_ids == [61, 62, 63]
-    assert mirror.timings.token_times[0] <= mirror.timings.kv_ready
+    assert mirror.timings.token_times[0] == mirror.timings.kv_ready   # streamed on decoding
+    assert_no_page_held(env)
+
+
+def test_a_remote_first_token_waits_in_the_stream_until_its_request_decodes(pool):
+    """A handoff waiting for a slot has its first token recorded (it is the request's
+    output) but not streamed: the stream's first gap must not hold the wait for a slot
+    and the insert. It goes out, timed, when the request's KV is in place."""
+    env = make(pool, slots=1, remote=True)
+    mirrors = []
+    for i in range(2):
+        wire = Request(f"remote-{i}", [1, 2, 3], SamplingParams(max_tokens=4)).to_wire()
+        mirrors.append(Request.from_wire(wire))
+        env.requests.register(mirrors[-1])
+        kv = pages(LAYERS, 1, 1.0, PAGE_SIZE)
+        env.receiver.push(KVHandoff(f"remote-{i}", 3, 10 * (i + 1), kv, kv, payload=wire))
+    env.loop.iterate(receive_timeout=None)
+    waiting = mirrors[1]
+    assert env.scheduler.slot_of(waiting) is None and waiting.output_ids == [20]
+    assert waiting.events.empty() and waiting.timings.token_times == []
+    run(env, lambda: waiting.state is State.DECODING)
+    assert waiting.events.get_nowait() == ([20], None)
+    assert waiting.timings.token_times == [waiting.timings.kv_ready]
+    run(env, lambda: all(m.is_final for m in mirrors))
+    assert [m.output_ids for m in mirrors] == [[10, 11, 12, 13], [20, 21, 22, 23]]
     assert_no_page_held(env)
 
 

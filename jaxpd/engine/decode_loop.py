@@ -233,7 +233,9 @@ class DecodeLoop:
         """A request prefilled in another process learns its first token from the
         handoff (the last part of a layer-wise one), as soon as it arrives, and its
         log-probabilities from the handoff's wire form. Malformed ones fail the
-        transfer: the request is prefilled again here."""
+        transfer: the request is prefilled again here. The token is held
+        (`Request.append_token`) and streamed when the request decodes
+        (`take_ready`), so the stream's second token never waits for the insert."""
         waiting = list(self.pending) + [(a.inbound, a.request) for a in self._admitted]
         for inbound, r in waiting:
             if (inbound.first_token is not None and r.state is State.TRANSFERRING
@@ -244,7 +246,8 @@ class DecodeLoop:
                     self._fail_transfer(r, HandoffRejected(f"{r.request_id!r}: {e}"),
                                         payload=inbound.payload)
                     continue
-                if r.append_token(inbound.first_token, time.perf_counter(), logprobs):
+                if r.append_token(inbound.first_token, time.perf_counter(), logprobs,
+                                  hold=True):
                     self.stats.add(finished=int(r.state is State.FINISHED))
 
     def _release_final(self) -> None:
