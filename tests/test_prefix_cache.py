@@ -10,6 +10,7 @@ import pytest
 from jaxpd import LLM, SamplingParams
 from jaxpd.engine.background_compile import settle
 from jaxpd.engine.warmup import likely_prefix_shapes
+from jaxpd.models import native_attention
 from jaxpd.engine.page_allocator import PageAllocator, page_hashes
 from jaxpd.engine.scheduler import DecodeScheduler
 from jaxpd.request import Request, State
@@ -156,11 +157,15 @@ def test_scheduler_counts_cached_pages_as_room_but_not_the_ones_it_shares():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["prefill=2,decode=1x2"])   # colocated: the warm-up test
-def test_multiturn_greedy_matches_hf_and_computes_only_the_new_tokens(tiny_hf_model, mesh):
-    path, hf_model = tiny_hf_model
+def test_multiturn_greedy_matches_hf_and_computes_only_the_new_tokens(hf_models, mesh):
+    """Head dim 32: on a CPU with AVX-512 the decode mesh's prefill with context runs
+    the native kernels (the prefix read in place from the pool) on each tp shard."""
+    path, hf_model = hf_models("llama_gqa", hidden_size=256)
     system, users = conversation(np.random.default_rng(0), turns=4)
     with LLM(path, mesh=mesh, max_model_len=192, slots_per_shard=2,
              enable_prefix_caching=True) as llm:
+        native = native_attention.prefill_available(32)
+        assert llm.engine.decode_runner.extend_kernel == ("native" if native else "reference")
         conv = list(system)
         for t, user in enumerate(users):
             before = llm.stats()
@@ -189,16 +194,19 @@ def test_multiturn_greedy_matches_hf_and_computes_only_the_new_tokens(tiny_hf_mo
 # prefill=1: the prefill mesh's cache, at the least that admits its largest batch (4
 # rows of 6 pages and the null page), evicts too.
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh,extra", [
-    ("colocated=2", {}),
-    ("prefill=1,decode=1", dict(prefill_cache_pages=25, max_prefill_batch=4,
-                               prefix_extend_below=0))])
-def test_cache_off_and_on_agree_with_concurrent_sharers_and_a_tiny_pool(tiny_hf_model, mesh,
-                                                                        extra):
+# Head dim 32 on the prefill mesh: on a CPU with AVX-512 its prefills with context read
+# their prefix with the native kernel; head dim 8 on the colocated one: the reference.
+@pytest.mark.parametrize("mesh,model,extra", [
+    ("colocated=2", {}, {}),
+    ("prefill=1,decode=1", dict(hidden_size=256), dict(prefill_cache_pages=25,
+                                                       max_prefill_batch=4,
+                                                       prefix_extend_below=0))])
+def test_cache_off_and_on_agree_with_concurrent_sharers_and_a_tiny_pool(hf_models, mesh,
+                                                                        model, extra):
     """Many requests sharing a system prompt at once on a pool that must evict: every
     output equals transformers', cached pages are evicted (never one in use), and the
     accounting is exact afterwards."""
-    path, hf_model = tiny_hf_model
+    path, hf_model = hf_models("llama_gqa", **model)
     rng = np.random.default_rng(1)
     system = rng.integers(3, 256, 40).tolist()
     prompts = [system + rng.integers(3, 256, int(n)).tolist() for n in rng.integers(1, 40, 12)]

@@ -34,7 +34,8 @@ from jaxpd.sizes import coarse_ceil
 from jaxpd.engine.penalties import SlotPenalties, count_sampled, prefill_context
 from jaxpd.engine.sampler import Logprobs, SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
-from jaxpd.engine.kernels import kernel_per_tp_shard, prefill_attention, prefill_kernel
+from jaxpd.engine.kernels import (extend_attention, kernel_per_tp_shard, prefill_attention,
+                                  prefill_kernel)
 from jaxpd.engine.experts import decode_experts, held_experts, param_specs
 from jaxpd.models.layout import is_stacked, unstack_layers
 from jaxpd.models.llama import Llama, layer_kinds, prefill_blocks
@@ -279,7 +280,12 @@ class DecodeRunner:
         attention = decode_attention(attention_impl, attention_interpret)
         if attention_impl != "reference":
             attention = kernel_per_tp_shard(attention, kv_axis)
-        model = Llama(cfg, dtype, fused, attention,
+        # Its own prefills with context: the native prompt and prefix cores on each tp
+        # shard where they serve, else the reference.
+        prompt_core, prefix_core = extend_attention(attention_impl, kv_axis, cfg.head_dim)
+        self.extend_kernel = "reference" if prefix_core is None else "native"
+        model = Llama(cfg, dtype, fused, attention, prefill_attention=prompt_core,
+                      prefix_attention=prefix_core,
                       experts=decode_experts(rules, quant_matmul), qmatmul=quant_matmul)
         # jax's varying-axes check cannot type a kernel's output.
         check_vma = attention_impl == "reference" and quant_matmul is None
@@ -322,7 +328,8 @@ class DecodeRunner:
             return nxt, logprobs, k_pool, v_pool
 
         self._extend = jax.jit(shard_map(
-            extend, mesh=mesh, axis_names={"dp"}, check_vma=quant_matmul is None,
+            extend, mesh=mesh, axis_names={"dp"},
+            check_vma=quant_matmul is None and prefix_core is None,
             in_specs=(weights, pool, pool, slot, slot) + (slot,) * 7,
             out_specs=(slot, slot, pool, pool)), donate_argnums=(1, 2))
 
@@ -498,11 +505,12 @@ class DecodeRunner:
     def extend_program(self, tokens, starts, lengths, prefix_tables, new_tables, row_slots,
                        sampling: SamplingArrays) -> Program:
         """The program `extend` dispatches for these inputs' shapes (the decode
-        mesh's prefill with a cached prefix; prefill attention is the reference)."""
+        mesh's prefill with a cached prefix)."""
         (rows, t), w = tokens.shape, prefix_tables.shape[1]
         return Program(f"extend_rows{rows}_t{t}_w{w}", self._extend,
                        self._extend_args(tokens, starts, lengths, prefix_tables, new_tables,
-                                         row_slots, sampling), "reference", self.slot_sharding,
+                                         row_slots, sampling), self.extend_kernel,
+                       self.slot_sharding,
                        note=functools.partial(self.counter.note, "extend",
                                               (tokens.shape, prefix_tables.shape)),
                        install=functools.partial(self.executables.put,
