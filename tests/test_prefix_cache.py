@@ -632,6 +632,50 @@ def test_a_program_a_batch_asks_for_compiles_before_those_anticipated():
     compiler.close()
 
 
+class _PrimingRunner:
+    """`DecodeRunner`'s priming side, plain Python: `unprimed` compiled programs that
+    never ran, `asked` those a request asked to run once, `primed` the runs."""
+
+    def __init__(self, unprimed):
+        self.unprimed, self.asked, self.primed = list(unprimed), set(), []
+
+    def unprimed_extends(self, ask=False):
+        return sorted(self.unprimed, key=lambda shape: shape not in self.asked)
+
+    def prime_asked(self, *shape):
+        return shape in self.asked
+
+    def prime_extend(self, *shape):
+        self.unprimed.remove(shape)
+        self.primed.append(shape)
+
+
+def test_a_program_compiled_in_the_background_runs_once_before_a_request_does():
+    """The extend loop runs each background-compiled program once on its own (its
+    first run is the slow one) when it has no call to make: one a request asked for at
+    once, any other only while no slot decodes, so streams are not delayed for a
+    program no request needs."""
+    import queue as queue_mod
+    from jaxpd.engine.extend_loop import ExtendLoop
+    from jaxpd.sampling_params import SamplingParams
+    from jaxpd.stats import StatsCounter
+
+    sched = DecodeScheduler(1, 2, 17, 4, prefix_root=ROOT)
+    runner = _PrimingRunner([(1, 4, 4), (1, 8, 4)])
+    loop = ExtendLoop(runner, sched, queue_mod.SimpleQueue(), StatsCounter(), buckets=[4, 8],
+                      max_batch=2, max_tokens=64, max_pages_per_slot=8, context_step=4,
+                      expected_below=8, expects_fresh=False, reroute=lambda r: None)
+    decoding = Request("decoding", list(range(10, 15)), SamplingParams(max_tokens=4))
+    slot, shared = sched.find_slot(decoding.num_tokens, decoding.prefill_ids)
+    sched.admit(slot, decoding, decoding.num_tokens, ready=True, shared=shared)
+    assert loop.run_once() == [] and runner.primed == []      # a stream runs: not asked
+    runner.asked.add((1, 8, 4))
+    assert loop.run_once() == [] and runner.primed == [(1, 8, 4)]
+    sched.release(slot)
+    assert loop.run_once() == [] and runner.primed == [(1, 8, 4), (1, 4, 4)]
+    assert loop.run_once() == [] and runner.unprimed == []
+
+
 # Beside a prefill mesh, programs with a prefix compile after warm-up, on demand.
 @pytest.mark.slow
 @pytest.mark.parametrize("extend_below", [0, 256])
@@ -688,6 +732,9 @@ def test_programs_with_a_prefix_compile_in_the_background_after_warmup(tiny_hf_m
             assert seen[1]["prefill_cache_hit_tokens"] > 0, seen
         else:                     # the decode mesh: the prefill mesh, then its own
             assert [s["local_prefills"] for s in seen] == [0, 1], seen
+            # Settled: each program compiled in the background ran once, before a
+            # request could (the second chat's turn ran a program that had run).
+            assert llm.engine.decode_runner.unprimed_extends() == []
         after = llm.engine.counter.counts()
         for program in ("prefill_cached", "decode"):
             assert after[program] == compiled[program], program

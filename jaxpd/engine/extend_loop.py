@@ -90,6 +90,7 @@ class ExtendLoop:
         # Beside a prefill mesh, programs with a prefix compile on demand in the
         # background (`ready_for`), and a request waits for them on the prefill mesh.
         self.lazy = expected_below is not None
+        self.expected_below = expected_below
         self.max_batch, self.max_tokens = max_batch, max_tokens
         self.max_pages_per_slot, self.context_step = max_pages_per_slot, context_step
         self.expects_fresh = expects_fresh
@@ -159,7 +160,21 @@ class ExtendLoop:
                 break
         batch = self._continued()
         batch += self._admit(batch)
-        return self._run(batch) if batch else []
+        if batch:
+            return self._run(batch)
+        if self.lazy:
+            self._prime()
+        return []
+
+    def _prime(self) -> None:
+        """Run once one program compiled in the background that never ran
+        (`DecodeRunner.prime_extend`): one a request asked for, or any while no slot
+        decodes, so that a first run, slower than the later ones, delays no stream but
+        for a program traffic needs."""
+        shapes = self.runner.unprimed_extends()
+        if shapes and (self.runner.prime_asked(*shapes[0]) or
+                       self.scheduler.num_active() == 0):
+            self.runner.prime_extend(*shapes[0])
 
     def _count(self, request: Request, start: int) -> int:
         rest = request.num_tokens - start
@@ -215,8 +230,9 @@ class ExtendLoop:
                 if batch or admitted:
                     break                      # it leads the next call, alone
                 # Its prefix is not what routing saw (evicted meanwhile, or the host
-                # tier holds less): its own program is still compiling. The prefill
-                # mesh serves it instead, so no call here compiles.
+                # tier holds less): its own program is still compiling, or has not
+                # run yet. The prefill mesh serves it instead, so no call here compiles
+                # or runs a program for the first time.
                 self.runner.extend_ready(*self._shape([row]))
                 self.waiting.popleft()
                 r.kv_skip_pages = 0 if r.kv_skip_missed else len(shared)
@@ -258,7 +274,8 @@ class ExtendLoop:
     def _compiled(self, batch: list[_Row]) -> bool:
         """Whether a call of `batch` runs on a compiled program: always unless `lazy`
         (warm-up compiled every one) or nowhere to send a request instead; else a
-        program without a prefix of a warm bucket, or one compiled in the background."""
+        program without a prefix of a warm bucket, or one compiled in the background
+        that has run once (`_prime`)."""
         if not self.lazy or self.reroute is None:
             return True
         rows, length, width = self._shape(batch)

@@ -328,7 +328,8 @@ def likely_prefix_shapes(engine) -> tuple[list[tuple[int, int, int]],
         cached = sorted(filter(likely, _cached_shapes(loop, _batch_shapes(loop))),
                         key=lambda s: (s[2], s[0], s[1]))
     extend = engine.decode_loop.extend if engine.decode_loop is not None else None
-    if extend is not None and extend.lazy:
+    # (None of them when no request is routed there: `expected_below` 0.)
+    if extend is not None and extend.lazy and extend.expected_below:
         extended = sorted(filter(likely, _extend_shapes(extend)),
                           key=lambda s: (s[2], s[1], s[0]))
     return cached[:LIKELY_PROGRAMS], extended[:LIKELY_PROGRAMS]
