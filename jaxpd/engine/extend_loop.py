@@ -65,7 +65,10 @@ class ExtendLoop:
     tokens per call (a bucket; `max_tokens` is then at most it), None: all at once.
     `host`: the pool's host tier, whose pages a request's prefix may continue in.
     `reroute`: where a request goes whose call would need a program still compiling
-    in the background (the prefill mesh beside a `lazy` loop; see `_admit`)."""
+    in the background (the prefill mesh beside a `lazy` loop; see `_admit`).
+    `prefix_in_place`: the runner reads each row's real prefix in place whatever its
+    table's width (`DecodeRunner.extend_kernel` "native"), so every prefix takes one
+    width, the slot's: a program per (rows, length), not per width too."""
 
     def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler,
                  inbox: queue.SimpleQueue, stats: StatsCounter, buckets: list[int],
@@ -73,8 +76,10 @@ class ExtendLoop:
                  expected_below: int | None = None,
                  expects_fresh: bool = True, chunk_tokens: int | None = None,
                  host: HostTier | None = None,
-                 reroute: Callable[[Request], None] | None = None):
+                 reroute: Callable[[Request], None] | None = None,
+                 prefix_in_place: bool = False):
         self.runner, self.scheduler, self.inbox, self.stats = runner, scheduler, inbox, stats
+        self.prefix_in_place = prefix_in_place
         self.host, self.reroute = host, reroute
         if chunk_tokens is not None:
             if chunk_tokens not in buckets:
@@ -105,12 +110,15 @@ class ExtendLoop:
 
     def width(self, num_pages: int) -> int:
         """Pages of cached prefix a call reads for rows of at most `num_pages` prefix
-        pages: none for none, else powers of four times the decode step. Coarse: a
+        pages: none for none, else powers of four times the decode step (the slot's
+        pages with `prefix_in_place`: a wider table costs nothing there). Coarse: a
         call's programs are also keyed on rows and length, warm-up compiles every
         combination, and every XLA:CPU program maps a few hundred regions of code (the
         kernel's default limit is 65,530 a process)."""
         if num_pages == 0:
             return 0
+        if self.prefix_in_place:
+            return self.max_pages_per_slot
         width = self.context_step
         while width < num_pages:
             width *= 4
