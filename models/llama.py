@@ -269,6 +269,12 @@ class Llama(nn.Module):
     # A prompt's causal attention without a cached prefix: the reference or the native
     # kernel (`engine.kernels.prefill_attention`), (q, k, v) -> out as the reference.
     prefill_attention: Callable = causal_attention
+    # A prefill with context's attention after a cached prefix read in place from the
+    # pools, (q, k, v, k_pool, v_pool, layer, prefix_tables, prefix_len) -> out as
+    # `causal_attention` with that prefix gathered (`native_attention.
+    # prefix_attention_native` on each device's heads), or None: gather and reference.
+    # Layers with a window or a softcap always take the reference.
+    prefix_attention: Callable | None = None
     # A sparse layer's experts: `moe.grouped_experts` or an expert-parallel wrapper of it
     # (`engine.experts`).
     experts: Callable = grouped_experts
@@ -419,17 +425,20 @@ class Llama(nn.Module):
             q, k, v = layer.qkv(x, positions, self._rope(kind))
             k_pool = write_prompt_pages(k_pool, i, k, new_tables_BN, offsets, valid)
             v_pool = write_prompt_pages(v_pool, i, v, new_tables_BN, offsets, valid)
-            prefix = None
-            if prefix_tables_BW.shape[1]:
-                # Read from the pool this layer's write returned (the prefix pages are
-                # not among those written): a read of the pool as it was before a write
-                # makes XLA copy the whole pool to keep the write in place.
+            # The prefix is read from the pool this layer's write returned (its pages
+            # are not among those written): a read of the pool as it was before a write
+            # makes XLA copy the whole pool to keep the write in place.
+            options = attention_options(self.cfg, kind)
+            if not prefix_tables_BW.shape[1]:
+                # No prefix in the batch: a plain prompt's (the native kernel where used).
+                attn = prompt_attention(self.cfg, kind, self.prefill_attention, q, k, v)
+            elif self.prefix_attention is not None and not options:
+                attn = self.prefix_attention(q, k, v, k_pool, v_pool, i, prefix_tables_BW,
+                                             starts_B)
+            else:
                 prefix = (gather_pages(k_pool, i, prefix_tables_BW),
                           gather_pages(v_pool, i, prefix_tables_BW), starts_B)
-            # With no prefix in the batch, a plain prompt's (the native kernel where used).
-            attn = (causal_attention(q, k, v, prefix, **attention_options(self.cfg, kind))
-                    if prefix is not None
-                    else prompt_attention(self.cfg, kind, self.prefill_attention, q, k, v))
+                attn = causal_attention(q, k, v, prefix, **options)
             return layer.finish(x, attn), (k_pool, v_pool), None
         x, (k_pool_LPSKH, v_pool_LPSKH), _ = self._layers(
             self._embed(tokens_BT), (k_pool_LPSKH, v_pool_LPSKH), layer_fn)

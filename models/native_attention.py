@@ -39,6 +39,7 @@ _HEADERS = (_NATIVE / "common.h", _NATIVE / "quant_common.h")
 MIN_JAXLIB = (0, 10)
 _TARGET = "jaxpd_paged_decode_f32"
 _PREFILL_TARGET = "jaxpd_causal_prefill_f32"
+_PREFIX_TARGET = "jaxpd_prefix_prefill_f32"
 QUANT_MATMUL_TARGET = "jaxpd_quant_matmul"
 QUANT_DOT_TARGET = "jaxpd_quant_dot"
 _prefill_registered = False     # set by `_load` where the library has the prefill kernel
@@ -133,6 +134,9 @@ def _load() -> tuple[bool, str]:
             jax.ffi.register_ffi_target(_PREFILL_TARGET,
                                         jax.ffi.pycapsule(library.JaxpdCausalPrefillF32),
                                         platform="cpu")
+            jax.ffi.register_ffi_target(_PREFIX_TARGET,
+                                        jax.ffi.pycapsule(library.JaxpdPrefixPrefillF32),
+                                        platform="cpu")
             _prefill_registered = True
     except Exception as e:   # noqa: BLE001 - any failure means: use the reference
         return False, f"{type(e).__name__}: {e}"
@@ -184,3 +188,23 @@ def causal_attention_native(q_BTNH: jnp.ndarray, k_BTKH: jnp.ndarray,
                            "AVX-512 and head dim 32, 64 or 128)")
     call = jax.ffi.ffi_call(_PREFILL_TARGET, jax.ShapeDtypeStruct(q_BTNH.shape, jnp.float32))
     return call(q_BTNH, k_BTKH, v_BTKH)
+
+
+def prefix_attention_native(q_BTNH: jnp.ndarray, k_BTKH: jnp.ndarray, v_BTKH: jnp.ndarray,
+                            k_pool_LPSKH: jnp.ndarray, v_pool_LPSKH: jnp.ndarray, layer,
+                            prefix_tables_BW: jnp.ndarray, prefix_len_B: jnp.ndarray
+                            ) -> jnp.ndarray:
+    """`attention.causal_attention` after a cached prefix (no window, no softcap), the
+    prefix read in place from layer `layer` of the whole pools: row b's first
+    prefix_len[b] keys of the pages `prefix_tables[b]` (what `attention.gather_pages`
+    would gather), then its own causal keys. q [B, T, N, H], k, v [B, T, K, H], pools
+    [L, P, page_size, K, H], all float32 -> [B, T, N, H]. `layer` is data (an int or a
+    traced int32, as a scan over layers has it); a prefix length past the table counts
+    the table's keys, as the reference's mask does."""
+    if not prefill_available(q_BTNH.shape[-1]):
+        raise RuntimeError("the native prefill kernel is not available here (it needs "
+                           "AVX-512 and head dim 32, 64 or 128)")
+    call = jax.ffi.ffi_call(_PREFIX_TARGET, jax.ShapeDtypeStruct(q_BTNH.shape, jnp.float32))
+    return call(q_BTNH, k_BTKH, v_BTKH, k_pool_LPSKH, v_pool_LPSKH,
+                prefix_tables_BW.astype(jnp.int32), prefix_len_B.astype(jnp.int32),
+                jnp.asarray(layer, jnp.int32))

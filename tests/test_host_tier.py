@@ -378,6 +378,9 @@ class _ExtendRunner:
         self.asked.append((rows, length, width))
         return self.extend_compiled(rows, length, width)
 
+    def unprimed_extends(self, ask=False):
+        return []                       # a compiled shape counts as run once here
+
     def extend(self, tokens, starts, lengths, prefix_tables, new_tables, row_slots, sampling):
         shape = (tokens.shape[0], tokens.shape[1], prefix_tables.shape[1])
         assert shape in self.compiled, f"{shape} would compile on the decode thread"

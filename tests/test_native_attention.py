@@ -95,6 +95,36 @@ def test_prefill_kernel_equals_reference(b, t, kh, g, h):
     np.testing.assert_allclose(got, causal_attention(q, k, v), atol=2e-6, rtol=2e-5)
 
 
+@pytest.mark.parametrize("b,t,kh,g,h,page_size,width", [
+    (3, 40, 2, 2, 32, 4, 9), (2, 17, 1, 3, 64, 16, 3), (1, 1, 2, 1, 128, 8, 2)])
+def test_prefix_kernel_equals_gathering_the_prefix_for_the_reference(b, t, kh, g, h,
+                                                                     page_size, width):
+    """A prefill with context's attention read in place from the pool, against the
+    reference over the gathered prefix: prefixes of no page, part of a block of 16
+    keys, the whole table and more than it (the table's keys count), page ids past the
+    pool and negative (read as jnp's gather reads them), each layer of the pool."""
+    if not native_attention.prefill_available(h):
+        pytest.skip("no AVX-512 here: prefill stays on the reference")
+    from jaxpd.models.attention import gather_pages
+    rng = np.random.default_rng(t)
+    k_pool, v_pool = _pools(t, num_pages=11, page_size=page_size, kh=kh, h=h)
+    q = jnp.asarray(rng.standard_normal((b, t, kh * g, h)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((b, t, kh, h)), jnp.float32) for _ in range(2))
+    tables = rng.integers(0, 11, (b, width))
+    tables[0, 0], tables[-1, -1] = 13, -2                 # past the pool, from its end
+    lengths = rng.integers(0, width * page_size + 1, b)
+    lengths[0] = 0 if b > 1 else width * page_size + 5    # none, or past the table
+    if b > 2:
+        lengths[1:3] = 3, width * page_size
+    tables, lengths = jnp.asarray(tables, jnp.int32), jnp.asarray(lengths, jnp.int32)
+    native = jax.jit(native_attention.prefix_attention_native)
+    reference = jax.jit(lambda q, k, v, kp, vp, layer, tables, lengths: causal_attention(
+        q, k, v, (gather_pages(kp, layer, tables), gather_pages(vp, layer, tables), lengths)))
+    for layer in range(k_pool.shape[0]):
+        args = (q, k, v, k_pool, v_pool, jnp.int32(layer), tables, lengths)
+        np.testing.assert_allclose(native(*args), reference(*args), atol=2e-6, rtol=2e-5)
+
+
 def test_prefill_attention_choice():
     """The engine's prefill runs the native kernel only for "native" and a head dim it
     is written for (on a CPU with AVX-512); everything else gets the reference."""

@@ -10,6 +10,7 @@ import pytest
 from jaxpd import LLM, SamplingParams
 from jaxpd.engine.background_compile import settle
 from jaxpd.engine.warmup import likely_prefix_shapes
+from jaxpd.models import native_attention
 from jaxpd.engine.page_allocator import PageAllocator, page_hashes
 from jaxpd.engine.scheduler import DecodeScheduler
 from jaxpd.request import Request, State
@@ -156,11 +157,15 @@ def test_scheduler_counts_cached_pages_as_room_but_not_the_ones_it_shares():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["prefill=2,decode=1x2"])   # colocated: the warm-up test
-def test_multiturn_greedy_matches_hf_and_computes_only_the_new_tokens(tiny_hf_model, mesh):
-    path, hf_model = tiny_hf_model
+def test_multiturn_greedy_matches_hf_and_computes_only_the_new_tokens(hf_models, mesh):
+    """Head dim 32: on a CPU with AVX-512 the decode mesh's prefill with context runs
+    the native kernels (the prefix read in place from the pool) on each tp shard."""
+    path, hf_model = hf_models("llama_gqa", hidden_size=256)
     system, users = conversation(np.random.default_rng(0), turns=4)
     with LLM(path, mesh=mesh, max_model_len=192, slots_per_shard=2,
              enable_prefix_caching=True) as llm:
+        native = native_attention.prefill_available(32)
+        assert llm.engine.decode_runner.extend_kernel == ("native" if native else "reference")
         conv = list(system)
         for t, user in enumerate(users):
             before = llm.stats()
@@ -189,16 +194,19 @@ def test_multiturn_greedy_matches_hf_and_computes_only_the_new_tokens(tiny_hf_mo
 # prefill=1: the prefill mesh's cache, at the least that admits its largest batch (4
 # rows of 6 pages and the null page), evicts too.
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh,extra", [
-    ("colocated=2", {}),
-    ("prefill=1,decode=1", dict(prefill_cache_pages=25, max_prefill_batch=4,
-                               prefix_extend_below=0))])
-def test_cache_off_and_on_agree_with_concurrent_sharers_and_a_tiny_pool(tiny_hf_model, mesh,
-                                                                        extra):
+# Head dim 32 on the prefill mesh: on a CPU with AVX-512 its prefills with context read
+# their prefix with the native kernel; head dim 8 on the colocated one: the reference.
+@pytest.mark.parametrize("mesh,model,extra", [
+    ("colocated=2", {}, {}),
+    ("prefill=1,decode=1", dict(hidden_size=256), dict(prefill_cache_pages=25,
+                                                       max_prefill_batch=4,
+                                                       prefix_extend_below=0))])
+def test_cache_off_and_on_agree_with_concurrent_sharers_and_a_tiny_pool(hf_models, mesh,
+                                                                        model, extra):
     """Many requests sharing a system prompt at once on a pool that must evict: every
     output equals transformers', cached pages are evicted (never one in use), and the
     accounting is exact afterwards."""
-    path, hf_model = tiny_hf_model
+    path, hf_model = hf_models("llama_gqa", **model)
     rng = np.random.default_rng(1)
     system = rng.integers(3, 256, 40).tolist()
     prompts = [system + rng.integers(3, 256, int(n)).tolist() for n in rng.integers(1, 40, 12)]
@@ -624,6 +632,50 @@ def test_a_program_a_batch_asks_for_compiles_before_those_anticipated():
     compiler.close()
 
 
+class _PrimingRunner:
+    """`DecodeRunner`'s priming side, plain Python: `unprimed` compiled programs that
+    never ran, `asked` those a request asked to run once, `primed` the runs."""
+
+    def __init__(self, unprimed):
+        self.unprimed, self.asked, self.primed = list(unprimed), set(), []
+
+    def unprimed_extends(self, ask=False):
+        return sorted(self.unprimed, key=lambda shape: shape not in self.asked)
+
+    def prime_asked(self, *shape):
+        return shape in self.asked
+
+    def prime_extend(self, *shape):
+        self.unprimed.remove(shape)
+        self.primed.append(shape)
+
+
+def test_a_program_compiled_in_the_background_runs_once_before_a_request_does():
+    """The extend loop runs each background-compiled program once on its own (its
+    first run is the slow one) when it has no call to make: one a request asked for at
+    once, any other only while no slot decodes, so streams are not delayed for a
+    program no request needs."""
+    import queue as queue_mod
+    from jaxpd.engine.extend_loop import ExtendLoop
+    from jaxpd.sampling_params import SamplingParams
+    from jaxpd.stats import StatsCounter
+
+    sched = DecodeScheduler(1, 2, 17, 4, prefix_root=ROOT)
+    runner = _PrimingRunner([(1, 4, 4), (1, 8, 4)])
+    loop = ExtendLoop(runner, sched, queue_mod.SimpleQueue(), StatsCounter(), buckets=[4, 8],
+                      max_batch=2, max_tokens=64, max_pages_per_slot=8, context_step=4,
+                      expected_below=8, expects_fresh=False, reroute=lambda r: None)
+    decoding = Request("decoding", list(range(10, 15)), SamplingParams(max_tokens=4))
+    slot, shared = sched.find_slot(decoding.num_tokens, decoding.prefill_ids)
+    sched.admit(slot, decoding, decoding.num_tokens, ready=True, shared=shared)
+    assert loop.run_once() == [] and runner.primed == []      # a stream runs: not asked
+    runner.asked.add((1, 8, 4))
+    assert loop.run_once() == [] and runner.primed == [(1, 8, 4)]
+    sched.release(slot)
+    assert loop.run_once() == [] and runner.primed == [(1, 8, 4), (1, 4, 4)]
+    assert loop.run_once() == [] and runner.unprimed == []
+
+
 # Beside a prefill mesh, programs with a prefix compile after warm-up, on demand.
 @pytest.mark.slow
 @pytest.mark.parametrize("extend_below", [0, 256])
@@ -680,6 +732,9 @@ def test_programs_with_a_prefix_compile_in_the_background_after_warmup(tiny_hf_m
             assert seen[1]["prefill_cache_hit_tokens"] > 0, seen
         else:                     # the decode mesh: the prefill mesh, then its own
             assert [s["local_prefills"] for s in seen] == [0, 1], seen
+            # Settled: each program compiled in the background ran once, before a
+            # request could (the second chat's turn ran a program that had run).
+            assert llm.engine.decode_runner.unprimed_extends() == []
         after = llm.engine.counter.counts()
         for program in ("prefill_cached", "decode"):
             assert after[program] == compiled[program], program

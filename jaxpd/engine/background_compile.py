@@ -99,6 +99,11 @@ class BackgroundCompiler:
         if thread is not None and thread is not threading.current_thread() and timeout_s > 0:
             thread.join(timeout_s)
 
+    def compiled(self) -> list[Hashable]:
+        """The keys compiled so far, in the order they finished."""
+        with self._lock:
+            return list(self._ready)
+
     @property
     def pending(self) -> int:
         """Programs asked for and neither ready nor failed."""
@@ -134,10 +139,18 @@ def compilers(engine) -> list[BackgroundCompiler]:
 
 
 def settle(engine, timeout_s: float = 300.0) -> dict:
-    """Wait until `engine` compiles nothing in the background (a benchmark's warm-up,
-    a test); returns the compiles that failed, by key. TimeoutError past `timeout_s`."""
+    """Wait until `engine` compiles nothing in the background and the decode mesh has
+    run each program it compiled so once (`DecodeRunner.unprimed_extends`, asked for
+    here): a benchmark's warm-up, a test. Returns the compiles that failed, by key.
+    TimeoutError past `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while any(c.pending for c in compilers(engine)):
+    runner = engine.decode_runner
+
+    def busy() -> bool:
+        if any(c.pending for c in compilers(engine)):
+            return True
+        return runner is not None and bool(runner.unprimed_extends(ask=True))
+    while busy():
         if time.monotonic() > deadline:
             raise TimeoutError(f"background compiles still pending after {timeout_s:g} s")
         time.sleep(0.05)

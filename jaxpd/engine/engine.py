@@ -377,7 +377,8 @@ class Engine:
                 expects_fresh=every or c.local_prefill_below > 0,
                 chunk_tokens=c.chunked_prefill_tokens if topology.chunked_in_slots else None,
                 host=p.host_tier,
-                reroute=self.requests.prefill_instead if topology.prefill_loop else None)
+                reroute=self.requests.prefill_instead if topology.prefill_loop else None,
+                prefix_in_place=runner.extend_kernel == "native")
         p.decode_loop = DecodeLoop(runner, scheduler, queues, self.requests, self.counters,
                                    c.pages_per_slot, c.decode_context_step,
                                    by_length=attention != "reference", extend=extend)

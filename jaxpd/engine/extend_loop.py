@@ -65,7 +65,10 @@ class ExtendLoop:
     tokens per call (a bucket; `max_tokens` is then at most it), None: all at once.
     `host`: the pool's host tier, whose pages a request's prefix may continue in.
     `reroute`: where a request goes whose call would need a program still compiling
-    in the background (the prefill mesh beside a `lazy` loop; see `_admit`)."""
+    in the background (the prefill mesh beside a `lazy` loop; see `_admit`).
+    `prefix_in_place`: the runner reads each row's real prefix in place whatever its
+    table's width (`DecodeRunner.extend_kernel` "native"), so every prefix takes one
+    width, the slot's: a program per (rows, length), not per width too."""
 
     def __init__(self, runner: DecodeRunner, scheduler: DecodeScheduler,
                  inbox: queue.SimpleQueue, stats: StatsCounter, buckets: list[int],
@@ -73,8 +76,10 @@ class ExtendLoop:
                  expected_below: int | None = None,
                  expects_fresh: bool = True, chunk_tokens: int | None = None,
                  host: HostTier | None = None,
-                 reroute: Callable[[Request], None] | None = None):
+                 reroute: Callable[[Request], None] | None = None,
+                 prefix_in_place: bool = False):
         self.runner, self.scheduler, self.inbox, self.stats = runner, scheduler, inbox, stats
+        self.prefix_in_place = prefix_in_place
         self.host, self.reroute = host, reroute
         if chunk_tokens is not None:
             if chunk_tokens not in buckets:
@@ -90,6 +95,7 @@ class ExtendLoop:
         # Beside a prefill mesh, programs with a prefix compile on demand in the
         # background (`ready_for`), and a request waits for them on the prefill mesh.
         self.lazy = expected_below is not None
+        self.expected_below = expected_below
         self.max_batch, self.max_tokens = max_batch, max_tokens
         self.max_pages_per_slot, self.context_step = max_pages_per_slot, context_step
         self.expects_fresh = expects_fresh
@@ -104,12 +110,15 @@ class ExtendLoop:
 
     def width(self, num_pages: int) -> int:
         """Pages of cached prefix a call reads for rows of at most `num_pages` prefix
-        pages: none for none, else powers of four times the decode step. Coarse: a
+        pages: none for none, else powers of four times the decode step (the slot's
+        pages with `prefix_in_place`: a wider table costs nothing there). Coarse: a
         call's programs are also keyed on rows and length, warm-up compiles every
         combination, and every XLA:CPU program maps a few hundred regions of code (the
         kernel's default limit is 65,530 a process)."""
         if num_pages == 0:
             return 0
+        if self.prefix_in_place:
+            return self.max_pages_per_slot
         width = self.context_step
         while width < num_pages:
             width *= 4
@@ -159,7 +168,21 @@ class ExtendLoop:
                 break
         batch = self._continued()
         batch += self._admit(batch)
-        return self._run(batch) if batch else []
+        if batch:
+            return self._run(batch)
+        if self.lazy:
+            self._prime()
+        return []
+
+    def _prime(self) -> None:
+        """Run once one program compiled in the background that never ran
+        (`DecodeRunner.prime_extend`): one a request asked for, or any while no slot
+        decodes, so that a first run, slower than the later ones, delays no stream but
+        for a program traffic needs."""
+        shapes = self.runner.unprimed_extends()
+        if shapes and (self.runner.prime_asked(*shapes[0]) or
+                       self.scheduler.num_active() == 0):
+            self.runner.prime_extend(*shapes[0])
 
     def _count(self, request: Request, start: int) -> int:
         rest = request.num_tokens - start
@@ -215,8 +238,9 @@ class ExtendLoop:
                 if batch or admitted:
                     break                      # it leads the next call, alone
                 # Its prefix is not what routing saw (evicted meanwhile, or the host
-                # tier holds less): its own program is still compiling. The prefill
-                # mesh serves it instead, so no call here compiles.
+                # tier holds less): its own program is still compiling, or has not
+                # run yet. The prefill mesh serves it instead, so no call here compiles
+                # or runs a program for the first time.
                 self.runner.extend_ready(*self._shape([row]))
                 self.waiting.popleft()
                 r.kv_skip_pages = 0 if r.kv_skip_missed else len(shared)
@@ -258,7 +282,8 @@ class ExtendLoop:
     def _compiled(self, batch: list[_Row]) -> bool:
         """Whether a call of `batch` runs on a compiled program: always unless `lazy`
         (warm-up compiled every one) or nowhere to send a request instead; else a
-        program without a prefix of a warm bucket, or one compiled in the background."""
+        program without a prefix of a warm bucket, or one compiled in the background
+        that has run once (`_prime`)."""
         if not self.lazy or self.reroute is None:
             return True
         rows, length, width = self._shape(batch)

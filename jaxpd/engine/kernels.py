@@ -35,6 +35,52 @@ def prefill_attention(impl: str, mesh: Mesh, rules, head_dim: int):
     return per_shard
 
 
+def prefix_attention(impl: str, mesh: Mesh, rules, head_dim: int):
+    """A prefill with context's attention over its cached prefix for a resolved
+    `attention_impl` on `mesh` (`Llama.prefix_attention`): the native kernel reading the
+    prefix in place from the pools where `prefill_attention` would be native, run on
+    each device's own kv heads as it is; else None (the model gathers the prefix and
+    runs the reference)."""
+    if prefill_attention(impl, mesh, rules, head_dim) is causal_attention:
+        return None
+    from jaxpd.models import native_attention
+    kv_axis = dict(rules).get("kv_heads")
+    heads, pools, whole = P(None, None, kv_axis, None), P(None, None, None, kv_axis, None), P()
+
+    def per_shard(q, k, v, k_pool, v_pool, layer, prefix_tables, prefix_len):
+        return shard_map(native_attention.prefix_attention_native, mesh=mesh,
+                         in_specs=(heads, heads, heads, pools, pools, whole, whole, whole),
+                         out_specs=heads, axis_names=set(mesh.axis_names), check_vma=False)(
+            q, k, v, k_pool, v_pool, jnp.asarray(layer, jnp.int32), prefix_tables, prefix_len)
+    return per_shard
+
+
+def extend_attention(impl: str, kv_axis: str | None, head_dim: int):
+    """A decode mesh's prefill with context (`DecodeRunner.extend`, inside its dp
+    `shard_map`): (the prompt core, the prefix core or None) as `Llama` takes them,
+    native on each tp shard's own kv heads where `prefill_attention` would be native
+    (AVX-512, head dim 32/64/128), else (the reference, None). Like
+    `kernel_per_tp_shard`, for the body's abstract mesh (dp already manual)."""
+    from jaxpd.models import native_attention
+    if impl != "native" or not native_attention.prefill_available(head_dim):
+        return causal_attention, None
+    heads, pools, whole = P(None, None, kv_axis, None), P(None, None, None, kv_axis, None), P()
+
+    def prompt(q, k, v):
+        return shard_map(native_attention.causal_attention_native,
+                         mesh=jax.sharding.get_abstract_mesh(), axis_names={"tp"},
+                         check_vma=False, in_specs=(heads,) * 3, out_specs=heads)(q, k, v)
+
+    def prefix(q, k, v, k_pool, v_pool, layer, prefix_tables, prefix_len):
+        return shard_map(native_attention.prefix_attention_native,
+                         mesh=jax.sharding.get_abstract_mesh(), axis_names={"tp"},
+                         check_vma=False,
+                         in_specs=(heads, heads, heads, pools, pools, whole, whole, whole),
+                         out_specs=heads)(q, k, v, k_pool, v_pool, jnp.asarray(layer, jnp.int32),
+                                          prefix_tables, prefix_len)
+    return prompt, prefix
+
+
 def prefill_kernel(attention) -> str:
     """The name of the core `prefill_attention` returned: "native" or "reference"."""
     return "reference" if attention is causal_attention else "native"

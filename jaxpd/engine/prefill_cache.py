@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxpd.engine.background_compile import BackgroundCompiler
 from jaxpd.engine.host_tier import HostTier
 from jaxpd.engine.kept import Executables, KeptExecutables, lowering
-from jaxpd.engine.kernels import prefill_attention, prefill_kernel
+from jaxpd.engine.kernels import prefill_attention, prefill_kernel, prefix_attention
 from jaxpd.engine.program import Program
 from jaxpd.engine.page_allocator import CacheJournal, PageAllocator, page_hashes, pages_for
 from jaxpd.engine.penalties import prefill_context
@@ -130,7 +130,10 @@ class PrefillCache:
         self.k_pool, self.v_pool = zeros(), zeros()
         attention = prefill_attention(attention_impl, mesh, rules, cfg.head_dim)
         self.kernel = prefill_kernel(attention)
-        model = Llama(cfg, dtype, fused, prefill_attention=attention, qmatmul=quant_matmul)
+        model = Llama(cfg, dtype, fused, prefill_attention=attention,
+                      prefix_attention=prefix_attention(attention_impl, mesh, rules,
+                                                        cfg.head_dim),
+                      qmatmul=quant_matmul)
 
         def extend(params, k_pool, v_pool, tokens, starts, lengths, prefix_tables, new_tables,
                    sampling):

@@ -34,7 +34,8 @@ from jaxpd.sizes import coarse_ceil
 from jaxpd.engine.penalties import SlotPenalties, count_sampled, prefill_context
 from jaxpd.engine.sampler import Logprobs, SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
-from jaxpd.engine.kernels import kernel_per_tp_shard, prefill_attention, prefill_kernel
+from jaxpd.engine.kernels import (extend_attention, kernel_per_tp_shard, prefill_attention,
+                                  prefill_kernel)
 from jaxpd.engine.experts import decode_experts, held_experts, param_specs
 from jaxpd.models.layout import is_stacked, unstack_layers
 from jaxpd.models.llama import Llama, layer_kinds, prefill_blocks
@@ -279,7 +280,12 @@ class DecodeRunner:
         attention = decode_attention(attention_impl, attention_interpret)
         if attention_impl != "reference":
             attention = kernel_per_tp_shard(attention, kv_axis)
-        model = Llama(cfg, dtype, fused, attention,
+        # Its own prefills with context: the native prompt and prefix cores on each tp
+        # shard where they serve, else the reference.
+        prompt_core, prefix_core = extend_attention(attention_impl, kv_axis, cfg.head_dim)
+        self.extend_kernel = "reference" if prefix_core is None else "native"
+        model = Llama(cfg, dtype, fused, attention, prefill_attention=prompt_core,
+                      prefix_attention=prefix_core,
                       experts=decode_experts(rules, quant_matmul), qmatmul=quant_matmul)
         # jax's varying-axes check cannot type a kernel's output.
         check_vma = attention_impl == "reference" and quant_matmul is None
@@ -322,7 +328,8 @@ class DecodeRunner:
             return nxt, logprobs, k_pool, v_pool
 
         self._extend = jax.jit(shard_map(
-            extend, mesh=mesh, axis_names={"dp"}, check_vma=quant_matmul is None,
+            extend, mesh=mesh, axis_names={"dp"},
+            check_vma=quant_matmul is None and prefix_core is None,
             in_specs=(weights, pool, pool, slot, slot) + (slot,) * 7,
             out_specs=(slot, slot, pool, pool)), donate_argnums=(1, 2))
 
@@ -334,8 +341,13 @@ class DecodeRunner:
             in_specs=(pool, pool, pool, pool, slot), out_specs=(pool, pool)),
             donate_argnums=(0, 1))
         # A decode mesh beside a prefill mesh compiles its programs with a prefix on
-        # demand, in the background (`start_background_extend`).
+        # demand, in the background (`start_background_extend`), and runs each once
+        # before a request does (`prime_extend`): extend keys that have run, and those
+        # compiled and asked for (by routing, on another thread) but not run yet.
         self.extend_compiler: BackgroundCompiler | None = None
+        self._ran: set = set()
+        self._prime_asked: set = set()
+        self._prime_lock = threading.Lock()
         self._take = jax.jit(lambda k_pool, v_pool, ids: (k_pool[:, ids], v_pool[:, ids]))
         # Pages copied out for the host tier land in pinned host memory where the
         # devices have it: the program's own output is the device-to-host copy.
@@ -487,6 +499,7 @@ class DecodeRunner:
             program = self.executables.get(("extend", key), self._extend)
         nxt, logprobs, self.k_pool, self.v_pool = program(*self._extend_args(
             tokens, starts, lengths, prefix_tables, new_tables, row_slots, sampling))
+        self._ran.add(key)
         return nxt, logprobs
 
     def _extend_args(self, tokens, starts, lengths, prefix_tables, new_tables, row_slots,
@@ -498,11 +511,12 @@ class DecodeRunner:
     def extend_program(self, tokens, starts, lengths, prefix_tables, new_tables, row_slots,
                        sampling: SamplingArrays) -> Program:
         """The program `extend` dispatches for these inputs' shapes (the decode
-        mesh's prefill with a cached prefix; prefill attention is the reference)."""
+        mesh's prefill with a cached prefix)."""
         (rows, t), w = tokens.shape, prefix_tables.shape[1]
         return Program(f"extend_rows{rows}_t{t}_w{w}", self._extend,
                        self._extend_args(tokens, starts, lengths, prefix_tables, new_tables,
-                                         row_slots, sampling), "reference", self.slot_sharding,
+                                         row_slots, sampling), self.extend_kernel,
+                       self.slot_sharding,
                        note=functools.partial(self.counter.note, "extend",
                                               (tokens.shape, prefix_tables.shape)),
                        install=functools.partial(self.executables.put,
@@ -517,12 +531,51 @@ class DecodeRunner:
 
     def extend_ready(self, rows: int, length: int, width: int) -> bool:
         """Whether `extend` of `rows` x `length` new tokens after `width` prefix pages runs
-        without compiling first: always before `start_background_extend`; else once
-        its background compile (asked for here, the first time) is done."""
+        without compiling first, and not for the first time: always before
+        `start_background_extend`; else once its background compile (asked for here,
+        the first time) is done and the decode thread has run it once (`prime_extend`,
+        asked for here once it is compiled). Any thread."""
         if self.extend_compiler is None:
             return True
-        return self.extend_compiler.ready(((rows, length), (rows, width)),
-                                          lambda: self._lower_extend(rows, length, width))
+        key = ((rows, length), (rows, width))
+        if not self.extend_compiler.ready(key, lambda: self._lower_extend(rows, length, width)):
+            return False
+        if key in self._ran:
+            return True
+        with self._prime_lock:
+            self._prime_asked.add(key)
+        return False
+
+    def unprimed_extends(self, ask: bool = False) -> list[tuple[int, int, int]]:
+        """(rows, new tokens, prefix pages) of each program compiled in the background
+        that has not run yet, those asked for (`extend_ready`) first; `ask`: ask for
+        them all. Any thread."""
+        if self.extend_compiler is None:
+            return []
+        keys = [k for k in self.extend_compiler.compiled() if k not in self._ran]
+        with self._prime_lock:
+            if ask:
+                self._prime_asked.update(keys)
+            keys.sort(key=lambda k: k not in self._prime_asked)
+        return [(rows, length, width) for (rows, length), (_, width) in keys]
+
+    def prime_asked(self, rows: int, length: int, width: int) -> bool:
+        """Whether the program of this shape was asked to run once (`unprimed_extends`)."""
+        with self._prime_lock:
+            return ((rows, length), (rows, width)) in self._prime_asked
+
+    def prime_extend(self, rows: int, length: int, width: int) -> None:
+        """Run the program of this shape once (compiled in the background), on padding
+        rows only: one token each, written to the null page, no prefix, nothing read
+        back. An XLA:CPU executable's first run costs several of its later ones (it
+        sets up its kernels then), which a request would otherwise pay in its TTFT.
+        The decode thread only (the donated pool); dispatched, not waited for."""
+        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        self.extend(zeros(rows, length), zeros(rows), np.ones(rows, np.int32),
+                    zeros(rows, width), zeros(rows, -(-length // self.page_size)), zeros(rows),
+                    SamplingArrays.empty(rows))
+        with self._prime_lock:
+            self._prime_asked.discard(((rows, length), (rows, width)))
 
     def anticipate_extend(self, shapes: list[tuple[int, int, int]]) -> None:
         """Compile these (rows, new tokens, prefix pages) programs of `extend` in the
@@ -535,10 +588,9 @@ class DecodeRunner:
                 lambda r=rows, t=length, w=width: self._lower_extend(r, t, w))
 
     def extend_compiled(self, rows: int, length: int, width: int) -> bool:
-        """Whether `extend` of this shape runs a program compiled in the background
-        (before `start_background_extend`: always); asks for nothing."""
-        return self.extend_compiler is None or \
-            self.extend_compiler.get(((rows, length), (rows, width))) is not None
+        """Whether `extend` of this shape runs a program compiled in the background that
+        has run once (before `start_background_extend`: always); asks for nothing."""
+        return self.extend_compiler is None or ((rows, length), (rows, width)) in self._ran
 
     def _lower_extend(self, rows: int, length: int, width: int):
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731

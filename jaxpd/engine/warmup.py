@@ -311,7 +311,9 @@ def likely_prefix_shapes(engine) -> tuple[list[tuple[int, int, int]],
     cache and of the decode mesh's extend loop, in the order it reaches them. A
     conversation's prefix grows turn by turn, so the narrow prefixes come first and
     the wide ones rarely: those of at most a quarter of `max_model_len` are likely,
-    the rest compile on demand. Within a width, the prefill cache's come by fewer rows
+    the rest compile on demand (an extend loop reading its prefix in place has one
+    width, the slot's, for every prefix: all of its are likely). Within a width, the
+    prefill cache's come by fewer rows
     (batches grow with the load), then fewer new tokens; the extend loop's by fewer new
     tokens, with every row count together (a request goes there only once all of its
     row counts are compiled: `ExtendLoop.ready_for`). At most `LIKELY_PROGRAMS` of
@@ -328,7 +330,9 @@ def likely_prefix_shapes(engine) -> tuple[list[tuple[int, int, int]],
         cached = sorted(filter(likely, _cached_shapes(loop, _batch_shapes(loop))),
                         key=lambda s: (s[2], s[0], s[1]))
     extend = engine.decode_loop.extend if engine.decode_loop is not None else None
-    if extend is not None and extend.lazy:
-        extended = sorted(filter(likely, _extend_shapes(extend)),
+    # (None of them when no request is routed there: `expected_below` 0.)
+    if extend is not None and extend.lazy and extend.expected_below:
+        extended = sorted((s for s in _extend_shapes(extend)
+                           if s[2] and (extend.prefix_in_place or likely(s))),
                           key=lambda s: (s[2], s[1], s[0]))
     return cached[:LIKELY_PROGRAMS], extended[:LIKELY_PROGRAMS]

@@ -32,7 +32,7 @@ DTYPES = ("float32", "bfloat16")
 # backend that loads it; the native CPU kernels are registered by this package in
 # the process that runs them.
 _KERNEL_CUSTOM_CALLS = ("__gpu$xla.gpu.triton", "jaxpd_paged_decode_f32",
-                        "jaxpd_causal_prefill_f32")
+                        "jaxpd_causal_prefill_f32", "jaxpd_prefix_prefill_f32")
 
 
 _registered = False
