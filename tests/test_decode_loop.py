@@ -41,6 +41,22 @@ def handoff(r: Request, first: int, value: float = 1.0, part: KVPart | None = No
                      payload=r, part=part)
 
 
+def remote_mirrors(env, firsts: list[int], prompt_len: int = 3, max_tokens: int = 4,
+                   value=lambda i: 1.0) -> list[Request]:
+    """One request per first token, each registered as the router's mirror and its
+    handoff (first token `firsts[i]`, pages of `value(i)`) pushed as another process
+    sends it."""
+    mirrors = []
+    for i, first in enumerate(firsts):
+        wire = Request(f"remote-{i}", list(range(1, prompt_len + 1)),
+                       SamplingParams(max_tokens=max_tokens)).to_wire()
+        mirrors.append(Request.from_wire(wire))
+        env.requests.register(mirrors[-1])
+        kv = pages(LAYERS, -(-prompt_len // PAGE_SIZE), value(i), PAGE_SIZE)
+        env.receiver.push(KVHandoff(f"remote-{i}", prompt_len, first, kv, kv, payload=wire))
+    return mirrors
+
+
 def test_tokens_count_on_from_each_first_token_and_pages_come_back(pool):
     env = make(pool)
     reqs = [prefilled(env, "a", 5, 100, 6), prefilled(env, "b", 9, 200, 6)]
@@ -188,13 +204,7 @@ def test_a_remote_first_token_waits_in_the_stream_until_its_request_decodes(pool
     output) but not streamed: the stream's first gap must not hold the wait for a slot
     and the insert. It goes out, timed, when the request's KV is in place."""
     env = make(pool, slots=1, remote=True)
-    mirrors = []
-    for i in range(2):
-        wire = Request(f"remote-{i}", [1, 2, 3], SamplingParams(max_tokens=4)).to_wire()
-        mirrors.append(Request.from_wire(wire))
-        env.requests.register(mirrors[-1])
-        kv = pages(LAYERS, 1, 1.0, PAGE_SIZE)
-        env.receiver.push(KVHandoff(f"remote-{i}", 3, 10 * (i + 1), kv, kv, payload=wire))
+    mirrors = remote_mirrors(env, [10, 20])
     env.loop.iterate(receive_timeout=None)
     waiting = mirrors[1]
     assert env.scheduler.slot_of(waiting) is None and waiting.output_ids == [20]
@@ -213,13 +223,8 @@ def test_handoffs_from_another_process_are_pulled_before_they_have_a_slot(pool):
     `max_prefetch` of them; admitted later, its pages are the ones inserted."""
     env = make(pool, slots=1, remote=True)
     env.loop.max_prefetch = 1
-    mirrors = []
-    for i in range(3):
-        wire = Request(f"remote-{i}", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3)).to_wire()
-        mirrors.append(Request.from_wire(wire))
-        env.requests.register(mirrors[-1])
-        kv = pages(LAYERS, 2, float(i + 1), PAGE_SIZE)
-        env.receiver.push(KVHandoff(f"remote-{i}", 5, 10 * (i + 1), kv, kv, payload=wire))
+    mirrors = remote_mirrors(env, [10, 20, 30], prompt_len=5, max_tokens=3,
+                             value=lambda i: float(i + 1))
     env.loop.iterate(receive_timeout=None)
     # remote-0 has the slot; remote-1 waits for it, already pulled; remote-2 waits unpulled.
     assert [h.request_id for h in env.receiver.placed] == ["remote-0", "remote-1"]
@@ -233,13 +238,7 @@ def test_handoffs_from_another_process_are_pulled_before_they_have_a_slot(pool):
 
 def test_a_prefetched_handoff_whose_request_is_aborted_is_dropped(pool):
     env = make(pool, slots=1, remote=True)
-    mirrors = []
-    for i in range(2):
-        wire = Request(f"remote-{i}", [1, 2, 3], SamplingParams(max_tokens=4)).to_wire()
-        mirrors.append(Request.from_wire(wire))
-        env.requests.register(mirrors[-1])
-        kv = pages(LAYERS, 1, 1.0, PAGE_SIZE)
-        env.receiver.push(KVHandoff(f"remote-{i}", 3, 7, kv, kv, payload=wire))
+    mirrors = remote_mirrors(env, [7, 7])
     env.loop.iterate(receive_timeout=None)
     assert len(env.receiver.placed) == 2                  # the second was prefetched
     env.requests.abort("remote-1", "cancelled")
