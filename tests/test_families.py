@@ -284,7 +284,8 @@ def test_decode_mesh_prefill_runs_experts_where_they_lie():
     from jax.sharding import Mesh
 
     from jaxpd.engine.placement import place_params
-    from jaxpd.engine.runner import CompileCounter, PrefillRunner
+    from jaxpd.engine.prefill_runner import PrefillRunner
+    from jaxpd.engine.runner import CompileCounter
     from jaxpd.engine.sampler import SamplingArrays
     from jaxpd.models.layout import init_params
 

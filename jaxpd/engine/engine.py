@@ -40,7 +40,8 @@ from jaxpd.engine.prefill_cache import PrefillCache, cache_pages
 from jaxpd.engine.prefill_loop import PrefillLoop
 from jaxpd.engine.requests import Limits, Requests
 from jaxpd.engine.routing import Routing
-from jaxpd.engine.runner import CompileCounter, DecodeRunner, PrefillRunner
+from jaxpd.engine.prefill_runner import PrefillRunner
+from jaxpd.engine.runner import CompileCounter, DecodeRunner
 from jaxpd.engine.scheduler import DecodeScheduler, PrefillScheduler
 from jaxpd.engine.topology import Topology
 from jaxpd.engine.kept import KeptExecutables

@@ -18,7 +18,7 @@ import numpy as np
 from jaxpd.engine.page_allocator import pages_for
 from jaxpd.engine.prefill_cache import PrefillCache, chunk_width
 from jaxpd.engine.requests import Requests
-from jaxpd.engine.runner import PrefillRunner
+from jaxpd.engine.prefill_runner import PrefillRunner
 from jaxpd.engine.sampler import Logprobs, SamplingArrays
 from jaxpd.engine.scheduler import PrefillBatch, PrefillScheduler
 from jaxpd.request import Request, State

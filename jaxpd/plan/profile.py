@@ -72,7 +72,8 @@ class MeshProfiler:
         """Samples of prefill batches on a `tp`-device mesh (every batch x length,
         skipping those over `max_tokens` padded tokens, as the scheduler would)."""
         from jax.sharding import Mesh
-        from jaxpd.engine.runner import PrefillRunner, SamplingArrays
+        from jaxpd.engine.prefill_runner import PrefillRunner
+        from jaxpd.engine.sampler import SamplingArrays
 
         mesh = Mesh(np.array(self._devices(tp)), ("tp",))
         params, rules, fused, attention = self._place(mesh, fuse=False)
@@ -95,7 +96,8 @@ class MeshProfiler:
                batches: Sequence[int]) -> list[Sample]:
         """Samples of decode steps on a `dp x tp` mesh with `dp * slots_per_shard` slots."""
         from jax.sharding import Mesh
-        from jaxpd.engine.runner import DecodeRunner, SamplingArrays
+        from jaxpd.engine.runner import DecodeRunner
+        from jaxpd.engine.sampler import SamplingArrays
 
         mesh = Mesh(np.array(self._devices(dp * tp)).reshape(dp, tp), ("dp", "tp"))
         params, rules, fused, attention = self._place(mesh, fuse=True)
