@@ -4,6 +4,7 @@ No wall-clock assertions: the machine running the tests is shared and noisy. Wha
 must hold whatever the timing: the JSON has the documented shape, every request of
 every run is counted, attainment is a fraction, the same prompts go to every backend.
 """
+import contextlib
 import json
 
 import numpy as np
@@ -170,6 +171,13 @@ def test_prompts_are_fixed_by_the_seed_not_the_rate():
     other = make_bench_requests(make_workload(6, 1.0, "16:1,64:1", "8", seed=6), 256, 6)
     assert [r.prompt_ids for r in other] != [r.prompt_ids for r in slow]
     assert all(3 <= t < 256 for r in slow for t in r.prompt_ids)
+    # Another draw: the same lengths and arrivals, other prompts, as fixed as the first.
+    drawn = make_bench_requests(make_workload(6, 1.0, "16:1,64:1", "8", seed=5), 256, 5, draw=1)
+    assert [len(r.prompt_ids) for r in drawn] == [len(r.prompt_ids) for r in slow]
+    assert [r.arrival_s for r in drawn] == [r.arrival_s for r in slow]
+    assert all(a.prompt_ids != b.prompt_ids for a, b in zip(drawn, slow))
+    assert drawn == make_bench_requests(make_workload(6, 1.0, "16:1,64:1", "8", seed=5),
+                                        256, 5, draw=1)
 
 
 @pytest.mark.parametrize("flags, named", [
@@ -469,7 +477,41 @@ def test_a_dataset_that_cannot_fit_the_model_is_refused_naming_it():
     requests = b.requests_at(1.0)
     assert b.max_model_len == 38 and len(requests) == 20
     assert all(4 <= len(r.prompt_ids) <= 30 and 2 <= r.output_len <= 8 for r in requests)
-    assert [r.prompt_ids for r in b.requests_at(5.0)] == [r.prompt_ids for r in requests]
+    faster = b.requests_at(5.0)
+    assert [len(r.prompt_ids) for r in faster] == [len(r.prompt_ids) for r in requests]
+    assert [r.arrival_s * 5.0 for r in faster] == pytest.approx([r.arrival_s for r in requests])
+    assert not {r.prompt_ids for r in faster} & {r.prompt_ids for r in requests}
+    assert b.requests_at(1.0) == requests       # a rate keeps its draw
+
+
+def test_each_rate_of_a_sharegpt_sweep_sends_conversations_of_its_own(monkeypatch):
+    """A cache on by default in one backend must not serve one rate from another's
+    prompts: each rate, and the single-stream runs, get their own sampled pairs."""
+    from jaxpd.bench import datasets
+    from jaxpd.models.source import model_config_and_tokenizer
+    model_dir = bench.resolve_model(None)
+    tokenizer = model_config_and_tokenizer(model_dir)[1]
+    words = ["list", "type", "module", "import", "string", "value", "class", "return"]
+
+    def turn(i, n):
+        return " ".join(words[(i + j) % 8] for j in range(n)) + f" {i}"
+
+    conversations = [[{"from": "human", "value": turn(i, 6 + i % 9)},
+                      {"from": "gpt", "value": turn(i, 5 + i % 7)}] for i in range(200)]
+    monkeypatch.setattr(datasets, "sharegpt_file", lambda: contextlib.nullcontext("unused"))
+    monkeypatch.setattr(datasets, "read_conversations", lambda path: conversations)
+    args = bench.parse_args(["--dataset", "sharegpt", "--num_requests", "5", "--rates", "1,2",
+                             "--single_stream", "2"])
+    b = bench.Benchmark(args, model_dir)
+    runs = [b.requests_at(1.0), b.requests_at(2.0),
+            b.requests(1.0, b.draw("single"))]
+    prompts = [{r.prompt_ids for r in run} for run in runs]
+    assert [len(p) for p in prompts] == [5, 5, 5]
+    assert not (prompts[0] & prompts[1] or prompts[0] & prompts[2] or prompts[1] & prompts[2])
+    human_turns = {tuple(tokenizer.encode(c[0]["value"])) for c in conversations}
+    assert set().union(*prompts) <= human_turns
+    assert b.max_model_len >= max(len(r.prompt_ids) + r.output_len for run in runs for r in run)
+
 
 
 @pytest.mark.slow

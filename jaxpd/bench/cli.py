@@ -5,9 +5,11 @@
         --slo_ttft 1.0 --slo_tpot 0.1 --json out.json --plot out.png
     python -m jaxpd.bench --roofline [--json roofline.json]
 
-Every run serves the same requests (`make_workload` from `--seed`, prompt ids drawn
+Every backend serves the same requests (`make_workload` from `--seed`, prompt ids drawn
 from the same seed; or a `--dataset` of bench/datasets.py: uniform length ranges, the
-long-prompt mix, ShareGPT) with Poisson arrivals honoured on the wall clock. The meshes run
+long-prompt mix, ShareGPT) with Poisson arrivals honoured on the wall clock; each rate of
+a sweep sends prompts of its own (`Benchmark.draw`), so no cache serves one rate from
+another. The meshes run
 one after the other in this one process, each engine built, compiled (warmup=True)
 and fed a few warm-up requests before its clock starts; `hf` is Hugging Face
 transformers `generate` with static batching on the same weights (see hf.py).
@@ -206,6 +208,7 @@ class Benchmark:
         cfg, tokenizer = model_config_and_tokenizer(model_dir)
         self.vocab_size = cfg.vocab_size
         self.sharegpt: list[tuple[tuple[int, ...], int]] | None = None
+        self.draws: dict[float | str, int] = {}     # a run's key -> its draw of prompts
         if args.dataset == "mix":
             prompts, outputs = self.prompt_lens(), [
                 n for mix in self._mixes("output_lens") for n, _ in parse_length_mix(mix)]
@@ -259,7 +262,8 @@ class Benchmark:
     def _sample_dataset(self, max_model_len: int, tokenizer) -> list[BenchRequest]:
         """The `--dataset` requests at rate 1, checked against `max_model_len` (the
         engine's, or the model's positions); ValueError when they cannot fit. ShareGPT's
-        pairs are sampled here, once: later rates re-time them."""
+        pairs are sampled here, once: `num_requests` for each draw (`draw`), a rate
+        re-times its own."""
         a = self.args
         flag = f"--dataset {a.dataset}"
         if a.dataset == "sharegpt":
@@ -268,8 +272,8 @@ class Benchmark:
             with datasets.sharegpt_file() as path:
                 conversations = datasets.read_conversations(str(path))
             self.sharegpt = datasets.sample_sharegpt(
-                conversations, tokenizer.encode, a.num_requests, a.seed, max_model_len,
-                a.sharegpt_max_prompt_len, a.sharegpt_max_total_len)
+                conversations, tokenizer.encode, a.num_requests * self.num_draws(), a.seed,
+                max_model_len, a.sharegpt_max_prompt_len, a.sharegpt_max_total_len)
         elif a.dataset == "random":
             if a.input_len.hi + a.output_len.hi > max_model_len:
                 raise ValueError(f"--input_len/--output_len: the longest request needs "
@@ -277,7 +281,7 @@ class Benchmark:
                                  f"may span only {max_model_len}")
         else:
             datasets.long_mix_ranges(a.output_len, max_model_len)   # ValueError: no fit
-        return self.requests_at(1.0)
+        return [r for d in range(self.num_draws()) for r in self.requests(1.0, d)]
 
     def _mixes(self, name: str) -> list[str]:
         """The `prompt_lens` or `output_lens` mixes of the workload (one per phase)."""
@@ -288,13 +292,31 @@ class Benchmark:
     def prompt_lens(self) -> list[int]:
         return [n for mix in self._mixes("prompt_lens") for n, _ in parse_length_mix(mix)]
 
+    def num_draws(self) -> int:
+        """Draws of prompts a sweep needs: one per rate, and one for `--single_stream`."""
+        return len(self.args.rates) + (1 if self.args.single_stream else 0)
+
+    def draw(self, key: float | str) -> int:
+        """The draw of prompts of the run `key` (a rate, or "single"): numbered in the
+        order first asked, the same for every backend. Goodput's probe rates past
+        `num_draws` share ShareGPT's draws in turn (its pairs are sampled once)."""
+        return self.draws.setdefault(key, len(self.draws))
+
     def requests_at(self, rate: float) -> list[BenchRequest]:
-        """The measured workload at `rate`: the same requests at every rate, re-timed."""
+        """The measured workload at `rate`: the same lengths and arrivals at every rate,
+        re-timed, with the prompts of the rate's own draw."""
+        return self.requests(rate, self.draw(rate))
+
+    def requests(self, rate: float, draw: int) -> list[BenchRequest]:
+        """The workload's requests at `rate`, with the prompts of draw `draw`."""
         a = self.args
         if self.sharegpt is not None:
-            arrivals = poisson_arrivals(random_streams(a.seed)[0], len(self.sharegpt), rate)
+            n = a.num_requests
+            first = (draw % self.num_draws()) * n
+            pairs = self.sharegpt[first:first + n]
+            arrivals = poisson_arrivals(random_streams(a.seed)[0], n, rate)
             return [BenchRequest(i, float(arrivals[i]), ids, output_len)
-                    for i, (ids, output_len) in enumerate(self.sharegpt)]
+                    for i, (ids, output_len) in enumerate(pairs)]
         if a.dataset in ("random", "long_mix"):
             ranges = ([(a.input_len, 1.0)] if a.dataset == "random" else
                       datasets.long_mix_ranges(a.output_len, self.dataset_max_len))
@@ -304,7 +326,7 @@ class Benchmark:
             workload = make_shift_workload(a.phase_list, rate, a.seed)
         else:
             workload = make_workload(a.num_requests, rate, a.prompt_lens, a.output_lens, a.seed)
-        return make_bench_requests(workload, self.vocab_size, a.seed)
+        return make_bench_requests(workload, self.vocab_size, a.seed, draw)
 
     def open(self, name: str) -> Backend:
         """Build and warm up backend `name` (a mesh, or `hf`)."""
@@ -383,7 +405,8 @@ class Benchmark:
         alone (arriving at 0 on its own run)."""
         from jaxpd.metrics import tpot
         tpots = []
-        for r in self.requests_at(self.args.rates[0])[:self.args.single_stream]:
+        alone_draw = self.requests(self.args.rates[0], self.draw("single"))
+        for r in alone_draw[:self.args.single_stream]:
             alone = BenchRequest(0, 0.0, r.prompt_ids, r.output_len)
             value = tpot(backend.run([alone]).timelines[0].token_times_s)
             if value is not None:

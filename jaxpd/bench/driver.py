@@ -42,17 +42,20 @@ class BenchRequest:
 
 
 def make_bench_requests(workload: Sequence[WorkloadRequest], vocab_size: int,
-                        seed: int) -> list[BenchRequest]:
-    """Attach random prompt token ids (fixed by `seed`) to each workload request.
+                        seed: int, draw: int = 0) -> list[BenchRequest]:
+    """Attach random prompt token ids (fixed by `seed` and `draw`) to each workload
+    request.
 
-    The ids depend on the seed and each request's index and length only, never on
-    the rate, so a rate sweep re-times the same prompts.
+    The ids depend on the seed, the draw and each request's index and length only,
+    never on the rate. A rate sweep gives each rate a draw of its own: the same
+    lengths and arrivals re-timed, with prompts no earlier run has sent, so a prefix
+    cache on by default in one backend cannot serve a later rate from an earlier one.
     """
     if vocab_size <= FIRST_ORDINARY_ID:
         raise ValueError(f"vocab_size={vocab_size} is too small for random prompts")
     out = []
     for w in workload:
-        rng = np.random.default_rng([seed, w.index])
+        rng = np.random.default_rng([seed, w.index] if draw == 0 else [seed, draw, w.index])
         ids = rng.integers(FIRST_ORDINARY_ID, vocab_size, size=w.prompt_len)
         out.append(BenchRequest(w.index, w.arrival_s, tuple(int(i) for i in ids), w.output_len))
     return out
