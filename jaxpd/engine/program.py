@@ -52,9 +52,13 @@ class ProgramSpec:
     programs), not at warm-up; still served, so still exported. `ahead`: `build`'s
     programs are the very jitted functions `warm` calls, with the arguments it passes,
     so compiling them ahead (`warmup.compile_programs`) compiles what the serving call
-    runs, and warm-up need not run it."""
+    runs, and warm-up need not run it. `run_once`: warm-up runs it all the same, after
+    compiling: an XLA:CPU executable's first run sets up its kernels at several times a
+    later run's cost, and a program of the decode thread would put that in the gap
+    between two tokens of every stream running then."""
     describe: str
     warm: Callable[[], object]
     build: Callable[[], list[Program]]
     background: bool = False
     ahead: bool = True
+    run_once: bool = False

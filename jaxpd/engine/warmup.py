@@ -37,7 +37,8 @@ def warm_up(engine, progress: Callable[[str], None],
     each serving call finds its executable installed in its runner's table, loaded
     where `keep` kept it (`engine.kept`; None: compiled, not kept), and so do the
     background compiles. Only a spec that is not `ahead` runs once here, compiling
-    where it runs. A role `spans_processes` runs every program once on this thread
+    where it runs, and one to `run_once` (the decode thread's programs, on padding rows
+    and the null page). A role `spans_processes` runs every program once on this thread
     instead, touching only the null page: its followers compile by replaying each
     dispatch in the leader's order."""
     keep = keep or KeptExecutables(None)
@@ -49,7 +50,7 @@ def warm_up(engine, progress: Callable[[str], None],
     else:
         compile_programs(specs, progress, compile_threads(engine.config), keep)
         for spec in specs:
-            if not spec.ahead:
+            if not spec.ahead or spec.run_once:
                 spec.warm()
         if keep.directory is not None:
             _log.info("warm-up: %d programs loaded from %s, %d compiled (%d of them from "
@@ -238,12 +239,13 @@ def _decode(engine) -> list[ProgramSpec]:
                     np.zeros((n, w), np.int32), SamplingArrays.empty(n),
                     np.full(n, cfg.slots_per_shard, np.int32))     # padding rows only
             specs.append(ProgramSpec(f"decode step: {b} rows a shard, {w} pages of context",
-                                     lambda args=args: runner.step(*args),
-                                     lambda args=args: [runner.step_program(*args)]))
+                                     lambda args=args: jax.block_until_ready(runner.step(*args)),
+                                     lambda args=args: [runner.step_program(*args)],
+                                     run_once=True))
     # zeros: read only after an insert rewrites them
     specs.append(ProgramSpec("the penalty context update",
                              lambda: runner.set_penalties(0, [], []),
-                             lambda: [runner.penalties_program()]))
+                             lambda: [runner.penalties_program()], run_once=True))
     model = engine.model.cfg
     # A handoff carries its pages padded to `coarse_ceil` of their count: one insert
     # program per padded count.
@@ -254,21 +256,21 @@ def _decode(engine) -> list[ProgramSpec]:
             pages = jax.device_put(np.zeros(shape, DTYPES[cfg.dtype]), runner.shard_sharding(0))
             runner.insert(0, [0] * m, pages, pages)
         specs.append(ProgramSpec(f"page insert for {m} pages", warm,
-                                 lambda m=m: [runner.insert_program(m)]))
+                                 lambda m=m: [runner.insert_program(m)], run_once=True))
     if engine.host_tier is not None:
         # Evicted pages are copied off the pool for the host tier (`engine.host_tier`);
         # restoring them runs the inserts above.
         for m in engine.host_tier.sizes():
             specs.append(ProgramSpec(f"page offload to the host tier for {m} pages",
                                      lambda m=m: jax.block_until_ready(runner.offload(0, [0] * m)),
-                                     lambda m=m: [runner.offload_program(m)]))
+                                     lambda m=m: [runner.offload_program(m)], run_once=True))
     if cfg.mesh.elastic or cfg.migrate_on_drain:
         # A re-split or a migration cuts each decoding request's pages out of the pool
         # (`engine.elastic`, `engine.migration`).
         for m in coarse_sizes(cfg.pages_per_slot):
             specs.append(ProgramSpec(f"page take for {m} pages",
                                      lambda m=m: runner.take(0, [0] * m),
-                                     lambda m=m: [runner.take_program(m)]))
+                                     lambda m=m: [runner.take_program(m)], run_once=True))
     return specs
 
 
