@@ -56,8 +56,10 @@ class LLM(Frontend):
     started its backends yet and no device count was set, the LLM asks for as many
     virtual devices as the mesh needs (`sharding.cpu_devices`); when jax already runs
     with fewer, "auto" fits the mesh to the devices there are (and logs why), while an
-    explicit mesh that does not fit is a ValueError. warmup: compile every bucket now
-    (reporting through `progress`) instead of on first use. dtype: "auto" (float32 on
+    explicit mesh that does not fit is a ValueError. warmup: compile (or load) every
+    program a request can reach before returning (reporting through `progress`), so no
+    request waits on a compile and none stalls a running stream; False compiles each
+    on first use, for scripts that run a handful of prompts once. dtype: "auto" (float32 on
     CPU, bfloat16 on TPU/GPU), "float32" or "bfloat16". connector: how KV moves (default:
     in-process `DevicePutConnector`; a cross-process sender or receiver for single-role
     meshes "prefill=P" / "decode=D"). compilation_cache_dir: keep compiled programs
@@ -72,7 +74,7 @@ class LLM(Frontend):
     """
 
     def __init__(self, model: str | None = None, mesh: str = "auto",
-                 dtype: str = "auto", warmup: bool = False,
+                 dtype: str = "auto", warmup: bool = True,
                  progress: Callable[[str], None] | None = None,
                  connector: Connector | KVSender | KVReceiver | None = None,
                  compilation_cache_dir: str | None = None, plan=None,
@@ -180,6 +182,9 @@ def generate(prompts: str | Sequence[str] | None = None,
              mesh: str = "auto", model: str | None = None,
              prompt_token_ids: Sequence[Sequence[int]] | None = None,
              **options) -> list[CompletionOutput]:
-    """One shot: build an `LLM`, generate, shut it down."""
+    """One shot: build an `LLM`, generate, shut it down. It compiles only the programs
+    its prompts need, as they need them (`warmup=False` unless `options` say otherwise):
+    there is no later request to spare the wait."""
+    options.setdefault("warmup", False)
     with LLM(model=model, mesh=mesh, **options) as llm:
         return llm.generate(prompts, sampling_params, prompt_token_ids=prompt_token_ids)

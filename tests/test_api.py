@@ -28,7 +28,7 @@ def test_text_and_token_prompts_agree_and_stream_text_adds_up(monkeypatch):
     counted = lambda check: lambda *a, **k: checks.append(1) or check(*a, **k)
     for module in (jaxpd.frontend, jaxpd.engine.requests):
         monkeypatch.setattr(module, "check_request", counted(module.check_request))
-    with LLM(mesh="prefill=2,decode=2", max_model_len=64) as llm:
+    with LLM(mesh="prefill=2,decode=2", max_model_len=64, warmup=False) as llm:
         params = SamplingParams(max_tokens=12, temperature=0.0)
         by_text = llm.generate("import", params)[0]
         assert len(checks) == 1          # the front door checks it; the engine trusts that
@@ -40,7 +40,7 @@ def test_text_and_token_prompts_agree_and_stream_text_adds_up(monkeypatch):
 
 
 def test_the_default_dtype_is_float32_on_cpu():
-    with LLM(mesh="colocated=1", max_model_len=32) as llm:
+    with LLM(mesh="colocated=1", max_model_len=32, warmup=False) as llm:
         assert llm.config.dtype == "float32"
         assert llm.engine.decode_runner.k_pool.dtype == "float32"
 

@@ -87,7 +87,7 @@ def test_the_default_model_has_a_template():
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(mesh="colocated=1", max_model_len=64, slots_per_shard=2) as llm:
+    with LLM(mesh="colocated=1", max_model_len=64, slots_per_shard=2, warmup=False) as llm:
         yield llm
 
 

@@ -82,7 +82,8 @@ def test_long_prompts_in_chunks_match_hf_and_compile_nothing_while_serving(long_
 @pytest.mark.slow
 def test_a_chunked_prompt_aborted_between_chunks_frees_every_page(long_model):
     path, _ = long_model
-    with LLM(path, mesh="prefill=1,decode=1", enable_prefix_caching=False, **LONG) as llm:
+    with LLM(path, mesh="prefill=1,decode=1", enable_prefix_caching=False, **LONG,
+             warmup=False) as llm:
         cache = llm.engine.prefill_cache
         chunks, aborted = [], threading.Event()
         run_chunk = cache.run_chunk
@@ -115,7 +116,8 @@ def test_penalties_and_logprobs_of_a_chunked_prompt_equal_the_unchunked_prefill(
     results = []
     for chunk in (256, 1024):                     # 1024: one bucket holds the prompt
         with LLM(path, mesh="prefill=1,decode=1", **{**LONG, "max_model_len": 1024,
-                                                     "prefill_chunk_tokens": chunk}) as llm:
+                                                     "prefill_chunk_tokens": chunk},
+                 warmup=False) as llm:
             assert llm.engine.prefill_scheduler.chunked == (chunk == 256)
             out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
             results.append((out.token_ids, [lp[0] for lp in out.logprobs]))
@@ -128,12 +130,12 @@ def test_penalties_and_logprobs_of_a_chunked_prompt_equal_the_unchunked_prefill(
 @pytest.mark.slow
 def test_the_models_context_by_default_capped_by_the_kv_budget(long_model):
     path, hf_model = long_model
-    with LLM(path, mesh="prefill=1,decode=1", page_size=64) as llm:
+    with LLM(path, mesh="prefill=1,decode=1", page_size=64, warmup=False) as llm:
         assert llm.config.max_model_len == 4096            # the model's, not 1,024
     page = kv_page_bytes(num_layers=2, num_kv_heads=2, head_dim=8, page_size=64,
                          dtype="float32")
     with LLM(path, mesh="prefill=1,decode=1", page_size=64, prefill_chunk_tokens=512,
-             kv_cache_memory=41 * page) as llm:
+             kv_cache_memory=41 * page, warmup=False) as llm:
         assert (llm.config.max_model_len, llm.config.pages_per_shard) == (40 * 64, 41)
         prompt = np.random.default_rng(5).integers(3, 256, size=2000).tolist()
         out = llm.generate(prompt_token_ids=[prompt], sampling_params=_greedy(4))[0]

@@ -63,7 +63,7 @@ def test_colocated_chunks_match_hf_and_compile_nothing_while_serving(long_model,
 @pytest.mark.slow
 def test_a_running_stream_steps_between_the_chunks_of_a_long_prompt(long_model):
     path, hf_model = long_model
-    with LLM(path, mesh="colocated=2", enable_prefix_caching=False, **CHUNKED) as llm:
+    with LLM(path, mesh="colocated=2", enable_prefix_caching=False, **CHUNKED, warmup=False) as llm:
         runner = llm.engine.decode_runner
         extend = runner.extend
         running = llm.submit(Request(llm.new_request_id(), [5, 6, 7], _greedy(200)))
@@ -90,7 +90,7 @@ def test_a_running_stream_steps_between_the_chunks_of_a_long_prompt(long_model):
 @pytest.mark.slow
 def test_a_colocated_prompt_aborted_between_chunks_frees_every_page(long_model):
     path, _ = long_model
-    with LLM(path, mesh="colocated=2", enable_prefix_caching=False, **CHUNKED) as llm:
+    with LLM(path, mesh="colocated=2", enable_prefix_caching=False, **CHUNKED, warmup=False) as llm:
         runner = llm.engine.decode_runner
         extend, starts_seen, aborted = runner.extend, [], threading.Event()
 

@@ -63,7 +63,8 @@ def test_elastic_specs_parse_and_bad_ones_are_refused():
 @pytest.mark.slow
 def test_resplit_under_load_keeps_tokens_and_moves_kv(tiny):
     path, prompts, max_tokens, expected = tiny
-    with LLM(path, mesh="elastic=8", max_model_len=MAX_MODEL_LEN, slots_per_shard=4) as llm:
+    with LLM(path, mesh="elastic=8", max_model_len=MAX_MODEL_LEN, slots_per_shard=4,
+             warmup=False) as llm:
         assert llm.stats()["prefill_devices"] == 4 and llm.stats()["decode_devices"] == 4
         half = NUM_REQUESTS // 2
         requests = [llm.submit(llm.make_request(prompt_token_ids=p, sampling_params=_greedy(n)))
@@ -122,6 +123,6 @@ def test_resplit_under_load_keeps_tokens_and_moves_kv(tiny):
 
 @pytest.mark.slow
 def test_resplit_needs_an_elastic_mesh(tiny):
-    with LLM(tiny[0], mesh="prefill=1,decode=1", max_model_len=MAX_MODEL_LEN) as llm:
+    with LLM(tiny[0], mesh="prefill=1,decode=1", max_model_len=MAX_MODEL_LEN, warmup=False) as llm:
         with pytest.raises(ValueError, match="needs an elastic mesh"):
             llm.resplit(1)

@@ -34,7 +34,7 @@ def _greedy(n):
 @pytest.mark.parametrize("mesh", MESHES)
 def test_greedy_matches_hf_on_every_mesh_with_staggered_arrivals(tiny, mesh):
     path, prompts, max_tokens, expected = tiny
-    with LLM(path, mesh=mesh, max_model_len=160, slots_per_shard=4) as llm:
+    with LLM(path, mesh=mesh, max_model_len=160, slots_per_shard=4, warmup=False) as llm:
         half = NUM_REQUESTS // 2
         first = [llm.submit(llm.make_request(prompt_token_ids=p, sampling_params=_greedy(n)))
                  for p, n in zip(prompts[:half], max_tokens[:half])]
@@ -56,7 +56,8 @@ def test_greedy_matches_hf_on_every_mesh_with_staggered_arrivals(tiny, mesh):
 @pytest.fixture(scope="module")
 def llm(tiny):
     path = tiny[0]
-    with LLM(path, mesh="prefill=2,decode=2", max_model_len=160, slots_per_shard=4) as llm:
+    with LLM(path, mesh="prefill=2,decode=2", max_model_len=160, slots_per_shard=4,
+             warmup=False) as llm:
         yield llm
 
 
@@ -187,7 +188,7 @@ def test_preemption_with_a_tiny_pool_keeps_outputs(tiny):
     path, prompts, max_tokens, expected = tiny
     # 11 usable pages per shard for 4 slots: requests must be preempted and recomputed.
     with LLM(path, mesh="prefill=2,decode=2", max_model_len=160, slots_per_shard=4,
-             pages_per_shard=11) as llm:
+             pages_per_shard=11, warmup=False) as llm:
         outs = llm.generate(prompt_token_ids=prompts,
                             sampling_params=[_greedy(n) for n in max_tokens])
         assert [o.token_ids for o in outs] == expected
@@ -199,7 +200,7 @@ def test_preemption_with_a_tiny_pool_keeps_outputs(tiny):
 @pytest.mark.slow
 def test_engine_failure_aborts_requests_and_surfaces(tiny, monkeypatch):
     path, prompts, _, _ = tiny
-    llm = LLM(path, mesh="prefill=1,decode=1", max_model_len=64)
+    llm = LLM(path, mesh="prefill=1,decode=1", max_model_len=64, warmup=False)
     try:
         def broken(*a, **k):
             raise RuntimeError("device on fire")
@@ -215,7 +216,7 @@ def test_engine_failure_aborts_requests_and_surfaces(tiny, monkeypatch):
 @pytest.mark.slow
 def test_shutdown_leaves_no_thread_and_aborts_in_flight(tiny):
     path, prompts, _, _ = tiny
-    llm = LLM(path, mesh="colocated=2", max_model_len=160)
+    llm = LLM(path, mesh="colocated=2", max_model_len=160, warmup=False)
     r = llm.submit(llm.make_request(prompt_token_ids=prompts[1], sampling_params=_greedy(150)))
     while not r.output_ids:
         time.sleep(0.002)
@@ -254,7 +255,7 @@ def test_warmup_compiles_everything_a_workload_needs(tiny):
 def test_short_prompts_prefill_locally_without_transfer(tiny):
     path, prompts, max_tokens, expected = tiny
     with LLM(path, mesh="prefill=2,decode=2", max_model_len=160, slots_per_shard=4,
-             local_prefill_below=17) as llm:
+             local_prefill_below=17, warmup=False) as llm:
         outs = llm.generate(prompt_token_ids=prompts[:12],
                             sampling_params=[_greedy(n) for n in max_tokens[:12]])
         assert [o.token_ids for o in outs] == expected[:12]
@@ -273,7 +274,7 @@ TEXT_PROMPTS = ["The list type", "Return the", "import", "This module provides",
 
 @pytest.fixture(scope="module")
 def default_uncompressed():
-    with LLM(None, mesh="prefill=2,decode=2", max_model_len=128) as llm:
+    with LLM(None, mesh="prefill=2,decode=2", max_model_len=128, warmup=False) as llm:
         return llm.generate(TEXT_PROMPTS, SamplingParams(max_tokens=32, temperature=0))
 
 
@@ -284,7 +285,7 @@ def test_compressed_transfer_saves_bytes_and_keeps_greedy_tokens(default_uncompr
     # The built-in (trained) model: compression error is judged on real activations.
     # layerwise=16: every prompt goes in 3 layer groups, each compressed on its own.
     with LLM(None, mesh="prefill=2,decode=2", max_model_len=128, kv_transfer_dtype=kind,
-             layerwise_min_tokens=layerwise, layerwise_parts=3) as llm:
+             layerwise_min_tokens=layerwise, layerwise_parts=3, warmup=False) as llm:
         outs = llm.generate(TEXT_PROMPTS, SamplingParams(max_tokens=32, temperature=0))
         cfg = llm.model_config
         codes = cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim   # 1 byte each

@@ -51,7 +51,7 @@ def test_forward_logits_match_transformers(hf_models, name):
 
 def _serve(path, mesh, prefix_caching, prompts):
     with LLM(path, mesh=mesh, max_model_len=64, slots_per_shard=2,
-             enable_prefix_caching=prefix_caching) as llm:
+             enable_prefix_caching=prefix_caching, warmup=False) as llm:
         got = _greedy(llm, prompts)
         # Again: with the cache on, the second pass reuses the first's pages.
         again = _greedy(llm, prompts)
@@ -106,7 +106,7 @@ def test_decode_mesh_prefills_short_prompts_of_a_mixture(hf_models):
     prompts = _prompts(256, seed=2)
     expected = [hf_greedy(hf_model, p, NUM_NEW) for p in prompts]
     with LLM(path, mesh="prefill=2,decode=2x2", max_model_len=64, slots_per_shard=2,
-             local_prefill_below=16) as llm:
+             local_prefill_below=16, warmup=False) as llm:
         assert _greedy(llm, prompts) == expected
         assert llm.stats()["local_prefills"] == sum(len(p) < 16 for p in prompts) > 0
         assert_all_pages_free(llm)

@@ -180,7 +180,7 @@ def test_llm_serves_a_gguf_file(tmp_path, hf_llama, bpe):
     from jaxpd import LLM, SamplingParams
     path = write_from_hf(tmp_path, hf_llama, Q.Q8_0, bpe)
     reference = transformers_gguf(path)
-    with LLM(model=path, mesh="colocated=1") as llm:
+    with LLM(model=path, mesh="colocated=1", warmup=False) as llm:
         assert llm.tokenizer.chat_template == CHAT_TEMPLATE
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_NEW, temperature=0.0,
                                                     ignore_eos=True))

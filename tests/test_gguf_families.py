@@ -227,7 +227,7 @@ def test_llm_serves_a_q8_0_file(tmp_path, hf_models, bpe, name, mesh):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, len(bpe[0]), size=n).tolist() for n in (1, 9, PROMPT_LEN)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    with LLM(path, mesh=mesh, max_model_len=64, slots_per_shard=2) as llm:
+    with LLM(path, mesh=mesh, max_model_len=64, slots_per_shard=2, warmup=False) as llm:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=[params] * len(prompts))
         assert_all_pages_free(llm)
     reference = _rounded_through(model, Q.Q8_0)

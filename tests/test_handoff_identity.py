@@ -146,5 +146,5 @@ def test_grpc_stream_of_another_model_is_answered_before_its_body_is_read():
 def test_a_decode_only_engine_tells_its_stream_receiver_its_model():
     from jaxpd.llm import LLM
     receiver = grpc_stream.GrpcReceiver()
-    with LLM(None, mesh="decode=1", max_model_len=64, connector=receiver) as llm:
+    with LLM(None, mesh="decode=1", max_model_len=64, connector=receiver, warmup=False) as llm:
         assert receiver.fingerprint == llm.fingerprint and len(llm.fingerprint) == 64

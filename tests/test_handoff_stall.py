@@ -71,7 +71,7 @@ def test_a_short_handoff_leaves_before_the_next_long_prefill(tiny_hf_model, monk
     expected = reference(hf_model, [short, long], [6, 6])
     events: list = []
     monkeypatch.setattr(device_put_module, "jax", _CopySpy(events))
-    with LLM(path, mesh=mesh, max_model_len=160, slots_per_shard=4) as llm:
+    with LLM(path, mesh=mesh, max_model_len=160, slots_per_shard=4, warmup=False) as llm:
         engine = llm.engine
         prefill_devices = set(engine.meshes.prefill.devices.flat)
         decode_devices = set(engine.meshes.decode.devices.flat)
@@ -137,7 +137,7 @@ def test_each_prefill_batch_first_waits_for_the_last_handoffs_pulls(tiny_hf_mode
     events: list = []
     connector = PulledConnector(events, still_waiting)
     with LLM(path, mesh="prefill=1,decode=1", max_model_len=160, slots_per_shard=4,
-             handoff_wait_ms=wait_ms, connector=connector) as llm:
+             handoff_wait_ms=wait_ms, connector=connector, warmup=False) as llm:
         prefill = llm.engine.prefill_cache or llm.engine.prefill_runner
         run = prefill.run
 

@@ -24,7 +24,7 @@ CHAT = [{"role": "user", "content": "What is a string?"}]
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(mesh="prefill=1,decode=1", max_model_len=64, slots_per_shard=4) as llm:
+    with LLM(mesh="prefill=1,decode=1", max_model_len=64, slots_per_shard=4, warmup=False) as llm:
         yield llm
 
 

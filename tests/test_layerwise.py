@@ -67,7 +67,7 @@ def test_layerwise_greedy_matches_hf_and_request_level(tiny, mesh):
     path, _, prompts, max_tokens, expected = tiny
     # Every bucket >= 32 tokens goes layer-wise, shorter ones request-level: both at once.
     with LLM(path, mesh=mesh, max_model_len=160, slots_per_shard=4, layerwise_min_tokens=32,
-             layerwise_parts=2) as llm:
+             layerwise_parts=2, warmup=False) as llm:
         outs = llm.generate(prompt_token_ids=prompts,
                             sampling_params=[_greedy(n) for n in max_tokens])
         assert [o.token_ids for o in outs] == expected
@@ -91,7 +91,7 @@ def test_first_token_that_finishes_frees_the_reserved_slot(tiny):
     path, _, prompts, _, _ = tiny
     long = [p for p in prompts if len(p) > 32]
     with LLM(path, mesh="prefill=2,decode=2", max_model_len=160, slots_per_shard=2,
-             layerwise_min_tokens=32, layerwise_parts=3) as llm:
+             layerwise_min_tokens=32, layerwise_parts=3, warmup=False) as llm:
         outs = llm.generate(prompt_token_ids=long, sampling_params=_greedy(1))
         assert all(len(o.token_ids) == 1 and o.finish_reason == "length" for o in outs)
         assert_all_pages_free(llm)
@@ -121,7 +121,7 @@ def test_a_lost_part_times_out_and_the_request_is_prefilled_again(tiny, drop_ind
     connector = DroppingConnector(drop_index=drop_index, times=2)
     with LLM(path, mesh="prefill=2,decode=2", max_model_len=160, slots_per_shard=2,
              layerwise_min_tokens=32, layerwise_parts=3, kv_part_timeout_s=0.5,
-             connector=connector) as llm:
+             connector=connector, warmup=False) as llm:
         outs = llm.generate(prompt_token_ids=[prompts[i] for i in idx],
                             sampling_params=[_greedy(max_tokens[i]) for i in idx])
         assert [o.token_ids for o in outs] == [expected[i] for i in idx]
@@ -150,7 +150,7 @@ def test_abort_between_parts_frees_everything(tiny):
 
     connector = AbortingConnector()
     with LLM(path, mesh="prefill=2,decode=2", max_model_len=160, slots_per_shard=2,
-             layerwise_min_tokens=32, layerwise_parts=3, connector=connector) as llm:
+             layerwise_min_tokens=32, layerwise_parts=3, connector=connector, warmup=False) as llm:
         connector.llm = llm
         reqs = [llm.submit(llm.make_request(prompt_token_ids=p, sampling_params=_greedy(8)))
                 for p in long]
@@ -166,7 +166,8 @@ def test_abort_between_parts_frees_everything(tiny):
 def test_runner_layerwise_pages_equal_fused_prefill(tiny):
     """The layer groups' pages, joined, are bit-identical to the fused program's."""
     path = tiny[0]
-    with LLM(path, mesh="prefill=4,decode=4", max_model_len=160, layerwise_min_tokens=0) as llm:
+    with LLM(path, mesh="prefill=4,decode=4", max_model_len=160, layerwise_min_tokens=0,
+             warmup=False) as llm:
         runner = llm.engine.prefill_runner
         from jaxpd.engine.sampler import SamplingArrays
         rng = np.random.default_rng(0)

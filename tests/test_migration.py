@@ -43,8 +43,8 @@ def engines(tiny_hf_model):
     engine taking KV over the gRPC stream; the sender the source's moves use)."""
     path, _ = tiny_hf_model
     receiver = GrpcReceiver(address="127.0.0.1:0")
-    source = LLM(path, mesh="prefill=1,decode=1", **OPTIONS)
-    target = LLM(path, mesh="decode=1", connector=receiver, **OPTIONS)
+    source = LLM(path, mesh="prefill=1,decode=1", **OPTIONS, warmup=False)
+    target = LLM(path, mesh="decode=1", connector=receiver, **OPTIONS, warmup=False)
     sender = GrpcSender()
     yield source, target, receiver.address, sender
     sender.close()
@@ -175,7 +175,7 @@ def _worker(path, role: str, router_address: str | None, **options):
         connector = GrpcReceiver(address="127.0.0.1:0", auth=AUTH)
         kv_address = connector.address
     llm = LLM(path, mesh=f"{role}=1", connector=connector, max_model_len=MAX_MODEL_LEN,
-              slots_per_shard=4, **options)
+              slots_per_shard=4, **options, warmup=False)
     service = RoleService(llm.engine, kv_address, "grpc")
     if role == "decode":
         service.migration = MigrationOutbox(llm.engine, AUTH)

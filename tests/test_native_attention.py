@@ -213,7 +213,8 @@ def test_engine_tokens_equal_the_reference(mesh):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     tokens = {}
     for impl in ("auto", "reference"):
-        with LLM(mesh=mesh, max_model_len=160, slots_per_shard=2, attention_impl=impl) as llm:
+        with LLM(mesh=mesh, max_model_len=160, slots_per_shard=2, attention_impl=impl,
+                 warmup=False) as llm:
             assert llm.engine.decode_runner.attention_impl == ("native" if impl == "auto"
                                                                else "reference")
             tokens[impl] = [o.token_ids for o in llm.generate(prompts, params)]

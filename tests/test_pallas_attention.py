@@ -165,7 +165,7 @@ def _greedy(n):
 
 def _generate(path, mesh, impl, prompts, max_tokens):
     with LLM(path, mesh=mesh, max_model_len=64, slots_per_shard=4, attention_impl=impl,
-             attention_interpret=impl != "reference") as llm:
+             attention_interpret=impl != "reference", warmup=False) as llm:
         outs = llm.generate(prompt_token_ids=prompts,
                             sampling_params=[_greedy(max_tokens)] * len(prompts))
     return [o.token_ids for o in outs]

@@ -201,7 +201,7 @@ def test_insert_from_host_writes_exactly_the_pages_on_their_shard(tiny_hf_model)
     from jaxpd.llm import LLM
 
     llm = LLM(tiny_hf_model[0], mesh="prefill=1,decode=2x2", max_model_len=64,
-              slots_per_shard=2)
+              slots_per_shard=2, warmup=False)
     llm.shutdown()
     runner = llm.engine.decode_runner
     pool = runner.k_pool

@@ -23,7 +23,7 @@ def test_the_prefill_mesh_computes_only_what_its_own_cache_lacks(tiny_hf_model):
     system = rng.integers(3, 256, 100).tolist()
     users = [rng.integers(3, 256, n).tolist() for n in (5, 14, 23, 90)]
     with LLM(path, mesh="prefill=2,decode=1x2", max_model_len=256, slots_per_shard=2,
-             enable_prefix_caching=True, prefix_extend_below=0) as llm:
+             enable_prefix_caching=True, prefix_extend_below=0, warmup=False) as llm:
         page = page_bytes(llm)
         conv, previous, hits = list(system), 0, []
         for t, user in enumerate(users):
@@ -65,7 +65,7 @@ def test_concurrent_chats_with_the_cache_match_hf_on_every_mesh_of_the_engine_te
     # prefill mesh's hits pay (`PrefillLoop._run_cached`).
     chats = [conversation(rng, turns=3, system_len=100) for _ in range(2)]
     with LLM(path, mesh=mesh, max_model_len=256, slots_per_shard=2,
-             enable_prefix_caching=True, prefix_extend_below=0) as llm:
+             enable_prefix_caching=True, prefix_extend_below=0, warmup=False) as llm:
         chats_at_once(llm, hf_model, chats)
         stats = llm.stats()
         assert stats["finished"] == 6 and stats["aborted"] == 0
@@ -78,4 +78,4 @@ def test_a_prefill_cache_too_small_for_the_largest_batch_is_refused(tiny_hf_mode
     path, _ = tiny_hf_model
     with pytest.raises(ValueError, match="prefill_cache_pages=8 cannot hold"):
         LLM(path, mesh="prefill=1,decode=1", max_model_len=96, enable_prefix_caching=True,
-            prefill_cache_pages=8)
+            prefill_cache_pages=8, warmup=False)

@@ -163,7 +163,7 @@ def test_multiturn_greedy_matches_hf_and_computes_only_the_new_tokens(hf_models,
     path, hf_model = hf_models("llama_gqa", hidden_size=256)
     system, users = conversation(np.random.default_rng(0), turns=4)
     with LLM(path, mesh=mesh, max_model_len=192, slots_per_shard=2,
-             enable_prefix_caching=True) as llm:
+             enable_prefix_caching=True, warmup=False) as llm:
         native = native_attention.prefill_available(32)
         assert llm.engine.decode_runner.extend_kernel == ("native" if native else "reference")
         conv = list(system)
@@ -214,7 +214,7 @@ def test_cache_off_and_on_agree_with_concurrent_sharers_and_a_tiny_pool(hf_model
     expected = [hf_greedy(hf_model, p, 8) for p in prompts]
     # 2 slots x 6 pages + null: a full shard holds two requests, nothing else.
     with LLM(path, mesh=mesh, max_model_len=96, slots_per_shard=2,
-             pages_per_shard=13, enable_prefix_caching=True, **extra) as llm:
+             pages_per_shard=13, enable_prefix_caching=True, **extra, warmup=False) as llm:
         for round_ in range(2):
             outs = llm.generate(prompt_token_ids=prompts,
                                 sampling_params=[greedy(8)] * len(prompts))
@@ -236,7 +236,7 @@ def test_abort_and_preemption_of_requests_sharing_pages_release_exactly_their_re
     system = rng.integers(3, 256, 48).tolist()            # 3 full pages, shared
     prompts = [system + rng.integers(3, 256, 3).tolist() for _ in range(4)]
     with LLM(path, mesh="colocated=1", max_model_len=128, slots_per_shard=4,
-             pages_per_shard=13, enable_prefix_caching=True) as llm:
+             pages_per_shard=13, enable_prefix_caching=True, warmup=False) as llm:
         llm.generate(prompt_token_ids=[system + [5]], sampling_params=[greedy(1)])
         reqs = [llm.submit(llm.make_request(prompt_token_ids=p, sampling_params=greedy(60)))
                 for p in prompts]
@@ -259,7 +259,7 @@ def test_a_handoff_carries_only_the_pages_the_decode_side_does_not_hold(tiny_hf_
     path, hf_model = tiny_hf_model
     system, users = conversation(np.random.default_rng(3), turns=3)
     with LLM(path, mesh="prefill=1,decode=1", max_model_len=192, slots_per_shard=2,
-             enable_prefix_caching=True, prefix_extend_below=0) as llm:
+             enable_prefix_caching=True, prefix_extend_below=0, warmup=False) as llm:
         page = page_bytes(llm)
         conv, moved, saved = list(system), [], []
         for user in users:
@@ -289,7 +289,7 @@ def test_a_handoff_whose_cached_pages_were_evicted_meanwhile_is_prefilled_again(
     path, hf_model = tiny_hf_model
     system, users = conversation(np.random.default_rng(4), turns=2)
     with LLM(path, mesh="prefill=1,decode=1", max_model_len=192, slots_per_shard=2,
-             enable_prefix_caching=True, prefix_extend_below=0) as llm:
+             enable_prefix_caching=True, prefix_extend_below=0, warmup=False) as llm:
         loop = llm.engine.decode_loop
         admit, dropped = loop._admit, []
 
@@ -322,7 +322,7 @@ def test_penalties_and_logprobs_through_the_cache_equal_the_uncached_path(tiny_h
 
     def run(cache, **kw):
         with LLM(path, mesh="prefill=1,decode=1", max_model_len=192, slots_per_shard=2,
-                 enable_prefix_caching=cache, **kw) as llm:
+                 enable_prefix_caching=cache, **kw, warmup=False) as llm:
             conv, answers = list(system), []
             for user in users:
                 conv += user

@@ -271,7 +271,7 @@ def test_llm_serves_kept_blocks_as_the_float_path_does(tmp_path, hf_llama, bpe, 
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     outs = {}
     for quantization in ("none", "auto"):
-        with LLM(model=path, mesh=mesh, quantization=quantization) as llm:
+        with LLM(model=path, mesh=mesh, quantization=quantization, warmup=False) as llm:
             outs[quantization] = [list(o.token_ids) for o in llm.generate(PROMPTS, params)]
             runner = llm.engine.decode_runner
             if quantization == "auto":

@@ -186,7 +186,7 @@ def test_int8_activations_keep_greedy_tokens_of_a_tiny_gguf(tmp_path, hf_models,
     # Few programs: short context, few slots and batch sizes, no prefix-cache programs.
     with LLM(model=path, mesh="prefill=1,decode=1", max_model_len=64, slots_per_shard=4,
              max_prefill_batch=4, enable_prefix_caching=False,
-             quant_activations="int8") as llm:
+             quant_activations="int8", warmup=False) as llm:
         outs = llm.generate(PROMPTS, params)
         prefill, decode = llm.engine.prefill_runner, llm.engine.decode_runner
         assert decode.quant_matmul is quant.native_dot

@@ -84,7 +84,7 @@ def _start(path, router_address, auth, role, cache=False, migrate=False):
     options = dict(max_model_len=MAX_MODEL_LEN, slots_per_shard=4, enable_prefix_caching=cache,
                    migrate_on_drain=migrate)
     connector, kv_address = make_connector(role, "grpc", "127.0.0.1", auth)
-    llms = [LLM(path, mesh=f"{role}=1", connector=connector, **options)]
+    llms = [LLM(path, mesh=f"{role}=1", connector=connector, **options, warmup=False)]
     service = RoleService(llms[0].engine, kv_address, "grpc")
 
     def outbox(engine, new_role):
@@ -94,7 +94,7 @@ def _start(path, router_address, auth, role, cache=False, migrate=False):
     def rebuild(new_role):
         conn, address = make_connector(new_role, "grpc", "127.0.0.1", auth)
         llms.append(LLM(path, mesh=other_mesh(str(llms[-1].config.mesh), new_role),
-                        connector=conn, **options))
+                        connector=conn, **options, warmup=False))
         service.migration = outbox(llms[-1].engine, new_role)
         return llms[-1].engine, address
 

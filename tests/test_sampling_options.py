@@ -377,7 +377,7 @@ def test_two_decode_shards_with_preemption_keep_penalties_and_logprobs(tiny_hf_m
                                             logprobs=1), dict(presence_penalty=1.1),
              dict(repetition_penalty=0.9), dict(frequency_penalty=0.8)]
     with LLM(path, mesh="prefill=2,decode=2", max_model_len=48, slots_per_shard=4,
-             pages_per_shard=7) as llm:
+             pages_per_shard=7, warmup=False) as llm:
         outs = generate(llm, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **k)
                               for k in kinds], prompts)
         assert llm.stats()["preemptions"] > 0
@@ -405,7 +405,8 @@ def test_router_prefill_and_decode_workers_carry_penalties_and_logprobs(tiny_hf_
         for role, mesh in (("prefill", "prefill=1"), ("decode", "decode=1")):
             connector, kv_address = make_connector(role, "grpc", "127.0.0.1")
             llms.append(LLM(path, mesh=mesh, connector=connector, max_model_len=32,
-                            slots_per_shard=4, layerwise_min_tokens=32, layerwise_parts=2))
+                            slots_per_shard=4, layerwise_min_tokens=32, layerwise_parts=2,
+                            warmup=False))
             servers.append(RoleServer(RoleService(llms[-1].engine, kv_address, "grpc"),
                                       "127.0.0.1", 0))
             servers[-1].start()

@@ -78,7 +78,7 @@ def requests(draw) -> dict:
 def served(tmp_path_factory):
     path = build_model(str(tmp_path_factory.mktemp("fuzz_llama")))
     with LLM(path, mesh="prefill=1,decode=1", max_model_len=MAX_MODEL_LEN, max_prefill_batch=2,
-             slots_per_shard=4) as llm:
+             slots_per_shard=4, warmup=False) as llm:
         server = InferenceServer(port=0)
         server.attach(llm)
         try:

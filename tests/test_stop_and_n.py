@@ -31,7 +31,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(mesh="prefill=1,decode=1", max_model_len=64, slots_per_shard=4) as llm:
+    with LLM(mesh="prefill=1,decode=1", max_model_len=64, slots_per_shard=4, warmup=False) as llm:
         yield llm
 
 
