@@ -73,16 +73,27 @@ def _deployment(procs, path):
         procs.wait_line(router, rf"worker {re.escape(address)} joined")
         clients.append(RoleClient(address))
     procs.wait_line(router, r"jaxpd serving")
-    return f"127.0.0.1:{router_port}", router, leader, follower, clients
+    return f"127.0.0.1:{router_port}", router, leader, follower, other, clients
 
 
-def test_a_drained_decode_role_across_processes_migrates_its_streams_token_identically(
-        tiny_hf_model, procs):
+def _drained_line(procs, p):
+    return procs.wait_line(p, r"decode worker drained: (\d+) requests moved out, (\d+) moves "
+                           r"failed, (\d+) dropped unasked; (\d+) slots and (\d+) pages "
+                           r"still in use")
+
+
+# out: SIGTERM to the role's leader, its requests move to the one-process worker;
+# into: SIGTERM to the one-process worker, its requests move into the role.
+@pytest.mark.parametrize("direction", ["out", "into"])
+def test_migration_out_of_and_into_a_decode_role_across_processes_is_token_identical(
+        tiny_hf_model, procs, direction):
     path, hf = tiny_hf_model
     prompts = [[3 + (7 * i + 5 * j) % 250 for j in range(12 + 9 * i)] for i in range(6)]
     max_tokens = [MAX_MODEL_LEN - 10 - len(p) for p in prompts]
     seeds = [None if i % 2 == 0 else 100 + i for i in range(len(prompts))]
-    addr, router, leader, follower, (prefill, role, other) = _deployment(procs, path)
+    addr, router, leader, follower, other_proc, (prefill, role, other) = _deployment(procs, path)
+    victim, source, target = (leader, role, other) if direction == "out" else \
+        (other_proc, other, role)
     channel = grpc.insecure_channel(addr)
     stub = jaxpd_pb2_grpc.GenerationStub(channel)
     try:
@@ -94,7 +105,7 @@ def test_a_drained_decode_role_across_processes_migrates_its_streams_token_ident
             if s is not None:
                 out = stub.Complete(_request(prompts[i], max_tokens[i], s), timeout=300)
                 expected[i] = list(out.token_ids)
-        idle = [c.info(timeout=10) for c in (role, other)]
+        source_idle, target_idle = source.info(timeout=10), target.info(timeout=10)
         before = prefill.info(timeout=10)["counters"]["prefill_tokens"]
 
         outs = [[] for _ in prompts]
@@ -103,24 +114,24 @@ def test_a_drained_decode_role_across_processes_migrates_its_streams_token_ident
         for t in streams:
             t.start()
         deadline = time.monotonic() + 240
-        while role.info(timeout=10)["free_slots"] == idle[0]["free_slots"]:
-            assert time.monotonic() < deadline, procs.tails()
+        while source.info(timeout=10)["free_slots"] == source_idle["free_slots"]:
+            assert time.monotonic() < deadline, procs.tails()   # it decodes some
             assert any(t.is_alive() for t in streams), procs.tails()
             time.sleep(0.01)
-        leader.send_signal(signal.SIGTERM)
+        victim.send_signal(signal.SIGTERM)
         for t in streams:
             t.join(300)
         for i, out in enumerate(outs):
             assert out == expected[i] + ["length"], (i, procs.tails())
-        assert leader.wait(timeout=120) == 0, "".join(leader.lines)
-        assert follower.wait(timeout=60) == 0, "".join(follower.lines)
-        drained = procs.wait_line(leader, r"decode worker drained: (\d+) requests moved out, "
-                                  r"(\d+) moves failed, (\d+) dropped unasked; (\d+) slots "
-                                  r"and (\d+) pages still in use")
+        assert victim.wait(timeout=120) == 0, "".join(victim.lines)
+        drained = _drained_line(procs, victim)
         moved = int(drained.group(1))
         assert moved >= 1 and drained.groups()[1:] == ("0", "0", "0", "0")
-        assert re.search(r"decode leader plan: .*\bcut: \d+ messages", "".join(leader.lines))
-        assert any("decode follower 1 stopped" in line for line in follower.lines)
+        if direction == "out":
+            assert follower.wait(timeout=60) == 0, "".join(follower.lines)
+            assert any("decode follower 1 stopped" in line for line in follower.lines)
+            assert re.search(r"decode leader plan: .*\bcut: \d+ messages",
+                             "".join(leader.lines))
         # Each prompt computed once (no prefix cache): the moved requests' KV came along.
         assert prefill.info(timeout=10)["counters"]["prefill_tokens"] - before == \
             sum(map(len, prompts))
@@ -128,15 +139,18 @@ def test_a_drained_decode_role_across_processes_migrates_its_streams_token_ident
         assert (stats.migrations, stats.migration_fallbacks, stats.migration_failures) == \
             (moved, 0, 0)
         assert stats.decode_failovers == 0 and stats.aborted == 0
-        info = other.info(timeout=10)
-        assert info["transfers"] - idle[1]["transfers"] >= moved
-        assert info["counters"].get("migration_failures", 0) == 0
+        info = target.info(timeout=10)
+        assert info["transfers"] - target_idle["transfers"] >= moved
         deadline = time.monotonic() + 30
-        while (info["free_slots"], info["free_pages"]) != (idle[1]["free_slots"],
-                                                           idle[1]["free_pages"]):
+        while (info["free_slots"], info["free_pages"]) != (target_idle["free_slots"],
+                                                           target_idle["free_pages"]):
             assert time.monotonic() < deadline, info       # the target leaks nothing
             time.sleep(0.05)
-            info = other.info(timeout=10)
+            info = target.info(timeout=10)
+        if direction == "into":       # the role stops cleanly, its follower told
+            leader.send_signal(signal.SIGTERM)
+            assert leader.wait(timeout=60) == 0, "".join(leader.lines)
+            assert follower.wait(timeout=60) == 0, "".join(follower.lines)
     finally:
         channel.close()
         for c in (prefill, role, other):

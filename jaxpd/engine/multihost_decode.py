@@ -161,8 +161,9 @@ def insert_message(shard: int, page_ids: list[int], k: np.ndarray, v: np.ndarray
 class LeaderDecodeRunner:
     """A `DecodeRunner` on a mesh spanning processes whose every program dispatch is
     published first, so followers dispatch the same one. Pages arrive on a device of
-    this process (`shard_sharding`), whatever their shard; step outputs come back as
-    this process's copy of their all-gather. Anything else is the wrapped runner's."""
+    this process (`shard_sharding`), whatever their shard; step outputs and a
+    migration's pages (`take`) come back as this process's copy of their all-gather.
+    Anything else is the wrapped runner's."""
 
     def __init__(self, runner, channel: PlanChannel):
         self._runner, self.channel = runner, channel
