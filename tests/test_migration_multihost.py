@@ -48,7 +48,7 @@ def _stream(stub, request, out: list) -> None:
         out.append(e.code().name)
 
 
-def _deployment(procs, path):
+def _deployment(procs, path, mesh):
     router_port = free_port()
     # By load alone: a repeated prompt would otherwise go to the worker holding it.
     router = procs.start(["--role", "router", "--model", path, "--port", str(router_port),
@@ -60,7 +60,7 @@ def _deployment(procs, path):
                        "--noenable_prefix_caching"]
     prefill = procs.start(["--role", "prefill", "--mesh", "prefill=1", "--model", path,
                            "--port", "0"] + common)
-    group = ["--role", "decode", "--mesh", "decode=2", "--model", path, "--port", "0",
+    group = ["--role", "decode", "--mesh", mesh, "--model", path, "--port", "0",
              "--num_processes", "2", "--coordinator", coordinator(),
              "--shutdown_timeout_s", "60"] + common
     leader = procs.start(group + ["--process_id", "0"])
@@ -83,15 +83,18 @@ def _drained_line(procs, p):
 
 
 # out: SIGTERM to the role's leader, its requests move to the one-process worker;
-# into: SIGTERM to the one-process worker, its requests move into the role.
-@pytest.mark.parametrize("direction", ["out", "into"])
+# into: SIGTERM to the one-process worker, its requests move into the role. decode=1x2:
+# one dp shard across both processes (tp over them), each holding half its kv heads.
+@pytest.mark.parametrize("direction,mesh", [("out", "decode=2"), ("into", "decode=2"),
+                                            ("out", "decode=1x2")])
 def test_migration_out_of_and_into_a_decode_role_across_processes_is_token_identical(
-        tiny_hf_model, procs, direction):
+        tiny_hf_model, procs, direction, mesh):
     path, hf = tiny_hf_model
     prompts = [[3 + (7 * i + 5 * j) % 250 for j in range(12 + 9 * i)] for i in range(6)]
     max_tokens = [MAX_MODEL_LEN - 10 - len(p) for p in prompts]
     seeds = [None if i % 2 == 0 else 100 + i for i in range(len(prompts))]
-    addr, router, leader, follower, other_proc, (prefill, role, other) = _deployment(procs, path)
+    addr, router, leader, follower, other_proc, clients = _deployment(procs, path, mesh)
+    prefill, role, other = clients
     victim, source, target = (leader, role, other) if direction == "out" else \
         (other_proc, other, role)
     channel = grpc.insecure_channel(addr)
@@ -153,5 +156,5 @@ def test_migration_out_of_and_into_a_decode_role_across_processes_is_token_ident
             assert follower.wait(timeout=60) == 0, "".join(follower.lines)
     finally:
         channel.close()
-        for c in (prefill, role, other):
+        for c in clients:
             c.close()
