@@ -112,8 +112,8 @@ def test_migration_out_of_and_into_a_decode_role_across_processes_is_token_ident
         before = prefill.info(timeout=10)["counters"]["prefill_tokens"]
 
         outs = [[] for _ in prompts]
-        streams = [threading.Thread(target=_stream, args=(
-            stub, _request(p, n, s), o)) for p, n, s, o in zip(prompts, max_tokens, seeds, outs)]
+        streams = [threading.Thread(target=_stream, args=(stub, _request(p, n, s), o))
+                   for p, n, s, o in zip(prompts, max_tokens, seeds, outs)]
         for t in streams:
             t.start()
         deadline = time.monotonic() + 240

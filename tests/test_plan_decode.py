@@ -241,7 +241,8 @@ def test_a_malformed_migration_cut_is_refused_before_any_take(message, match, in
 def test_insert_from_host_writes_exactly_the_pages_on_their_shard(tiny_hf_model):
     """Single process, decode=2x2 (kv heads split over tp where they divide): each
     device's block is cut from the host pages, the other shard's left as it was; the
-    same when the pages sit on shard 0 and an all-gather moves them (`src`)."""
+    same when the pages sit on shard 0 and an all-gather moves them (`src`). A
+    migration's take gives them back whole on every device."""
     from jaxpd.llm import LLM
 
     llm = LLM(tiny_hf_model[0], mesh="prefill=1,decode=2x2", max_model_len=64,
@@ -256,6 +257,11 @@ def test_insert_from_host_writes_exactly_the_pages_on_their_shard(tiny_hf_model)
     got_k, got_v = jax.device_get(runner.take(1, [5, 6, 2]))
     np.testing.assert_array_equal(got_k, k)
     np.testing.assert_array_equal(got_v, v)
+    # A migration's take: the same pages, whole on every device (the leader's copy).
+    cut = multihost_decode.gathered_take(runner, 1, [5, 6, 2])
+    assert all(x.sharding.is_fully_replicated for x in cut)
+    np.testing.assert_array_equal(np.asarray(cut[0].addressable_data(0)), k)
+    np.testing.assert_array_equal(np.asarray(cut[1].addressable_data(3)), v)
     assert not np.asarray(runner.take(0, [5, 6, 2])[0]).any()
     assert not np.asarray(runner.take(1, [1, 3, 4])[0]).any()
     insert_from_host(runner, 1, [3, 4], k[:, :2], v[:, :2], src=0)
