@@ -1,15 +1,17 @@
-"""Live migration out of a decode role whose mesh spans two processes (`decode=2`, one
-virtual device each, jax.distributed over gloo), behind the router, beside a
-one-process decode worker and a prefill worker (`python -m jaxpd.launch`, the
-transfer server).
+"""Live migration out of and into a decode role whose mesh spans two processes
+(`decode=2`, one virtual device each, or `decode=1x2`, tp over them; jax.distributed
+over gloo), behind the router, beside a one-process decode worker and a prefill worker
+(`python -m jaxpd.launch`, the transfer server).
 
 SIGTERM to the role's leader while it decodes moves its requests to the other decode
 worker with their KV: the leader cuts each one's pages with a plan op its follower
 replays (`engine.multihost_decode`, `cut`), and the handoff leaves from the leader as
-in one process. Every stream finishes with the tokens of an unmoved run (greedy:
-transformers'; seeded sampling: the same requests run before, unmoved), the prefill
-worker computes no prompt again, the leader leaves holding no slot or page, its
-follower stops when told, and the target gives every page back.
+in one process. SIGTERM to the one-process worker moves its requests into the role (a
+handoff lands there as a prefill worker's does). Every stream finishes with the tokens
+of an unmoved run (greedy: transformers'; seeded sampling: the same requests run
+before, unmoved), the prefill worker computes no prompt again, the drained worker
+leaves holding no slot or page, a drained role's follower stops when told, and the
+target gives every page back.
 """
 import re
 import signal
@@ -21,6 +23,7 @@ import pytest
 
 from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
 from jaxpd.serving.role_rpc import RoleClient
+from jaxpd.transfer import jax_compat
 from tests.engine_fixtures import reference
 from tests.support.deployments import COMMON, PATIENT_ROUTER, coordinator, free_port
 
@@ -31,10 +34,10 @@ MAX_MODEL_LEN = 320
 
 def _request(prompt, max_tokens, seed):
     """Greedy when `seed` is None, else seeded sampling."""
-    sampling = {} if seed is None else dict(temperature=0.9, top_k=40, seed=seed)
+    sampling = dict(temperature=0.0) if seed is None else \
+        dict(temperature=0.9, top_k=40, seed=seed)
     return jaxpd_pb2.GenerateRequest(token_ids=jaxpd_pb2.TokenIds(ids=prompt),
-                                     max_tokens=max_tokens, ignore_eos=True,
-                                     **({"temperature": 0.0} if seed is None else sampling))
+                                     max_tokens=max_tokens, ignore_eos=True, **sampling)
 
 
 def _stream(stub, request, out: list) -> None:
@@ -49,6 +52,8 @@ def _stream(stub, request, out: list) -> None:
 
 
 def _deployment(procs, path, mesh):
+    if jax_compat.unavailable_reason() is not None:
+        pytest.skip(jax_compat.unavailable_reason())
     router_port = free_port()
     # By load alone: a repeated prompt would otherwise go to the worker holding it.
     router = procs.start(["--role", "router", "--model", path, "--port", str(router_port),
