@@ -217,9 +217,9 @@ class EngineConfig:
         "request moves to another decode worker with its KV and sampling state and goes on "
         "from its next token, instead of being prefilled again there (either KV transport; "
         "a move that fails falls back to the prefill; with no other decode worker its "
-        "requests finish in place). Default: on for role workers whose mesh lies in one "
-        "process (--nomigrate_on_drain turns it off); meaningless elsewhere. Warms the "
-        "page-take programs.")
+        "requests finish in place). Default: on for decode role workers, their mesh in one "
+        "process or across several (--nomigrate_on_drain turns it off); meaningless "
+        "elsewhere. Warms the page-take programs.")
     kv_part_timeout_s: float = knob(
         30.0, "Decode side: a layer-wise part overdue by this long fails its transfer (the "
         "request is prefilled again).", lower_bound=0.001)

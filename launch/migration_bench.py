@@ -14,6 +14,10 @@ default, or the gRPC stream). N greedy streams are submitted; once every one has
 `reprefill` mode (`--nomigrate_on_drain --shutdown_timeout_s 0`) its streams are cut and the
 router has each request prefilled again (prompt + output so far) for the other.
 
+With `--drained_processes 2` the first decode worker is a role whose `decode=2` mesh
+spans two processes (a leader and a follower, `--num_processes`), and it is the one
+drained, whatever it holds; the other decode worker stays `decode=1`.
+
 Reported per mode: requests moved off the drained worker; their stall (the longest gap
 between two tokens of a moved request after the signal) p50 and max, next to the
 inter-token gap p50 of the requests that did not move; the extra latency per moved
@@ -51,6 +55,13 @@ def _until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.005)
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run_mode(mode: str, args, prompts: list[list[int]]) -> dict:
     model = args.model or default_model_dir()
     router = Router(model, RouterConfig(max_model_len=args.max_model_len, heartbeat_s=0.5,
@@ -65,10 +76,19 @@ def run_mode(mode: str, args, prompts: list[list[int]]) -> dict:
     drain = (["--migrate_on_drain", "--shutdown_timeout_s", "60"] if mode.endswith("migrate")
              else ["--nomigrate_on_drain", "--shutdown_timeout_s", "0"])
     workers = [LaunchedWorker(["--role", "prefill", "--mesh", "prefill=1"] + common)]
-    workers += [LaunchedWorker(["--role", "decode", "--mesh", "decode=1", "--slots_per_shard",
-                                str(args.streams)] + common + drain) for _ in range(2)]
+    decode = ["--role", "decode", "--slots_per_shard", str(args.streams)] + common + drain
+    if args.drained_processes > 1:     # the role spanning processes: leader, then followers
+        n = args.drained_processes
+        group = decode + ["--mesh", f"decode={n}", "--num_processes", str(n),
+                          "--coordinator", f"127.0.0.1:{_free_port()}"]
+        workers += [LaunchedWorker(group + ["--process_id", str(i)]) for i in range(n)]
+    else:
+        workers.append(LaunchedWorker(decode + ["--mesh", "decode=1"]))
+    workers.append(LaunchedWorker(decode + ["--mesh", "decode=1"]))
     try:
         addresses = [w.address() for w in workers]
+        servers = [w for w, a in zip(workers, addresses) if a is not None]
+        addresses = [a for a in addresses if a is not None]
         _until(lambda: len(router.live_workers()) == 3, 120, "workers did not join")
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         requests = [router.submit(router.make_request(prompt_token_ids=p, sampling_params=params))
@@ -80,13 +100,14 @@ def run_mode(mode: str, args, prompts: list[list[int]]) -> dict:
         on = {a: [r for r in requests if any(c.worker.address == a
                                             for c in router.workers.calls_of(r.request_id))]
               for a in addresses[1:]}
-        drained = max(on, key=lambda a: len(on[a]))
+        drained = addresses[1] if args.drained_processes > 1 else \
+            max(on, key=lambda a: len(on[a]))
         moved = [r for r in on[drained] if not r.is_final]
         import logging
         logging.info("%s: SIGTERM to decode worker %s, %d of its requests streaming", mode,
                      drained, len(moved))
         signalled = time.perf_counter()
-        workers[1 + addresses[1:].index(drained)].proc.send_signal(signal.SIGTERM)
+        servers[1 + addresses[1:].index(drained)].proc.send_signal(signal.SIGTERM)
         outs = [router._wait(r) for r in requests]
         after = prefill.info(10)["counters"]["prefill_tokens"]
         prefill.close()
@@ -116,7 +137,8 @@ def run_mode(mode: str, args, prompts: list[list[int]]) -> dict:
             w.close()
         if args.log_dir:
             os.makedirs(args.log_dir, exist_ok=True)
-            for name, w in zip(("prefill", "decode0", "decode1"), workers):
+            names = ["prefill"] + [f"decode{i}" for i in range(len(workers) - 1)]
+            for name, w in zip(names, workers):
                 with open(os.path.join(args.log_dir, f"{mode}-{name}.log"), "w") as f:
                     f.writelines(w.lines)
 
@@ -137,6 +159,8 @@ def main() -> int:
                    "persistent compile cache (workers start with --nowarmup)")
     p.add_argument("--worker_args", default="",
                    help="more flags for every worker, e.g. '--noenable_prefix_caching'")
+    p.add_argument("--drained_processes", type=int, default=1,
+                   help="processes of the drained decode worker's mesh (decode=N over N)")
     p.add_argument("--out", default="migration_bench.json")
     p.add_argument("--log_dir", default=None, help="keep each worker's output here")
     p.add_argument("--warmup", action="store_true",

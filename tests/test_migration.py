@@ -398,17 +398,3 @@ def test_a_migration_that_never_lands_is_a_failed_move_at_the_router(caplog, mov
         router.shutdown()
         for w in workers:
             w.close()
-
-
-def test_a_decode_role_spanning_processes_refuses_migration_with_the_reason():
-    """A mesh across processes does not migrate (each process holds only its own part
-    of a request's KV): the flag is refused naming why, and by default such a worker's
-    requests are prefilled again elsewhere when it drains; a one-process worker moves
-    them unless told not to."""
-    from jaxpd.serving.worker import migrates
-    with pytest.raises(ValueError, match="spanning processes: each process holds only"):
-        migrates(True, spans_processes=True)
-    assert migrates(None, spans_processes=True) is False
-    assert migrates(False, spans_processes=True) is False
-    assert migrates(None, spans_processes=False) is True
-    assert migrates(False, spans_processes=False) is False

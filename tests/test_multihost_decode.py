@@ -198,8 +198,8 @@ def test_decode_mesh_2x2_over_two_processes_fails_over_to_another_decode_worker(
 
 
 def test_warmed_up_decode_role_stops_cleanly_on_sigterm(model, procs):
-    """Warm-up replays every program on the follower (an insert per padded page count:
-    3 pages a slot, inserts of 1, 2 and 3), then SIGTERM to both processes stops them,
+    """Warm-up replays every program on the follower (an insert and a migration's take
+    per padded page count: 3 pages a slot, 1, 2 and 3), then SIGTERM to both processes stops them,
     the leader telling its follower."""
     group = ["--role", "decode", "--mesh", "decode=2", "--model", model[0], "--port", "0",
              "--num_processes", "2", "--coordinator", coordinator(), "--max_model_len",
@@ -215,4 +215,7 @@ def test_warmed_up_decode_role_stops_cleanly_on_sigterm(model, procs):
     assert follower.wait(timeout=60) == 0, "".join(follower.lines)
     assert any("decode follower 1 stopped" in line for line in follower.lines)
     assert any(re.search(r"decode leader plan: .*\binsert: 3 messages", line)
+               for line in leader.lines), "".join(leader.lines)
+    # Migration is on by default: a page take per padded count, replayed (`cut`).
+    assert any(re.search(r"decode leader plan: .*\bcut: 3 messages", line)
                for line in leader.lines), "".join(leader.lines)

@@ -50,6 +50,10 @@ class Runner:
     def set_penalties(self, slot, prompt_ids, output_ids):
         self.calls.append(("penalties", slot, list(prompt_ids), list(output_ids)))
 
+    def take(self, shard, page_ids):
+        self.calls.append(("take", shard, list(page_ids)))
+        return _pages(len(page_ids)) + shard, _pages(len(page_ids)) - shard
+
 
 @pytest.fixture
 def inserts(monkeypatch):
@@ -124,6 +128,23 @@ def test_pages_for_a_shard_spanning_processes_travel_in_the_plan(inserts):
     assert follower.acked == 1                           # plans 0 and 1 done
 
 
+def test_a_migration_cut_is_replayed_and_its_pages_come_back_to_the_leader(inserts):
+    """A migration's take (`cut`): the follower dispatches the same take (and, in the
+    real runner, the all-gather that brings the pages to the leader); the leader gets
+    its own copy of the pages, whichever process holds the shard. Only ids travel."""
+    store = Store()
+    leader_ch, follower_ch = pair(store)
+    lead = LeaderDecodeRunner(Runner(), leader_ch)
+    k, v = lead.take(1, [5, 6])                       # the follower's shard
+    np.testing.assert_array_equal(np.asarray(k), _pages(2) + 1)
+    np.testing.assert_array_equal(np.asarray(v), _pages(2) - 1)
+    assert leader_ch.sent_bytes < 200
+    leader_ch.publish({"op": "stop"})
+    replay = DecodeReplay(Runner(), None, CONFIG, VOCAB, process=1)
+    assert Follower(follower_ch).run(replay, threading.Event()) == "stopped"
+    assert replay.runner.calls == [("take", 1, [5, 6])]
+
+
 def _packed(a):
     return [a.dtype.name, list(a.shape), a.tobytes()]
 
@@ -194,10 +215,34 @@ def test_malformed_decode_plan_is_refused_by_name(message, match, inserts):
     assert replay.runner.calls == [] and inserts == []          # refused before acting
 
 
+@pytest.mark.parametrize("message,match", [
+    ({"op": "cut", "shard": 2, "ids": [1]}, "plan field shard"),
+    ({"op": "cut", "shard": -1, "ids": [1]}, "plan field shard"),
+    ({"op": "cut", "shard": True, "ids": [1]}, "plan field shard"),
+    ({"op": "cut", "ids": [1]}, "plan field shard"),
+    ({"op": "cut", "shard": 0, "ids": []}, "plan field ids"),
+    ({"op": "cut", "shard": 0, "ids": [0] * 4}, "plan field ids: expected 1 to 3 page ids"),
+    ({"op": "cut", "shard": 0, "ids": [PAGES]}, "plan field ids"),
+    ({"op": "cut", "shard": 0, "ids": [1.0]}, "plan field ids"),
+    ({"op": "cut", "shard": 0, "ids": b"\x01"}, "plan field ids"),
+])
+def test_a_malformed_migration_cut_is_refused_before_any_take(message, match, inserts):
+    """A `cut` names a shard and its page ids, bounded like an insert's: anything else
+    is a PlanError and the follower takes nothing (nor dispatches any program)."""
+    store = Store()
+    leader_ch, follower_ch = pair(store)
+    leader_ch.publish(message)
+    replay = DecodeReplay(Runner(), None, CONFIG, VOCAB, process=1)
+    with pytest.raises(PlanError, match=match):
+        Follower(follower_ch).run(replay, threading.Event())
+    assert replay.runner.calls == []
+
+
 def test_insert_from_host_writes_exactly_the_pages_on_their_shard(tiny_hf_model):
     """Single process, decode=2x2 (kv heads split over tp where they divide): each
     device's block is cut from the host pages, the other shard's left as it was; the
-    same when the pages sit on shard 0 and an all-gather moves them (`src`)."""
+    same when the pages sit on shard 0 and an all-gather moves them (`src`). A
+    migration's take gives them back whole on every device."""
     from jaxpd.llm import LLM
 
     llm = LLM(tiny_hf_model[0], mesh="prefill=1,decode=2x2", max_model_len=64,
@@ -212,6 +257,11 @@ def test_insert_from_host_writes_exactly_the_pages_on_their_shard(tiny_hf_model)
     got_k, got_v = jax.device_get(runner.take(1, [5, 6, 2]))
     np.testing.assert_array_equal(got_k, k)
     np.testing.assert_array_equal(got_v, v)
+    # A migration's take: the same pages, whole on every device (the leader's copy).
+    cut = multihost_decode.gathered_take(runner, 1, [5, 6, 2])
+    assert all(x.sharding.is_fully_replicated for x in cut)
+    np.testing.assert_array_equal(np.asarray(cut[0].addressable_data(0)), k)
+    np.testing.assert_array_equal(np.asarray(cut[1].addressable_data(3)), v)
     assert not np.asarray(runner.take(0, [5, 6, 2])[0]).any()
     assert not np.asarray(runner.take(1, [1, 3, 4])[0]).any()
     insert_from_host(runner, 1, [3, 4], k[:, :2], v[:, :2], src=0)

@@ -7,9 +7,11 @@ there from its next token without a prefill.
    its step in flight, so each request's last token is known and its KV covers every
    token but that one (which is fed next, as after a prefill).
 2. **Cut.** For each decoding request: its pages are copied out of the pool
-   (`DecodeRunner.take`, padded like a prefill's handoff), it becomes TRANSFERRING, its
-   slot is released (its pages go back to the allocator, full ones to the prefix cache)
-   and it leaves this engine's registry: from here it lives where its handoff lands.
+   (`DecodeRunner.take`, padded like a prefill's handoff; on a mesh spanning processes
+   the leader publishes the take for its followers to replay and gets the pages
+   all-gathered, `multihost_decode`), it becomes TRANSFERRING, its slot is released
+   (its pages go back to the allocator, full ones to the prefix cache) and it leaves
+   this engine's registry: from here it lives where its handoff lands.
 3. **Resume.** The threads start again; the pause is one gather per request.
 
 The handoff carries the request's wire form up to its KV (`Request.to_wire`, marked

@@ -6,10 +6,11 @@ must then dispatch the same programs, with the same inputs, in the same order. P
 router registration). Each **follower** builds the same runner on the same global mesh
 and replays the leader's runner calls, which the leader publishes as a numbered
 sequence of small messages (the *plan*: a prefill batch's tokens, lengths and sampling
-rows; which pages to cut, `multihost_prefill`; a decode role's steps, page inserts and
-penalty contexts, `multihost_decode`) through the key-value store of the coordination service that
-`jax.distributed` already runs. No port or protocol of our own, and the store's blocking
-get is exactly a follower's wait for its next step.
+rows; which pages to cut, `multihost_prefill`; a decode role's steps, page inserts,
+penalty contexts and migrations' page cuts, `multihost_decode`) through the key-value
+store of the coordination service that `jax.distributed` already runs. No port or
+protocol of our own, and the store's blocking get is exactly a follower's wait for its
+next step.
 
 Trust: the coordination service and the collectives (gloo on CPU) carry no
 authentication of their own (launch/MULTI_HOST.md: keep them on a private network). With

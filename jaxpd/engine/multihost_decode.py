@@ -9,6 +9,10 @@ Plan ops (beside the decode mesh's own prefill, `multihost_prefill.PrefillReplay
   insert     a request's pages into dp shard `shard` at page ids `ids`: from the
              leader's shard `src` by an all-gather, or with the page bytes
   penalties  a slot's penalty context: its prompt and output token ids
+  cut        a migration's page take: dp shard `shard`'s pages at `ids`, replicated
+             by an all-gather (`gathered_take`) so the leader holds a whole copy of a
+             request's KV wherever its shard lies, and its handoff leaves as in one
+             process (the decode mesh's own prefill already has a `take` op)
 
 KV inserts: the connector hands the leader a request's pages; the leader places them
 on a device of its own (`LeaderDecodeRunner.shard_sharding`) and copies them to the
@@ -51,6 +55,13 @@ def _gathered(runner, tree):
         program = jax.jit(lambda x: x, out_shardings=NamedSharding(runner.mesh, P()))
         runner._replicate_program = program
     return program(tree)
+
+
+def gathered_take(runner, shard: int, page_ids: list[int]):
+    """`DecodeRunner.take` on a mesh spanning processes: shard `shard`'s pages at
+    `page_ids` ([L, m, S, K, H], padded as a handoff carries them), replicated on every
+    device (each process dispatches the take and its all-gather)."""
+    return _gathered(runner, runner.take(shard, page_ids))
 
 
 def _shard_processes(runner, shard: int) -> set[int]:
@@ -150,8 +161,9 @@ def insert_message(shard: int, page_ids: list[int], k: np.ndarray, v: np.ndarray
 class LeaderDecodeRunner:
     """A `DecodeRunner` on a mesh spanning processes whose every program dispatch is
     published first, so followers dispatch the same one. Pages arrive on a device of
-    this process (`shard_sharding`), whatever their shard; step outputs come back as
-    this process's copy of their all-gather. Anything else is the wrapped runner's."""
+    this process (`shard_sharding`), whatever their shard; step outputs and a
+    migration's pages (`take`) come back as this process's copy of their all-gather.
+    Anything else is the wrapped runner's."""
 
     def __init__(self, runner, channel: PlanChannel):
         self._runner, self.channel = runner, channel
@@ -199,8 +211,12 @@ class LeaderDecodeRunner:
                               "output": pack_array(np.asarray(output_ids, np.int32))})
         self._runner.set_penalties(slot, prompt_ids, output_ids)
 
-    def take(self, shard, page_ids):
-        raise RuntimeError("an elastic re-split is not supported on a mesh across processes")
+    def take(self, shard: int, page_ids: list[int]):
+        """A migration's pages (`engine.migration`), as this process's own copy: on one
+        of its devices, whatever processes hold the shard."""
+        self.channel.publish({"op": "cut", "shard": shard, "ids": [int(i) for i in page_ids]})
+        k, v = gathered_take(self._runner, shard, page_ids)
+        return k.addressable_data(0), v.addressable_data(0)
 
     def extend(self, *args, **kwargs):
         raise RuntimeError("prefix caching is not supported on a mesh across processes")
@@ -248,6 +264,9 @@ class DecodeReplay:
             self._step(msg)
         elif op == "insert":
             self._insert(msg)
+        elif op == "cut":
+            shard, ids = self._pages(msg)
+            jax.block_until_ready(gathered_take(self.runner, shard, ids))
         elif op == "penalties":
             slot = _int(msg.get("slot"), "slot", self.num_slots)
             prompt = _ints(msg, "prompt", (-1,), self.vocab, self.max_len)
@@ -283,14 +302,19 @@ class DecodeReplay:
         jax.block_until_ready(_gathered(r, (nxt, logprobs if sampling.wants_logprobs
                                             else None)))
 
-    def _insert(self, msg: dict) -> None:
+    def _pages(self, msg: dict) -> tuple[int, list[int]]:
+        """An insert's or a cut's dp shard and page ids, checked."""
         r = self.runner
         shard = _int(msg.get("shard"), "shard", r.num_shards)
         ids = msg.get("ids")
-        most = coarse_ceil(self.max_pages)      # warm-up inserts padded counts
+        most = coarse_ceil(self.max_pages)      # warm-up inserts and takes padded counts
         if not isinstance(ids, list) or not 1 <= len(ids) <= most:
             raise PlanError(f"plan field ids: expected 1 to {most} page ids")
-        ids = [_int(i, "ids", r.pages_per_shard) for i in ids]
+        return shard, [_int(i, "ids", r.pages_per_shard) for i in ids]
+
+    def _insert(self, msg: dict) -> None:
+        r = self.runner
+        shard, ids = self._pages(msg)
         src = msg.get("src")
         if src is not None:                 # the pages come from the leader's shard
             if self._mine[_int(src, "src", r.num_shards)] or \

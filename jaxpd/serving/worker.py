@@ -16,20 +16,6 @@ class _Interrupted(Exception):
     """A stop signal arrived while the worker was still starting."""
 
 
-def migrates(flag: bool | None, spans_processes: bool) -> bool:
-    """Whether a worker's running requests move out with their KV when it drains:
-    `flag` (`--migrate_on_drain`; None: wherever supported). Not where the role's mesh
-    spans processes: each process holds only its own devices' part of a request's
-    pages, and cutting them out would take a program on every process (followers only
-    replay the leader's serving programs); those requests are prefilled again on
-    another decode worker instead. ValueError for the flag set there."""
-    if flag and spans_processes:
-        raise ValueError("--migrate_on_drain is not supported on a mesh spanning processes: "
-                         "each process holds only its own part of a request's KV; its "
-                         "requests are prefilled again elsewhere when it drains")
-    return (not spans_processes) if flag is None else bool(flag)
-
-
 def serve_role(role: str, model: str | None, host: str, port: int, router: str | None,
                transport: str, stop: threading.Event, say, llm_options: dict,
                auth: InternalAuth = NO_AUTH, heartbeat_s: float = 1.0,
@@ -64,7 +50,9 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
         if not group.is_leader:
             return follow_leader(role, model, plan, stop, say, llm_options)
     auth.check_bind(host, f"the {role} worker")
-    migrate = migrates(llm_options.get("migrate_on_drain"), spans_processes=plan is not None)
+    # A decode worker's running requests move out with their KV when it drains unless
+    # told not to, on a mesh spanning processes too (its followers replay each cut).
+    migrate = llm_options.get("migrate_on_drain") is not False
     llm_options = dict(llm_options, migrate_on_drain=migrate)   # warms the take programs
     connector, kv_address = make_connector(role, transport, host, auth, kv_offer_hosts)
     watch = None
