@@ -90,8 +90,11 @@ def _drained_line(procs, p):
 # out: SIGTERM to the role's leader, its requests move to the one-process worker;
 # into: SIGTERM to the one-process worker, its requests move into the role. decode=1x2:
 # one dp shard across both processes (tp over them), each holding half its kv heads.
-@pytest.mark.parametrize("direction,mesh", [("out", "decode=2"), ("into", "decode=2"),
-                                            ("out", "decode=1x2")])
+# The default run covers one direction; the others run with -m matrix (CI time).
+@pytest.mark.parametrize("direction,mesh", [
+    ("out", "decode=2"),
+    pytest.param("into", "decode=2", marks=pytest.mark.matrix),
+    pytest.param("out", "decode=1x2", marks=pytest.mark.matrix)])
 def test_migration_out_of_and_into_a_decode_role_across_processes_is_token_identical(
         tiny_hf_model, procs, direction, mesh):
     path, hf = tiny_hf_model
