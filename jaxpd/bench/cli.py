@@ -9,10 +9,9 @@ Every backend serves the same requests (`make_workload` from `--seed`, prompt id
 from the same seed; or a `--dataset` of bench/datasets.py: uniform length ranges, the
 long-prompt mix, ShareGPT) with Poisson arrivals honoured on the wall clock; each rate of
 a sweep sends prompts of its own (`Benchmark.draw`), so no cache serves one rate from
-another. The meshes run
-one after the other in this one process, each engine built, compiled (warmup=True)
-and fed a few warm-up requests before its clock starts; `hf` is Hugging Face
-transformers `generate` with static batching on the same weights (see hf.py).
+another. The meshes run one after the other in this one process, each engine built,
+compiled (warmup=True) and fed a few warm-up requests before its clock starts; `hf` is
+Hugging Face transformers `generate` with static batching on the same weights (hf.py).
 Per run: TTFT, TPOT (first token excluded), ITL, E2E at mean/p50/p90/p99, output
 tokens/s, requests/s, SLO attainment and, with `--goodput`, the goodput found by
 bisection over the rate (the workload re-run at each probed rate).
