@@ -79,12 +79,12 @@ def test_llm_on_one_cpu_device_already_running_fits_auto_and_refuses_a_bigger_me
     out = run_python(
         "import jax; jax.devices()\n"                      # backends up with one device
         "from jaxpd import LLM, SamplingParams\n"
-        "with LLM(model=None, mesh='auto', max_model_len=32) as llm:\n"
+        "with LLM(model=None, mesh='auto', max_model_len=32, warmup=False) as llm:\n"
         "    print('mesh', llm.config.mesh)\n"
         "    print(llm.generate('import', SamplingParams(max_tokens=4, ignore_eos=True))"
         "[0].finish_reason)\n"
         "try:\n"
-        "    LLM(model=None, mesh='prefill=1,decode=1')\n"
+        "    LLM(model=None, mesh='prefill=1,decode=1', warmup=False)\n"
         "except ValueError as e:\n"
         "    print('refused:', e)\n")
     assert out.returncode == 0, out.stderr

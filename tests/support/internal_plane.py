@@ -24,7 +24,7 @@ def start_worker(path, mesh="decode=1", auth=AUTH):
     from jaxpd.llm import LLM
     from jaxpd.serving.role_server import RoleServer, RoleService
 
-    llm = LLM(path, mesh=mesh, max_model_len=MAX_MODEL_LEN, slots_per_shard=2)
+    llm = LLM(path, mesh=mesh, max_model_len=MAX_MODEL_LEN, slots_per_shard=2, warmup=False)
     server = RoleServer(RoleService(llm.engine, "", "grpc"), "127.0.0.1", 0, auth)
     server.start()
     return llm, server

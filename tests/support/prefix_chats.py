@@ -54,7 +54,7 @@ def start_workers(workers: list, path, router_address, auth, roles) -> None:
     for role in roles:
         connector, kv_address = make_connector(role, "grpc", "127.0.0.1", auth)
         llm = LLM(path, mesh=f"{role}=1", max_model_len=192, slots_per_shard=2,
-                  connector=connector, enable_prefix_caching=True)
+                  connector=connector, enable_prefix_caching=True, warmup=False)
         server = RoleServer(RoleService(llm.engine, kv_address, "grpc"), "127.0.0.1", 0, auth)
         server.start()
         server.register_with(router_address, heartbeat_s=0.2)
