@@ -217,6 +217,28 @@ def test_a_remote_first_token_waits_in_the_stream_until_its_request_decodes(pool
     assert_no_page_held(env)
 
 
+def test_a_first_token_streams_only_once_its_pages_are_in_the_pool(pool, monkeypatch):
+    """The insert is dispatched, not done, when the loop moves on: the first token
+    waits for it, so the gap before the second token is one step's."""
+    from jaxpd.engine import decode_loop
+    env = make(pool, remote=True)
+    [mirror] = remote_mirrors(env, [30])
+    waits = []
+
+    def block_until_ready(tree):
+        waits.append((time.perf_counter(), list(mirror.timings.token_times),
+                      env.runner.inserts[:]))
+        return tree
+
+    monkeypatch.setattr(decode_loop.jax, "block_until_ready", block_until_ready)
+    run(env, lambda: mirror.is_final)
+    [(waited_at, streamed, inserted)] = waits
+    assert streamed == [] and len(inserted) == 1          # after the insert, before the token
+    assert mirror.timings.token_times[0] == mirror.timings.kv_ready >= waited_at
+    assert mirror.output_ids == [30, 31, 32, 33]
+    assert_no_page_held(env)
+
+
 def test_handoffs_from_another_process_are_pulled_before_they_have_a_slot(pool):
     """The prefill process serves the pull and waits for it before its next batch: a
     handoff waiting for a slot is pulled at once, onto shard 0, up to

@@ -373,6 +373,10 @@ class DecodeLoop:
         self.runner.insert(self.scheduler.shard_of(slot),
                            [0 if p < shared else a.pages[p] for p in range(first, end)],
                            placed.k, placed.v)
+        # Its first token streams once the KV is in the pool: the copy and the insert
+        # count in TTFT, and the gap to its second token is one step, not theirs too.
+        # The next step would wait for them anyway, so no other stream waits longer.
+        jax.block_until_ready((self.runner.k_pool, self.runner.v_pool))
         if inbound.counted:                    # a transfer between meshes, not on-mesh
             self.stats.add(transfers=1, layerwise_transfers=int(inbound.layerwise),
                            transfer_bytes=placed.num_bytes, transfer_s=placed.seconds,
