@@ -25,7 +25,8 @@ from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
 from jaxpd.serving.role_rpc import RoleClient
 from jaxpd.transfer import jax_compat
 from tests.engine_fixtures import reference
-from tests.support.deployments import COMMON, PATIENT_ROUTER, coordinator, free_port
+from tests.support.deployments import (COMMON, PATIENT_ROUTER, coordinator, free_port,
+                                       stream_tokens)
 
 pytestmark = pytest.mark.slow
 # Long enough that the role still decodes when it is drained.
@@ -38,17 +39,6 @@ def _request(prompt, max_tokens, seed):
         dict(temperature=0.9, top_k=40, seed=seed)
     return jaxpd_pb2.GenerateRequest(token_ids=jaxpd_pb2.TokenIds(ids=prompt),
                                      max_tokens=max_tokens, ignore_eos=True, **sampling)
-
-
-def _stream(stub, request, out: list) -> None:
-    """Append each token to `out` as it arrives, then the finish reason (or the error)."""
-    try:
-        for msg in stub.Generate(request, timeout=300):
-            out.extend(msg.token_ids)
-            if msg.HasField("finish_reason"):
-                out.append(msg.finish_reason)
-    except grpc.RpcError as e:
-        out.append(e.code().name)
 
 
 def _deployment(procs, path, mesh):
@@ -120,7 +110,7 @@ def test_migration_out_of_and_into_a_decode_role_across_processes_is_token_ident
         before = prefill.info(timeout=10)["counters"]["prefill_tokens"]
 
         outs = [[] for _ in prompts]
-        streams = [threading.Thread(target=_stream, args=(stub, _request(p, n, s), o))
+        streams = [threading.Thread(target=stream_tokens, args=(stub, _request(p, n, s), o))
                    for p, n, s, o in zip(prompts, max_tokens, seeds, outs)]
         for t in streams:
             t.start()

@@ -17,25 +17,16 @@ import pytest
 from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
 from jaxpd.serving.role_rpc import RoleClient
 from tests.engine_fixtures import reference
-from tests.support.deployments import PATIENT_ROUTER, deployment
+from tests.support.deployments import PATIENT_ROUTER, deployment, stream_tokens
 
 pytestmark = pytest.mark.slow
 
 PATIENT_DRAIN = ["--shutdown_timeout_s", "60"]      # the moves' deadline: a loaded machine
 
 
-def _stream(stub, prompt, max_tokens, out: list) -> None:
-    """Generate `prompt` greedily, appending each token to `out` as it arrives, then
-    the finish reason (or the gRPC error)."""
-    req = jaxpd_pb2.GenerateRequest(token_ids=jaxpd_pb2.TokenIds(ids=prompt),
-                                    max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    try:
-        for msg in stub.Generate(req, timeout=300):
-            out.extend(msg.token_ids)
-            if msg.HasField("finish_reason"):
-                out.append(msg.finish_reason)
-    except grpc.RpcError as e:
-        out.append(e.code().name)
+def _greedy(prompt, max_tokens):
+    return jaxpd_pb2.GenerateRequest(token_ids=jaxpd_pb2.TokenIds(ids=prompt),
+                                     max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def test_sigterm_migrates_a_decode_workers_streams_across_processes(tiny_hf_model, procs):
@@ -50,7 +41,7 @@ def test_sigterm_migrates_a_decode_workers_streams_across_processes(tiny_hf_mode
     outs = [[] for _ in prompts]
     channel = grpc.insecure_channel(addr)
     stub = jaxpd_pb2_grpc.GenerationStub(channel)
-    streams = [threading.Thread(target=_stream, args=(stub, p, n, o))
+    streams = [threading.Thread(target=stream_tokens, args=(stub, _greedy(p, n), o))
                for p, n, o in zip(prompts, max_tokens, outs)]
     try:
         for t in streams:

@@ -128,6 +128,18 @@ def generate_all(addr, prompts, max_tokens, timeout=120):
     return results
 
 
+def stream_tokens(stub, request, out: list) -> None:
+    """Generate `request`, appending each token to `out` as it arrives, then the finish
+    reason (or the gRPC error's code name)."""
+    try:
+        for msg in stub.Generate(request, timeout=300):
+            out.extend(msg.token_ids)
+            if msg.HasField("finish_reason"):
+                out.append(msg.finish_reason)
+    except grpc.RpcError as e:
+        out.append(e.code().name)
+
+
 # Prompts of 32+ tokens (most of them) go layer-wise in 2 parts; the rest whole.
 LAYERWISE = ["--layerwise_min_tokens", "32", "--layerwise_parts", "2"]
 
