@@ -306,6 +306,26 @@ def test_llm_serves_kept_blocks_as_the_float_path_does(tmp_path, hf_llama, bpe, 
     assert outs["auto"] == outs["none"]
 
 
+@pytest.mark.slow
+def test_a_full_decode_batch_of_kept_blocks_matches_the_float_path(tmp_path, hf_llama, bpe):
+    """Twelve prompts at once on `prefill=1,decode=1`: decode steps of 9 to 16 rows take
+    the native product's panel form, with the same greedy tokens as the file read as
+    float."""
+    from jaxpd import LLM, SamplingParams
+
+    path = write(tmp_path, hf_llama, Q.Q4_1, bpe)
+    prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS]
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for quantization in ("none", "auto"):
+        with LLM(model=path, mesh="prefill=1,decode=1", quantization=quantization,
+                 max_prefill_batch=16, slots_per_shard=16) as llm:
+            outs[quantization] = [list(o.token_ids) for o in llm.generate(prompts, params)]
+            if quantization == "auto":
+                assert 16 in llm.engine.decode_loop.batch_sizes
+    assert outs["auto"] == outs["none"]
+
+
 def test_bench_compares_llama_cpp_after_the_meshes():
     from jaxpd.bench.args import backends_of, parse_compare
     from jaxpd.bench.cli import parse_args
