@@ -189,12 +189,16 @@ inline void PanelTile512(const Problem& p, const float* w, int64_t o0, int64_t r
       for (int64_t r = 0; r < 4; ++r) acc[r][t] = _mm512_fmadd_ps(xv, wv[r], acc[r][t]);
     }
   }
-  const __mmask8 valid = static_cast<__mmask8>((1u << std::min<int64_t>(rows, 4)) - 1);
   for (int64_t t = 0; t < TM; ++t) {
     const __m128 sums = Sum4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]);
     float* out = p.out + (m0 + t) * p.O + o0;
-    const __m128 before = k0 == 0 ? _mm_setzero_ps() : _mm_maskz_loadu_ps(valid, out);
-    _mm_mask_storeu_ps(out, valid, _mm_add_ps(before, sums));
+    if (rows >= 4) {
+      _mm_storeu_ps(out, k0 == 0 ? sums : _mm_add_ps(_mm_loadu_ps(out), sums));
+    } else {   // the last tile of W, past its end: only the real rows
+      alignas(16) float s[4];
+      _mm_store_ps(s, sums);
+      for (int64_t r = 0; r < rows; ++r) out[r] = k0 == 0 ? s[r] : out[r] + s[r];
+    }
   }
 }
 
