@@ -203,10 +203,10 @@ def project(x: jnp.ndarray, w, spec: str, native: Callable | None = None,
 # --- the native CPU product ---------------------------------------------------------
 
 _FMT_CODES = {"int8": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3}
-# Rows of x up to which the native kernel takes the product: it dequantizes each block
-# in registers once per tile of up to 8 rows, which pays where a product reads its
-# weight once (a decode step); a prefill's many rows go to XLA's dot on the dequantized
-# weight, which is as fast from about this many rows.
+# Rows of x up to which the native kernel takes the product (a decode step's, where it
+# reads each weight once for all rows); a prefill's many rows go to XLA's dot on the
+# dequantized weight, which the kernel's panel form (`native/quant_matmul.cc`) only
+# matches there.
 NATIVE_MAX_ROWS = 64
 
 

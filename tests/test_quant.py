@@ -23,7 +23,7 @@ from jaxpd.models.layout import fuse_params, quantize_params
 from jaxpd.models.llama import Llama
 from tests.model_helpers import paged_greedy
 from tests.support.gguf_files import gguf_tensors, train_bpe, write_gguf
-from tests.support.quant_blocks import kernel_call, random_blocks
+from tests.support.quant_blocks import kernel_call, random_blocks, random_weight
 
 Q = gguf.GGMLQuantizationType
 PROMPTS = ["Hello world, hello", "The quick brown fox", "Prefill and decode run on"]
@@ -182,6 +182,30 @@ def test_native_product_matches_the_jnp_form(fmt, body):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1"])
+def test_native_product_panels_match_the_jnp_form(fmt):
+    """The AVX-512 body's panel form (nine rows of x or more) at the edges of its
+    blocking: a contraction of 1,600 (50 blocks: three slices of 17, 17 and 16 blocks),
+    13 rows of W (a panel of 8 and one of 5, whose last tile of 4 has one real row),
+    rows of x at the threshold, whole and partial tiles of 6, and 300 rows (x in two
+    blocks for L2). Sums of 1,600 products: within 1e-5 of the largest output."""
+    from jaxpd.models import native_attention
+    if not native_attention.available():
+        pytest.skip(native_attention.unavailable_reason())
+    product = jax.jit(kernel_call(native_attention.QUANT_MATMUL_TARGET))
+    rng = np.random.default_rng(1)
+    rows, cols = 13, 1600
+    w = random_weight(fmt, rows, cols, rng)
+    for m in (8, 9, 12, 17, 300):
+        x = jnp.asarray(rng.normal(size=(m, cols)).astype(np.float32))
+        want = np.asarray(x, np.float64) @ np.asarray(quant.dequantize_rows(w), np.float64).T
+        if fmt == "int8":   # the jnp form's order: the row scale after the sum
+            q = np.asarray(w.data, np.float64)
+            want = (np.asarray(x, np.float64) @ q.T) * np.asarray(w.scale, np.float64).T
+        got = np.asarray(product(x, w))
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
 def test_unsupported_block_format_names_the_tensor_and_auto_serves_it_as_float(
         tmp_path, hf_llama, bpe, caplog):
     path = write(tmp_path, hf_llama, Q.Q5_0, bpe)
@@ -279,6 +303,26 @@ def test_llm_serves_kept_blocks_as_the_float_path_does(tmp_path, hf_llama, bpe, 
                 assert (runner.quant_matmul is not None) == native_attention.available()
                 if runner.quant_matmul is not None:   # its cost grows with every row
                     assert llm.engine.decode_loop.batch_sizes[0] == 1
+    assert outs["auto"] == outs["none"]
+
+
+@pytest.mark.slow
+def test_a_full_decode_batch_of_kept_blocks_matches_the_float_path(tmp_path, hf_llama, bpe):
+    """Twelve prompts at once on `prefill=1,decode=1`: decode steps of 9 to 16 rows take
+    the native product's panel form, with the same greedy tokens as the file read as
+    float."""
+    from jaxpd import LLM, SamplingParams
+
+    path = write(tmp_path, hf_llama, Q.Q4_1, bpe)
+    prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS]
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for quantization in ("none", "auto"):
+        with LLM(model=path, mesh="prefill=1,decode=1", quantization=quantization,
+                 max_prefill_batch=16, slots_per_shard=16) as llm:
+            outs[quantization] = [list(o.token_ids) for o in llm.generate(prompts, params)]
+            if quantization == "auto":
+                assert 16 in llm.engine.decode_loop.batch_sizes
     assert outs["auto"] == outs["none"]
 
 

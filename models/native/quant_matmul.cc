@@ -1,8 +1,7 @@
 // x @ W for a weight kept quantized (models/quant.py): out [M, O] = x [M, I] times the
-// O rows of W, each row stored in blocks along I. Every block is dequantized once per
-// register tile of x's rows and applied to all of them: a decode step's product reads
-// each weight byte from memory once, so a batch of M rows costs little more than the
-// products of M rows.
+// O rows of W, each row stored in blocks along I. A decode step's product reads each
+// weight byte from memory once for all M rows of x, so a batch of M rows costs little
+// more than the products of M rows.
 //
 // Formats: quant_common.h.
 // Every dequantized element is exactly the float32 the jnp form computes (q * d is
@@ -10,15 +9,18 @@
 // two differ only in summation order.
 //
 // Rows of W are split over XLA's intra-op thread pool in ranges of whole tiles
-// (quant_common.h's SplitRows). On a CPU with AVX-512 a tile's blocks are dequantized in registers (a
-// block is two vectors of 16; a nibble indexes a 16-entry table of its block's values
-// with vpermps) and each feeds a tile of x's rows: 4 rows of W by up to 4 of x for a
-// small batch, 2 by 8 for a larger one (16 accumulators). Each block is thus
-// dequantized once per tile of x's rows, which measured faster than dequantizing it
-// once into a float panel and running a small GEMM over that: the dequantization is a
-// few instructions beside the tile's products, and the panel costs loads and stores.
-// Elsewhere a portable body (the panel form, which the compiler vectorizes; the tests
-// also build it on AVX-512).
+// (quant_common.h's SplitRows). On a CPU with AVX-512 a block is dequantized in
+// registers (two vectors of 16; a nibble indexes a 16-entry table of its block's values
+// with vpermps), and a range is taken in one of two forms by the rows of x:
+// - few rows (a small decode batch): register tiles of 4 rows of W by up to 4 of x, or
+//   2 by 8, each block dequantized once per tile of x's rows and fed straight to the
+//   FMAs: with few rows there is little to share a dequantized block among;
+// - more rows: panels. A few rows of W are dequantized once into a float panel that
+//   stays in L1, and tiles of 4 of its rows by 6 rows of x (24 accumulators) run over
+//   it, so the FMAs are fed from L1 and registers and the dequantization is paid once
+//   per panel for every row of x.
+// Elsewhere a portable body (a panel the compiler vectorizes; the tests also build it
+// on AVX-512).
 #include <cstring>
 #include <vector>
 
@@ -149,11 +151,122 @@ void Streams512(const Problem& p, int64_t begin, int64_t end) {
     Streams512<FMT, 1, TM>(p, o, o + 1);
 }
 
+// The panel form, for many rows of x: kPanelRows rows of W dequantized once per slice of
+// their contraction into a float panel, and tiles of 4 panel rows by up to 6 rows of x
+// (24 accumulators: 24 FMAs for 10 loads per 16 elements) over it. Each slice's sums
+// are added into out, so every output is stored once per slice.
+constexpr int64_t kPanelRows = 8;
+// Contraction elements of a panel's slice at most: a row's blocks go in equal slices
+// of no more, so a panel and a tile's 6 rows of x fit in L1 together.
+constexpr int64_t kPanelCols = 768;
+constexpr int64_t kPanelMinRows = 9;   // rows of x from which panels pay
+// x's rows are taken in blocks of about this many bytes, which stay in L2 while every
+// panel of a range goes over them.
+constexpr int64_t kXBlockBytes = 512 << 10;
+// Floats between a panel row's start and the next one's: past the slice by a line, so
+// the 4 rows a tile reads at once do not share L1 sets.
+constexpr int64_t kPanelStride = kPanelCols + 16;
+
+float* Panel512() {
+  thread_local float panel[kPanelRows * kPanelStride];
+  return panel;
+}
+
+// out[m0 + t, o0 + r] (+)= the sums of panel rows r < 4 (of `rows` valid) against TM
+// rows of x from m0 over the slice [k0, k0 + cols).
+template <int64_t TM>
+inline void PanelTile512(const Problem& p, const float* w, int64_t o0, int64_t rows, int64_t m0,
+                         int64_t k0, int64_t cols) {
+  __m512 acc[4][TM];
+  for (int64_t r = 0; r < 4; ++r)
+    for (int64_t t = 0; t < TM; ++t) acc[r][t] = _mm512_setzero_ps();
+  const float* x = p.x + m0 * p.I + k0;
+  for (int64_t k = 0; k < cols; k += 16) {
+    __m512 wv[4];
+    for (int64_t r = 0; r < 4; ++r) wv[r] = _mm512_loadu_ps(w + r * kPanelStride + k);
+    for (int64_t t = 0; t < TM; ++t) {
+      const __m512 xv = _mm512_loadu_ps(x + t * p.I + k);
+      for (int64_t r = 0; r < 4; ++r) acc[r][t] = _mm512_fmadd_ps(xv, wv[r], acc[r][t]);
+    }
+  }
+  for (int64_t t = 0; t < TM; ++t) {
+    const __m128 sums = Sum4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]);
+    float* out = p.out + (m0 + t) * p.O + o0;
+    if (rows >= 4) {
+      _mm_storeu_ps(out, k0 == 0 ? sums : _mm_add_ps(_mm_loadu_ps(out), sums));
+    } else {   // the last tile of W, past its end: only the real rows
+      alignas(16) float s[4];
+      _mm_store_ps(s, sums);
+      for (int64_t r = 0; r < rows; ++r) out[r] = k0 == 0 ? s[r] : out[r] + s[r];
+    }
+  }
+}
+
+template <int64_t TM>
+void PartialPanelTile512(const Problem& p, const float* w, int64_t o0, int64_t rows,
+                         int64_t m0, int64_t k0, int64_t cols, int64_t m_rows) {
+  if constexpr (TM > 1) {
+    if (m_rows == TM - 1) return PanelTile512<TM - 1>(p, w, o0, rows, m0, k0, cols);
+    return PartialPanelTile512<TM - 1>(p, w, o0, rows, m0, k0, cols, m_rows);
+  }
+}
+
+constexpr int64_t kPanelTileM = 6;
+
+// Rows [begin, end) of W against rows [m_begin, m_end) of x, in panels.
+template <int64_t FMT>
+void PanelBlock512(const Problem& p, int64_t begin, int64_t end, int64_t m_begin, int64_t m_end) {
+  float* panel = Panel512();
+  const int64_t slices = (p.I + kPanelCols - 1) / kPanelCols;
+  const int64_t slice = (p.I / kBlock + slices - 1) / slices * kBlock;
+  for (int64_t o0 = begin; o0 < end; o0 += kPanelRows) {
+    const int64_t rows = std::min(kPanelRows, end - o0);
+    const int64_t padded = (rows + 3) / 4 * 4;
+    for (int64_t k0 = 0; k0 < p.I; k0 += slice) {
+      const int64_t cols = std::min(slice, p.I - k0);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* w = panel + r * kPanelStride;
+        for (int64_t b = 0; b < cols / kBlock; ++b) {
+          __m512 lo, hi;
+          Dequant512<FMT>(p, o0 + r, k0 / kBlock + b, lo, hi);
+          _mm512_storeu_ps(w + b * kBlock, lo);
+          _mm512_storeu_ps(w + b * kBlock + 16, hi);
+        }
+      }
+      // A last tile's rows past the end of W: zeros, computed and never stored.
+      for (int64_t r = rows; r < padded; ++r)
+        std::memset(panel + r * kPanelStride, 0, sizeof(float) * cols);
+      int64_t m = m_begin;
+      for (; m + kPanelTileM <= m_end; m += kPanelTileM)
+        for (int64_t r = 0; r < padded; r += 4)
+          PanelTile512<kPanelTileM>(p, panel + r * kPanelStride, o0 + r, rows - r, m, k0, cols);
+      if (m < m_end)
+        for (int64_t r = 0; r < padded; r += 4)
+          PartialPanelTile512<kPanelTileM>(p, panel + r * kPanelStride, o0 + r, rows - r, m,
+                                           k0, cols, m_end - m);
+    }
+    if constexpr (FMT == 0) {   // int8's row scale, once on each finished sum
+      for (int64_t m = m_begin; m < m_end; ++m)
+        for (int64_t r = 0; r < rows; ++r) p.out[m * p.O + o0 + r] *= p.RowScale(o0 + r);
+    }
+  }
+}
+
+template <int64_t FMT>
+void Panels512(const Problem& p, int64_t begin, int64_t end) {
+  const int64_t block_rows = std::max<int64_t>(
+      kPanelTileM, kXBlockBytes / (sizeof(float) * p.I) / kPanelTileM * kPanelTileM);
+  for (int64_t m = 0; m < p.M; m += block_rows)
+    PanelBlock512<FMT>(p, begin, end, m, std::min(p.M, m + block_rows));
+}
+
 template <int64_t FMT>
 void Rows512(const Problem& p, int64_t begin, int64_t end) {
   // Few rows of x (a small decode batch): 4 rows of W per tile, for independent sums.
-  // More: 2 rows of W by 8 of x, 16 accumulators, 2 dequantized blocks per 32 products.
+  // Up to 8: 2 rows of W by 8 of x, 16 accumulators, 2 dequantized blocks per 32
+  // products. More: panels.
   if (p.M <= 4) return Streams512<FMT, 4, 4>(p, begin, end);
+  if (p.M >= kPanelMinRows) return Panels512<FMT>(p, begin, end);
   return Streams512<FMT, 2, 8>(p, begin, end);
 }
 #else
