@@ -319,7 +319,7 @@ def test_a_full_decode_batch_of_kept_blocks_matches_the_float_path(tmp_path, hf_
     outs = {}
     for quantization in ("none", "auto"):
         with LLM(model=path, mesh="prefill=1,decode=1", quantization=quantization,
-                 max_prefill_batch=16, slots_per_shard=16) as llm:
+                 max_prefill_batch=16, slots_per_shard=16, warmup=False) as llm:
             outs[quantization] = [list(o.token_ids) for o in llm.generate(prompts, params)]
             if quantization == "auto":
                 assert 16 in llm.engine.decode_loop.batch_sizes
