@@ -63,9 +63,9 @@ class LLM(Frontend):
     CPU, bfloat16 on TPU/GPU), "float32" or "bfloat16". connector: how KV moves (default:
     in-process `DevicePutConnector`; a cross-process sender or receiver for single-role
     meshes "prefill=P" / "decode=D"). compilation_cache_dir: keep compiled programs
-    there and load them next time (`jaxpd.xla_cache`; None: the launcher's default,
-    $JAX_COMPILATION_CACHE_DIR or `~/.cache/jaxpd/compiled`; "none" leaves jax as
-    configured). plan: a prefill or decode role's mesh spans processes
+    there and load them next time (`jaxpd.xla_cache`; None: the cache jax already uses,
+    e.g. the launcher's or $JAX_COMPILATION_CACHE_DIR, else `~/.cache/jaxpd/compiled`;
+    "none" leaves jax as configured). plan: a prefill or decode role's mesh spans processes
     (`engine.multihost.PlanChannel`; `python -m jaxpd.launch --num_processes` sets it
     up). kv_cache_memory: bytes of KV each pool may hold (each decode dp shard's and the
     prefill mesh's; default `default_kv_cache_memory`); it sets `pages_per_shard` when
@@ -80,7 +80,10 @@ class LLM(Frontend):
                  connector: Connector | KVSender | KVReceiver | None = None,
                  compilation_cache_dir: str | None = None, plan=None,
                  kv_cache_memory: int | None = None, **engine_options):
-        xla_cache.enable(compilation_cache_dir or xla_cache.default_dir())
+        if compilation_cache_dir is None:
+            xla_cache.enable_default()
+        else:
+            xla_cache.enable(compilation_cache_dir)
         if plan is None:                     # a mesh across processes: the launcher's
             ensure_cpu_devices(mesh)
         if mesh == AUTO:

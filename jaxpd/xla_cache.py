@@ -23,6 +23,15 @@ def default_dir() -> str:
     return paths.xla_dir()
 
 
+def enable_default() -> str:
+    """For a caller that names no directory (`LLM()`): the cache jax already uses (the
+    launcher's `--compilation_cache_dir`, $JAX_COMPILATION_CACHE_DIR), else
+    `default_dir()`, with this module's thresholds. Returns the directory."""
+    import jax
+
+    return enable(jax.config.jax_compilation_cache_dir or default_dir())
+
+
 def enable(path: str | None) -> str | None:
     """Keep compiled programs under `path` from now on (call before the first compile);
     None or "none": leave jax as configured. Returns the directory in use, if any."""
