@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
 import sys
@@ -394,6 +395,10 @@ class Benchmark:
             goodput = self.search_goodput(backend, name, measured) if self.args.goodput else None
         finally:
             backend.close()
+            # Its engine sits in reference cycles: free its pools before the next backend
+            # builds its own, or both are held at once.
+            del backend
+            gc.collect()
         for rate in self.args.rates:
             self.add_report(name, rate, measured, goodput)
             if single is not None:
