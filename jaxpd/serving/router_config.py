@@ -15,7 +15,7 @@ class RouterConfig:
     max_prompt_len: int | None = None
     max_queued: int = 4096
     rpc_timeout_s: float = 10.0
-    prefill_timeout_s: float = 120.0
+    prefill_timeout_s: float = 120.0   # per prompt in the prefill worker's line
     dtype: str = "auto"
     page_size: int = 16
     heartbeat_s: float = 1.0           # how often static workers are probed

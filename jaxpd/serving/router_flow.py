@@ -240,11 +240,18 @@ class RequestFlow:
             return n - restorable + (w.load["queue"] + w.num_calls) * n, -cached
         return sorted(workers, key=cost)
 
+    def prefill_deadline_s(self, p: Worker) -> float:
+        """A Prefill call's deadline on `p`: `prefill_timeout_s` for each prompt in its
+        line, this one included (its queue at its last heartbeat and our calls open on
+        it). A deadline counted from the send alone would take a busy worker's queue for a
+        stuck worker, cancel the call, and have the prompt computed again elsewhere."""
+        return self.config.prefill_timeout_s * (1 + p.load["queue"] + p.num_calls)
+
     async def _prefill(self, r: Request, decoder: Worker, query: PrefixQuery | None) -> None:
         client = self.client(decoder)
         for p in self.prefill_order(r, decoder, query):
             call = self._track(r, p, self.client(p).prefill(
-                r.to_wire(), decoder.info.kv_address, timeout=self.config.prefill_timeout_s,
+                r.to_wire(), decoder.info.kv_address, timeout=self.prefill_deadline_s(p),
                 epoch=p.info.epoch), watched=False, destination=decoder)
             try:
                 out = await call.handle
