@@ -23,8 +23,9 @@ stay its documentation, sharding follows the float weight's logical axes
 `project(x, w, spec)` is the one product every projection goes through: an einsum for
 a float weight; for a quantized one, x's trailing contraction dims against the blocks
 (`matmul`): the portable jnp form (dequantize inside the jitted product), or a native
-kernel the caller passes (`native_matmul`, CPU, few rows; or `native_dot`, CPU, x's
-rows quantized to int8 blocks and each block's product taken in integers).
+kernel the caller passes (`native_matmul`, CPU, few rows, every format; or
+`native_dot`, CPU, x's rows quantized to int8 blocks and each block's product taken in
+integers, the K-quants through `native_matmul`'s kernel).
 """
 from __future__ import annotations
 
@@ -202,7 +203,10 @@ def project(x: jnp.ndarray, w, spec: str, native: Callable | None = None,
 
 # --- the native CPU product ---------------------------------------------------------
 
-_FMT_CODES = {"int8": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3}
+_FMT_CODES = {"int8": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3, "q4_k": 4, "q6_k": 5}
+# Formats `native/quant_dot.cc` takes; the K-quants' blocks of mixed scales are not
+# among them, and `native_dot` takes those through the float product instead.
+_DOT_FORMATS = ("int8", "q8_0", "q4_0", "q4_1")
 # Rows of x up to which the native kernel takes the product (a decode step's, where it
 # reads each weight once for all rows); a prefill's many rows go to XLA's dot on the
 # dequantized weight, which the kernel's panel form (`native/quant_matmul.cc`) only
@@ -236,14 +240,16 @@ def native_dot(x: jnp.ndarray, w: QuantizedWeight, layer=None) -> jnp.ndarray | 
     scale each, as llama.cpp's Q8 activations) and each block's product with w's
     taken in integers (`native/quant_dot.cc`): x is rounded to 8 bits, so the result
     differs from the float product by that rounding (see `dot_reference`). Any number
-    of rows."""
-    from jaxpd.models.native_attention import QUANT_DOT_TARGET
-    return _native_call(QUANT_DOT_TARGET, x, w, layer)
+    of rows. The K-quants (`q4_k`, `q6_k`) go through `native_matmul`'s kernel, x as
+    it is, at any number of rows (its panel form)."""
+    from jaxpd.models.native_attention import QUANT_DOT_TARGET, QUANT_MATMUL_TARGET
+    target = QUANT_DOT_TARGET if w.fmt in _DOT_FORMATS else QUANT_MATMUL_TARGET
+    return _native_call(target, x, w, layer)
 
 
 def _native_call(target: str, x: jnp.ndarray, w: QuantizedWeight, layer) -> jnp.ndarray | None:
     if x.dtype != jnp.float32 or w.fmt not in _FMT_CODES or not native_available():
-        return None                 # (the K-quants, `models.kquant`: the jnp form)
+        return None
     lead = () if layer is None else w.data.shape[:1]
     o = math.prod(w.data.shape[len(lead):-1])
     low = w.min if w.min is not None else w.scale

@@ -141,7 +141,7 @@ def _portable_product():
 
 
 @pytest.mark.parametrize("body", ["built", "portable"])
-@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", quant.FORMATS)
 def test_native_product_matches_the_jnp_form(fmt, body):
     """Both bodies of the kernel (AVX-512 where this CPU has it, and the portable one),
     against the jnp form on the same weight: the dequantized values are the same
@@ -182,7 +182,7 @@ def test_native_product_matches_the_jnp_form(fmt, body):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", quant.FORMATS)
 def test_native_product_panels_match_the_jnp_form(fmt):
     """The AVX-512 body's panel form (nine rows of x or more) at the edges of its
     blocking: a contraction of 1,600 (50 blocks: three slices of 17, 17 and 16 blocks),
