@@ -463,7 +463,8 @@ def _kept(f: GGUFFile, name: str, ours: str, rows: Callable):
         fmt, data, scale, low = kquant.from_gguf_k_rows(tensor.data, qtype, math.prod(lead),
                                                         cols, name)
     else:
-        data, scale, low = quant.from_gguf_rows(tensor.data, fmt, math.prod(lead), cols, name)
+        data, scale, low = quant.from_gguf_rows(tensor.data, qtype.lower(), math.prod(lead),
+                                                cols, name)
     in_dims = EXPERT_IN_DIMS[ours] if ours in EXPERT_IN_DIMS else QUANTIZABLE[ours]
     parts = [None if a is None else rows_fn(a.reshape(*lead, a.shape[-1]))
              for a in (data, scale, low)]

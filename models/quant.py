@@ -41,9 +41,10 @@ BLOCK = 32
 # Formats and, per block of BLOCK elements, the bytes a decode step reads.
 FORMATS = ("int8", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
 _NIBBLES = ("q4_0", "q4_1", "q4_k")
-# GGUF's name of each kept block format.
-GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
-_GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+# GGUF's block formats kept as stored, and the format each is kept in: Q5_0 (value =
+# (q - 16) * d, q 5 bits) is re-read at load as q8_0, exactly (q - 16 fits int8).
+GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q8_0"}
+_GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22}
 
 
 @struct.dataclass
@@ -104,9 +105,10 @@ def quantize_int8(w, in_dims: tuple[int, ...]) -> QuantizedWeight:
 
 def from_gguf_rows(raw: np.ndarray, fmt: str, rows: int, cols: int, name: str
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """A GGUF tensor's raw bytes (`rows` rows of `cols` elements in `fmt` blocks) ->
-    (data [rows, I'], scale [rows, nb] float16, min or None). The byte count is checked
-    against the shape before anything is read: a short or long tensor is refused."""
+    """A GGUF tensor's raw bytes (`rows` rows of `cols` elements in `fmt` blocks, GGUF's
+    type name in lower case) -> (data [rows, I'], scale [rows, nb] float16, min or None)
+    in the format `GGUF_FORMATS` keeps it in. The byte count is checked against the
+    shape before anything is read: a short or long tensor is refused."""
     if cols % BLOCK:
         raise ValueError(f"tensor {name!r}: rows of {cols} elements are not whole "
                          f"{fmt.upper()} blocks of {BLOCK}")
@@ -124,6 +126,14 @@ def from_gguf_rows(raw: np.ndarray, fmt: str, rows: int, cols: int, name: str
         return data, scale, None
     if fmt == "q4_0":
         return np.ascontiguousarray(blocks[:, :, 2:]).reshape(rows, nb * 16), scale, None
+    if fmt == "q5_0":
+        # Bytes 2-5: the 32 high bits (bit j of the little-endian word: element j's);
+        # then nibbles as q4_0's (byte j: element j low, j + 16 high).
+        high = np.ascontiguousarray(blocks[:, :, 2:6]).view("<u4")             # [rows, nb, 1]
+        bits = ((high >> np.arange(BLOCK, dtype=np.uint32)) & 1).astype(np.uint8)
+        low = blocks[:, :, 6:]
+        q = np.concatenate([low & 0xF, low >> 4], axis=-1) | (bits << 4)
+        return (q.astype(np.int16) - 16).astype(np.int8).reshape(rows, cols), scale, None
     low = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16).reshape(rows, nb)
     return np.ascontiguousarray(blocks[:, :, 4:]).reshape(rows, nb * 16), scale, low
 
