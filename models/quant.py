@@ -8,8 +8,9 @@ the contraction, as GGUF stores a row:
   min    [*out, nb]   `q4_1` only (value = q * scale + min)
 
 Formats: `int8` (weight-only, one block per output channel, float32 scale: quantized
-at load from a float checkpoint), and GGUF's `q8_0` (value = q * d), `q4_0`
-((q - 8) * d) and `q4_1` (q * d + m), blocks of 32 with float16 scales as stored; `q4_k`
+at load from a float checkpoint), and GGUF's `q8_0` (value = q * d; GGUF's Q5_0 too,
+re-read at load), `q4_0` ((q - 8) * d) and `q4_1` (q * d + m), blocks of 32 with
+float16 scales as stored; `q4_k`
 (`q4_1`'s layout) and `q6_k` (int8, blocks of 16), GGUF's K-quants re-read at load with
 float32 scales (`models.kquant`). A nibble pair byte j of a block holds element j (low)
 and element j + 16 (high).
