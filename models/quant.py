@@ -3,17 +3,17 @@
 A quantized weight is stored *output channels first, contraction last*, in blocks along
 the contraction, as GGUF stores a row:
 
-  data   [*out, I']   int8 (`int8`, `q8_0`) or uint8 nibble pairs (`q4_0`, `q4_1`)
+  data   [*out, I']   int8 (`int8`, `q8_0`, `q6_k`) or uint8 nibble pairs (`q4_0`,
+                      `q4_1`, `q4_k`)
   scale  [*out, nb]   one per block of `block` contraction elements
-  min    [*out, nb]   `q4_1` only (value = q * scale + min)
+  min    [*out, nb]   `q4_1`, `q4_k` only (value = q * scale + min)
 
 Formats: `int8` (weight-only, one block per output channel, float32 scale: quantized
 at load from a float checkpoint), and GGUF's `q8_0` (value = q * d; GGUF's Q5_0 too,
 re-read at load), `q4_0` ((q - 8) * d) and `q4_1` (q * d + m), blocks of 32 with
-float16 scales as stored; `q4_k`
-(`q4_1`'s layout) and `q6_k` (int8, blocks of 16), GGUF's K-quants re-read at load with
-float32 scales (`models.kquant`). A nibble pair byte j of a block holds element j (low)
-and element j + 16 (high).
+float16 scales as stored; `q4_k` (`q4_1`'s layout) and `q6_k` (int8, blocks of 16),
+GGUF's K-quants re-read at load with float32 scales (`models.kquant`). A nibble pair
+byte j of a block holds element j (low) and element j + 16 (high).
 
 `float_shape` and `in_dims` say which float weight it stands for (the float layout of
 `models.llama`, e.g. q_proj [D, N, H] contracting dim 0, o_proj [N, H, D] contracting

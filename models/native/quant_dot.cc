@@ -170,7 +170,8 @@ void Tile(const DotProblem& p, int64_t o0, int64_t stride, int64_t m0) {
       const __mmask16 mask = p.xb - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (p.xb - b)) - 1);
       for (int64_t r = 0; r < TO; ++r) {
         const int64_t o = o0 + r * stride;
-        const uint16_t* from = static_cast<const uint16_t*>(FMT == 3 ? p.min : p.scale) + o * p.nb + b;
+        const uint16_t* from =
+            static_cast<const uint16_t*>(FMT == 3 ? p.min : p.scale) + o * p.nb + b;
         __m512 c = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, from));
         if constexpr (FMT == 2) c = _mm512_mul_ps(c, _mm512_set1_ps(-8.0f));
         for (int64_t t = 0; t < TM; ++t)
