@@ -175,9 +175,9 @@ def test_native_product_matches_the_jnp_form(fmt, body):
     assert quant.native_matmul(big, w) is None       # a prefill's rows: the jnp form
     if fmt in ("q4_k", "q6_k"):   # int8 activations: the K-quants take this kernel, x as is
         for m in (2, 100):
-            x = jnp.asarray(rng.normal(size=(m, cols)).astype(np.float32))
-            np.testing.assert_allclose(np.asarray(jax.jit(quant.native_dot)(x, w)),
-                                       np.asarray(quant.matmul(x, w)), rtol=1e-5, atol=1e-4)
+            xm = jnp.asarray(rng.normal(size=(m, cols)).astype(np.float32))
+            np.testing.assert_allclose(np.asarray(jax.jit(quant.native_dot)(xm, w)),
+                                       np.asarray(quant.matmul(xm, w)), rtol=1e-5, atol=1e-4)
     if body == "built":     # a scanned run's stack: the layer named, read in place
         other = (quant.quantize_int8(rng.normal(size=(cols, rows)).astype(np.float32), (0,))
                  if fmt == "int8" else random_blocks(fmt, rows, cols, rng))
