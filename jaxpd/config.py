@@ -261,7 +261,7 @@ class EngineConfig:
         False, "Run a Pallas attention kernel in interpret mode (slow: tests on CPU).")
     quantization: str = knob(
         "auto", "Weights: 'none' (float), 'int8' (weight-only, one scale per output channel, "
-        "made at load), 'auto' (a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as stored and "
+        "made at load), 'auto' (a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K blocks kept and "
         "multiplied without unpacking to float; other files float).",
         choices=list(QUANTIZATIONS))
     quant_activations: str = knob(

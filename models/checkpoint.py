@@ -111,10 +111,10 @@ def _load_gguf(path: str, dtype: str, shardings, keep: bool = False) -> LoadedMo
         keep = False
     floats = gguf.float_served_quantized(f, cfg) if keep else []
     if floats:
-        # Kept block formats serve projections and stacked experts, K-quants stacked
-        # experts only: routers, shared experts and K-quant projections run as float.
-        _log.warning("quantization=auto: %d router, shared-expert or K-quant projection "
-                     "tensors (%r is %s, ...) are not served kept quantized; they are "
+        # Kept block formats serve projections and stacked experts: routers and shared
+        # experts run as float.
+        _log.warning("quantization=auto: %d router or shared-expert tensors (%r is %s, "
+                     "...) are not served kept quantized; they are "
                      "dequantized to float at load, the other projections and experts stay "
                      "quantized", len(floats), *floats[0])
     shapes, _ = abstract_params(cfg, DTYPES[dtype])

@@ -28,9 +28,10 @@ hyperparameters instead of storing them; we derive them as it does:
   architectures, and its converter cannot write one); experts are stacked 3-D tensors
   `ffn_{gate,up,down}_exps`. Top-k weights are renormalised for Mixtral and qwen3moe
   and not for qwen2moe, whose shared expert is gated by sigmoid(`ffn_gate_inp_shexp`).
-  Stacked experts in a kept block format, or in Q4_K / Q6_K (`models.kquant`), stay
-  quantized with quantization="auto" (`models.moe`); routers and shared experts are
-  served as float, a quantized one dequantized at load, as are projections in a K-quant.
+  Stacked experts in a kept block format stay quantized with quantization="auto"
+  (`models.moe`), as projections do; routers and shared experts are served as float, a
+  quantized one dequantized at load.
+- Q4_K and Q6_K (`models.kquant`) are kept like the other block formats, re-read at load.
 - the tokenizer is metadata instead of a `tokenizer.json`; `gguf_tokenizer` rebuilds it.
 
 Anything we would run differently from llama.cpp is refused with a `ValueError` naming
@@ -75,7 +76,11 @@ class GGUFFile:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"GGUF file {path} does not exist")
         self.path = path
-        self._reader = gguf.GGUFReader(path)
+        try:
+            self._reader = gguf.GGUFReader(path)
+        except ValueError as e:   # a tensor's bytes run past the end of the file
+            raise ValueError(f"{path}: cannot be read as GGUF ({e}): the file is corrupt "
+                             f"or truncated") from None
         self.tensors = {t.name: t for t in self._reader.tensors}
 
     def get(self, key: str, default=None):
@@ -386,9 +391,9 @@ def weights(f: GGUFFile, cfg: ModelConfig, keep_quantized: bool = False
     """(our param path, weight in our layout) for every weight, one tensor at a time so
     peak host memory stays near one float32 tensor: float32 arrays, or with
     `keep_quantized` a `models.quant.QuantizedWeight` of numpy parts for every
-    projection stored in a kept block format (`quant.GGUF_FORMATS`); a projection in
-    another quantized type is refused, naming it (quantization="none" reads it as
-    float)."""
+    projection stored in a kept block format (`quant.GGUF_FORMATS`, `kquant.K_FORMATS`);
+    a projection in another quantized type is refused, naming it (quantization="none"
+    reads it as float)."""
     mapping = list(_mapping(cfg))
     unexpected = sorted(set(f.tensors) - {name for _, name, _, _ in mapping})
     if unexpected:
@@ -398,7 +403,7 @@ def weights(f: GGUFFile, cfg: ModelConfig, keep_quantized: bool = False
         if name not in f.tensors:
             raise ValueError(f"{f.path}: missing tensor {name!r}")
         qtype = f.tensors[name].tensor_type.name
-        if keep_quantized and rows is not None and _served_kept(qtype, ours[-1]):
+        if keep_quantized and rows is not None and qtype not in _FLOAT_TYPES:
             yield ours, _kept(f, name, ours[-1], rows)
         else:
             yield ours, to_ours(dequantize(f, name))
@@ -423,29 +428,15 @@ def unkept_tensor(f: GGUFFile, cfg: ModelConfig) -> tuple[str, str] | None:
     return None
 
 
-def _served_kept(qtype: str, ours: str) -> bool:
-    """Whether `weights(keep_quantized=True)` keeps a projection or expert weight (our
-    name `ours`) stored as `qtype` quantized: every quantized type but a K-quant,
-    which only stacked experts keep (a projection in one is read as float). A type
-    it cannot keep is refused there, naming it."""
-    from jaxpd.models import kquant
-    from jaxpd.models.moe import EXPERT_IN_DIMS
-
-    if qtype in _FLOAT_TYPES:
-        return False
-    return qtype not in kquant.K_FORMATS or ours in EXPERT_IN_DIMS
-
-
 def float_served_quantized(f: GGUFFile, cfg: ModelConfig) -> list[tuple[str, str]]:
     """(name, quant type) of every quantized tensor that is served as float whatever
     the quantization, dequantized at load: the routers and shared experts of a mixture
-    of experts (its stacked experts are kept like the projections), and projections in
-    a K-quant (kept for stacked experts only)."""
+    of experts (its stacked experts are kept like the projections)."""
     out = []
-    for ours, name, _, rows in _mapping(cfg):
+    for _, name, _, rows in _mapping(cfg):
         if name in f.tensors:
             qtype = f.tensors[name].tensor_type.name
-            if qtype not in _FLOAT_TYPES and (rows is None or not _served_kept(qtype, ours[-1])):
+            if qtype not in _FLOAT_TYPES and rows is None:
                 out.append((name, qtype))
     return out
 
@@ -458,10 +449,10 @@ def _kept(f: GGUFFile, name: str, ours: str, rows: Callable):
     tensor = f.tensors[name]
     qtype = tensor.tensor_type.name
     fmt = quant.GGUF_FORMATS.get(qtype)
-    if fmt is None and not (qtype in kquant.K_FORMATS and ours in EXPERT_IN_DIMS):
+    if fmt is None and qtype not in kquant.K_FORMATS:
         raise ValueError(f"{f.path}: tensor {name!r} has quant type {qtype}, which is not "
-                         f"served kept quantized (kept: {sorted(quant.GGUF_FORMATS)}, and "
-                         f"{sorted(kquant.K_FORMATS)} for stacked experts); pass "
+                         f"served kept quantized (kept: "
+                         f"{sorted(quant.GGUF_FORMATS) + sorted(kquant.K_FORMATS)}); pass "
                          f"quantization='none' to dequantize it to float at load")
     *lead, cols = f.shape(name)     # stacked experts: [E, out, cols]
     rows_fn, in_shape = rows
@@ -472,7 +463,8 @@ def _kept(f: GGUFFile, name: str, ours: str, rows: Callable):
         fmt, data, scale, low = kquant.from_gguf_k_rows(tensor.data, qtype, math.prod(lead),
                                                         cols, name)
     else:
-        data, scale, low = quant.from_gguf_rows(tensor.data, fmt, math.prod(lead), cols, name)
+        data, scale, low = quant.from_gguf_rows(tensor.data, qtype.lower(), math.prod(lead),
+                                                cols, name)
     in_dims = EXPERT_IN_DIMS[ours] if ours in EXPERT_IN_DIMS else QUANTIZABLE[ours]
     parts = [None if a is None else rows_fn(a.reshape(*lead, a.shape[-1]))
              for a in (data, scale, low)]

@@ -1,5 +1,6 @@
-"""GGUF's K-quant super-blocks re-read at load as `models.quant` block formats, so a
-mixture of experts' stacked experts stored in them stay quantized (`models.gguf`).
+"""GGUF's K-quant super-blocks re-read at load as `models.quant` block formats, so
+projections and a mixture of experts' stacked experts stored in them stay quantized
+(`models.gguf`).
 
 A K-quant super-block holds 256 elements of a row in sub-blocks, each with its own
 small integer scale (and min) under the super-block's float16 ones. Their products are
@@ -15,8 +16,8 @@ scale, and the weight dequantizes to the values llama.cpp's dequantizer gives:
         scales, d (f16); element i = d sc_(i // 16) (q - 32), q 6 bits.
         -> `q6_k`: q - 32 as int8, one float32 scale d sc_j per 16 elements.
 
-The native CPU product does not take these formats (`quant.native_matmul` hands them
-to the jnp form, which dequantizes only the experts a product reads).
+The native CPU product with float activations takes both (`native/quant_matmul.cc`);
+the one with int8 activations does not (`quant.native_dot` hands them to the former).
 """
 from __future__ import annotations
 

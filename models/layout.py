@@ -45,16 +45,28 @@ def stack_layers(cfg: ModelConfig, params, stack: Callable | None = None):
     leaves are the layers' leaves stacked on a new leading axis (any pytree: quantized
     weights stack part by part); a lone layer keeps its `layers_<i>` entry. `stack`:
     how a list of equal trees becomes one (default `jnp.stack` leaf by leaf; the engine
-    passes one that keeps each leaf's sharding)."""
+    passes one that keeps each leaf's sharding). A run whose layers hold their weights
+    differently (a GGUF file's mixed block formats: one layer's weight Q4_K, another's
+    Q6_K) stays as its layers, which the model runs one by one."""
     stack = stack or (lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees))
     out = {name: p for name, p in params.items() if not name.startswith("layers_")}
     for start, stop in layer_runs(cfg):
         layers = [params[f"layers_{i}"] for i in range(start, stop)]
-        if len(layers) == 1:
-            out[f"layers_{start}"] = layers[0]
+        if len(layers) == 1 or not _alike(layers):
+            out.update((f"layers_{i}", p) for i, p in zip(range(start, stop), layers))
         else:
             out[stack_key(start, stop)] = stack(layers)
     return out
+
+
+def _alike(trees) -> bool:
+    """Whether trees have one structure (quantized weights' formats included) and
+    leaves of one shape and dtype: whether they stack."""
+    def signature(tree):
+        leaves, structure = jax.tree.flatten(tree)
+        return structure, [(tuple(a.shape), a.dtype) for a in leaves]
+    first = signature(trees[0])
+    return all(signature(t) == first for t in trees[1:])
 
 
 def unstack_layers(cfg: ModelConfig, params):

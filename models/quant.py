@@ -3,16 +3,17 @@
 A quantized weight is stored *output channels first, contraction last*, in blocks along
 the contraction, as GGUF stores a row:
 
-  data   [*out, I']   int8 (`int8`, `q8_0`) or uint8 nibble pairs (`q4_0`, `q4_1`)
+  data   [*out, I']   int8 (`int8`, `q8_0`, `q6_k`) or uint8 nibble pairs (`q4_0`,
+                      `q4_1`, `q4_k`)
   scale  [*out, nb]   one per block of `block` contraction elements
-  min    [*out, nb]   `q4_1` only (value = q * scale + min)
+  min    [*out, nb]   `q4_1`, `q4_k` only (value = q * scale + min)
 
 Formats: `int8` (weight-only, one block per output channel, float32 scale: quantized
-at load from a float checkpoint), and GGUF's `q8_0` (value = q * d), `q4_0`
-((q - 8) * d) and `q4_1` (q * d + m), blocks of 32 with float16 scales as stored; `q4_k`
-(`q4_1`'s layout) and `q6_k` (int8, blocks of 16), GGUF's K-quants re-read at load with
-float32 scales (`models.kquant`). A nibble pair byte j of a block holds element j (low)
-and element j + 16 (high).
+at load from a float checkpoint), and GGUF's `q8_0` (value = q * d; GGUF's Q5_0 too,
+re-read at load), `q4_0` ((q - 8) * d) and `q4_1` (q * d + m), blocks of 32 with
+float16 scales as stored; `q4_k` (`q4_1`'s layout) and `q6_k` (int8, blocks of 16),
+GGUF's K-quants re-read at load with float32 scales (`models.kquant`). A nibble pair
+byte j of a block holds element j (low) and element j + 16 (high).
 
 `float_shape` and `in_dims` say which float weight it stands for (the float layout of
 `models.llama`, e.g. q_proj [D, N, H] contracting dim 0, o_proj [N, H, D] contracting
@@ -23,8 +24,9 @@ stay its documentation, sharding follows the float weight's logical axes
 `project(x, w, spec)` is the one product every projection goes through: an einsum for
 a float weight; for a quantized one, x's trailing contraction dims against the blocks
 (`matmul`): the portable jnp form (dequantize inside the jitted product), or a native
-kernel the caller passes (`native_matmul`, CPU, few rows; or `native_dot`, CPU, x's
-rows quantized to int8 blocks and each block's product taken in integers).
+kernel the caller passes (`native_matmul`, CPU, few rows, every format; or
+`native_dot`, CPU, x's rows quantized to int8 blocks and each block's product taken in
+integers, the K-quants through `native_matmul`'s kernel).
 """
 from __future__ import annotations
 
@@ -40,9 +42,10 @@ BLOCK = 32
 # Formats and, per block of BLOCK elements, the bytes a decode step reads.
 FORMATS = ("int8", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
 _NIBBLES = ("q4_0", "q4_1", "q4_k")
-# GGUF's name of each kept block format.
-GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
-_GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+# GGUF's block formats kept as stored, and the format each is kept in: Q5_0 (value =
+# (q - 16) * d, q 5 bits) is re-read at load as q8_0, exactly (q - 16 fits int8).
+GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q8_0"}
+_GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22}
 
 
 @struct.dataclass
@@ -103,9 +106,10 @@ def quantize_int8(w, in_dims: tuple[int, ...]) -> QuantizedWeight:
 
 def from_gguf_rows(raw: np.ndarray, fmt: str, rows: int, cols: int, name: str
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """A GGUF tensor's raw bytes (`rows` rows of `cols` elements in `fmt` blocks) ->
-    (data [rows, I'], scale [rows, nb] float16, min or None). The byte count is checked
-    against the shape before anything is read: a short or long tensor is refused."""
+    """A GGUF tensor's raw bytes (`rows` rows of `cols` elements in `fmt` blocks, GGUF's
+    type name in lower case) -> (data [rows, I'], scale [rows, nb] float16, min or None)
+    in the format `GGUF_FORMATS` keeps it in. The byte count is checked against the
+    shape before anything is read: a short or long tensor is refused."""
     if cols % BLOCK:
         raise ValueError(f"tensor {name!r}: rows of {cols} elements are not whole "
                          f"{fmt.upper()} blocks of {BLOCK}")
@@ -123,6 +127,14 @@ def from_gguf_rows(raw: np.ndarray, fmt: str, rows: int, cols: int, name: str
         return data, scale, None
     if fmt == "q4_0":
         return np.ascontiguousarray(blocks[:, :, 2:]).reshape(rows, nb * 16), scale, None
+    if fmt == "q5_0":
+        # Bytes 2-5: the 32 high bits (bit j of the little-endian word: element j's);
+        # then nibbles as q4_0's (byte j: element j low, j + 16 high).
+        high = np.ascontiguousarray(blocks[:, :, 2:6]).view("<u4")             # [rows, nb, 1]
+        bits = ((high >> np.arange(BLOCK, dtype=np.uint32)) & 1).astype(np.uint8)
+        low = blocks[:, :, 6:]
+        q = np.concatenate([low & 0xF, low >> 4], axis=-1) | (bits << 4)
+        return (q.astype(np.int16) - 16).astype(np.int8).reshape(rows, cols), scale, None
     low = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16).reshape(rows, nb)
     return np.ascontiguousarray(blocks[:, :, 4:]).reshape(rows, nb * 16), scale, low
 
@@ -202,7 +214,10 @@ def project(x: jnp.ndarray, w, spec: str, native: Callable | None = None,
 
 # --- the native CPU product ---------------------------------------------------------
 
-_FMT_CODES = {"int8": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3}
+_FMT_CODES = {"int8": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3, "q4_k": 4, "q6_k": 5}
+# Formats `native/quant_dot.cc` takes; the K-quants' blocks of mixed scales are not
+# among them, and `native_dot` takes those through the float product instead.
+_DOT_FORMATS = ("int8", "q8_0", "q4_0", "q4_1")
 # Rows of x up to which the native kernel takes the product (a decode step's, where it
 # reads each weight once for all rows); a prefill's many rows go to XLA's dot on the
 # dequantized weight, which the kernel's panel form (`native/quant_matmul.cc`) only
@@ -236,14 +251,16 @@ def native_dot(x: jnp.ndarray, w: QuantizedWeight, layer=None) -> jnp.ndarray | 
     scale each, as llama.cpp's Q8 activations) and each block's product with w's
     taken in integers (`native/quant_dot.cc`): x is rounded to 8 bits, so the result
     differs from the float product by that rounding (see `dot_reference`). Any number
-    of rows."""
-    from jaxpd.models.native_attention import QUANT_DOT_TARGET
-    return _native_call(QUANT_DOT_TARGET, x, w, layer)
+    of rows. The K-quants (`q4_k`, `q6_k`) go through `native_matmul`'s kernel, x as
+    it is, at any number of rows (its panel form)."""
+    from jaxpd.models.native_attention import QUANT_DOT_TARGET, QUANT_MATMUL_TARGET
+    target = QUANT_DOT_TARGET if w.fmt in _DOT_FORMATS else QUANT_MATMUL_TARGET
+    return _native_call(target, x, w, layer)
 
 
 def _native_call(target: str, x: jnp.ndarray, w: QuantizedWeight, layer) -> jnp.ndarray | None:
     if x.dtype != jnp.float32 or w.fmt not in _FMT_CODES or not native_available():
-        return None                 # (the K-quants, `models.kquant`: the jnp form)
+        return None
     lead = () if layer is None else w.data.shape[:1]
     o = math.prod(w.data.shape[len(lead):-1])
     low = w.min if w.min is not None else w.scale

@@ -58,14 +58,14 @@ def forward(cfg, params, tokens, fused=False):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0])
 def test_kept_gguf_blocks_match_the_dequantized_float_path(tmp_path, hf_llama, bpe, qtype):
     path = write(tmp_path, hf_llama, qtype, bpe)
     kept = checkpoint.load(path, quantization="auto")
     flat = checkpoint.load(path, quantization="none")
     assert kept.quantization == "gguf" and flat.quantization == "none"
     q = kept.params["layers_0"]["q_proj"]
-    assert quant.is_quantized(q) and q.fmt == qtype.name.lower()
+    assert quant.is_quantized(q) and q.fmt == quant.GGUF_FORMATS[qtype.name]
     assert quant.weight_bytes(kept.params) < quant.weight_bytes(flat.params) / 2
     # Every weight holds what the float path reads.
     np.testing.assert_array_equal(np.asarray(quant.dequantize(q)),
@@ -141,7 +141,7 @@ def _portable_product():
 
 
 @pytest.mark.parametrize("body", ["built", "portable"])
-@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", quant.FORMATS)
 def test_native_product_matches_the_jnp_form(fmt, body):
     """Both bodies of the kernel (AVX-512 where this CPU has it, and the portable one),
     against the jnp form on the same weight: the dequantized values are the same
@@ -173,6 +173,11 @@ def test_native_product_matches_the_jnp_form(fmt, body):
                                np.asarray(quant.matmul(x, w)), rtol=1e-5, atol=1e-4)
     big = jnp.zeros((quant.NATIVE_MAX_ROWS + 1, cols), jnp.float32)
     assert quant.native_matmul(big, w) is None       # a prefill's rows: the jnp form
+    if fmt in ("q4_k", "q6_k"):   # int8 activations: the K-quants take this kernel, x as is
+        for m in (2, 100):
+            xm = jnp.asarray(rng.normal(size=(m, cols)).astype(np.float32))
+            np.testing.assert_allclose(np.asarray(jax.jit(quant.native_dot)(xm, w)),
+                                       np.asarray(quant.matmul(xm, w)), rtol=1e-5, atol=1e-4)
     if body == "built":     # a scanned run's stack: the layer named, read in place
         other = (quant.quantize_int8(rng.normal(size=(cols, rows)).astype(np.float32), (0,))
                  if fmt == "int8" else random_blocks(fmt, rows, cols, rng))
@@ -182,7 +187,7 @@ def test_native_product_matches_the_jnp_form(fmt, body):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", quant.FORMATS)
 def test_native_product_panels_match_the_jnp_form(fmt):
     """The AVX-512 body's panel form (nine rows of x or more) at the edges of its
     blocking: a contraction of 1,600 (50 blocks: three slices of 17, 17 and 16 blocks),
@@ -208,14 +213,31 @@ def test_native_product_panels_match_the_jnp_form(fmt):
 
 def test_unsupported_block_format_names_the_tensor_and_auto_serves_it_as_float(
         tmp_path, hf_llama, bpe, caplog):
-    path = write(tmp_path, hf_llama, Q.Q5_0, bpe)
+    path = write(tmp_path, hf_llama, Q.Q5_1, bpe)
     f = gguf_reader.GGUFFile(path)
-    with pytest.raises(ValueError, match=r"token_embd.weight.*Q5_0.*quantization='none'"):
+    with pytest.raises(ValueError, match=r"token_embd.weight.*Q5_1.*quantization='none'"):
         list(gguf_reader.weights(f, gguf_reader.model_config(f), keep_quantized=True))
     with caplog.at_level("WARNING"):
         assert checkpoint.load(path, quantization="auto").quantization == "none"
-    assert "'token_embd.weight' is Q5_0" in caplog.text
+    assert "'token_embd.weight' is Q5_1" in caplog.text
     assert checkpoint.load(path, quantization="none").quantization == "none"
+
+
+def test_q5_0_is_kept_as_q8_0_holding_what_gguf_dequantizes():
+    """Q5_0 re-read as q8_0 (q - 16 as int8, the float16 scale as stored): every value
+    what `gguf`'s dequantizer gives, bit for bit, the high bits of every element
+    position exercised."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(5, 96)).astype(np.float32)
+    x[0, :32] = np.linspace(-1, 1, 32)            # q spans 0 .. 31 in one block
+    raw = gguf.quants.quantize(x, Q.Q5_0)
+    data, scale, low = quant.from_gguf_rows(raw.reshape(-1), "q5_0", 5, 96, "w")
+    assert data.dtype == np.int8 and low is None and data.min() == -16 and data.max() == 15
+    w = quant.QuantizedWeight(data, scale, None, quant.GGUF_FORMATS["Q5_0"], (96, 5), (0,))
+    np.testing.assert_array_equal(np.asarray(quant.dequantize_rows(w)),
+                                  gguf.quants.dequantize(raw, Q.Q5_0))
+    with pytest.raises(ValueError, match="'w' \\(Q5_0, 5 x 96\\) holds"):
+        quant.from_gguf_rows(raw.reshape(-1)[:-1], "q5_0", 5, 96, "w")
 
 
 def test_a_block_of_the_wrong_byte_count_is_refused():

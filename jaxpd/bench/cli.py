@@ -96,7 +96,7 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
                    help="engine decode attention core")
     s.add_argument("--quantization", default=EngineConfig.quantization, choices=QUANTIZATIONS,
                    help="engine weights: float, int8 made at load, or 'auto' (a GGUF "
-                        "file's Q8_0/Q4_0/Q4_1 blocks kept as stored)")
+                        "file's Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K blocks kept)")
     s.add_argument("--quant_activations", default=EngineConfig.quant_activations,
                    choices=QUANT_ACTIVATIONS,
                    help="engine activations of the native product of quantized weights: "

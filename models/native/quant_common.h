@@ -48,18 +48,29 @@ inline float HalfToFloat(uint16_t h) {
 //   1 q8_0:  data int8 [O, I], scale float16 [O, I/32]: w = q * d.
 //   2 q4_0:  data uint8 [O, I/2], scale float16 [O, I/32]: w = (q - 8) * d.
 //   3 q4_1:  as q4_0, and min float16 [O, I/32]: w = q * d + m.
+//   4 q4_k:  as q4_1 with float32 scale and min (GGUF's Q4_K re-read at load).
+//   5 q6_k:  data int8 [O, I], scale float32 [O, I/16]: w = q * d, a scale per 16
+//            elements, so a block of 32 has two (GGUF's Q6_K re-read at load).
 // A nibble block's byte j holds element j (low 4 bits) and element j + 16 (high).
+constexpr int64_t kQ4K = 4, kQ6K = 5;
+
 struct QuantOperands {
   const uint8_t* data;   // row stride `row_bytes`
   const void* scale;     // [O, nb]
-  const uint16_t* min;   // [O, nb] (q4_1)
+  const void* min;       // [O, nb] (q4_1, q4_k)
   int64_t M, I, O, nb, row_bytes, fmt;
 
   float RowScale(int64_t o) const {   // int8's per-row scale, applied to the sum
     return fmt == 0 ? static_cast<const float*>(scale)[o] : 1.0f;
   }
+  // Scale `b` of row o: block b's (q6_k: sub-block b's, two to a block).
   float BlockScale(int64_t o, int64_t b) const {
+    if (fmt >= kQ4K) return static_cast<const float*>(scale)[o * nb + b];
     return HalfToFloat(static_cast<const uint16_t*>(scale)[o * nb + b]);
+  }
+  float BlockMin(int64_t o, int64_t b) const {
+    if (fmt == kQ4K) return static_cast<const float*>(min)[o * nb + b];
+    return HalfToFloat(static_cast<const uint16_t*>(min)[o * nb + b]);
   }
 };
 
@@ -67,10 +78,11 @@ struct QuantOperands {
 // layers, [L, O, *]: then the product uses layer `layer_index` (an operand, so a scan
 // over layers passes its counter and no layer's weight is copied out of the stack).
 // Every extent is checked against x's and fmt: the kernels never index past a buffer.
+// Formats above `max_fmt` (those a product does not take) are refused.
 inline ffi::Error ParseQuantOperands(const char* name, ffi::Span<const int64_t> xd,
                                      ffi::AnyBuffer& data, ffi::AnyBuffer& scale,
                                      ffi::AnyBuffer& min, ffi::Buffer<ffi::S32>& layer_index,
-                                     int64_t fmt, QuantOperands* q) {
+                                     int64_t fmt, int64_t max_fmt, QuantOperands* q) {
   const auto dd = data.dimensions();
   const auto sd = scale.dimensions();
   const size_t rank = dd.size();
@@ -90,23 +102,24 @@ inline ffi::Error ParseQuantOperands(const char* name, ffi::Span<const int64_t> 
   p.O = dd[r];
   p.nb = sd[r + 1];
   p.fmt = fmt;
-  if (fmt < 0 || fmt > 3 || p.I % kQuantBlock || sd[r] != p.O)
+  if (fmt < 0 || fmt > max_fmt || p.I % kQuantBlock || sd[r] != p.O)
     return refuse("unknown format or shapes");
-  const bool nibbles = fmt >= 2;
+  const bool nibbles = fmt >= 2 && fmt <= kQ4K;
+  const bool f32_scale = fmt == 0 || fmt >= kQ4K;
   const int64_t want_cols = nibbles ? p.I / 2 : p.I;
-  const int64_t want_nb = fmt == 0 ? 1 : p.I / kQuantBlock;
+  const int64_t want_nb = fmt == 0 ? 1 : fmt == kQ6K ? p.I / 16 : p.I / kQuantBlock;
   const auto want_data = nibbles ? ffi::DataType::U8 : ffi::DataType::S8;
-  const auto want_scale = fmt == 0 ? ffi::DataType::F32 : ffi::DataType::F16;
+  const auto want_scale = f32_scale ? ffi::DataType::F32 : ffi::DataType::F16;
   if (dd[r + 1] != want_cols || p.nb != want_nb || data.element_type() != want_data ||
       scale.element_type() != want_scale)
     return refuse("data or scale do not fit x and fmt");
-  const int64_t scale_bytes = fmt == 0 ? 4 : 2;
-  if (fmt == 3) {
+  const int64_t scale_bytes = f32_scale ? 4 : 2;
+  if (fmt == 3 || fmt == kQ4K) {
     const auto md = min.dimensions();
     if (md.size() != rank || md[r] != p.O || md[r + 1] != p.nb || (rank == 3 && md[0] != L) ||
-        min.element_type() != ffi::DataType::F16)
-      return refuse("q4_1 needs min [(L,) O, nb] float16");
-    p.min = static_cast<const uint16_t*>(min.untyped_data()) + layer * p.O * p.nb;
+        min.element_type() != scale.element_type())
+      return refuse("q4_1 and q4_k need min [(L,) O, nb] of the scale's type");
+    p.min = static_cast<const uint8_t*>(min.untyped_data()) + layer * p.O * p.nb * scale_bytes;
   }
   p.data = static_cast<const uint8_t*>(data.untyped_data()) + layer * p.O * want_cols;
   p.scale = static_cast<const uint8_t*>(scale.untyped_data()) + layer * p.O * p.nb * scale_bytes;

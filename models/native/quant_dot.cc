@@ -170,7 +170,8 @@ void Tile(const DotProblem& p, int64_t o0, int64_t stride, int64_t m0) {
       const __mmask16 mask = p.xb - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (p.xb - b)) - 1);
       for (int64_t r = 0; r < TO; ++r) {
         const int64_t o = o0 + r * stride;
-        const uint16_t* from = (FMT == 3 ? p.min : static_cast<const uint16_t*>(p.scale)) + o * p.nb + b;
+        const uint16_t* from =
+            static_cast<const uint16_t*>(FMT == 3 ? p.min : p.scale) + o * p.nb + b;
         __m512 c = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, from));
         if constexpr (FMT == 2) c = _mm512_mul_ps(c, _mm512_set1_ps(-8.0f));
         for (int64_t t = 0; t < TM; ++t)
@@ -231,7 +232,7 @@ void Repack(const DotProblem& p, int64_t o0, int64_t rows, Panel& panel) {
       for (int64_t k = 0; k < 8; ++k) to[k * kPanelRows] = groups[k];
       const float dw = FMT == 0 ? 1.0f : p.BlockScale(o, b);
       panel.scale[b * kPanelRows + r] = dw;
-      if constexpr (FMT == 3) panel.offset[b * kPanelRows + r] = HalfToFloat(p.min[o * p.nb + b]);
+      if constexpr (FMT == 3) panel.offset[b * kPanelRows + r] = p.BlockMin(o, b);
     }
   }
 }
@@ -346,7 +347,7 @@ void Tile(const DotProblem& p, int64_t o0, int64_t stride, int64_t m0) {
       if constexpr (FMT >= 2) {   // the nibbles' offset
         const float* xs = p.xs + (m0 + t) * p.xb;
         for (int64_t b = 0; b < p.xb; ++b)
-          sum += (FMT == 3 ? HalfToFloat(p.min[o * p.nb + b]) : -8.0f * p.BlockScale(o, b)) * xs[b];
+          sum += (FMT == 3 ? p.BlockMin(o, b) : -8.0f * p.BlockScale(o, b)) * xs[b];
       }
       p.out[(m0 + t) * p.O + o] = sum * p.RowScale(o);
     }
@@ -381,7 +382,7 @@ void Tile(const DotProblem& p, int64_t o0, int64_t stride, int64_t m0) {
         const float dw = FMT == 0 ? 1.0f : p.BlockScale(o, b);
         sum += dw * dx[b] * static_cast<float>(dot);
         if constexpr (FMT == 2) sum += -8.0f * dw * xs[b];
-        if constexpr (FMT == 3) sum += HalfToFloat(p.min[o * p.nb + b]) * xs[b];
+        if constexpr (FMT == 3) sum += p.BlockMin(o, b) * xs[b];
       }
       p.out[(m0 + t) * p.O + o] = sum * p.RowScale(o);
     }
@@ -453,8 +454,9 @@ ffi::Error QuantDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
                     ffi::AnyBuffer scale, ffi::AnyBuffer min, ffi::Buffer<ffi::S32> layer_index,
                     int64_t fmt, ffi::ResultBuffer<ffi::F32> out) {
   DotProblem p{};
+  // The K-quants (fmt 4, 5) are not taken here (models/quant.py's native_dot).
   if (ffi::Error e = ParseQuantOperands("quant_dot", x.dimensions(), data, scale, min,
-                                        layer_index, fmt, &p);
+                                        layer_index, fmt, 3, &p);
       e.failure())
     return e;
   p.xb = p.I / kBlock;

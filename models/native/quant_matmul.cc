@@ -5,8 +5,9 @@
 //
 // Formats: quant_common.h.
 // Every dequantized element is exactly the float32 the jnp form computes (q * d is
-// exact in float32 for these widths, and q * d + m is rounded once either way), so the
-// two differ only in summation order.
+// exact in float32 for these widths, the K-quants' float32 scales included: a float16
+// times a 6- or 8-bit integer, times a 4- or 6-bit q; and q * d + m is rounded once
+// either way), so the two differ only in summation order.
 //
 // Rows of W are split over XLA's intra-op thread pool in ranges of whole tiles
 // (quant_common.h's SplitRows). On a CPU with AVX-512 a block is dequantized in
@@ -42,7 +43,7 @@ struct Problem : QuantOperands {
 template <int64_t FMT>
 inline void Dequant512(const Problem& p, int64_t o, int64_t b, __m512& lo, __m512& hi) {
   const uint8_t* row = p.data + o * p.row_bytes;
-  if constexpr (FMT <= 1) {
+  if constexpr (FMT <= 1 || FMT == kQ6K) {
     const __m128i* q = reinterpret_cast<const __m128i*>(row + b * kBlock);
     lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
@@ -50,6 +51,9 @@ inline void Dequant512(const Problem& p, int64_t o, int64_t b, __m512& lo, __m51
       const __m512 d = _mm512_set1_ps(p.BlockScale(o, b));
       lo = _mm512_mul_ps(lo, d);
       hi = _mm512_mul_ps(hi, d);
+    } else if constexpr (FMT == kQ6K) {   // a scale per 16: one for each half
+      lo = _mm512_mul_ps(lo, _mm512_set1_ps(p.BlockScale(o, 2 * b)));
+      hi = _mm512_mul_ps(hi, _mm512_set1_ps(p.BlockScale(o, 2 * b + 1)));
     }
   } else {
     // The block's 16 possible values as a table; vpermps reads only the low 4 bits of
@@ -59,9 +63,9 @@ inline void Dequant512(const Problem& p, int64_t o, int64_t b, __m512& lo, __m51
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kBlock / 2)));
     const __m512 d = _mm512_set1_ps(p.BlockScale(o, b));
     __m512 table;
-    if constexpr (FMT == 3) {
+    if constexpr (FMT == 3 || FMT == kQ4K) {
       table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                              d, _mm512_set1_ps(HalfToFloat(p.min[o * p.nb + b])));
+                              d, _mm512_set1_ps(p.BlockMin(o, b)));
     } else {
       table = _mm512_mul_ps(
           _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), d);
@@ -287,11 +291,20 @@ inline void Dequant(const Problem& p, int64_t o, int64_t b, float* w) {
       for (int64_t j = 0; j < kBlock; ++j) w[j] = static_cast<float>(q[j]) * d;
       return;
     }
+    case kQ6K: {   // a scale per 16 elements
+      const int8_t* q = reinterpret_cast<const int8_t*>(row) + b * kBlock;
+      for (int64_t h = 0; h < 2; ++h) {
+        const float d = p.BlockScale(o, 2 * b + h);
+#pragma omp simd
+        for (int64_t j = h * 16; j < h * 16 + 16; ++j) w[j] = static_cast<float>(q[j]) * d;
+      }
+      return;
+    }
     default: {
       const uint8_t* q = row + b * (kBlock / 2);
       const float d = p.BlockScale(o, b);
-      const bool has_min = p.fmt == 3;
-      const float m = has_min ? HalfToFloat(p.min[o * p.nb + b]) : 0.0f;
+      const bool has_min = p.fmt == 3 || p.fmt == kQ4K;
+      const float m = has_min ? p.BlockMin(o, b) : 0.0f;
       const float shift = has_min ? 0.0f : 8.0f;
 #pragma omp simd
       for (int64_t j = 0; j < kBlock / 2; ++j) {
@@ -356,7 +369,9 @@ void Rows(const Problem& p, int64_t begin, int64_t end) {
     case 0: return Rows512<0>(p, begin, end);
     case 1: return Rows512<1>(p, begin, end);
     case 2: return Rows512<2>(p, begin, end);
-    default: return Rows512<3>(p, begin, end);
+    case 3: return Rows512<3>(p, begin, end);
+    case kQ4K: return Rows512<kQ4K>(p, begin, end);
+    default: return Rows512<kQ6K>(p, begin, end);
   }
 #else
   PortableRows(p, begin, end);
@@ -369,7 +384,7 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
                        ffi::ResultBuffer<ffi::F32> out) {
   Problem p{};
   if (ffi::Error e = ParseQuantOperands("quant_matmul", x.dimensions(), data, scale, min,
-                                        layer_index, fmt, &p);
+                                        layer_index, fmt, kQ6K, &p);
       e.failure())
     return e;
   p.x = x.typed_data();

@@ -1,14 +1,22 @@
 """Quantized weights of random blocks, and the native products called directly, for
 tests of `models.quant`'s kernels."""
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpd.models import quant
+from jaxpd.models import kquant, quant
+from tests.support.gguf_files import random_k_blocks
+
+Q = gguf.GGMLQuantizationType
 
 
 def random_blocks(fmt: str, rows: int, cols: int, rng) -> quant.QuantizedWeight:
-    """A [cols -> rows] weight of random blocks in a GGUF format, small float16 scales."""
+    """A [cols -> rows] weight of random blocks in a GGUF format, small float16 scales.
+    The K-quants (`q4_k`, `q6_k`): random GGUF super-blocks read as the loader reads
+    them, cut to `cols` (any multiple of 32; the kernels take any)."""
+    if fmt in ("q4_k", "q6_k"):
+        return _random_k(fmt, rows, cols, rng)
     size = {"q8_0": 34, "q4_0": 18, "q4_1": 20}[fmt]
     raw = rng.integers(0, 256, size=(rows, cols // 32, size), dtype=np.uint8)
     raw[:, :, 0:2] = rng.uniform(0.005, 0.02, (rows, cols // 32, 1)).astype(np.float16).view(np.uint8)
@@ -16,6 +24,21 @@ def random_blocks(fmt: str, rows: int, cols: int, rng) -> quant.QuantizedWeight:
         raw[:, :, 2:4] = rng.uniform(-0.1, 0.0, (rows, cols // 32, 1)).astype(np.float16).view(np.uint8)
     parts = quant.from_gguf_rows(raw.reshape(-1), fmt, rows, cols, "w")
     return quant.QuantizedWeight(*(None if a is None else jnp.asarray(a) for a in parts),
+                                 fmt=fmt, float_shape=(cols, rows), in_dims=(0,))
+
+
+def _random_k(fmt: str, rows: int, cols: int, rng) -> quant.QuantizedWeight:
+    qtype = {"q4_k": Q.Q4_K, "q6_k": Q.Q6_K}[fmt]
+    whole = -(-cols // kquant.SUPER) * kquant.SUPER
+    raw = random_k_blocks(rows, whole, qtype, rng)
+    got, data, scale, low = kquant.from_gguf_k_rows(raw.reshape(-1), qtype.name, rows, whole, "w")
+    assert got == fmt
+    per = {"data": cols // 2 if fmt == "q4_k" else cols,
+           "scale": cols // (32 if fmt == "q4_k" else 16)}
+    parts = (data[:, :per["data"]], scale[:, :per["scale"]],
+             None if low is None else low[:, :per["scale"]])
+    return quant.QuantizedWeight(*(None if a is None else jnp.asarray(np.ascontiguousarray(a))
+                                   for a in parts),
                                  fmt=fmt, float_shape=(cols, rows), in_dims=(0,))
 
 
