@@ -9,12 +9,18 @@
 // as jnp's gather reads it (negative from the end, then clamped), so the kernel never
 // reads outside the pool and agrees with the reference.
 //
-// Flash-attention's order on a CPU: query rows in tiles of 4 (2 at head dim 128) held
-// in registers against keys 16 at a time, an online softmax, values added into per-row
-// accumulators, never a [T, T] score matrix; each tile reads only the keys up to its
-// own last row. Keys are first transposed into blocks of [H, 16] so that 16 scores are
-// one vector per head dim. Built for AVX-512 only: on other CPUs the library has no
-// such symbol and prefill stays on the jnp reference (XLA:CPU's own code for it).
+// Flash-attention's order on a CPU, as two small matrix products per block of 64 keys:
+// a task takes 16 query positions of one kv head and stacks the G query heads sharing
+// it as the rows of one tile (so each key and value vector read serves all of them);
+// for each key block it computes the rows' scores in register tiles (6 rows x 64 keys),
+// takes each row's online-softmax step over the whole block there (one max, one
+// rescale, a vectorized exp), then adds the probabilities times the values into the
+// rows' accumulators in register tiles (24 vectors: 6 rows at head dim 64), never a
+// [T, T] score matrix. Each task reads only the keys up to its own last position, and
+// the causal mask costs lane compares only on the block that crosses a row's position.
+// Keys are first transposed into blocks of [H, 16] so that 16 scores are one vector per
+// head dim. Built for AVX-512 only: on other CPUs the library has no such symbol and
+// prefill stays on the jnp reference (XLA:CPU's own code for it).
 // Float32 scores and softmax; keys after a row's position are masked, as the reference's
 // causal mask does (padding sits after the real tokens, so no row sees it).
 #if defined(__AVX512F__)
@@ -133,7 +139,7 @@ struct Rows {
   float* p;           // [rows, kKeys]: this key block's probabilities
   float* o;           // [rows, H]: values weighted so far (not yet divided by l)
   float* m;           // [rows] running max of the scaled scores
-  float* l;           // [rows] running sum of e^(score - m)
+  float* l;           // [rows, 16] running sum of e^(score - m), per lane till the end
   float* corr;        // [rows] this block's rescale of o and l
   const int32_t* limit;   // [rows] keys of this block a row sees: lanes < limit
 };
@@ -184,7 +190,8 @@ inline void ScoreTile(const Rows& rows, int64_t r0, const float* kt) {
     }
     const float corr = ExpNonPositive((rows.m[r] - m_new) * kLn2);
     rows.corr[r] = corr;
-    rows.l[r] = rows.l[r] * corr + _mm512_reduce_add_ps(sum);
+    _mm512_store_ps(rows.l + r * 16, _mm512_fmadd_ps(_mm512_load_ps(rows.l + r * 16),
+                                                     _mm512_set1_ps(corr), sum));
     rows.m[r] = m_new;
   }
 }
@@ -265,13 +272,13 @@ void AttendRows(const Prompt& pr, int64_t b, int64_t kh, int64_t i0) {
   const int64_t T = pr.T, K = pr.K, N = pr.N, G = N / K;
   const int64_t positions = std::min(kRows, T - i0), count = positions * G;
   Buffer buffer;
-  float* base = Allocate(buffer, count * (2 * kH + kKeys + 3) + count + kKeys * 2 + 16);
-  if (base == nullptr) std::abort();   // a few KiB; no way to report from a task
+  float* base = Allocate(buffer, count * (2 * kH + kKeys + 16 + 3) + kKeys * 2 + 16);
+  if (base == nullptr) std::abort();   // tens of KiB; a task has no way to report
   float* qs = base;
   Rows rows{qs, qs + count * kH, qs + count * (kH + kKeys), nullptr, nullptr, nullptr, nullptr};
-  rows.m = rows.o + count * kH;
-  rows.l = rows.m + count;
-  rows.corr = rows.l + count;
+  rows.l = rows.o + count * kH;
+  rows.m = rows.l + count * 16;
+  rows.corr = rows.m + count;
   int32_t* limit = reinterpret_cast<int32_t*>(rows.corr + count);
   rows.limit = limit;
   const float** vrows = reinterpret_cast<const float**>(RoundUpPointer(limit + count));
@@ -285,7 +292,7 @@ void AttendRows(const Prompt& pr, int64_t b, int64_t kh, int64_t i0) {
     }
   for (int64_t r = 0; r < count; ++r) {
     rows.m[r] = -INFINITY;
-    rows.l[r] = 0.0f;
+    _mm512_store_ps(rows.l + r * 16, _mm512_setzero_ps());
   }
   for (int64_t j = 0; j < count * kH; ++j) rows.o[j] = 0.0f;
 
@@ -312,7 +319,7 @@ void AttendRows(const Prompt& pr, int64_t b, int64_t kh, int64_t i0) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = i * G + g;
       float* dst = pr.out + ((b * T + i0 + i) * N + kh * G + g) * kH;
-      const __m512 inv = _mm512_set1_ps(1.0f / rows.l[r]);
+      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(rows.l + r * 16)));
       for (int64_t j = 0; j < kH; j += 16)
         _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_load_ps(rows.o + r * kH + j), inv));
     }
