@@ -43,11 +43,8 @@ struct Free {
 
 // Query positions per task and keys per block. kRows divides kKeys, so a task's last
 // key block starts at or before its first position: every row sees a key of every block.
-#ifndef KROWS
 constexpr int64_t kRows = 16;
-#else
-constexpr int64_t kRows = KROWS;
-#endif
+constexpr int64_t kKeys = 64;
 constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;
 
 // 2^x for the lanes that are kept (x <= 0 there; others may be anything, even inf or
@@ -65,8 +62,6 @@ inline __m512 Exp2(__m512 x) {
   p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
-
-constexpr int64_t kKeys = 64;
 
 constexpr int64_t RoundUp(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
@@ -208,14 +203,15 @@ inline void ValueTile(const Rows& rows, int64_t r0, const float* const* vrows, i
       acc[u][j] = _mm512_mul_ps(_mm512_load_ps(rows.o + (r0 + u) * kH + 16 * j), c);
   }
   const float* p = rows.p + r0 * kKeys;
-  for (int64_t jj = 0; jj < keys; ++jj) {
+  int64_t jj = 0;
+  do {   // keys >= 1: a loop without a zero-trip path keeps acc in registers
     __m512 vv[kV];
     for (int64_t j = 0; j < kV; ++j) vv[j] = _mm512_loadu_ps(vrows[jj] + 16 * j);
     for (int64_t u = 0; u < kR; ++u) {
       const __m512 pu = _mm512_set1_ps(p[u * kKeys + jj]);
       for (int64_t j = 0; j < kV; ++j) acc[u][j] = _mm512_fmadd_ps(pu, vv[j], acc[u][j]);
     }
-  }
+  } while (++jj < keys);
   for (int64_t u = 0; u < kR; ++u)
     for (int64_t j = 0; j < kV; ++j) _mm512_store_ps(rows.o + (r0 + u) * kH + 16 * j, acc[u][j]);
 }
@@ -246,20 +242,12 @@ template <int64_t kH>
 void AttendBlock(const Rows& rows, int64_t count, const float* kt, const float* const* vrows,
                  int64_t keys, bool masked) {
   constexpr int64_t kV = kH / 16, kScoreRows = 6, kValueRows = 24 / kV;
-#ifndef NO_QK
   for (int64_t r = 0; r < count; r += kScoreRows)
-#else
-  for (int64_t r = 0; r < 0; r += kScoreRows)
-#endif
     if (masked)
       ScoreRows<kH, kScoreRows, true>(rows, r, std::min(kScoreRows, count - r), kt);
     else
       ScoreRows<kH, kScoreRows, false>(rows, r, std::min(kScoreRows, count - r), kt);
-#ifndef NO_PV
   for (int64_t r = 0; r < count; r += kValueRows)
-#else
-  for (int64_t r = 0; r < 0; r += kValueRows)
-#endif
     ValueRows<kV, kValueRows>(rows, r, std::min(kValueRows, count - r), vrows, keys);
 }
 
