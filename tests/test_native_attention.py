@@ -86,11 +86,12 @@ def test_kernel_equals_reference_on_every_layer(kh, g, h, page_size, body):
                                          (3, 15, 2, 2, 64), (1, 130, 1, 7, 128), (2, 64, 3, 1, 64)])
 def test_prefill_kernel_equals_reference(b, t, kh, g, h):
     """The native causal attention of a prompt against `causal_attention` (query blocks of
-    the reference; in the kernel, tasks of 16 positions whose G heads are stacked as the
-    rows of one tile, tiles of up to 6 rows for scores and 24 / (H / 16) for values, key
-    blocks of 64, the causal mask only on the blocks that cross a row's position):
-    prompts shorter than, equal to and past multiples of 16 and 64 (1, 15, 17, 65, 255,
-    257), rows left over from every tile width, batches, grouped heads, head dims 32-128."""
+    the reference; in the kernel, tasks of 64, 32 or 16 positions as G grows, their G
+    heads stacked as the rows of one tile, tiles of up to 6 rows for scores and
+    24 / (H / 16) for values, key blocks of 64, the causal mask only on the blocks that
+    cross a row's position): prompts shorter than, equal to and past multiples of 16, 32
+    and 64 (1, 15, 17, 33, 65, 255, 257), rows left over from every tile width, batches,
+    grouped heads (1-7: every task size), head dims 32-128."""
     if not native_attention.prefill_available(h):
         pytest.skip("no AVX-512 here: prefill stays on the reference")
     rng = np.random.default_rng(t)

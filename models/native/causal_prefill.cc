@@ -10,8 +10,8 @@
 // reads outside the pool and agrees with the reference.
 //
 // Flash-attention's order on a CPU, as two small matrix products per block of 64 keys:
-// a task takes 16 query positions of one kv head and stacks the G query heads sharing
-// it as the rows of one tile (so each key and value vector read serves all of them);
+// a task takes 16-64 query positions of one kv head and stacks the G query heads
+// sharing it as the rows of one tile (so each key and value vector read serves all);
 // for each key block it computes the rows' scores in register tiles (6 rows x 64 keys),
 // takes each row's online-softmax step over the whole block there (one max, one
 // rescale, a vectorized exp), then adds the probabilities times the values into the
@@ -41,9 +41,8 @@ struct Free {
   void operator()(float* p) const { std::free(p); }
 };
 
-// Query positions per task and keys per block. kRows divides kKeys, so a task's last
+// Keys per block. A task's query positions (`Prompt::tile`) divide it, so a task's last
 // key block starts at or before its first position: every row sees a key of every block.
-constexpr int64_t kRows = 16;
 constexpr int64_t kKeys = 64;
 constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;
 
@@ -85,6 +84,9 @@ struct Prompt {
   float* out;       // [B, T, N, H]
   float* kt;        // [B, K, T / 16 (rounded up), H, 16]: keys transposed per block of 16
   int64_t B, T, N, K, H, blocks;
+  // Query positions per task: about 100 rows with the G heads stacked, so that a key
+  // and value block read from beyond L2 (a long prompt's) serves many rows.
+  int64_t tile;
   float scale;       // the softmax's 1 / sqrt(H), times log2(e): scores in powers of 2
   // The cached prefix (all null / 0 without one): this layer's [P, page_size, K, H]
   // pools, each row's [W] page ids and prefix length (at most W * page_size).
@@ -251,14 +253,14 @@ void AttendBlock(const Rows& rows, int64_t count, const float* kt, const float* 
     ValueRows<kV, kValueRows>(rows, r, std::min(kValueRows, count - r), vrows, keys);
 }
 
-// Query positions i0 .. i0 + kRows - 1 of row b for all G heads of kv head kh, stacked
+// Query positions i0 .. i0 + pr.tile - 1 of row b for all G heads of kv head kh, stacked
 // as the rows of one tile (position-major: row (i - i0) * G + g), so that each key and
 // value vector read serves all of them: the prefix's key blocks, then the own keys up
 // to the tile's last position, kKeys at a time.
 template <int64_t kH>
 void AttendRows(const Prompt& pr, int64_t b, int64_t kh, int64_t i0) {
   const int64_t T = pr.T, K = pr.K, N = pr.N, G = N / K;
-  const int64_t positions = std::min(kRows, T - i0), count = positions * G;
+  const int64_t positions = std::min(pr.tile, T - i0), count = positions * G;
   Buffer buffer;
   float* base = Allocate(buffer, count * (2 * kH + kKeys + 16 + 3) + kKeys * 2 + 16);
   if (base == nullptr) std::abort();   // tens of KiB; a task has no way to report
@@ -313,7 +315,7 @@ void AttendRows(const Prompt& pr, int64_t b, int64_t kh, int64_t i0) {
     }
 }
 
-// Tasks of the first phase: transpose (b, kh)'s keys; of the second: kRows positions.
+// Tasks of the first phase: transpose (b, kh)'s keys; of the second: pr.tile positions.
 void TransposeTask(const Prompt& pr, int64_t task) {
   const int64_t b = task / pr.K, kh = task % pr.K;
   switch (pr.H) {
@@ -324,15 +326,15 @@ void TransposeTask(const Prompt& pr, int64_t task) {
 }
 
 void AttendTask(const Prompt& pr, int64_t task) {
-  const int64_t blocks = (pr.T + kRows - 1) / kRows;
+  const int64_t blocks = (pr.T + pr.tile - 1) / pr.tile;
   // Longest tasks (the last query blocks, of any row and kv head) first: claimed before
   // the short ones, they leave only short ones to even out the threads' ends.
   const int64_t qb = blocks - 1 - task / (pr.B * pr.K), rest = task % (pr.B * pr.K);
   const int64_t kh = rest % pr.K, b = rest / pr.K;
   switch (pr.H) {
-    case 32: return AttendRows<32>(pr, b, kh, qb * kRows);
-    case 64: return AttendRows<64>(pr, b, kh, qb * kRows);
-    default: return AttendRows<128>(pr, b, kh, qb * kRows);
+    case 32: return AttendRows<32>(pr, b, kh, qb * pr.tile);
+    case 64: return AttendRows<64>(pr, b, kh, qb * pr.tile);
+    default: return AttendRows<128>(pr, b, kh, qb * pr.tile);
   }
 }
 
@@ -353,6 +355,8 @@ ffi::Error PromptOf(const char* name, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi:
   pr.v = v.typed_data();
   pr.out = out->typed_data();
   pr.B = B, pr.T = T, pr.N = N, pr.K = K, pr.H = H, pr.blocks = RoundUp(T, kKeys) / 16;
+  const int64_t G = N / K;
+  pr.tile = G <= 2 ? 64 : G <= 4 ? 32 : 16;
   pr.scale = kLog2e / std::sqrt(static_cast<float>(H));
   return ffi::Error::Success();
 }
@@ -365,7 +369,7 @@ ffi::Error Run(ffi::ThreadPool& pool, Prompt pr) {
   if (pr.kt == nullptr || pr.pkt == nullptr)
     return ffi::Error(ffi::ErrorCode::kResourceExhausted, "causal_prefill: out of memory");
   RunTasks(pool, pr.B * pr.K, [pr](int64_t task) { TransposeTask(pr, task); });
-  RunTasks(pool, pr.B * pr.K * ((pr.T + kRows - 1) / kRows),
+  RunTasks(pool, pr.B * pr.K * ((pr.T + pr.tile - 1) / pr.tile),
            [pr](int64_t task) { AttendTask(pr, task); });
   return ffi::Error::Success();
 }
