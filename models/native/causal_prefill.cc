@@ -135,8 +135,8 @@ struct Rows {
   const float* q;     // [rows, H]: the queries times the softmax's scale
   float* p;           // [rows, kKeys]: this key block's probabilities
   float* o;           // [rows, H]: values weighted so far (not yet divided by l)
-  float* m;           // [rows] running max of the scaled scores
-  float* l;           // [rows, 16] running sum of e^(score - m), per lane till the end
+  float* m;           // [rows] running max of the scores (in powers of 2)
+  float* l;           // [rows, 16] running sum of 2^(score - m), per lane till the end
   float* corr;        // [rows] this block's rescale of o and l
   const int32_t* limit;   // [rows] keys of this block a row sees: lanes < limit
 };
