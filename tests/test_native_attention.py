@@ -81,11 +81,17 @@ def test_kernel_equals_reference_on_every_layer(kh, g, h, page_size, body):
 
 
 @pytest.mark.parametrize("b,t,kh,g,h", [(1, 100, 4, 2, 32), (3, 33, 2, 2, 64), (2, 256, 3, 3, 64),
-                                         (1, 40, 1, 4, 128), (2, 17, 4, 1, 32), (1, 1, 2, 2, 32)])
+                                         (1, 40, 1, 4, 128), (2, 17, 4, 1, 32), (1, 1, 2, 2, 32),
+                                         (1, 257, 3, 3, 64), (2, 255, 2, 1, 128), (1, 65, 1, 5, 32),
+                                         (3, 15, 2, 2, 64), (1, 130, 1, 7, 128), (2, 64, 3, 1, 64)])
 def test_prefill_kernel_equals_reference(b, t, kh, g, h):
     """The native causal attention of a prompt against `causal_attention` (query blocks of
-    the reference, tiles of 4 or 2 rows and key blocks of 16 in the kernel): prompts that
-    are no multiple of either, batches, grouped heads, head dims 32-128."""
+    the reference; in the kernel, tasks of 64, 32 or 16 positions as G grows, their G
+    heads stacked as the rows of one tile, tiles of up to 6 rows for scores and
+    24 / (H / 16) for values, key blocks of 64, the causal mask only on the blocks that
+    cross a row's position): prompts shorter than, equal to and past multiples of 16, 32
+    and 64 (1, 15, 17, 33, 65, 255, 257), rows left over from every tile width, batches,
+    grouped heads (1-7: every task size), head dims 32-128."""
     if not native_attention.prefill_available(h):
         pytest.skip("no AVX-512 here: prefill stays on the reference")
     rng = np.random.default_rng(t)
@@ -96,13 +102,15 @@ def test_prefill_kernel_equals_reference(b, t, kh, g, h):
 
 
 @pytest.mark.parametrize("b,t,kh,g,h,page_size,width", [
-    (3, 40, 2, 2, 32, 4, 9), (2, 17, 1, 3, 64, 16, 3), (1, 1, 2, 1, 128, 8, 2)])
+    (3, 40, 2, 2, 32, 4, 9), (2, 17, 1, 3, 64, 16, 3), (1, 1, 2, 1, 128, 8, 2),
+    (4, 70, 2, 3, 64, 16, 9), (4, 33, 1, 2, 128, 8, 17)])
 def test_prefix_kernel_equals_gathering_the_prefix_for_the_reference(b, t, kh, g, h,
                                                                      page_size, width):
     """A prefill with context's attention read in place from the pool, against the
-    reference over the gathered prefix: prefixes of no page, part of a block of 16
-    keys, the whole table and more than it (the table's keys count), page ids past the
-    pool and negative (read as jnp's gather reads them), each layer of the pool."""
+    reference over the gathered prefix: prefixes of no page, part of a block of 64
+    keys, exactly one block, several blocks and a part, the whole table and more than it
+    (the table's keys count), page ids past the pool and negative (read as jnp's gather
+    reads them), each layer of the pool."""
     if not native_attention.prefill_available(h):
         pytest.skip("no AVX-512 here: prefill stays on the reference")
     from jaxpd.models.attention import gather_pages
@@ -116,6 +124,8 @@ def test_prefix_kernel_equals_gathering_the_prefix_for_the_reference(b, t, kh, g
     lengths[0] = 0 if b > 1 else width * page_size + 5    # none, or past the table
     if b > 2:
         lengths[1:3] = 3, width * page_size
+    if b > 3:
+        lengths[3] = 64
     tables, lengths = jnp.asarray(tables, jnp.int32), jnp.asarray(lengths, jnp.int32)
     native = jax.jit(native_attention.prefix_attention_native)
     reference = jax.jit(lambda q, k, v, kp, vp, layer, tables, lengths: causal_attention(
