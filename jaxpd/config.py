@@ -69,6 +69,15 @@ def resolve_attention_impl(impl: str, platform: str, interpret: bool = False,
     return impl
 
 
+def prebuild_native(impl: str, platform: str, dtype: str) -> None:
+    """Start building the native kernels on a thread of their own where
+    `resolve_attention_impl(impl, platform)` with `dtype` will ask for them (CPU, float32), so a
+    cold start builds them while it loads weights (`native_attention.prebuild`)."""
+    if impl in ("auto", "native") and platform == "cpu" and dtype == "float32":
+        from jaxpd.models import native_attention
+        native_attention.prebuild()
+
+
 def _native_available() -> bool:
     from jaxpd.models import native_attention
     return native_attention.available()

@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 import jax
 
 from jaxpd.config import (ACCELERATOR_KV_FRACTION, CPU_KV_CACHE_BYTES, EngineConfig,
-                          fit_context, kv_page_bytes, resolve_dtype)
+                          fit_context, kv_page_bytes, prebuild_native, resolve_dtype)
 from jaxpd.engine import elastic
 from jaxpd.engine.engine import Engine
 from jaxpd.engine.placement import role_shardings
@@ -91,6 +91,8 @@ class LLM(Frontend):
         # A mesh across processes: each process reads only the weight shards its
         # devices hold, straight onto the mesh.
         shardings = None if plan is None else lambda cfg: role_shardings(cfg, mesh)
+        prebuild_native(engine_options.get("attention_impl", EngineConfig.attention_impl),
+                        jax.default_backend(), resolve_dtype(dtype, jax.default_backend()))
         quantization = engine_options.get("quantization", EngineConfig.quantization)
         loaded = checkpoint.load(resolve_model(model), dtype="float32", shardings=shardings,
                                  quantization=quantization)

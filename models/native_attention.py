@@ -21,6 +21,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -93,16 +94,38 @@ def _build(extra_flags: tuple[str, ...] = (), sources: tuple[Path, ...] = _SOURC
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        command = [compiler, *_FLAGS, *extra_flags, "-I", jax.ffi.include_dir(),
-                   *map(str, sources), "-o", tmp]
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[:2000]}")
+        with tempfile.TemporaryDirectory(dir=out.parent) as objects:
+            compile_flags = [f for f in (*_FLAGS, *extra_flags) if f != "-shared"]
+            # One compiler process a source, all at once: a cold start waits for the
+            # build, and one process would keep only one core busy.
+            commands = [[compiler, *compile_flags, "-I", jax.ffi.include_dir(), "-c",
+                         str(source), "-o", os.path.join(objects, f"{i}-{source.stem}.o")]
+                        for i, source in enumerate(sources)]
+            _run_all(compiler, commands)
+            _run_all(compiler, [[compiler, "-shared", "-fPIC", *(c[-1] for c in commands),
+                                 "-o", tmp]])
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def _run_all(compiler: str, commands: list[list[str]]) -> None:
+    """Run `commands` at once; a failed one raises with its error output."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in commands]
+    failed = None
+    for proc in procs:
+        try:
+            _, stderr = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, stderr = proc.communicate()
+        if proc.returncode != 0 and failed is None:
+            failed = stderr
+    if failed is not None:
+        raise RuntimeError(f"{compiler} failed: {failed.strip()[:2000]}")
 
 
 def version_refusal(version: str) -> str | None:
@@ -113,10 +136,26 @@ def version_refusal(version: str) -> str | None:
     return None
 
 
-@functools.cache
+def prebuild() -> None:
+    """Build and register the library on a thread of its own, so that a cold start
+    builds it while the caller loads weights; the first `available()` waits for it."""
+    threading.Thread(target=_load, name="jaxpd-native-build", daemon=True).start()
+
+
+# Held while a thread loads: `available()` during `prebuild` waits for it.
+_loading = threading.Lock()
+
+
 def _load() -> tuple[bool, str]:
-    """(whether the kernels are built and registered, why not); registers the prefill
-    kernel too where the library has it (`prefill_available`)."""
+    """(whether the kernels are built and registered, why not), built once."""
+    with _loading:
+        return _load_once()
+
+
+@functools.cache
+def _load_once() -> tuple[bool, str]:
+    """`_load`'s result; registers the prefill kernel too where the library has it
+    (`prefill_available`)."""
     global _prefill_registered
     import jaxlib
     refusal = version_refusal(jaxlib.__version__)

@@ -164,13 +164,13 @@ def test_a_page_id_outside_the_pool_is_read_as_the_reference_reads_it():
 
 
 def test_build_is_cached_per_source_and_reports_a_failed_compiler(tmp_path, monkeypatch):
-    # A stand-in compiler that logs each build and writes its -o file: the caching is
+    # A stand-in compiler that logs each call and writes its -o file: the caching is
     # what is checked here (every other test here loads a library really compiled).
     log = tmp_path / "builds.log"
     compiler = tmp_path / "fake-c++"
     compiler.write_text(f"""#!/bin/sh
 if [ "$1" = --version ]; then echo "fake c++ 1"; exit 0; fi
-echo build >> {log}
+echo "$@" >> {log}
 while [ $# -gt 1 ]; do if [ "$1" = -o ]; then echo library > "$2"; fi; shift; done
 """)
     compiler.chmod(0o755)
@@ -178,14 +178,45 @@ while [ $# -gt 1 ]; do if [ "$1" = -o ]; then echo library > "$2"; fi; shift; do
     monkeypatch.setenv("JAXPD_CACHE", str(tmp_path))
     path = native_attention._build()
     assert path.parent == tmp_path / "native" and path.read_text() == "library\n"
-    assert native_attention._build() == path and log.read_text() == "build\n"
+    # One object a source (compiled at once), then one link of them all.
+    calls = log.read_text().splitlines()
+    sources = native_attention._SOURCES
+    assert len(calls) == len(sources) + 1
+    assert sorted(c.split(" -c ")[1].split()[0] for c in calls[:-1]) == \
+        sorted(map(str, sources))
+    assert calls[-1].startswith("-shared") and calls[-1].count(".o") == len(sources)
+    assert native_attention._build() == path and len(log.read_text().splitlines()) == len(calls)
     assert native_attention._build(("-mno-avx512f",)) != path      # other flags: another key
-    assert log.read_text() == "build\nbuild\n"
+    assert len(log.read_text().splitlines()) == 2 * len(calls)
+    assert not [p for p in (tmp_path / "native").iterdir() if p.suffix != ".so"]
     monkeypatch.setenv("JAXPD_CACHE", str(tmp_path / "other"))
     monkeypatch.setenv("CXX", "false")                   # a compiler that always fails
     with pytest.raises(RuntimeError, match="false failed"):
         native_attention._build()
     assert not any(p.suffix == ".so" for p in (tmp_path / "other" / "native").iterdir())
+
+
+def test_prebuild_builds_once_on_its_own_thread(monkeypatch):
+    # `available()` during a prebuild waits for it: the library loads once.
+    import threading
+    calls, started, release = [], threading.Event(), threading.Event()
+
+    def slow_load():
+        calls.append(threading.current_thread().name)
+        started.set()
+        release.wait(10)
+        return True, ""
+
+    monkeypatch.setattr(native_attention, "_load_once", slow_load)
+    native_attention.prebuild()
+    assert started.wait(10)
+    waiter = threading.Thread(target=native_attention.available)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and calls == ["jaxpd-native-build"]
+    release.set()
+    waiter.join(10)
+    assert not waiter.is_alive() and len(calls) == 2       # (the stand-in is not cached)
 
 
 def test_jaxlib_older_than_the_kernel_has_served_with_gets_the_reference():
