@@ -4,8 +4,9 @@
 products of quantized weights (`models.quant`: `native/quant_matmul.cc`, float
 activations; `native/quant_dot.cc`, activations quantized to int8).
 
-The sources are compiled into one library with the system's C++ compiler the first time it
-is needed, against the XLA FFI headers of the *installed* jaxlib (so the handler always
+The sources are compiled into two libraries with the system's C++ compiler the first time
+each is needed (the attention kernels, `available()`; the quantized products, only for
+quantized weights, `quant_available()`), against the XLA FFI headers of the *installed* jaxlib (so the handler always
 matches the runtime it registers with), and cached in `$JAXPD_CACHE/native`
 (`jaxpd.paths`) under a name that hashes the sources, the jaxlib version, the
 compiler and this CPU. No compiler, or a failed build: `available()` is False with the
@@ -30,9 +31,10 @@ import jax.numpy as jnp
 from jaxpd import paths
 
 _NATIVE = Path(__file__).parent / "native"
-# One library: the attention kernels and the quantized product (`models.quant`).
-_SOURCES = (_NATIVE / "paged_attention.cc", _NATIVE / "causal_prefill.cc",
-            _NATIVE / "quant_matmul.cc", _NATIVE / "quant_dot.cc")
+_ATTENTION_SOURCES = (_NATIVE / "paged_attention.cc", _NATIVE / "causal_prefill.cc")
+# The quantized products (`models.quant`): a float model never builds them.
+_QUANT_SOURCES = (_NATIVE / "quant_matmul.cc", _NATIVE / "quant_dot.cc")
+_SOURCES = _ATTENTION_SOURCES + _QUANT_SOURCES
 _HEADERS = (_NATIVE / "common.h", _NATIVE / "quant_common.h")
 # The oldest jaxlib it has served with. With jaxlib 0.6.0 (`.ci/min_versions`) it built
 # but a decode worker process failed its requests, not yet understood: older ones use
@@ -137,8 +139,9 @@ def version_refusal(version: str) -> str | None:
 
 
 def prebuild() -> None:
-    """Build and register the library on a thread of its own, so that a cold start
-    builds it while the caller loads weights; the first `available()` waits for it."""
+    """Build and register the attention library on a thread of its own, so that a cold
+    start builds it while the caller loads weights; the first `available()` waits for
+    it."""
     threading.Thread(target=_load, name="jaxpd-native-build", daemon=True).start()
 
 
@@ -147,9 +150,25 @@ _loading = threading.Lock()
 
 
 def _load() -> tuple[bool, str]:
-    """(whether the kernels are built and registered, why not), built once."""
+    """(whether the attention kernels are built and registered, why not), built once."""
     with _loading:
         return _load_once()
+
+
+def _registered(sources: tuple[Path, ...], targets) -> tuple[bool, str]:
+    """Build the library of `sources` and register `targets(library)`'s (name,
+    symbol) pairs: (whether it did, why not)."""
+    import jaxlib
+    refusal = version_refusal(jaxlib.__version__)
+    if refusal is not None:
+        return False, refusal
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build(sources=sources)))
+        for name, symbol in targets(library):
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
+    except Exception as e:   # noqa: BLE001 - any failure means: use the reference
+        return False, f"{type(e).__name__}: {e}"
+    return True, ""
 
 
 @functools.cache
@@ -157,38 +176,48 @@ def _load_once() -> tuple[bool, str]:
     """`_load`'s result; registers the prefill kernel too where the library has it
     (`prefill_available`)."""
     global _prefill_registered
-    import jaxlib
-    refusal = version_refusal(jaxlib.__version__)
-    if refusal is not None:
-        return False, refusal
-    try:
-        library = ctypes.cdll.LoadLibrary(str(_build()))
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.JaxpdPagedDecodeF32),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(QUANT_MATMUL_TARGET,
-                                    jax.ffi.pycapsule(library.JaxpdQuantMatmul), platform="cpu")
-        jax.ffi.register_ffi_target(QUANT_DOT_TARGET,
-                                    jax.ffi.pycapsule(library.JaxpdQuantDot), platform="cpu")
+    prefill = []
+
+    def targets(library):
+        found = [(_TARGET, library.JaxpdPagedDecodeF32)]
         if hasattr(library, "JaxpdCausalPrefillF32"):      # built where AVX-512 is
-            jax.ffi.register_ffi_target(_PREFILL_TARGET,
-                                        jax.ffi.pycapsule(library.JaxpdCausalPrefillF32),
-                                        platform="cpu")
-            jax.ffi.register_ffi_target(_PREFIX_TARGET,
-                                        jax.ffi.pycapsule(library.JaxpdPrefixPrefillF32),
-                                        platform="cpu")
-            _prefill_registered = True
-    except Exception as e:   # noqa: BLE001 - any failure means: use the reference
-        return False, f"{type(e).__name__}: {e}"
-    return True, ""
+            found += [(_PREFILL_TARGET, library.JaxpdCausalPrefillF32),
+                      (_PREFIX_TARGET, library.JaxpdPrefixPrefillF32)]
+            prefill.append(True)
+        return found
+
+    loaded = _registered(_ATTENTION_SOURCES, targets)
+    _prefill_registered = loaded[0] and bool(prefill)
+    return loaded
+
+
+@functools.cache
+def _load_quant() -> tuple[bool, str]:
+    return _registered(_QUANT_SOURCES, lambda library: [
+        (QUANT_MATMUL_TARGET, library.JaxpdQuantMatmul),
+        (QUANT_DOT_TARGET, library.JaxpdQuantDot)])
 
 
 def available() -> bool:
-    """Whether the kernel is built and registered (building it on first call)."""
+    """Whether the attention kernels are built and registered (building them on first
+    call)."""
     return _load()[0]
 
 
 def unavailable_reason() -> str:
     return _load()[1]
+
+
+def quant_available() -> bool:
+    """Whether the quantized products (`models.quant`) are built and registered
+    (building them on first call)."""
+    with _loading:
+        return _load_quant()[0]
+
+
+def quant_unavailable_reason() -> str:
+    with _loading:
+        return _load_quant()[1]
 
 
 def paged_attention_native(q_BNH: jnp.ndarray, k_pool_LPSKH: jnp.ndarray,

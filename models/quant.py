@@ -226,10 +226,10 @@ NATIVE_MAX_ROWS = 64
 
 
 def native_available() -> bool:
-    """Whether the native CPU product is built and registered here (the library of
+    """Whether the native CPU product is built and registered here (a library of
     `models.native_attention`, built on first use)."""
     from jaxpd.models import native_attention
-    return native_attention.available()
+    return native_attention.quant_available()
 
 
 def native_matmul(x: jnp.ndarray, w: QuantizedWeight, layer=None) -> jnp.ndarray | None:

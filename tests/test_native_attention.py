@@ -26,6 +26,20 @@ def test_kernel_builds_where_a_compiler_is_found():
     assert native_attention.available(), native_attention.unavailable_reason()
 
 
+def test_attention_library_leaves_the_quantized_products_out():
+    # A float model's cold start builds only what it runs: the quantized products are
+    # a library of their own, built when quantized weights ask for them.
+    assert native_attention.available()
+    attention = native_attention._build(sources=native_attention._ATTENTION_SOURCES)
+    library = ctypes.cdll.LoadLibrary(str(attention))
+    assert hasattr(library, "JaxpdPagedDecodeF32") and not hasattr(library, "JaxpdQuantDot")
+    assert set(native_attention._ATTENTION_SOURCES).isdisjoint(native_attention._QUANT_SOURCES)
+    assert native_attention.quant_available()
+    quant = ctypes.cdll.LoadLibrary(str(native_attention._build(
+        sources=native_attention._QUANT_SOURCES)))
+    assert hasattr(quant, "JaxpdQuantMatmul") and hasattr(quant, "JaxpdQuantDot")
+
+
 def _pools(seed, *, layers=3, num_pages=13, page_size=4, kh=2, h=16):
     rng = np.random.default_rng(seed)
     shape = (layers, num_pages, page_size, kh, h)

@@ -149,8 +149,8 @@ def test_native_product_matches_the_jnp_form(fmt, body):
     products of order 1). Rows of x: one, a partial register tile, whole tiles, a
     tile and one, and a prefill's many; 42 rows of W: whole tiles of 4 and two over."""
     from jaxpd.models import native_attention
-    if not native_attention.available():
-        pytest.skip(native_attention.unavailable_reason())
+    if not native_attention.quant_available():
+        pytest.skip(native_attention.quant_unavailable_reason())
     product = kernel_call(native_attention.QUANT_MATMUL_TARGET)
     if body == "portable":
         product = _portable_product()
@@ -195,8 +195,8 @@ def test_native_product_panels_match_the_jnp_form(fmt):
     rows of x at the threshold, whole and partial tiles of 6, and 300 rows (x in two
     blocks for L2). Sums of 1,600 products: within 1e-5 of the largest output."""
     from jaxpd.models import native_attention
-    if not native_attention.available():
-        pytest.skip(native_attention.unavailable_reason())
+    if not native_attention.quant_available():
+        pytest.skip(native_attention.quant_unavailable_reason())
     product = jax.jit(kernel_call(native_attention.QUANT_MATMUL_TARGET))
     rng = np.random.default_rng(1)
     rows, cols = 13, 1600
@@ -322,7 +322,7 @@ def test_llm_serves_kept_blocks_as_the_float_path_does(tmp_path, hf_llama, bpe, 
             runner = llm.engine.decode_runner
             if quantization == "auto":
                 assert quant.any_quantized(runner.params)
-                assert (runner.quant_matmul is not None) == native_attention.available()
+                assert (runner.quant_matmul is not None) == native_attention.quant_available()
                 if runner.quant_matmul is not None:   # its cost grows with every row
                     assert llm.engine.decode_loop.batch_sizes[0] == 1
     assert outs["auto"] == outs["none"]

@@ -32,8 +32,8 @@ ROWS = (1, 3, 16, 33)
 
 
 def _needs_native():
-    if not native_attention.available():
-        pytest.skip(native_attention.unavailable_reason())
+    if not native_attention.quant_available():
+        pytest.skip(native_attention.quant_unavailable_reason())
 
 
 def _body(flags: tuple[str, ...], name: str, sources=None):

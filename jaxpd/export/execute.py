@@ -117,6 +117,7 @@ def execute(programs: str, reference: str, match: str | None = None, seed: int =
         # Programs with the native kernels call FFI targets this process must register.
         from jaxpd.models import native_attention
         native_attention.available()
+        native_attention.quant_available()
     theirs = {p["name"]: p for p in ref["programs"]}
     rows = []
     for p in mine["programs"]:
