@@ -69,13 +69,16 @@ def resolve_attention_impl(impl: str, platform: str, interpret: bool = False,
     return impl
 
 
-def prebuild_native(impl: str, platform: str, dtype: str) -> None:
-    """Start building the native kernels on a thread of their own where
-    `resolve_attention_impl(impl, platform)` with `dtype` will ask for them (CPU, float32), so a
-    cold start builds them while it loads weights (`native_attention.prebuild`)."""
-    if impl in ("auto", "native") and platform == "cpu" and dtype == "float32":
-        from jaxpd.models import native_attention
-        native_attention.prebuild()
+def prebuild_native(impl: str, platform: str, dtype: str, quantized: bool) -> None:
+    """Start building the native kernels on threads of their own where they will be
+    asked for (`native_attention.prebuild`), so a cold start builds them while it loads
+    weights: the attention kernels where `resolve_attention_impl(impl, platform)` with
+    `dtype` asks (CPU, float32), the quantized products where the weights will be
+    `quantized` (CPU, float32: `Engine._quant_matmul`)."""
+    if platform != "cpu" or dtype != "float32":
+        return
+    from jaxpd.models import native_attention
+    native_attention.prebuild(attention=impl in ("auto", "native"), quantized=quantized)
 
 
 def _native_available() -> bool:

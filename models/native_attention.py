@@ -138,15 +138,17 @@ def version_refusal(version: str) -> str | None:
     return None
 
 
-def prebuild() -> None:
-    """Build and register the attention library on a thread of its own, so that a cold
-    start builds it while the caller loads weights; the first `available()` waits for
-    it."""
-    threading.Thread(target=_load, name="jaxpd-native-build", daemon=True).start()
+def prebuild(attention: bool = True, quantized: bool = False) -> None:
+    """Build and register the attention library (and, `quantized`, the products') on
+    threads of their own, so that a cold start builds them while the caller loads
+    weights; the first `available()` (`quant_available()`) waits for its build."""
+    for wanted, load in ((attention, _load), (quantized, quant_available)):
+        if wanted:
+            threading.Thread(target=load, name="jaxpd-native-build", daemon=True).start()
 
 
-# Held while a thread loads: `available()` during `prebuild` waits for it.
-_loading = threading.Lock()
+# Held while a thread loads a library: a caller asking meanwhile waits for it.
+_loading, _loading_quant = threading.Lock(), threading.Lock()
 
 
 def _load() -> tuple[bool, str]:
@@ -211,12 +213,12 @@ def unavailable_reason() -> str:
 def quant_available() -> bool:
     """Whether the quantized products (`models.quant`) are built and registered
     (building them on first call)."""
-    with _loading:
+    with _loading_quant:
         return _load_quant()[0]
 
 
 def quant_unavailable_reason() -> str:
-    with _loading:
+    with _loading_quant:
         return _load_quant()[1]
 
 

@@ -233,6 +233,19 @@ def test_prebuild_builds_once_on_its_own_thread(monkeypatch):
     assert not waiter.is_alive() and len(calls) == 2       # (the stand-in is not cached)
 
 
+def test_prebuild_starts_only_the_libraries_the_engine_will_ask_for(monkeypatch):
+    from jaxpd.config import prebuild_native
+    asked = []
+    monkeypatch.setattr(native_attention, "prebuild", lambda **kw: asked.append(kw))
+    prebuild_native("auto", "cpu", "float32", quantized=True)
+    prebuild_native("reference", "cpu", "float32", quantized=False)
+    assert asked == [{"attention": True, "quantized": True},
+                     {"attention": False, "quantized": False}]
+    prebuild_native("auto", "cpu", "bfloat16", quantized=True)     # neither serves bfloat16
+    prebuild_native("auto", "tpu", "float32", quantized=True)
+    assert len(asked) == 2
+
+
 def test_jaxlib_older_than_the_kernel_has_served_with_gets_the_reference():
     assert native_attention.version_refusal("0.6.0") == "needs jaxlib >= 0.10, found 0.6.0"
     assert native_attention.version_refusal("0.9.2") is not None
