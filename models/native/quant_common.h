@@ -63,14 +63,23 @@ struct QuantOperands {
   float RowScale(int64_t o) const {   // int8's per-row scale, applied to the sum
     return fmt == 0 ? static_cast<const float*>(scale)[o] : 1.0f;
   }
-  // Scale `b` of row o: block b's (q6_k: sub-block b's, two to a block).
+  // Scale `b` of row o: block b's (q6_k: sub-block b's, two to a block). The vector
+  // kernels, templated on the format, take the `FMT` forms: no test of `fmt` per block.
+  template <int64_t FMT>
+  float BlockScaleOf(int64_t o, int64_t b) const {
+    if constexpr (FMT >= kQ4K) return static_cast<const float*>(scale)[o * nb + b];
+    else return HalfToFloat(static_cast<const uint16_t*>(scale)[o * nb + b]);
+  }
+  template <int64_t FMT>
+  float BlockMinOf(int64_t o, int64_t b) const {
+    if constexpr (FMT == kQ4K) return static_cast<const float*>(min)[o * nb + b];
+    else return HalfToFloat(static_cast<const uint16_t*>(min)[o * nb + b]);
+  }
   float BlockScale(int64_t o, int64_t b) const {
-    if (fmt >= kQ4K) return static_cast<const float*>(scale)[o * nb + b];
-    return HalfToFloat(static_cast<const uint16_t*>(scale)[o * nb + b]);
+    return fmt >= kQ4K ? BlockScaleOf<kQ4K>(o, b) : BlockScaleOf<1>(o, b);
   }
   float BlockMin(int64_t o, int64_t b) const {
-    if (fmt == kQ4K) return static_cast<const float*>(min)[o * nb + b];
-    return HalfToFloat(static_cast<const uint16_t*>(min)[o * nb + b]);
+    return fmt == kQ4K ? BlockMinOf<kQ4K>(o, b) : BlockMinOf<3>(o, b);
   }
 };
 

@@ -230,9 +230,9 @@ void Repack(const DotProblem& p, int64_t o0, int64_t rows, Panel& panel) {
       }
       _mm256_store_si256(reinterpret_cast<__m256i*>(groups), block);
       for (int64_t k = 0; k < 8; ++k) to[k * kPanelRows] = groups[k];
-      const float dw = FMT == 0 ? 1.0f : p.BlockScale(o, b);
+      const float dw = FMT == 0 ? 1.0f : p.BlockScaleOf<FMT>(o, b);
       panel.scale[b * kPanelRows + r] = dw;
-      if constexpr (FMT == 3) panel.offset[b * kPanelRows + r] = p.BlockMin(o, b);
+      if constexpr (FMT == 3) panel.offset[b * kPanelRows + r] = p.BlockMinOf<FMT>(o, b);
     }
   }
 }
@@ -326,7 +326,7 @@ void Tile(const DotProblem& p, int64_t o0, int64_t stride, int64_t m0) {
         const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kBlock / 2));
         w[r] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(c, 4), c), _mm256_set1_epi8(0x0F));
       }
-      ws[r] = FMT == 0 ? 1.0f : p.BlockScale(o, b);
+      ws[r] = FMT == 0 ? 1.0f : p.BlockScaleOf<FMT>(o, b);
     }
     for (int64_t t = 0; t < TM; ++t) {
       const __m256i xv = _mm256_loadu_si256(
@@ -347,7 +347,7 @@ void Tile(const DotProblem& p, int64_t o0, int64_t stride, int64_t m0) {
       if constexpr (FMT >= 2) {   // the nibbles' offset
         const float* xs = p.xs + (m0 + t) * p.xb;
         for (int64_t b = 0; b < p.xb; ++b)
-          sum += (FMT == 3 ? p.BlockMin(o, b) : -8.0f * p.BlockScale(o, b)) * xs[b];
+          sum += (FMT == 3 ? p.BlockMinOf<FMT>(o, b) : -8.0f * p.BlockScaleOf<FMT>(o, b)) * xs[b];
       }
       p.out[(m0 + t) * p.O + o] = sum * p.RowScale(o);
     }
@@ -379,10 +379,10 @@ void Tile(const DotProblem& p, int64_t o0, int64_t stride, int64_t m0) {
           for (int64_t j = 0; j < kBlock / 2; ++j)
             dot += (q[j] & 0xF) * xb[j] + (q[j] >> 4) * xb[j + kBlock / 2];
         }
-        const float dw = FMT == 0 ? 1.0f : p.BlockScale(o, b);
+        const float dw = FMT == 0 ? 1.0f : p.BlockScaleOf<FMT>(o, b);
         sum += dw * dx[b] * static_cast<float>(dot);
         if constexpr (FMT == 2) sum += -8.0f * dw * xs[b];
-        if constexpr (FMT == 3) sum += p.BlockMin(o, b) * xs[b];
+        if constexpr (FMT == 3) sum += p.BlockMinOf<FMT>(o, b) * xs[b];
       }
       p.out[(m0 + t) * p.O + o] = sum * p.RowScale(o);
     }

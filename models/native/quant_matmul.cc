@@ -48,12 +48,12 @@ inline void Dequant512(const Problem& p, int64_t o, int64_t b, __m512& lo, __m51
     lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
     if constexpr (FMT == 1) {
-      const __m512 d = _mm512_set1_ps(p.BlockScale(o, b));
+      const __m512 d = _mm512_set1_ps(p.BlockScaleOf<FMT>(o, b));
       lo = _mm512_mul_ps(lo, d);
       hi = _mm512_mul_ps(hi, d);
     } else if constexpr (FMT == kQ6K) {   // a scale per 16: one for each half
-      lo = _mm512_mul_ps(lo, _mm512_set1_ps(p.BlockScale(o, 2 * b)));
-      hi = _mm512_mul_ps(hi, _mm512_set1_ps(p.BlockScale(o, 2 * b + 1)));
+      lo = _mm512_mul_ps(lo, _mm512_set1_ps(p.BlockScaleOf<FMT>(o, 2 * b)));
+      hi = _mm512_mul_ps(hi, _mm512_set1_ps(p.BlockScaleOf<FMT>(o, 2 * b + 1)));
     }
   } else {
     // The block's 16 possible values as a table; vpermps reads only the low 4 bits of
@@ -61,11 +61,11 @@ inline void Dequant512(const Problem& p, int64_t o, int64_t b, __m512& lo, __m51
     // shifted right by 4 by its high one.
     const __m512i idx = _mm512_cvtepu8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kBlock / 2)));
-    const __m512 d = _mm512_set1_ps(p.BlockScale(o, b));
+    const __m512 d = _mm512_set1_ps(p.BlockScaleOf<FMT>(o, b));
     __m512 table;
     if constexpr (FMT == 3 || FMT == kQ4K) {
       table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                              d, _mm512_set1_ps(p.BlockMin(o, b)));
+                              d, _mm512_set1_ps(p.BlockMinOf<FMT>(o, b)));
     } else {
       table = _mm512_mul_ps(
           _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), d);
