@@ -23,6 +23,7 @@ from jaxpd.models import checkpoint, gguf as gguf_reader, kquant, quant
 from jaxpd.models.llama import Llama
 from tests.model_helpers import paged_greedy
 from tests.support.gguf_files import random_k_blocks, train_bpe, write_gguf
+from tests.support.quant_blocks import greedy_kept_and_float
 
 Q = gguf.GGMLQuantizationType
 D, F, N, K, LAYERS = 256, 512, 4, 2, 3
@@ -170,18 +171,11 @@ def test_llm_serves_dense_k_quants_as_the_float_path_does(k_model):
     steps take the native product at one row and at 9 to 16 (its panel form), and the
     decode mesh scans none of the run of mixed layers; the same greedy tokens as the
     file read as float."""
-    from jaxpd import LLM, SamplingParams
+    def check(llm):
+        runner = llm.engine.decode_runner
+        assert quant.any_quantized(runner.params)
+        assert (runner.quant_matmul is not None) == quant.native_available()
 
     prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS]
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
-    outs = {}
-    for quantization in ("none", "auto"):
-        with LLM(model=k_model, mesh="prefill=1,decode=1", quantization=quantization,
-                 max_prefill_batch=16, slots_per_shard=16, warmup=False) as llm:
-            outs[quantization] = [list(o.token_ids) for o in llm.generate(prompts, params)]
-            if quantization == "auto":
-                runner = llm.engine.decode_runner
-                assert quant.any_quantized(runner.params)
-                assert (runner.quant_matmul is not None) == quant.native_available()
-                assert 16 in llm.engine.decode_loop.batch_sizes
+    outs = greedy_kept_and_float(k_model, prompts, NUM_NEW, check)
     assert outs["auto"] == outs["none"]

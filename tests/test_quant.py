@@ -23,7 +23,8 @@ from jaxpd.models.layout import fuse_params, quantize_params
 from jaxpd.models.llama import Llama
 from tests.model_helpers import paged_greedy
 from tests.support.gguf_files import gguf_tensors, train_bpe, write_gguf
-from tests.support.quant_blocks import kernel_call, random_blocks, random_weight
+from tests.support.quant_blocks import (greedy_kept_and_float, kernel_call, random_blocks,
+                                       random_weight)
 
 Q = gguf.GGMLQuantizationType
 PROMPTS = ["Hello world, hello", "The quick brown fox", "Prefill and decode run on"]
@@ -333,18 +334,9 @@ def test_a_full_decode_batch_of_kept_blocks_matches_the_float_path(tmp_path, hf_
     """Twelve prompts at once on `prefill=1,decode=1`: decode steps of 9 to 16 rows take
     the native product's panel form, with the same greedy tokens as the file read as
     float."""
-    from jaxpd import LLM, SamplingParams
-
     path = write(tmp_path, hf_llama, Q.Q4_1, bpe)
     prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS]
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
-    outs = {}
-    for quantization in ("none", "auto"):
-        with LLM(model=path, mesh="prefill=1,decode=1", quantization=quantization,
-                 max_prefill_batch=16, slots_per_shard=16, warmup=False) as llm:
-            outs[quantization] = [list(o.token_ids) for o in llm.generate(prompts, params)]
-            if quantization == "auto":
-                assert 16 in llm.engine.decode_loop.batch_sizes
+    outs = greedy_kept_and_float(path, prompts, NUM_NEW)
     assert outs["auto"] == outs["none"]
 
 

@@ -59,3 +59,22 @@ def kernel_call(target: str):
         return fn(x, w.data.reshape(o, -1), w.scale.reshape(o, -1), low.reshape(o, -1),
                   jnp.int32(0), fmt=quant._FMT_CODES[w.fmt])
     return call
+
+
+def greedy_kept_and_float(path: str, prompts: list[str], num_new: int, check=None) -> dict:
+    """Greedy tokens of `prompts` from the GGUF file `path`, read as float ("none") and
+    kept ("auto"), all at once on `prefill=1,decode=1` with sixteen decode slots, so steps
+    take the native product at one row and at 9 to 16 (its panel form). `check(llm)`
+    runs on the kept engine before it shuts down."""
+    from jaxpd import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for quantization in ("none", "auto"):
+        with LLM(model=path, mesh="prefill=1,decode=1", quantization=quantization,
+                 max_prefill_batch=16, slots_per_shard=16, warmup=False) as llm:
+            outs[quantization] = [list(o.token_ids) for o in llm.generate(prompts, params)]
+            assert 16 in llm.engine.decode_loop.batch_sizes
+            if quantization == "auto" and check is not None:
+                check(llm)
+    return outs
