@@ -9,8 +9,9 @@ each is needed (the attention kernels, `available()`; the quantized products, on
 quantized weights, `quant_available()`), against the XLA FFI headers of the *installed*
 jaxlib (so the handler always matches the runtime it registers with), one compiler
 process a source, and cached in `$JAXPD_CACHE/native` (`jaxpd.paths`) under a name that
-hashes the sources, the jaxlib version, the compiler and this CPU. No compiler, or a failed build: `available()` is False with the
-reason in `unavailable_reason()`, and "auto" stays on the jnp reference.
+hashes the sources, the jaxlib version, the compiler and this CPU. No compiler, or a
+failed build: `available()` is False with the reason in `unavailable_reason()`, and
+"auto" stays on the jnp reference.
 """
 from __future__ import annotations
 

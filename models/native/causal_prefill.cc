@@ -72,8 +72,9 @@ void* RoundUpPointer(T* p) {
 using Buffer = std::unique_ptr<float[], Free>;
 
 float* Allocate(Buffer& buffer, int64_t floats) {
-  buffer.reset(static_cast<float*>(
-      std::aligned_alloc(64, static_cast<size_t>(RoundUp(std::max<int64_t>(floats, 16), 16)) * sizeof(float))));
+  const size_t bytes = static_cast<size_t>(RoundUp(std::max<int64_t>(floats, 16), 16)) *
+                       sizeof(float);
+  buffer.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
   return buffer.get();
 }
 
@@ -309,7 +310,8 @@ void AttendRows(const Prompt& pr, int64_t b, int64_t kh, int64_t i0) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = i * G + g;
       float* dst = pr.out + ((b * T + i0 + i) * N + kh * G + g) * kH;
-      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(rows.l + r * 16)));
+      const float sum = _mm512_reduce_add_ps(_mm512_load_ps(rows.l + r * 16));
+      const __m512 inv = _mm512_set1_ps(1.0f / sum);
       for (int64_t j = 0; j < kH; j += 16)
         _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_load_ps(rows.o + r * kH + j), inv));
     }
