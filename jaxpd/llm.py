@@ -18,7 +18,7 @@ from jaxpd.outputs import CompletionOutput
 from jaxpd.request import Request
 from jaxpd.sampling_params import SamplingParams
 from jaxpd.stats import EngineStats
-from jaxpd.models import checkpoint, source
+from jaxpd.models import checkpoint
 from jaxpd.sharding.cpu_devices import cpu_devices_needed, ensure_cpu_devices
 from jaxpd.sharding.spec import AUTO, auto_mesh
 from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
@@ -93,12 +93,9 @@ class LLM(Frontend):
         shardings = None if plan is None else lambda cfg: role_shardings(cfg, mesh)
         quantization = engine_options.get("quantization", EngineConfig.quantization)
         path = resolve_model(model)
-        # "auto" keeps a GGUF file's quantized blocks as they are.
-        quantized = quantization == "int8" or \
-            (quantization == "auto" and source.is_gguf(source.checkpoint_path(path)))
         prebuild_native(engine_options.get("attention_impl", EngineConfig.attention_impl),
                         jax.default_backend(), resolve_dtype(dtype, jax.default_backend()),
-                        quantized)
+                        checkpoint.may_keep_quantized(path, quantization))
         loaded = checkpoint.load(path, dtype="float32", shardings=shardings,
                                  quantization=quantization)
         _log_weights(quantization, loaded)

@@ -42,6 +42,14 @@ class LoadedModel:
     quantization: str = "none"
 
 
+def may_keep_quantized(path: str, quantization: str) -> bool:
+    """Whether `load(path, quantization=quantization)` may serve quantized weights:
+    `int8`, or a GGUF file under `auto` (which keeps its blocks, unless a tensor is in
+    a type it cannot keep)."""
+    return quantization == "int8" or \
+        (quantization == "auto" and source.is_gguf(source.checkpoint_path(path)))
+
+
 def load(path: str, dtype: str = "float32", shardings=None,
          quantization: str = "none") -> LoadedModel:
     """Load config, params (onto `shardings`, a tree like params or a function of the

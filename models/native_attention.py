@@ -46,7 +46,7 @@ _PREFILL_TARGET = "jaxpd_causal_prefill_f32"
 _PREFIX_TARGET = "jaxpd_prefix_prefill_f32"
 QUANT_MATMUL_TARGET = "jaxpd_quant_matmul"
 QUANT_DOT_TARGET = "jaxpd_quant_dot"
-_prefill_registered = False     # set by `_load` where the library has the prefill kernel
+_registered_targets: set[str] = set()     # the FFI targets this process has registered
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17",
           "-shared", "-fPIC", "-w")
 
@@ -143,7 +143,7 @@ def prebuild(attention: bool = True, quantized: bool = False) -> None:
     """Build and register the attention library (and, `quantized`, the products') on
     threads of their own, so that a cold start builds them while the caller loads
     weights; the first `available()` (`quant_available()`) waits for its build."""
-    for wanted, load in ((attention, _load), (quantized, quant_available)):
+    for wanted, load in ((attention, _load), (quantized, _load_quant)):
         if wanted:
             threading.Thread(target=load, name="jaxpd-native-build", daemon=True).start()
 
@@ -158,6 +158,12 @@ def _load() -> tuple[bool, str]:
         return _load_once()
 
 
+def _load_quant() -> tuple[bool, str]:
+    """The same for the quantized products."""
+    with _loading_quant:
+        return _load_quant_once()
+
+
 def _registered(sources: tuple[Path, ...], targets) -> tuple[bool, str]:
     """Build the library of `sources` and register `targets(library)`'s (name,
     symbol) pairs: (whether it did, why not)."""
@@ -169,33 +175,27 @@ def _registered(sources: tuple[Path, ...], targets) -> tuple[bool, str]:
         library = ctypes.cdll.LoadLibrary(str(_build(sources=sources)))
         for name, symbol in targets(library):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
+            _registered_targets.add(name)
     except Exception as e:   # noqa: BLE001 - any failure means: use the reference
         return False, f"{type(e).__name__}: {e}"
     return True, ""
 
 
+def _attention_targets(library) -> list:
+    found = [(_TARGET, library.JaxpdPagedDecodeF32)]
+    if hasattr(library, "JaxpdCausalPrefillF32"):      # built where AVX-512 is
+        found += [(_PREFILL_TARGET, library.JaxpdCausalPrefillF32),
+                  (_PREFIX_TARGET, library.JaxpdPrefixPrefillF32)]
+    return found
+
+
 @functools.cache
 def _load_once() -> tuple[bool, str]:
-    """`_load`'s result; registers the prefill kernel too where the library has it
-    (`prefill_available`)."""
-    global _prefill_registered
-    prefill = []
-
-    def targets(library):
-        found = [(_TARGET, library.JaxpdPagedDecodeF32)]
-        if hasattr(library, "JaxpdCausalPrefillF32"):      # built where AVX-512 is
-            found += [(_PREFILL_TARGET, library.JaxpdCausalPrefillF32),
-                      (_PREFIX_TARGET, library.JaxpdPrefixPrefillF32)]
-            prefill.append(True)
-        return found
-
-    loaded = _registered(_ATTENTION_SOURCES, targets)
-    _prefill_registered = loaded[0] and bool(prefill)
-    return loaded
+    return _registered(_ATTENTION_SOURCES, _attention_targets)
 
 
 @functools.cache
-def _load_quant() -> tuple[bool, str]:
+def _load_quant_once() -> tuple[bool, str]:
     return _registered(_QUANT_SOURCES, lambda library: [
         (QUANT_MATMUL_TARGET, library.JaxpdQuantMatmul),
         (QUANT_DOT_TARGET, library.JaxpdQuantDot)])
@@ -214,13 +214,11 @@ def unavailable_reason() -> str:
 def quant_available() -> bool:
     """Whether the quantized products (`models.quant`) are built and registered
     (building them on first call)."""
-    with _loading_quant:
-        return _load_quant()[0]
+    return _load_quant()[0]
 
 
 def quant_unavailable_reason() -> str:
-    with _loading_quant:
-        return _load_quant()[1]
+    return _load_quant()[1]
 
 
 def paged_attention_native(q_BNH: jnp.ndarray, k_pool_LPSKH: jnp.ndarray,
@@ -247,7 +245,8 @@ PREFILL_HEAD_DIMS = (32, 64, 128)
 def prefill_available(head_dim: int) -> bool:
     """Whether `causal_attention_native` serves prompts of this head dim here: the
     library built, with its AVX-512 prefill kernel (this CPU has AVX-512)."""
-    return available() and _prefill_registered and head_dim in PREFILL_HEAD_DIMS
+    return available() and _PREFILL_TARGET in _registered_targets and \
+        head_dim in PREFILL_HEAD_DIMS
 
 
 def causal_attention_native(q_BTNH: jnp.ndarray, k_BTKH: jnp.ndarray,

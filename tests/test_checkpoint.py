@@ -196,3 +196,19 @@ def test_supported_config_details():
     qwen = ModelConfig.from_hf_dict({**BASE, "model_type": "qwen2", "use_sliding_window": False,
                                      "sliding_window": 16})
     assert qwen.attention_bias
+
+
+def test_which_loads_may_keep_weights_quantized(tmp_path):
+    """`checkpoint.may_keep_quantized`, what `LLM()` asks to start the quantized
+    products' build beside the load: int8 always, auto only for a GGUF file (or a
+    directory holding one), none never."""
+    gguf_file = tmp_path / "m.gguf"
+    gguf_file.write_bytes(b"")
+    float_dir = tmp_path / "float"
+    float_dir.mkdir()
+    (float_dir / "config.json").write_text("{}")
+    assert checkpoint.may_keep_quantized(str(gguf_file), "auto")
+    assert checkpoint.may_keep_quantized(str(tmp_path), "auto")        # its one .gguf file
+    assert not checkpoint.may_keep_quantized(str(float_dir), "auto")
+    assert checkpoint.may_keep_quantized(str(float_dir), "int8")
+    assert not checkpoint.may_keep_quantized(str(gguf_file), "none")
