@@ -108,6 +108,7 @@ def test_dense_k_quants_stay_quantized_holding_the_float_values(loaded):
     assert quant.step_bytes(kept.params, False) < quant.step_bytes(flat.params, False) / 4
 
 
+@pytest.mark.slow
 def test_dense_k_quants_give_the_float_path_logits_and_tokens(loaded):
     """The jnp form in a full forward; prefill and paged decode through the native
     product where it is built (a decode step's one row: its few-rows form)."""
