@@ -26,9 +26,11 @@ import time
 from concurrent import futures
 from typing import Callable
 
+import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpd.config import EngineConfig, resolve_attention_impl
+from jaxpd.config import (EngineConfig, default_kv_cache_memory, resolve_attention_impl,
+                          resolve_context)
 from jaxpd.engine.decode_loop import DecodeLoop
 from jaxpd.engine.extend_loop import ExtendLoop
 from jaxpd.engine.host_store import HostStore
@@ -104,6 +106,8 @@ class Engine:
         started."""
         if lower_for is not None and warmup:
             raise ValueError("an engine built to be lowered (lower_for) runs no warm-up")
+        if not config.resolved:      # built directly: the same rule as `LLM`'s
+            config = resolve_context(config, model.cfg, default_kv_cache_memory(jax.devices()[0]))
         self.model, self.lower_for = model, lower_for
         spec = config.mesh
         if plan is not None and (spec.has_prefill == spec.has_decode or
