@@ -7,7 +7,7 @@ with the GIL held, for seconds on a large program and longer on a loaded host. A
 compiling beside a long prefill would then miss beats and be dropped while it works.
 
 So each worker starts a small process of its own (no jax: grpc and msgpack) fed through
-a pipe. After each beat of its own the worker writes the body it sent (less the prefix
+a pipe. Before each beat of its own the worker writes the body it sends (less the prefix
 advertisement, which must not be sent twice); the sidecar stays quiet while those come
 in time, and when they stop it sends the last body in their place every `heartbeat_s`,
 but only while the worker makes progress: its process is running and has used CPU
@@ -80,7 +80,7 @@ def should_beat(now: float, last_update: float, last_beat: float, heartbeat_s: f
 
 
 class HeartbeatSidecar:
-    """The worker's end (see the module docstring): `update(body)` after each beat of its
+    """The worker's end (see the module docstring): `update(body)` with each beat of its
     own, `close()` to stop it. `start` returns None where no sidecar can run."""
 
     def __init__(self, proc: subprocess.Popen):
@@ -111,7 +111,7 @@ class HeartbeatSidecar:
         return self._proc.pid
 
     def update(self, body: dict) -> None:
-        """The body of the beat the worker just sent (without its prefix)."""
+        """The body of the beat the worker sends now (without its prefix)."""
         with self._lock:
             if self._proc.stdin.closed:
                 return

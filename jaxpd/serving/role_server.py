@@ -425,11 +425,13 @@ class RoleServer:
                 try:
                     prefix = journal.take() if journal is not None else None
                     load, draining = self.service.load(), self.service.draining
+                    if sidecar is not None:
+                        # What it repeats (never the prefix), handed over before the
+                        # send: a repeat after a role switch must say the new role.
+                        sidecar.update(register_body(info, load, None, draining))
                     answer = send_register(router_address,
                                            register_body(info, load, prefix, draining),
                                            self.auth, timeout=max(heartbeat_s, 2.0))
-                    if sidecar is not None:     # what it repeats: never the prefix
-                        sidecar.update(register_body(info, load, None, draining))
                     if not registered:
                         _log.info("registered with router %s", router_address)
                     registered, delay = True, heartbeat_s
@@ -469,15 +471,15 @@ class RoleServer:
         address, heartbeat_s = self._router
         body = register_body(self.service.info(self.address), self.service.load(),
                              draining=why)
+        sidecar = self._sidecar
+        if sidecar is not None:
+            sidecar.update(body)
         try:
             answer = send_register(address, body, self.auth, timeout=max(heartbeat_s, 2.0))
         except grpc.RpcError as e:
             _log.warning("could not tell router %s that this worker drains: %s", address,
                          e.code())
             return None
-        sidecar = self._sidecar
-        if sidecar is not None:
-            sidecar.update(body)
         peers = answer.get("decode_peers") if isinstance(answer, dict) else None
         ok = isinstance(peers, int) and not isinstance(peers, bool) and peers >= 0
         return peers if ok else None
