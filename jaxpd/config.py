@@ -158,7 +158,7 @@ def knob(default, help: str, *, launch_default=_SAME, **flag):
     is generated from the field: `jaxpd.serving.config_flags`): `help`, absl's options
     in `flag` (`lower_bound`, `choices`), and `launch_default` where the flag's default
     is not the field's because `LLM` resolves an unset value itself ("auto" mesh and
-    dtype, the model's own context)."""
+    dtype; the context, None in the field too, is resolved against the model)."""
     metadata = {"help": help, "flag": flag}
     if launch_default is not _SAME:
         metadata["launch_default"] = launch_default
