@@ -6,8 +6,8 @@ from typing import Callable, Sequence
 
 import jax
 
-from jaxpd.config import (ACCELERATOR_KV_FRACTION, CPU_KV_CACHE_BYTES, EngineConfig,
-                          fit_context, kv_page_bytes, prebuild_native, resolve_dtype)
+from jaxpd.config import (EngineConfig, default_kv_cache_memory, kv_page_bytes,
+                          prebuild_native, resolve_context, resolve_dtype)
 from jaxpd.engine import elastic
 from jaxpd.engine.engine import Engine
 from jaxpd.engine.placement import role_shardings
@@ -26,15 +26,17 @@ from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
 _log = logging.getLogger("jaxpd.llm")
 
 
-def default_kv_cache_memory(device) -> int:
-    """A KV pool's budget in bytes when none is given: `CPU_KV_CACHE_BYTES` on CPU; on an
-    accelerator `ACCELERATOR_KV_FRACTION` of the memory it reports (that budget on one
-    that reports none)."""
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"] * ACCELERATOR_KV_FRACTION)
-    return CPU_KV_CACHE_BYTES
-
+def _log_context(asked: EngineConfig, config: EngineConfig, cfg, budget: int) -> None:
+    """One line: the context and pool `resolve_context` came to, and the budget."""
+    if asked.pages_per_shard is not None:
+        return
+    page = kv_page_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.page_size,
+                         config.dtype)
+    _log.info("jaxpd: max_model_len %d%s; a KV pool of %d pages of %d tokens per shard "
+              "(%.2f GB of a %.2f GB budget)", config.max_model_len,
+              " (the model's)" if config.max_model_len == cfg.max_position_embeddings
+              and asked.max_model_len is None else "", config.pages_per_shard,
+              config.page_size, config.pages_per_shard * page / 1e9, budget / 1e9)
 
 
 def _log_weights(asked: str, loaded) -> None:
@@ -101,41 +103,19 @@ class LLM(Frontend):
         _log_weights(quantization, loaded)
         self.weights_read = loaded.weights_read
         dtype = resolve_dtype(dtype, jax.default_backend())
-        self._fit_kv(loaded.cfg, dtype, kv_cache_memory, engine_options)
-        self.config = EngineConfig(mesh=mesh, dtype=dtype, **engine_options)
-        if self.config.max_model_len > loaded.cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={loaded.cfg.max_position_embeddings}")
+        if kv_cache_memory is not None and kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, "
+                             f"got {kv_cache_memory}")
+        budget = kv_cache_memory or default_kv_cache_memory(jax.devices()[0])
+        asked = EngineConfig(mesh=mesh, dtype=dtype, **engine_options)
+        self.config = resolve_context(asked, loaded.cfg, budget)
+        _log_context(asked, self.config, loaded.cfg, budget)
         self.model_config = loaded.cfg
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
         self.engine = Engine(loaded, self.config, connector, warmup=warmup, progress=progress,
                              plan=plan)
         self.fingerprint = self.engine.fingerprint
-
-    @staticmethod
-    def _fit_kv(cfg, dtype: str, kv_cache_memory: int | None, options: dict) -> None:
-        """Resolve `max_model_len` (None: the model's context) and `pages_per_shard` in
-        `options` from the KV budget; one log line says what they came to."""
-        if options.get("pages_per_shard") is not None:
-            if options.get("max_model_len") is None:
-                options["max_model_len"] = cfg.max_position_embeddings
-            return
-        if kv_cache_memory is not None and kv_cache_memory < 1:
-            raise ValueError(f"kv_cache_memory must be a positive number of bytes, "
-                             f"got {kv_cache_memory}")
-        page_size = options.get("page_size", EngineConfig.page_size)
-        slots = options.get("slots_per_shard", EngineConfig.slots_per_shard)
-        budget = kv_cache_memory or default_kv_cache_memory(jax.devices()[0])
-        page = kv_page_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, dtype)
-        asked = options.get("max_model_len")
-        options["max_model_len"], options["pages_per_shard"] = fit_context(
-            cfg.max_position_embeddings, page, page_size, budget, slots, asked)
-        _log.info("jaxpd: max_model_len %d%s; a KV pool of %d pages of %d tokens per shard "
-                  "(%.2f GB of a %.2f GB budget)", options["max_model_len"],
-                  " (the model's)" if options["max_model_len"] == cfg.max_position_embeddings
-                  and asked is None else "", options["pages_per_shard"], page_size,
-                  options["pages_per_shard"] * page / 1e9, budget / 1e9)
 
     def new_request_id(self) -> str:
         return self.engine.new_request_id()

@@ -355,3 +355,24 @@ def test_duplicate_handoff_of_a_request_is_dropped(warm_llm, tiny, monkeypatch):
     assert [o.token_ids for o in outs] == expected[:6]
     assert llm.stats()["transfers"] - before == 6
     assert_all_pages_free(llm)
+
+
+def test_an_engine_built_from_a_config_serves_the_models_context_as_llm_does():
+    """`EngineConfig` leaves `max_model_len` unset; an `Engine` built from one directly
+    resolves it by the rule `LLM` follows (`config.resolve_context`): the model's own
+    context and the pool the KV budget holds, not a default of the config's own."""
+    from jaxpd.config import EngineConfig
+    from jaxpd.default_model import default_model_dir
+    from jaxpd.engine.engine import Engine
+    from jaxpd.models import checkpoint
+    path = default_model_dir()
+    loaded = checkpoint.load(path, dtype="float32")
+    engine = Engine(loaded, EngineConfig(mesh="colocated=1", slots_per_shard=2))
+    try:
+        with LLM(path, mesh="colocated=1", slots_per_shard=2, warmup=False) as llm:
+            assert engine.config.max_model_len == llm.config.max_model_len == \
+                loaded.cfg.max_position_embeddings
+            assert engine.config.pages_per_shard == llm.config.pages_per_shard
+            assert engine.config.max_prompt_len == llm.config.max_prompt_len
+    finally:
+        engine.shutdown()
