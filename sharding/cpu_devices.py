@@ -25,9 +25,10 @@ NPROC = "NPROC"
 # jaxpd's choice (sized for its parent's CPUs) and may make its own; anything else in
 # NPROC is the user's.
 NPROC_SET_BY = "JAXPD_NPROC"
-# Enough threads that a prefill and a decode program on one pool each keep running
-# rather than queueing behind the other's tasks, at every count a CPU mesh here asks
-# for (BENCHMARKS.md, session 28).
+# Enough threads that a prefill and a decode program on one pool each keep threads of
+# their own rather than queueing behind the other's tasks (paid for in CPU: idle pool
+# threads search for work), and the count the bench and tests ask for, so those and
+# `auto` share one pool size (BENCHMARKS.md, session 28).
 INTRA_OP_THREADS_MIN = 8
 
 
