@@ -114,10 +114,6 @@ def prefix_caching_by_default(mesh: str | MeshSpec, layerwise_min_tokens: int = 
             and kv_transfer_dtype is None and processes == 1)
 
 
-CPU_KV_CACHE_BYTES = 2 << 30      # a pool's default budget on CPU
-ACCELERATOR_KV_FRACTION = 0.5      # of a device's memory, where it reports its size
-
-
 def kv_page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
                   dtype: str) -> int:
     """Bytes of one page of K and V over every layer."""
@@ -179,7 +175,7 @@ class EngineConfig:
     page_size: int = knob(16, "Tokens per KV-cache page (a power of two).", lower_bound=1)
     max_model_len: int = knob(
         1024, "Prompt + generated tokens per request (default: the model's "
-        "max_position_embeddings, capped by what --kv_cache_gb holds).",
+        "max_position_embeddings, capped by what --kv_cache_memory holds).",
         launch_default=None, lower_bound=2)
     max_prompt_len: int | None = knob(
         None, "Longest prompt in tokens (default: max_model_len - 1).", lower_bound=1)
@@ -208,7 +204,7 @@ class EngineConfig:
         8, "A decode step computes its context in multiples of this many pages (one "
         "compiled program per width).", lower_bound=1)
     pages_per_shard: int | None = knob(
-        None, "KV pages per decode dp shard's pool (default: what --kv_cache_gb holds, at "
+        None, "KV pages per decode dp shard's pool (default: what --kv_cache_memory holds, at "
         "most enough for every slot to reach max_model_len).", lower_bound=2)
     max_queued: int = knob(4096, "Requests waiting for prefill (on a router and behind "
                            "the HTTP API: requests in flight) before new ones get "

@@ -6,8 +6,9 @@ from typing import Callable, Sequence
 
 import jax
 
-from jaxpd.config import (ACCELERATOR_KV_FRACTION, CPU_KV_CACHE_BYTES, EngineConfig,
-                          fit_context, kv_page_bytes, prebuild_native, resolve_dtype)
+from jaxpd import kv_budget
+from jaxpd.config import (EngineConfig, fit_context, kv_page_bytes, prebuild_native,
+                          prefix_caching_by_default, resolve_dtype)
 from jaxpd.engine import elastic
 from jaxpd.engine.engine import Engine
 from jaxpd.engine.placement import role_shardings
@@ -20,21 +21,25 @@ from jaxpd.sampling_params import SamplingParams
 from jaxpd.stats import EngineStats
 from jaxpd.models import checkpoint
 from jaxpd.sharding.cpu_devices import cpu_devices_needed, ensure_cpu_devices
-from jaxpd.sharding.spec import AUTO, auto_mesh
+from jaxpd.sharding.spec import AUTO, auto_mesh, parse_mesh_spec
 from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
 
 _log = logging.getLogger("jaxpd.llm")
 
 
-def default_kv_cache_memory(device) -> int:
-    """A KV pool's budget in bytes when none is given: `CPU_KV_CACHE_BYTES` on CPU; on an
-    accelerator `ACCELERATOR_KV_FRACTION` of the memory it reports (that budget on one
-    that reports none)."""
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"] * ACCELERATOR_KV_FRACTION)
-    return CPU_KV_CACHE_BYTES
-
+def default_kv_cache_memory(device, pools: int = 1, available: int | None = None) -> int:
+    """A KV pool's budget in bytes when none is given (`kv_budget.default_budget`): on
+    CPU `kv_budget.CPU_KV_FRACTION` of the host's available memory (`available`, read
+    from /proc/meminfo when None) split over the engine's `pools`, each at most
+    `kv_budget.CPU_KV_CACHE_BYTES`; on an accelerator `kv_budget.ACCELERATOR_KV_FRACTION`
+    of the memory it reports (the CPU cap on one that reports none)."""
+    if device.platform == "cpu":
+        if available is None:
+            available = kv_budget.host_available_bytes()
+        return kv_budget.default_budget("cpu", pools, available)
+    stats = device.memory_stats()
+    return kv_budget.default_budget(device.platform, pools, None,
+                                    stats.get("bytes_limit") if stats else None)
 
 
 def _log_weights(asked: str, loaded) -> None:
@@ -68,9 +73,13 @@ class LLM(Frontend):
     "none" leaves jax as configured). plan: a prefill or decode role's mesh spans processes
     (`engine.multihost.PlanChannel`; `python -m jaxpd.launch --num_processes` sets it
     up). kv_cache_memory: bytes of KV each pool may hold (each decode dp shard's and the
-    prefill mesh's; default `default_kv_cache_memory`); it sets `pages_per_shard` when
-    that is not given, and caps the default `max_model_len`, the model's own context
-    (`config.fit_context`). Other keyword arguments go to `EngineConfig` (page_size,
+    prefill mesh's), an int or a size such as "4GiB", "512MiB" or "2GB"
+    (`kv_budget.parse_kv_cache_memory`); default `default_kv_cache_memory`: on CPU
+    `kv_budget.CPU_KV_FRACTION` of the host's available memory split over the pools,
+    each at most 2 GiB. It sets `pages_per_shard` (give one or the other), and caps the
+    default `max_model_len`, the model's own context (`config.fit_context`); a budget
+    whose pools exceed the host's available memory is a ValueError. The plan is logged
+    at start (pools x pages x bytes per page, context, concurrency at full context). Other keyword arguments go to `EngineConfig` (page_size,
     max_model_len, slots_per_shard, ...).
     """
 
@@ -79,7 +88,7 @@ class LLM(Frontend):
                  progress: Callable[[str], None] | None = None,
                  connector: Connector | KVSender | KVReceiver | None = None,
                  compilation_cache_dir: str | None = None, plan=None,
-                 kv_cache_memory: int | None = None, **engine_options):
+                 kv_cache_memory: int | str | None = None, **engine_options):
         if compilation_cache_dir is None:
             xla_cache.enable_default()
         else:
@@ -101,7 +110,8 @@ class LLM(Frontend):
         _log_weights(quantization, loaded)
         self.weights_read = loaded.weights_read
         dtype = resolve_dtype(dtype, jax.default_backend())
-        self._fit_kv(loaded.cfg, dtype, kv_cache_memory, engine_options)
+        self._fit_kv(loaded.cfg, mesh, dtype, kv_cache_memory, engine_options,
+                     multi_process=plan is not None)
         self.config = EngineConfig(mesh=mesh, dtype=dtype, **engine_options)
         if self.config.max_model_len > loaded.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's "
@@ -114,28 +124,55 @@ class LLM(Frontend):
         self.fingerprint = self.engine.fingerprint
 
     @staticmethod
-    def _fit_kv(cfg, dtype: str, kv_cache_memory: int | None, options: dict) -> None:
+    def _fit_kv(cfg, mesh: str, dtype: str, kv_cache_memory: int | str | None,
+                options: dict, multi_process: bool = False) -> None:
         """Resolve `max_model_len` (None: the model's context) and `pages_per_shard` in
-        `options` from the KV budget; one log line says what they came to."""
+        `options` from the KV budget (`jaxpd.kv_budget`): `kv_cache_memory` per pool, or
+        by default a share of what the host (or a device) has; one log line gives the
+        plan: pools x pages x bytes per page, the context and the requests it holds at
+        full context. ValueError naming the field for a budget that is not a size, that
+        holds no request, or whose pools exceed the host's available memory."""
+        budget = None if kv_cache_memory is None else \
+            kv_budget.parse_kv_cache_memory(kv_cache_memory)
         if options.get("pages_per_shard") is not None:
+            if budget is not None:
+                raise ValueError("give kv_cache_memory or pages_per_shard, not both "
+                                 "(kv_cache_memory sets pages_per_shard)")
             if options.get("max_model_len") is None:
                 options["max_model_len"] = cfg.max_position_embeddings
             return
-        if kv_cache_memory is not None and kv_cache_memory < 1:
-            raise ValueError(f"kv_cache_memory must be a positive number of bytes, "
-                             f"got {kv_cache_memory}")
+        spec = parse_mesh_spec(mesh)
+        layerwise = options.get("layerwise_min_tokens", EngineConfig.layerwise_min_tokens)
+        caching = options.get("enable_prefix_caching")
+        if caching is None:
+            caching = prefix_caching_by_default(spec, layerwise,
+                                                options.get("kv_transfer_dtype"))
+        pools = kv_budget.num_pools(spec, kv_budget.has_prefill_pool(
+            spec, caching, layerwise, multi_process))
+        device = jax.devices()[0]
+        available = kv_budget.host_available_bytes() if device.platform == "cpu" else None
+        if budget is None:
+            budget = default_kv_cache_memory(device, pools, available)
+            source = (f"default: {kv_budget.CPU_KV_FRACTION:.0%} of "
+                      f"{kv_budget.gib(available)} available over {pools} pools, at most "
+                      f"{kv_budget.gib(kv_budget.CPU_KV_CACHE_BYTES)} each"
+                      if device.platform == "cpu" and available else "default")
+        else:
+            if not multi_process:       # a mesh across processes holds a part of them here
+                kv_budget.check_fits(budget, pools, available)
+            source = f"kv_cache_memory={kv_budget.gib(budget)} per pool"
         page_size = options.get("page_size", EngineConfig.page_size)
         slots = options.get("slots_per_shard", EngineConfig.slots_per_shard)
-        budget = kv_cache_memory or default_kv_cache_memory(jax.devices()[0])
         page = kv_page_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, dtype)
         asked = options.get("max_model_len")
         options["max_model_len"], options["pages_per_shard"] = fit_context(
             cfg.max_position_embeddings, page, page_size, budget, slots, asked)
-        _log.info("jaxpd: max_model_len %d%s; a KV pool of %d pages of %d tokens per shard "
-                  "(%.2f GB of a %.2f GB budget)", options["max_model_len"],
-                  " (the model's)" if options["max_model_len"] == cfg.max_position_embeddings
-                  and asked is None else "", options["pages_per_shard"], page_size,
-                  options["pages_per_shard"] * page / 1e9, budget / 1e9)
+        plan = kv_budget.KVPlan(
+            pools=pools, pages=options["pages_per_shard"], page_bytes=page,
+            page_size=page_size, max_model_len=options["max_model_len"],
+            decode_shards=spec.decode_dp, slots_per_shard=slots, budget=budget, source=source)
+        own = options["max_model_len"] == cfg.max_position_embeddings and asked is None
+        _log.info("jaxpd: %s%s", plan.describe(), " (the model's context)" if own else "")
 
     def new_request_id(self) -> str:
         return self.engine.new_request_id()
