@@ -10,7 +10,7 @@ The default (`default_budget`) on an accelerator is a fraction of the memory a d
 reports. On CPU the pools share host memory with the weights (a copy per mesh), the
 compiled programs and every other process on the host, so the default is
 `CPU_KV_FRACTION` of the memory the host has available when the engine starts
-(MemAvailable in /proc/meminfo), split evenly over the pools, each at most
+(`host_memory.available_bytes`: MemAvailable), split evenly over the pools, each at most
 `CPU_KV_CACHE_BYTES`, and rounded down to four steps per power of two: available
 memory moves a little from one start to the next, and a pool's size is part of every
 program's shape, so an exact share would change the kept executables' keys on every
@@ -20,7 +20,6 @@ start. An explicit budget whose pools together exceed the available memory is re
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 
 from jaxpd.sharding.spec import MeshSpec, parse_mesh_spec
@@ -66,24 +65,6 @@ def parse_kv_cache_memory(value: int | str) -> int:
     return num
 
 
-def host_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
-    """Memory the host can give new allocations without swapping, in bytes: the
-    kernel's MemAvailable (page cache it can drop counts as available); where that is
-    unreadable, free physical pages (fewer: nothing of the cache counts); None where
-    neither is known."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def num_pools(mesh: str | MeshSpec, prefill_pool: bool) -> int:
     """KV pools an engine of `mesh` holds at once: one per decode dp shard, one more
     when its prefill mesh computes into a pool of its own (`prefill_pool`:
@@ -122,7 +103,7 @@ def coarse_floor(n: int) -> int:
 def default_budget(platform: str, pools: int, available: int | None,
                    device_bytes: int | None = None) -> int:
     """Each pool's budget in bytes when none is given (see the module docstring):
-    `available`: the host's available memory (`host_available_bytes`) on CPU;
+    `available`: the host's available memory (`host_memory.available_bytes`) on CPU;
     `device_bytes`: what an accelerator reports (None: it reports nothing, and the
     CPU cap serves)."""
     if platform != "cpu":

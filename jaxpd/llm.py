@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 
 import jax
 
-from jaxpd import kv_budget
+from jaxpd import host_memory, kv_budget
 from jaxpd.config import (EngineConfig, fit_context, kv_page_bytes, prebuild_native,
                           prefix_caching_by_default, resolve_dtype)
 from jaxpd.engine import elastic
@@ -35,7 +35,7 @@ def default_kv_cache_memory(device, pools: int = 1, available: int | None = None
     of the memory it reports (the CPU cap on one that reports none)."""
     if device.platform == "cpu":
         if available is None:
-            available = kv_budget.host_available_bytes()
+            available = host_memory.available_bytes()
         return kv_budget.default_budget("cpu", pools, available)
     stats = device.memory_stats()
     return kv_budget.default_budget(device.platform, pools, None,
@@ -150,7 +150,7 @@ class LLM(Frontend):
         pools = kv_budget.num_pools(spec, kv_budget.has_prefill_pool(
             spec, caching, layerwise, multi_process))
         device = jax.devices()[0]
-        available = kv_budget.host_available_bytes() if device.platform == "cpu" else None
+        available = host_memory.available_bytes() if device.platform == "cpu" else None
         if budget is None:
             budget = default_kv_cache_memory(device, pools, available)
             source = (f"default: {kv_budget.CPU_KV_FRACTION:.0%} of "

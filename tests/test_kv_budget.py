@@ -5,12 +5,12 @@ import types
 import pytest
 from absl import flags
 
-from jaxpd import kv_budget
 from jaxpd.config import EngineConfig, kv_page_bytes
 from jaxpd.engine.topology import Topology
+from jaxpd import host_memory
 from jaxpd.kv_budget import (CPU_KV_CACHE_BYTES, CPU_KV_FRACTION, KVPlan, check_fits,
-                             coarse_floor, default_budget, has_prefill_pool,
-                             host_available_bytes, num_pools, parse_kv_cache_memory)
+                             coarse_floor, default_budget, has_prefill_pool, num_pools,
+                             parse_kv_cache_memory)
 
 GIB = 1 << 30
 
@@ -62,10 +62,15 @@ def test_available_memory_comes_from_meminfo_else_free_pages(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24683772 kB\nMemFree:  100 kB\n"
                        "MemAvailable:   20000000 kB\n")
-    assert host_available_bytes(str(meminfo)) == 20000000 * 1024
-    fallback = host_available_bytes(str(tmp_path / "absent"))
+    assert host_memory.available_bytes(str(meminfo)) == 20000000 * 1024
+    fallback = host_memory.available_bytes(str(tmp_path / "absent"))
     assert fallback is None or fallback > 0
-    assert host_available_bytes() > 0                # this host's /proc/meminfo
+    assert host_memory.available_bytes() > 0                # this host's /proc/meminfo
+    status = tmp_path / "status"
+    status.write_text("Name: python\nVmRSS:\t  123456 kB\n")
+    assert host_memory.rss_bytes(str(status)) == 123456 * 1024
+    assert host_memory.rss_bytes(str(tmp_path / "absent")) is None
+    host_memory.give_back()                                  # safe with nothing to give
 
 
 @pytest.mark.parametrize("mesh, options", [
@@ -141,7 +146,7 @@ _PAGE = kv_page_bytes(30, 3, 64, 16, "float32")
 def _fit(mesh="prefill=2,decode=2", kv=None, available=24 * GIB, monkeypatch=None, **options):
     from jaxpd.llm import LLM
 
-    monkeypatch.setattr(kv_budget, "host_available_bytes", lambda: available)
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: available)
     LLM._fit_kv(_SMOL, mesh, "float32", kv, options)
     return options
 
