@@ -563,7 +563,7 @@ class Engine:
         and the weights with the model; what `stats` reports is kept as it stands. The
         engine sits in reference cycles (its bound methods are `Routing`'s callbacks,
         its runners' programs point back at their runners), so dropping the references
-        here, not waiting for the collector, is what frees them. The last engine of the
+        and the callbacks here, not waiting for the collector, is what frees them. The last engine of the
         process to stop clears jax's caches (`_serving`), and `host_memory.give_back`
         then hands the freed heap back to the OS. Idempotent."""
         if self._final_stats is not None:
@@ -585,6 +585,10 @@ class Engine:
         self.prepared_splits.clear()
         if isinstance(self.connector, DevicePutConnector):
             self.connector.stage_on(None)
+        # Routing's callbacks are this engine's bound methods: the last cycle through
+        # it. Nothing routes after the stop (`submit` refuses first).
+        routing = self.requests.routing
+        routing.cached_tokens, routing.extend_ready = None, lambda new, cached: False
         del old
         with _serving_lock:
             _serving.discard(self)
