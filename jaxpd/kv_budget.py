@@ -30,7 +30,7 @@ CPU_KV_CACHE_BYTES = 2 << 30
 # Of the host's available memory, the default KV budget of every pool together on CPU:
 # the rest holds the weights (a copy per mesh), the compiled programs, a second engine
 # built beside this one (an elastic split) and the host's other processes.
-CPU_KV_FRACTION = 0.15
+CPU_KV_FRACTION = 0.10
 # Of a device's memory (where it reports its size), one pool's default budget.
 ACCELERATOR_KV_FRACTION = 0.5
 
