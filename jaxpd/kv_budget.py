@@ -134,7 +134,7 @@ class KVPlan:
     `pages` pages of `page_bytes` bytes (each of `page_size` tokens, the null page
     included) for requests of up to `max_model_len` tokens on `decode_shards` decode
     dp shards of `slots_per_shard` slots each; `budget` bytes per pool and where it
-    came from (`source`)."""
+    came from (`source`); `models_context`: `max_model_len` is the model's own."""
     pools: int
     pages: int
     page_bytes: int
@@ -144,6 +144,7 @@ class KVPlan:
     slots_per_shard: int
     budget: int
     source: str
+    models_context: bool = False     # max_model_len is the model's own
 
     def __post_init__(self):
         for name in ("pools", "pages", "page_bytes", "page_size", "max_model_len"):
@@ -163,7 +164,9 @@ class KVPlan:
         return self.decode_shards * per_shard
 
     def describe(self) -> str:
+        context = f"{self.max_model_len} (the model's)" if self.models_context \
+            else f"{self.max_model_len}"
         return (f"KV cache: {self.pools} pools x {self.pages} pages x "
                 f"{self.page_bytes / 1024:.1f} KiB = {gib(self.total_bytes)} "
-                f"({self.source}); max_model_len {self.max_model_len}; concurrency at "
-                f"full context: {self.concurrency:.2f} requests")
+                f"({self.source}); max_model_len {context}; concurrency at full context: "
+                f"{self.concurrency:.2f} requests")

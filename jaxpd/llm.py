@@ -170,9 +170,10 @@ class LLM(Frontend):
         plan = kv_budget.KVPlan(
             pools=pools, pages=options["pages_per_shard"], page_bytes=page,
             page_size=page_size, max_model_len=options["max_model_len"],
-            decode_shards=spec.decode_dp, slots_per_shard=slots, budget=budget, source=source)
-        own = options["max_model_len"] == cfg.max_position_embeddings and asked is None
-        _log.info("jaxpd: %s%s", plan.describe(), " (the model's context)" if own else "")
+            decode_shards=spec.decode_dp, slots_per_shard=slots, budget=budget, source=source,
+            models_context=options["max_model_len"] == cfg.max_position_embeddings
+            and asked is None)
+        _log.info("jaxpd: %s", plan.describe())
 
     def new_request_id(self) -> str:
         return self.engine.new_request_id()

@@ -1,5 +1,6 @@
 """The KV budget (`jaxpd.kv_budget`): sizes, the default split over the pools, the
 errors, the launcher's flag, and `LLM._fit_kv` on a stand-in model config. No engine."""
+import dataclasses
 import types
 
 import pytest
@@ -130,7 +131,9 @@ def test_the_plan_gives_pools_pages_bytes_context_and_concurrency():
     assert plan.concurrency == 2 * 1024 / 512
     line = plan.describe()
     assert "3 pools x 1025 pages x 720.0 KiB = 2.11 GiB" in line
-    assert "max_model_len 8192" in line and "concurrency at full context: 4.00" in line
+    assert "max_model_len 8192;" in line and "concurrency at full context: 4.00" in line
+    assert "max_model_len 8192 (the model's);" in dataclasses.replace(
+        plan, models_context=True).describe()
     few_slots = KVPlan(3, 1025, 1024, 16, 64, 2, 4, GIB, "x")
     assert few_slots.concurrency == 8                                 # the slots bind
     with pytest.raises(ValueError, match="KVPlan.pages"):
@@ -159,7 +162,7 @@ def test_fit_splits_the_default_over_the_pools_and_logs_the_plan(monkeypatch, ca
     assert options["pages_per_shard"] == each // _PAGE        # less the null page, plus it
     line = caplog.records[-1].getMessage()
     assert f"3 pools x {options['pages_per_shard']} pages" in line and "available" in line
-    assert "concurrency at full context" in line
+    assert "concurrency at full context" in line and "max_model_len 8192 (the model's)" in line
     colocated = _fit("colocated=4", monkeypatch=monkeypatch)
     assert colocated["pages_per_shard"] == default_budget("cpu", 4, 24 * GIB) // _PAGE
 
