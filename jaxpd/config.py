@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpd import host_memory, kv_budget
 from jaxpd.models.source import QUANTIZATIONS
 from jaxpd.sharding.spec import MeshSpec, parse_mesh_spec
 
@@ -154,7 +155,7 @@ def knob(default, help: str, *, launch_default=_SAME, **flag):
     is generated from the field: `jaxpd.serving.config_flags`): `help`, absl's options
     in `flag` (`lower_bound`, `choices`), and `launch_default` where the flag's default
     is not the field's because `LLM` resolves an unset value itself ("auto" mesh and
-    dtype, the model's own context)."""
+    dtype; the context, None in the field too, is resolved against the model)."""
     metadata = {"help": help, "flag": flag}
     if launch_default is not _SAME:
         metadata["launch_default"] = launch_default
@@ -173,10 +174,10 @@ class EngineConfig:
         "float32", "Dtype of the weights and the KV cache; auto: float32 on CPU, bfloat16 on "
         "TPU/GPU.", launch_default="auto", choices=["auto", "float32", "bfloat16"])
     page_size: int = knob(16, "Tokens per KV-cache page (a power of two).", lower_bound=1)
-    max_model_len: int = knob(
-        1024, "Prompt + generated tokens per request (default: the model's "
-        "max_position_embeddings, capped by what --kv_cache_memory holds).",
-        launch_default=None, lower_bound=2)
+    max_model_len: int | None = knob(
+        None, "Prompt + generated tokens per request (default: the model's "
+        "max_position_embeddings, capped by what --kv_cache_memory holds: `resolve_context`).",
+        lower_bound=2)
     max_prompt_len: int | None = knob(
         None, "Longest prompt in tokens (default: max_model_len - 1).", lower_bound=1)
     max_prefill_batch: int = knob(8, "Most requests in one prefill batch.", lower_bound=1)
@@ -300,14 +301,14 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
-        if self.max_model_len < 2:
+        if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.compile_threads is not None and self.compile_threads < 1:
             raise ValueError(f"compile_threads must be >= 1, got {self.compile_threads}")
-        if self.max_prompt_len is None:
-            object.__setattr__(self, "max_prompt_len", self.max_model_len - 1)
-        if not 1 <= self.max_prompt_len < self.max_model_len:
-            raise ValueError(f"max_prompt_len must be in [1, max_model_len), got {self.max_prompt_len}")
+        if self.max_prompt_len is not None and self.max_prompt_len < 1:
+            raise ValueError(f"max_prompt_len must be >= 1, got {self.max_prompt_len}")
+        if self.pages_per_shard is not None and self.pages_per_shard < 2:
+            raise ValueError(f"pages_per_shard must be >= 2, got {self.pages_per_shard}")
         for name in ("max_prefill_batch", "min_prefill_batch", "slots_per_shard", "max_queued",
                      "decode_context_step"):
             if getattr(self, name) < 1:
@@ -377,21 +378,35 @@ class EngineConfig:
                 if getattr(self, name) != off:
                     raise ValueError(f"{name} is not supported with mesh {self.mesh} yet "
                                      f"(an elastic split); leave it at {off!r}")
+        if self.max_model_len is not None:
+            self._derive_from_context()
+
+    def _derive_from_context(self) -> None:
+        """What follows from `max_model_len`, once it is known; `_derived` names the
+        fields filled in here, so a config resolved again derives them afresh."""
+        derived = []
+        if self.max_prompt_len is None:
+            derived.append("max_prompt_len")
+            object.__setattr__(self, "max_prompt_len", self.max_model_len - 1)
+        if not 1 <= self.max_prompt_len < self.max_model_len:
+            raise ValueError(f"max_prompt_len must be in [1, max_model_len), "
+                             f"got {self.max_prompt_len}")
         min_pages = self.pages_per_slot + 1
-        if self.pages_per_shard is None:
-            object.__setattr__(self, "pages_per_shard", self.slots_per_shard * self.pages_per_slot + 1)
-        elif self.pages_per_shard < min_pages:
-            raise ValueError(f"pages_per_shard={self.pages_per_shard} cannot hold one request of "
-                             f"max_model_len={self.max_model_len} (needs {min_pages} with the null page)")
+        if self.pages_per_shard is not None and self.pages_per_shard < min_pages:
+            raise ValueError(f"pages_per_shard={self.pages_per_shard} cannot hold one request "
+                             f"of max_model_len={self.max_model_len} (needs {min_pages} with "
+                             f"the null page)")
         if self.max_prefill_tokens is None:
             # Where prompts are chunked (`Engine._build_prefill`) a batch's longest prompt
             # is a chunk; the engine raises the budget to its largest whole bucket
             # elsewhere. A budget past that only adds programs of many long rows.
             whole = min(self.buckets[-1], self.prefill_chunk_tokens)
+            derived.append("max_prefill_tokens")
             object.__setattr__(self, "max_prefill_tokens", max(8 * 256, whole))
         elif self.max_prefill_tokens < self.buckets[-1]:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} is below the largest "
                              f"bucket {self.buckets[-1]}")
+        object.__setattr__(self, "_derived", tuple(derived))
 
     def _check_bucket(self, name: str) -> None:
         """A chunk size is a bucket: a power of two of at least `min_bucket`."""
@@ -400,8 +415,19 @@ class EngineConfig:
             raise ValueError(f"{name} must be a power of two >= {self.min_bucket}, got {value}")
 
     @property
+    def resolved(self) -> bool:
+        """Whether the context and the pool are known (`resolve_context` makes them so)."""
+        return self.max_model_len is not None and self.pages_per_shard is not None
+
+    def _context(self) -> int:
+        if self.max_model_len is None:
+            raise ValueError("max_model_len is unset until resolved against the model "
+                             "(config.resolve_context)")
+        return self.max_model_len
+
+    @property
     def pages_per_slot(self) -> int:
-        return -(-self.max_model_len // self.page_size)
+        return -(-self._context() // self.page_size)
 
     @property
     def min_bucket(self) -> int:
@@ -412,4 +438,56 @@ class EngineConfig:
         # Up to max_model_len, not max_prompt_len: a preempted request is recomputed from
         # prompt + generated tokens.
         from jaxpd.engine.scheduler import length_buckets
-        return length_buckets(self.max_model_len, self.min_bucket)
+        return length_buckets(self._context(), self.min_bucket)
+
+
+def kv_pools(config: EngineConfig, multi_process: bool = False) -> int:
+    """KV pools an engine of `config` holds (`kv_budget.num_pools`): one per decode dp
+    shard, and the prefill mesh's own where it computes into one."""
+    return kv_budget.num_pools(config.mesh, kv_budget.has_prefill_pool(
+        config.mesh, config.enable_prefix_caching, config.layerwise_min_tokens, multi_process))
+
+
+def default_kv_cache_memory(device, pools: int = 1, available: int | None = None) -> int:
+    """A KV pool's budget in bytes when none is given (`kv_budget.default_budget`): on
+    CPU `kv_budget.CPU_KV_FRACTION` of the host's available memory (`available`, read
+    from /proc/meminfo when None) split over the engine's `pools` (`kv_pools`), each at
+    most `kv_budget.CPU_KV_CACHE_BYTES`; on an accelerator
+    `kv_budget.ACCELERATOR_KV_FRACTION` of the memory `device` (a jax device) reports
+    (the CPU cap on one that reports none)."""
+    if device.platform == "cpu":
+        if available is None:
+            available = host_memory.available_bytes()
+        return kv_budget.default_budget("cpu", pools, available)
+    stats = device.memory_stats()
+    return kv_budget.default_budget(device.platform, pools, None,
+                                    stats.get("bytes_limit") if stats else None)
+
+
+def resolve_context(config: EngineConfig, model_cfg, kv_cache_memory: int) -> EngineConfig:
+    """`config` with its context and pool resolved against the model (`model_cfg`, a
+    `ModelConfig`) and a KV budget of `kv_cache_memory` bytes per pool: the one rule
+    for `LLM` and an `Engine` built from a config directly. `max_model_len` None is the
+    model's own context (`max_position_embeddings`), cut to what the budget holds
+    unless `pages_per_shard` is given; `pages_per_shard` None is what the budget holds,
+    at most enough for every slot to reach `max_model_len` (`fit_context`). A context
+    past the model's, or one the budget cannot hold, is a ValueError naming both."""
+    limit = model_cfg.max_position_embeddings
+    asked = config.max_model_len
+    if asked is not None and asked > limit:
+        raise ValueError(f"max_model_len={asked} exceeds the model's "
+                         f"max_position_embeddings={limit}")
+    if config.pages_per_shard is not None and asked is not None:
+        return config
+    # What the config derived from an asked context is derived again from the resolved one.
+    fresh = {name: None for name in getattr(config, "_derived", ())}
+    if config.pages_per_shard is not None:
+        return dataclasses.replace(config, max_model_len=limit, **fresh)
+    if kv_cache_memory < 1:
+        raise ValueError(f"kv_cache_memory must be a positive number of bytes, "
+                         f"got {kv_cache_memory}")
+    page = kv_page_bytes(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
+                         config.page_size, config.dtype)
+    length, pages = fit_context(limit, page, config.page_size, kv_cache_memory,
+                                config.slots_per_shard, asked)
+    return dataclasses.replace(config, max_model_len=length, pages_per_shard=pages, **fresh)

@@ -7,8 +7,8 @@ from typing import Callable, Sequence
 import jax
 
 from jaxpd import host_memory, kv_budget
-from jaxpd.config import (EngineConfig, fit_context, kv_page_bytes, prebuild_native,
-                          prefix_caching_by_default, resolve_dtype)
+from jaxpd.config import (EngineConfig, default_kv_cache_memory, kv_page_bytes, kv_pools,
+                          prebuild_native, resolve_context, resolve_dtype)
 from jaxpd.engine import elastic
 from jaxpd.engine.engine import Engine
 from jaxpd.engine.placement import role_shardings
@@ -21,25 +21,54 @@ from jaxpd.sampling_params import SamplingParams
 from jaxpd.stats import EngineStats
 from jaxpd.models import checkpoint
 from jaxpd.sharding.cpu_devices import cpu_devices_needed, ensure_cpu_devices
-from jaxpd.sharding.spec import AUTO, auto_mesh, parse_mesh_spec
+from jaxpd.sharding.spec import AUTO, auto_mesh
 from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
 
 _log = logging.getLogger("jaxpd.llm")
 
 
-def default_kv_cache_memory(device, pools: int = 1, available: int | None = None) -> int:
-    """A KV pool's budget in bytes when none is given (`kv_budget.default_budget`): on
-    CPU `kv_budget.CPU_KV_FRACTION` of the host's available memory (`available`, read
-    from /proc/meminfo when None) split over the engine's `pools`, each at most
-    `kv_budget.CPU_KV_CACHE_BYTES`; on an accelerator `kv_budget.ACCELERATOR_KV_FRACTION`
-    of the memory it reports (the CPU cap on one that reports none)."""
-    if device.platform == "cpu":
-        if available is None:
-            available = host_memory.available_bytes()
-        return kv_budget.default_budget("cpu", pools, available)
-    stats = device.memory_stats()
-    return kv_budget.default_budget(device.platform, pools, None,
-                                    stats.get("bytes_limit") if stats else None)
+def _kv_budget(asked: EngineConfig, kv_cache_memory: int | str | None,
+               multi_process: bool) -> tuple[int | None, str, int]:
+    """(bytes per pool, where that came from, pools) for `asked` (`jaxpd.kv_budget`):
+    `kv_cache_memory` parsed and checked against the host's available memory, or the
+    default share of it; None bytes when `pages_per_shard` is given instead. ValueError
+    naming the field for a budget that is not a size, or whose pools exceed the host's
+    available memory."""
+    budget = None if kv_cache_memory is None else \
+        kv_budget.parse_kv_cache_memory(kv_cache_memory)
+    pools = kv_pools(asked, multi_process)
+    if asked.pages_per_shard is not None:
+        if budget is not None:
+            raise ValueError("give kv_cache_memory or pages_per_shard, not both "
+                             "(kv_cache_memory sets pages_per_shard)")
+        return None, "pages_per_shard", pools
+    device = jax.devices()[0]
+    available = host_memory.available_bytes() if device.platform == "cpu" else None
+    if budget is not None:
+        if not multi_process:       # a mesh across processes holds a part of them here
+            kv_budget.check_fits(budget, pools, available)
+        return budget, f"kv_cache_memory={kv_budget.gib(budget)} per pool", pools
+    budget = default_kv_cache_memory(device, pools, available)
+    if device.platform != "cpu" or not available:
+        return budget, "default", pools
+    return budget, (f"default: {kv_budget.CPU_KV_FRACTION:.0%} of {kv_budget.gib(available)} "
+                    f"available over {pools} pools, at most "
+                    f"{kv_budget.gib(kv_budget.CPU_KV_CACHE_BYTES)} each"), pools
+
+
+def _log_plan(asked: EngineConfig, config: EngineConfig, cfg, budget: int | None,
+              source: str, pools: int) -> None:
+    """One line, as vLLM logs its KV cache: pools x pages x bytes per page, where the
+    budget came from, the context, and the requests the pools hold at full context."""
+    page = kv_page_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.page_size,
+                         config.dtype)
+    plan = kv_budget.KVPlan(
+        pools=pools, pages=config.pages_per_shard, page_bytes=page, page_size=config.page_size,
+        max_model_len=config.max_model_len, decode_shards=config.mesh.decode_dp,
+        slots_per_shard=config.slots_per_shard, budget=budget or 0, source=source,
+        models_context=config.max_model_len == cfg.max_position_embeddings
+        and asked.max_model_len is None)
+    _log.info("jaxpd: %s", plan.describe())
 
 
 def _log_weights(asked: str, loaded) -> None:
@@ -74,13 +103,14 @@ class LLM(Frontend):
     (`engine.multihost.PlanChannel`; `python -m jaxpd.launch --num_processes` sets it
     up). kv_cache_memory: bytes of KV each pool may hold (each decode dp shard's and the
     prefill mesh's), an int or a size such as "4GiB", "512MiB" or "2GB"
-    (`kv_budget.parse_kv_cache_memory`); default `default_kv_cache_memory`: on CPU
+    (`kv_budget.parse_kv_cache_memory`); default `config.default_kv_cache_memory`: on CPU
     `kv_budget.CPU_KV_FRACTION` of the host's available memory split over the pools,
-    each at most 2 GiB. It sets `pages_per_shard` (give one or the other), and caps the
-    default `max_model_len`, the model's own context (`config.fit_context`); a budget
-    whose pools exceed the host's available memory is a ValueError. The plan is logged
-    at start (pools x pages x bytes per page, context, concurrency at full context). Other keyword arguments go to `EngineConfig` (page_size,
-    max_model_len, slots_per_shard, ...).
+    each at most 2 GiB. It sets `pages_per_shard` (give one or the other) and caps the
+    default `max_model_len`, the model's own context (`config.resolve_context`); a budget
+    whose pools exceed the host's available memory is a ValueError. The plan is logged at
+    start: pools x pages x bytes per page, the context, the concurrency at full context.
+    Other keyword arguments go to `EngineConfig` (page_size, max_model_len,
+    slots_per_shard, ...).
     """
 
     def __init__(self, model: str | None = None, mesh: str = "auto",
@@ -110,70 +140,16 @@ class LLM(Frontend):
         _log_weights(quantization, loaded)
         self.weights_read = loaded.weights_read
         dtype = resolve_dtype(dtype, jax.default_backend())
-        self._fit_kv(loaded.cfg, mesh, dtype, kv_cache_memory, engine_options,
-                     multi_process=plan is not None)
-        self.config = EngineConfig(mesh=mesh, dtype=dtype, **engine_options)
-        if self.config.max_model_len > loaded.cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={loaded.cfg.max_position_embeddings}")
+        asked = EngineConfig(mesh=mesh, dtype=dtype, **engine_options)
+        budget, source, pools = _kv_budget(asked, kv_cache_memory, plan is not None)
+        self.config = resolve_context(asked, loaded.cfg, budget or 0)
+        _log_plan(asked, self.config, loaded.cfg, budget, source, pools)
         self.model_config = loaded.cfg
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
         self.engine = Engine(loaded, self.config, connector, warmup=warmup, progress=progress,
                              plan=plan)
         self.fingerprint = self.engine.fingerprint
-
-    @staticmethod
-    def _fit_kv(cfg, mesh: str, dtype: str, kv_cache_memory: int | str | None,
-                options: dict, multi_process: bool = False) -> None:
-        """Resolve `max_model_len` (None: the model's context) and `pages_per_shard` in
-        `options` from the KV budget (`jaxpd.kv_budget`): `kv_cache_memory` per pool, or
-        by default a share of what the host (or a device) has; one log line gives the
-        plan: pools x pages x bytes per page, the context and the requests it holds at
-        full context. ValueError naming the field for a budget that is not a size, that
-        holds no request, or whose pools exceed the host's available memory."""
-        budget = None if kv_cache_memory is None else \
-            kv_budget.parse_kv_cache_memory(kv_cache_memory)
-        if options.get("pages_per_shard") is not None:
-            if budget is not None:
-                raise ValueError("give kv_cache_memory or pages_per_shard, not both "
-                                 "(kv_cache_memory sets pages_per_shard)")
-            if options.get("max_model_len") is None:
-                options["max_model_len"] = cfg.max_position_embeddings
-            return
-        spec = parse_mesh_spec(mesh)
-        layerwise = options.get("layerwise_min_tokens", EngineConfig.layerwise_min_tokens)
-        caching = options.get("enable_prefix_caching")
-        if caching is None:
-            caching = prefix_caching_by_default(spec, layerwise,
-                                                options.get("kv_transfer_dtype"))
-        pools = kv_budget.num_pools(spec, kv_budget.has_prefill_pool(
-            spec, caching, layerwise, multi_process))
-        device = jax.devices()[0]
-        available = host_memory.available_bytes() if device.platform == "cpu" else None
-        if budget is None:
-            budget = default_kv_cache_memory(device, pools, available)
-            source = (f"default: {kv_budget.CPU_KV_FRACTION:.0%} of "
-                      f"{kv_budget.gib(available)} available over {pools} pools, at most "
-                      f"{kv_budget.gib(kv_budget.CPU_KV_CACHE_BYTES)} each"
-                      if device.platform == "cpu" and available else "default")
-        else:
-            if not multi_process:       # a mesh across processes holds a part of them here
-                kv_budget.check_fits(budget, pools, available)
-            source = f"kv_cache_memory={kv_budget.gib(budget)} per pool"
-        page_size = options.get("page_size", EngineConfig.page_size)
-        slots = options.get("slots_per_shard", EngineConfig.slots_per_shard)
-        page = kv_page_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, dtype)
-        asked = options.get("max_model_len")
-        options["max_model_len"], options["pages_per_shard"] = fit_context(
-            cfg.max_position_embeddings, page, page_size, budget, slots, asked)
-        plan = kv_budget.KVPlan(
-            pools=pools, pages=options["pages_per_shard"], page_bytes=page,
-            page_size=page_size, max_model_len=options["max_model_len"],
-            decode_shards=spec.decode_dp, slots_per_shard=slots, budget=budget, source=source,
-            models_context=options["max_model_len"] == cfg.max_position_embeddings
-            and asked is None)
-        _log.info("jaxpd: %s", plan.describe())
 
     def new_request_id(self) -> str:
         return self.engine.new_request_id()

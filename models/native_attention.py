@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 
 from jaxpd import paths
 
+_log = logging.getLogger(__name__)
 _NATIVE = Path(__file__).parent / "native"
 _ATTENTION_SOURCES = (_NATIVE / "paged_attention.cc", _NATIVE / "causal_prefill.cc")
 # The quantized products (`models.quant`): a float model never builds them.
@@ -171,13 +173,20 @@ def _registered(sources: tuple[Path, ...], targets) -> tuple[bool, str]:
     refusal = version_refusal(jaxlib.__version__)
     if refusal is not None:
         return False, refusal
+    kind = "quantized products" if _QUANT_SOURCES[0] in sources else "attention kernels"
     try:
         library = ctypes.cdll.LoadLibrary(str(_build(sources=sources)))
         for name, symbol in targets(library):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
             _registered_targets.add(name)
     except Exception as e:   # noqa: BLE001 - any failure means: use the reference
-        return False, f"{type(e).__name__}: {e}"
+        reason = f"{type(e).__name__}: {e}"
+        _log.warning("jaxpd: the native CPU %s could not be built or loaded, so the "
+                     "portable jnp forms serve: %s", kind, reason.splitlines()[0][:300])
+        return False, reason
+    if sources == _ATTENTION_SOURCES and _PREFILL_TARGET not in _registered_targets:
+        _log.info("jaxpd: this CPU has no AVX-512, so prompts' attention runs the portable "
+                  "jnp form (the native decode kernel serves)")
     return True, ""
 
 

@@ -10,6 +10,7 @@ _EXPORTS = {
     "MeshSpec": "jaxpd.sharding.spec", "parse_mesh_spec": "jaxpd.sharding.spec",
     "Meshes": "jaxpd.sharding.mesh", "build_meshes": "jaxpd.sharding.mesh",
     "logical_rules": "jaxpd.sharding.rules", "named_shardings": "jaxpd.sharding.rules",
+    "replicated_over_tp": "jaxpd.sharding.rules",
 }
 __all__ = list(_EXPORTS)
 

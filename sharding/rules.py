@@ -47,6 +47,15 @@ def logical_rules(mesh: Mesh, *, num_heads: int, num_kv_heads: int, intermediate
     )
 
 
+def replicated_over_tp(mesh: Mesh, **sizes: int) -> dict[str, int]:
+    """The sizes (name=size, as `logical_rules` takes them) that `mesh`'s tp, when more
+    than one device, does not divide: each of its devices holds and computes them whole.
+    That serves correctly (prefill and decode programs, handoffs and shard offers
+    read each dimension's split from the rules), only without tp's gain there."""
+    tp = mesh.shape.get("tp", 1)
+    return {name: size for name, size in sizes.items() if tp > 1 and size and size % tp}
+
+
 def _experts_axis(mesh: Mesh, num_experts: int):
     """Where a decode mesh's experts go: every device, else tp, else dp (None: each
     device holds them all; on a prefill mesh always None)."""

@@ -122,13 +122,14 @@ def test_every_engine_config_field_has_a_flag_whose_default_is_the_fields():
         assert flag.help.endswith(field.metadata["help"]), field.name
         if "launch_default" not in field.metadata:
             assert flag.default == field.default, field.name
-    # The three LLM resolves: auto mesh and dtype, and the model's own context.
+    # The two LLM resolves: auto mesh and dtype (the model's own context is
+    # EngineConfig's default, None, resolved by `resolve_context`).
     assert {f.name for f in dataclasses.fields(EngineConfig) if "launch_default" in f.metadata
-            } == {"mesh", "dtype", "max_model_len"}
+            } == {"mesh", "dtype"}
     # Unset flags leave EngineConfig's defaults standing: the options build the default.
     options = launch_flags.engine_options(fv)
     assert options.pop("mesh") == "auto" and options.pop("dtype") == "auto"
-    assert EngineConfig(**options, max_model_len=1024) == EngineConfig()
+    assert EngineConfig(**options) == EngineConfig()
     # Set ones reach EngineConfig by field name; aliases keep working.
     fv.unparse_flags()
     fv(["prog", "--page_size", "32", "--kv_part_timeout_s", "2.5", "--attention_interpret",
@@ -138,3 +139,44 @@ def test_every_engine_config_field_has_a_flag_whose_default_is_the_fields():
     assert options["attention_interpret"] is True and fv.shutdown_timeout_s == 1.0
     with pytest.raises(flags.IllegalFlagValueError):
         fv(["prog", "--page_size", "0"])                 # the field's lower bound
+
+
+def _model(context=8192, **fields):
+    from jaxpd.models.config import ModelConfig
+    return ModelConfig(**{**dict(model_type="llama", vocab_size=49152, hidden_size=576,
+                                 intermediate_size=1536, num_layers=30, num_heads=9,
+                                 num_kv_heads=3, head_dim=64,
+                                 max_position_embeddings=context), **fields})
+
+
+def test_one_rule_resolves_the_context_for_a_config_built_directly_or_by_llm():
+    """`EngineConfig` leaves `max_model_len` unset (None) until `resolve_context` meets
+    the model: `LLM` and an `Engine` built from a config both call it, so both serve
+    the model's own context by default, cut only by the KV budget."""
+    from jaxpd.config import resolve_context
+    page = kv_page_bytes(30, 3, 64, 16, "float32")
+    unset = EngineConfig(mesh="prefill=1,decode=1", slots_per_shard=8)
+    assert unset.max_model_len is None and not unset.resolved
+    with pytest.raises(ValueError, match="unset until resolved"):
+        unset.buckets
+    c = resolve_context(unset, _model(), 4 << 30)
+    assert c.resolved and (c.max_model_len, c.pages_per_shard) == (8192, 8 * 512 + 1)
+    assert c.max_prompt_len == 8191 and c.buckets[-1] == 8192
+    assert resolve_context(c, _model(), 4 << 30) == c           # resolved: unchanged
+    # An asked context: what the config derived from it stands once resolved.
+    asked = resolve_context(dataclasses.replace(unset, max_model_len=4608), _model(), 4 << 30)
+    assert (asked.max_model_len, asked.max_prompt_len, asked.max_prefill_tokens) == \
+        (4608, 4607, 2048)
+    # The same numbers as `fit_context`: a small budget cuts the default context ...
+    assert resolve_context(unset, _model(), 301 * page).max_model_len == 300 * 16
+    # ... an asked one it cannot hold, or past the model's, is refused naming both.
+    with pytest.raises(ValueError, match="max_model_len=8192 does not fit kv_cache_memory"):
+        resolve_context(dataclasses.replace(unset, max_model_len=8192), _model(), 301 * page)
+    with pytest.raises(ValueError, match="max_model_len=9000 exceeds the model's "
+                                         "max_position_embeddings=8192"):
+        resolve_context(dataclasses.replace(unset, max_model_len=9000), _model(), 4 << 30)
+    # A given pool keeps the model's context (and must hold one request of it).
+    given = resolve_context(dataclasses.replace(unset, pages_per_shard=600), _model(), 1)
+    assert (given.max_model_len, given.pages_per_shard) == (8192, 600)
+    with pytest.raises(ValueError, match="pages_per_shard=100 cannot hold one request"):
+        resolve_context(dataclasses.replace(unset, pages_per_shard=100), _model(), 1)

@@ -32,9 +32,14 @@ def _greedy(n):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
-def test_greedy_matches_hf_on_every_mesh_with_staggered_arrivals(tiny, mesh):
+def test_greedy_matches_hf_on_every_mesh_with_staggered_arrivals(tiny, mesh, monkeypatch):
+    """At the library's defaults (warm-up, kept executables): what a user's `LLM()`
+    runs, each program served by the executable warm-up installed, none compiled by a
+    request."""
     path, prompts, max_tokens, expected = tiny
-    with LLM(path, mesh=mesh, max_model_len=160, slots_per_shard=4, warmup=False) as llm:
+    monkeypatch.setenv("JAXPD_KEEP_EXECUTABLES", "1")      # off for the rest of the suite
+    with LLM(path, mesh=mesh, max_model_len=160, slots_per_shard=4) as llm, \
+            XlaCompiles(on_request_threads=True) as xla:
         half = NUM_REQUESTS // 2
         first = [llm.submit(llm.make_request(prompt_token_ids=p, sampling_params=_greedy(n)))
                  for p, n in zip(prompts[:half], max_tokens[:half])]
@@ -51,6 +56,7 @@ def test_greedy_matches_hf_on_every_mesh_with_staggered_arrivals(tiny, mesh):
         assert_all_pages_free(llm)
         stats = llm.stats()
         assert stats["finished"] == NUM_REQUESTS and stats["aborted"] == 0
+        assert xla.count == 0
 
 
 @pytest.fixture(scope="module")
@@ -349,3 +355,24 @@ def test_duplicate_handoff_of_a_request_is_dropped(warm_llm, tiny, monkeypatch):
     assert [o.token_ids for o in outs] == expected[:6]
     assert llm.stats()["transfers"] - before == 6
     assert_all_pages_free(llm)
+
+
+def test_an_engine_built_from_a_config_serves_the_models_context_as_llm_does():
+    """`EngineConfig` leaves `max_model_len` unset; an `Engine` built from one directly
+    resolves it by the rule `LLM` follows (`config.resolve_context`): the model's own
+    context and the pool the KV budget holds, not a default of the config's own."""
+    from jaxpd.config import EngineConfig
+    from jaxpd.default_model import default_model_dir
+    from jaxpd.engine.engine import Engine
+    from jaxpd.models import checkpoint
+    path = default_model_dir()
+    loaded = checkpoint.load(path, dtype="float32")
+    engine = Engine(loaded, EngineConfig(mesh="colocated=1", slots_per_shard=2))
+    try:
+        with LLM(path, mesh="colocated=1", slots_per_shard=2, warmup=False) as llm:
+            assert engine.config.max_model_len == llm.config.max_model_len == \
+                loaded.cfg.max_position_embeddings
+            assert engine.config.pages_per_shard == llm.config.pages_per_shard
+            assert engine.config.max_prompt_len == llm.config.max_prompt_len
+    finally:
+        engine.shutdown()

@@ -92,6 +92,30 @@ def test_completions_match_llm_generate_streamed_or_not(client, llm):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, llm):
+    """vLLM's extension, sent by benchmark clients (guidellm, aiperf): with
+    include_usage, each chunk's usage counts the tokens generated until then."""
+    ref = llm.generate("The cat", SamplingParams(**GREEDY, ignore_eos=True))[0]
+    chunks = list(client.completions.create(
+        model=MODEL, prompt="The cat", stream=True, **GREEDY,
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage.prompt_tokens == len(ref.prompt_token_ids) for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == len(ref.token_ids) == 8
+    assert counts[0] >= 1 and all(c.usage.total_tokens == c.usage.prompt_tokens +
+                                  c.usage.completion_tokens for c in chunks)
+    # Without include_usage it asks for nothing, as in vLLM; an unknown option is a 400.
+    plain = list(client.completions.create(
+        model=MODEL, prompt="The cat", stream=True, **GREEDY,
+        stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        client.completions.create(model=MODEL, prompt="The cat", stream=True, **GREEDY,
+                                  stream_options={"include_usage": True, "every_chunk": True})
+
+
 def test_chat_stream_assembles_the_non_streamed_answer(client, llm):
     ref = llm.chat(CHAT, SamplingParams(**GREEDY))[0]
     whole = client.chat.completions.create(model=MODEL, messages=CHAT, **GREEDY)

@@ -44,9 +44,10 @@ class FakeWorker:
     `frozen`, says nothing at all); `hang_info` makes Info never answer."""
 
     def __init__(self, role="decode", auth=NO_AUTH, model_dir=None, frozen=False,
-                 hang_info=False, free_slots=8, token=7, **overrides):
+                 hang_info=False, free_slots=8, token=7, prefill_s=0.0, **overrides):
         model_dir = model_dir or default_model_dir()
         self.frozen, self.hang_info, self.token = frozen, hang_info, token
+        self.prefill_s = prefill_s          # how long a Prefill takes (until `release`)
         self.decode_calls = self.prefill_calls = self.reprefill_calls = 0
         self.destinations = []
         self.release = threading.Event()
@@ -75,6 +76,7 @@ class FakeWorker:
     def Prefill(self, msg, context):
         self.prefill_calls += 1
         self.destinations.append(msg["destination"])
+        self.release.wait(self.prefill_s)
         return {"status": "handed_off"}
 
     def Reprefill(self, msg, context):
@@ -258,6 +260,32 @@ def test_a_worker_whose_heartbeat_says_draining_gets_no_new_request(router, fake
     assert draining.decode_calls == 1
 
 
+def test_a_prefill_worker_whose_heartbeat_says_draining_gets_no_new_request(router, fakes):
+    """Draining holds for both roles: a prefill worker saying so is chosen for no new
+    Prefill (the other one gets them), stays live, and is chosen again once a beat no
+    longer says it."""
+    router, address = router
+    decoder = fakes()
+    draining, spare = fakes(role="prefill"), fakes(role="prefill")
+    for w in (decoder, draining, spare):
+        w.register(address)
+    answer = register(address, draining.info, {**draining.load, "queue": 0}, AUTH, timeout=5,
+                      draining="this prefill worker is shutting down")
+    assert "decode_peers" not in answer          # a decode worker's question only
+    spare.load["queue"] = 5                      # the draining one looks cheaper
+    spare.register(address)
+    outs = router.generate(prompt_token_ids=[[1, 2], [3], [4, 5, 6]],
+                           sampling_params=SamplingParams(max_tokens=2, **GREEDY))
+    assert [o.token_ids for o in outs] == [[7, 7]] * 3
+    assert (draining.prefill_calls, spare.prefill_calls) == (0, 3)
+    assert draining.info.address in router.live_workers()
+    assert draining.info.address not in [w["address"] for w in router.worker_loads()]
+    draining.register(address)                   # a beat without it: chosen again
+    router.generate(prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(max_tokens=2,
+                                                                             **GREEDY))
+    assert draining.prefill_calls == 1
+
+
 def test_lease_drops_a_silent_worker_and_readmits_it(router, fakes):
     router, address = router
     worker = fakes()
@@ -268,6 +296,41 @@ def test_lease_drops_a_silent_worker_and_readmits_it(router, fakes):
     assert router.live_workers() == {}
     worker.heartbeat(address)
     wait_until(router.ready)
+
+
+def test_a_slow_prefill_on_a_live_worker_is_never_cancelled(router, fakes):
+    """A Prefill call has no deadline: a worker that keeps its lease (busy with a long
+    prompt, a queue or a compile) finishes it, however many leases and stall timeouts
+    it outlasts, and the prompt is computed once."""
+    router, address = router
+    decoder, slow = fakes(), fakes(role="prefill", prefill_s=2.0)
+    for w in (decoder, slow):
+        w.heartbeat(address)
+    wait_until(lambda: len(router.live_workers()) == 2)
+    out = router.generate(prompt_token_ids=[[1, 2, 3]],
+                          sampling_params=SamplingParams(max_tokens=2, **GREEDY))[0]
+    assert out.token_ids == [7, 7]
+    assert (slow.prefill_calls, decoder.reprefill_calls) == (1, 0)
+    counts = router.counters.snapshot()
+    assert counts["prefill_failovers"] == counts["workers_dropped"] == 0
+
+
+def test_a_prefill_worker_that_loses_its_lease_fails_its_request_over(router, fakes):
+    """What ends a Prefill call is its worker's liveness: a prefill worker that stops
+    heartbeating mid-call is dropped when its lease lapses, the call is cancelled and
+    the request fails over (here to the decode worker's own prefill)."""
+    router, address = router
+    decoder, stuck = fakes(), fakes(role="prefill", prefill_s=60.0)
+    for w in (decoder, stuck):
+        w.heartbeat(address)
+    wait_until(lambda: len(router.live_workers()) == 2)
+    threading.Timer(0.3, stuck.stop_heartbeat).start()     # mid-call
+    out = router.generate(prompt_token_ids=[[1, 2, 3]],
+                          sampling_params=SamplingParams(max_tokens=2, **GREEDY))[0]
+    assert out.token_ids == [7, 7]
+    assert (stuck.prefill_calls, decoder.reprefill_calls) == (1, 1)
+    counts = router.counters.snapshot()
+    assert counts["prefill_failovers"] == counts["workers_dropped"] == 1
 
 
 def test_stalled_decode_stream_fails_over_within_the_stall_deadline(router, fakes):
@@ -559,7 +622,7 @@ def test_cluster_token_router_to_real_worker_in_process(decode_worker, tiny_hf_m
     from tests.hf_fixtures import hf_greedy
     llm, server, _ = decode_worker
     path, hf = tiny_hf_model
-    # A lease of 3 s: the worker's first compiles (on 2 busy cores) must not drop it.
+    # The default lease (5 s): the worker's first compiles must not drop it.
     router = Router(path, RouterConfig(max_model_len=MAX_MODEL_LEN, heartbeat_s=1.0), auth=AUTH)
     try:
         address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
@@ -572,6 +635,51 @@ def test_cluster_token_router_to_real_worker_in_process(decode_worker, tiny_hf_m
         assert router.counters.snapshot()["decode_prefills"] == 3
     finally:
         router.shutdown()
+
+
+def test_a_real_worker_of_either_role_says_it_drains_in_every_heartbeat(tiny_hf_model):
+    """A prefill and a decode worker (real engines) that start draining tell the router
+    at once and in each heartbeat after; the router chooses neither for anything new
+    (a draining prefill worker: the decode worker prefills on its own mesh; a draining
+    last decode worker: the request fails with the reason), and both again once they
+    stop saying it."""
+    path = tiny_hf_model[0]
+    made = [start_worker(path, mesh="prefill=1"), start_worker(path, mesh="decode=1")]
+    router = Router(path, RouterConfig(max_model_len=MAX_MODEL_LEN, heartbeat_s=1.0,
+                                       lease_s=30.0), auth=AUTH)
+    try:
+        address = f"127.0.0.1:{router.listen('127.0.0.1', 0)}"
+        for _, server in made:
+            server.register_with(address, heartbeat_s=0.1)
+        wait_until(lambda: len(router.live_workers()) == 2, timeout=30)
+        choosable = lambda: {w["role"] for w in router.worker_loads()}   # noqa: E731
+        assert choosable() == {"prefill", "decode"}
+        (prefill_llm, prefill), (decode_llm, decode) = made
+        prefill.announce_draining("this prefill worker is shutting down")
+        assert choosable() == {"decode"}                 # told at once, out of turn
+        time.sleep(0.5)                                  # ... and in the beats after
+        assert choosable() == {"decode"}
+        assert router.workers.get(prefill.address).says_draining == \
+            "this prefill worker is shutting down"
+        out = router.generate(prompt_token_ids=[[5, 6, 7]],
+                              sampling_params=SamplingParams(max_tokens=3, **GREEDY))[0]
+        assert len(out.token_ids) == 3
+        counts = router.counters.snapshot()
+        assert counts["decode_prefills"] == 1 and counts["prefill_failovers"] == 0
+        decode.announce_draining("this decode worker is shutting down")
+        time.sleep(0.5)
+        assert choosable() == set() and len(router.live_workers()) == 2
+        out = router.generate(prompt_token_ids=[[5, 6, 7]],
+                              sampling_params=SamplingParams(max_tokens=3, **GREEDY))[0]
+        assert out.finish_reason == "abort" and "no decode worker" in out.abort_reason
+        for _, server in made:
+            server.service.stopping = None
+        wait_until(lambda: choosable() == {"prefill", "decode"})
+    finally:
+        router.shutdown()
+        for llm, server in made:
+            server.stop(0)
+            llm.shutdown()
 
 
 def test_mismatch_router_larger_than_worker_is_refused_and_worker_stops(decode_worker,

@@ -1,5 +1,6 @@
 """The KV budget (`jaxpd.kv_budget`): sizes, the default split over the pools, the
-errors, the launcher's flag, and `LLM._fit_kv` on a stand-in model config. No engine."""
+errors, the launcher's flag, and `LLM`'s budget and plan on a stand-in model config.
+No engine."""
 import dataclasses
 import types
 
@@ -147,11 +148,16 @@ _PAGE = kv_page_bytes(30, 3, 64, 16, "float32")
 
 
 def _fit(mesh="prefill=2,decode=2", kv=None, available=24 * GIB, monkeypatch=None, **options):
-    from jaxpd.llm import LLM
+    """The context and pool `LLM` resolves for SmolLM2's shape (a dict)."""
+    from jaxpd import llm
+    from jaxpd.config import resolve_context
 
     monkeypatch.setattr(host_memory, "available_bytes", lambda: available)
-    LLM._fit_kv(_SMOL, mesh, "float32", kv, options)
-    return options
+    asked = EngineConfig(mesh=mesh, **options)
+    budget, source, pools = llm._kv_budget(asked, kv, multi_process=False)
+    config = resolve_context(asked, _SMOL, budget or 0)
+    llm._log_plan(asked, config, _SMOL, budget, source, pools)
+    return {"max_model_len": config.max_model_len, "pages_per_shard": config.pages_per_shard}
 
 
 def test_fit_splits_the_default_over_the_pools_and_logs_the_plan(monkeypatch, caplog):

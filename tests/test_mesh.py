@@ -71,3 +71,39 @@ def test_rules_take_sizes_not_a_model():
     assert rules["kv_heads"] is None and rules["vocab"] is None
     with pytest.raises(TypeError):
         logical_rules(mesh, 4, 1, 6, 7)                     # sizes are keyword-only
+
+
+def test_replicated_over_tp_names_what_tp_does_not_divide():
+    from jaxpd.sharding import replicated_over_tp
+    dims = dict(num_heads=8, num_kv_heads=4, intermediate_size=768, vocab_size=4096)
+    meshes = build_meshes("prefill=3,decode=1x4")
+    assert replicated_over_tp(meshes.prefill, **dims) == \
+        {"num_heads": 8, "num_kv_heads": 4, "vocab_size": 4096}      # only the MLP splits
+    assert replicated_over_tp(meshes.decode, **dims) == {}
+    assert replicated_over_tp(build_meshes("prefill=1,decode=3").decode, **dims) == {}
+
+
+@pytest.mark.slow
+def test_a_tp_that_divides_neither_heads_nor_vocab_serves_the_same_tokens(caplog):
+    """What tp does not divide is replicated, by design, not refused: the programs,
+    handoffs and kernels read each dimension's split from the rules, so such a mesh
+    serves the tokens of a one-device mesh (tp=3 on 8 query and 4 kv heads and a
+    vocabulary of 4,096, on the prefill and the decode mesh), and says at start what it
+    replicates, naming each size and tp."""
+    import logging
+
+    from jaxpd import LLM, SamplingParams
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(100, 140))]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for mesh in ("prefill=1,decode=1", "prefill=3,decode=1x3"):
+        with caplog.at_level(logging.WARNING, logger="jaxpd.engine.engine"):
+            with LLM(None, mesh=mesh, max_model_len=128, slots_per_shard=2,
+                     warmup=False) as llm:
+                outs[mesh] = [o.token_ids for o in llm.generate(
+                    prompt_token_ids=prompts, sampling_params=greedy)]
+    assert outs["prefill=3,decode=1x3"] == outs["prefill=1,decode=1"]
+    said = [r.getMessage() for r in caplog.records if "does not divide" in r.getMessage()]
+    assert len(said) == 2, said                             # the prefill and decode meshes
+    assert all("tp=3 does not divide num_heads=8, num_kv_heads=4, vocab_size=4096" in m
+               for m in said), said

@@ -289,3 +289,18 @@ def test_engine_tokens_equal_the_reference(mesh):
             assert_all_pages_free(llm)
     assert tokens["auto"] == tokens["reference"]
     assert all(len(t) == 40 for t in tokens["auto"])
+
+
+def test_a_failed_build_falls_back_with_one_line_naming_why(monkeypatch, caplog):
+    """No compiler (or a failed build, or no AVX-512 for the prompt kernel): the
+    portable forms serve, and one log line says why; nothing raises at start."""
+    def no_compiler(**_):
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+
+    monkeypatch.setattr(native_attention, "_build", no_compiler)
+    with caplog.at_level("WARNING", logger="jaxpd.models.native_attention"):
+        ok, reason = native_attention._registered(native_attention._QUANT_SOURCES,
+                                                  lambda library: [])
+    assert not ok and "no C++ compiler" in reason
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "quantized products" in lines[0] and "no C++ compiler" in lines[0]

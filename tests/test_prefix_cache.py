@@ -491,23 +491,6 @@ def test_router_prefers_the_prefill_worker_holding_the_prompt_unless_it_is_busie
     assert flow.prefill_order(r, decoder, None) == [a, b]          # no prefix routing: by load
 
 
-def test_a_prefill_call_waits_its_turn_in_the_workers_line_before_its_deadline():
-    """`RequestFlow.prefill_deadline_s`: `prefill_timeout_s` for each prompt in the
-    worker's line (queued at its last heartbeat, or ours open on it), this one included,
-    so a busy worker is not taken for a stuck one."""
-    from jaxpd.serving.router import RouterConfig
-    from jaxpd.serving.router_flow import RequestFlow
-    from jaxpd.serving.worker_pool import Worker
-
-    flow = RequestFlow(None, RouterConfig(prefill_timeout_s=30.0), None, None, 100, None)
-    p = Worker("prefill", "p", None, static=True)
-    assert flow.prefill_deadline_s(p) == 30.0                      # an idle worker
-    p.load["queue"] = 3
-    assert flow.prefill_deadline_s(p) == 120.0
-    p.num_calls = 2
-    assert flow.prefill_deadline_s(p) == 180.0
-
-
 @pytest.mark.slow
 def test_router_sends_each_turn_to_the_decode_worker_holding_the_conversation(tiny_hf_model):
     """A prefill worker and two decode workers with prefix caching behind a router with

@@ -15,7 +15,8 @@ from jaxpd.bench.workload import parse_length_mix
 
 HF = "hf"   # the transformers baseline, named in --compare next to meshes
 LLAMA_CPP = "llama_cpp"   # llama.cpp (llama-cpp-python) on the same GGUF file
-BASELINES = (HF, LLAMA_CPP)
+LLAMA_CPP_BATCHED = "llama_cpp_batched"   # the same, batched as llama.cpp's server
+BASELINES = (HF, LLAMA_CPP, LLAMA_CPP_BATCHED)
 
 
 def _int_at_least(text: str, low: int) -> int:
@@ -191,6 +192,7 @@ def parse_compare(text: str) -> list[str]:
             out.append(serving_mesh(part))
         else:
             raise ValueError(f"bad entry {part!r} in {text!r}: expected 'hf', 'llama_cpp', "
+                             f"'llama_cpp_batched', "
                              f"'colocated=N', 'colocated=N:chunked=T', 'prefill=P,decode=D' "
                              f"or 'elastic=N[,prefill=P]'")
         i += 1
@@ -222,12 +224,15 @@ def resolve_model(model: str | None) -> str:
 
 
 def describe_devices() -> dict:
-    """What the numbers were measured on (devices, host cores, load when measured)."""
+    """What the numbers were measured on (devices, the host's CPU and ISA, load when
+    measured)."""
     import jax
+    from jaxpd.bench.host import describe_host
     devices = jax.devices()
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {"platform": devices[0].platform, "num_devices": len(devices),
             "device_kind": devices[0].device_kind, "host_cpu_count": os.cpu_count(),
+            "host": describe_host(),
             "load_avg_1m": None if load is None else round(load[0], 2)}
 
 

@@ -29,12 +29,14 @@ import statistics
 import sys
 from typing import Callable, Sequence
 
-from jaxpd.bench.args import (HF, LLAMA_CPP, VLLM_ALIASES, add_deployment_flags,  # noqa: F401
+from jaxpd.bench.args import (BASELINES, HF, LLAMA_CPP, LLAMA_CPP_BATCHED,  # noqa: F401
+                              VLLM_ALIASES, add_deployment_flags,
                               add_hyphen_spellings, add_workload_flags,
                               backends_of, compare_flag, describe_devices, mesh_flag,
                               meshes_of, nonnegative_int, num_devices_needed, positive_float,
                               positive_int, resolve_model, run_mesh, whole_numbers)
 from jaxpd.bench.elastic import add_elastic_flags, format_decisions
+from jaxpd.bench.host import host_line
 from jaxpd.bench.driver import (Backend, BenchRequest, EngineBackend, Progress, RunResult,
                                 ensure_cpu_devices, make_bench_requests)
 from jaxpd.bench.roofline import add_roofline_flags
@@ -76,7 +78,10 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
                    help="comma-separated baselines run on the same requests: meshes "
                         "(colocated=N, colocated=N:chunked=T with chunked prefill of T "
                         "tokens per step, prefill=P,decode=D) and/or 'hf' (transformers), "
-                        "'llama_cpp' (llama-cpp-python on a GGUF --model); 'none' for none")
+                        "'llama_cpp' (llama-cpp-python on a GGUF --model, one sequence at a "
+                        "time), 'llama_cpp_batched' (the same, every running sequence in "
+                        "one llama_batch per step, as its server batches, with as many "
+                        "sequences as the mesh has decode slots); 'none' for none")
     add_deployment_flags(s)
     s.add_argument("--handoff_wait_ms", type=float, default=None,
                    help="engine handoff_wait_ms (the prefill side's wait for the transfer "
@@ -334,6 +339,12 @@ class Benchmark:
             from jaxpd.bench.llama_cpp import LlamaCppBackend
             return LlamaCppBackend(self.model_dir, n_ctx=max(512, self.max_model_len),
                                    warmup_requests=self.warmup)
+        if name == LLAMA_CPP_BATCHED:
+            from jaxpd.bench.llama_cpp import LlamaCppBatchedBackend
+            # Equal batch capacity: as many sequences as the mesh under test has slots.
+            return LlamaCppBatchedBackend(self.model_dir, self.decode_slots(),
+                                          n_ctx=max(512, self.max_model_len),
+                                          warmup_requests=self.warmup)
         if name == HF:
             from jaxpd.bench.hf import HFBackend
             return HFBackend(self.model_dir, self.args.hf_batch or self.decode_slots(),
@@ -444,7 +455,7 @@ class Benchmark:
         # The worst gap: a few prefill stalls hide below p99 in a short run.
         report.update(backend=name, rate=rate, num_aborted=result.num_aborted,
                       itl_max_s=max(gaps) if gaps else None, engine_stats=result.stats)
-        if name not in (HF, LLAMA_CPP):
+        if name not in BASELINES:
             deployment = a.processes
             report["engine_options"] = self.options_for(
                 a.process_mesh if deployment and name == deployment.name else name)
@@ -522,12 +533,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for name in backends_of(args):
         bench.run_backend(name)
     results = bench.results()
-    _print_runs(results["runs"])
+    _print_runs(results["runs"], results["devices"])
     _write_outputs(args, results, bench.timelines)
     return results
 
 
-def _print_runs(runs: list[dict]) -> None:
+def _print_runs(runs: list[dict], devices: dict) -> None:
+    print(host_line(devices["host"]))
     print(format_table(runs))
     if any("single_stream_tpot_s" in r for r in runs):
         print("batch-1 TPOT (ms): " + "  ".join(

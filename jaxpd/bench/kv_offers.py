@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from jaxpd.bench.host import describe_host, host_line
 from jaxpd.bench.driver import make_bench_requests
 from jaxpd.bench.prefix import worker_counters
 from jaxpd.bench.processes import Deployment, ProcessesBackend, make_deployment
@@ -86,6 +87,7 @@ def main(argv=None) -> dict:
         print(f"serving {len(requests)} requests through {deployment.name}", flush=True)
         runs.append(serve(model_dir, deployment, requests,
                           {"max_model_len": a.max_model_len}))
+    print(host_line(describe_host()))
     print(format_runs(runs))
     result = {"args": vars(a), "runs": runs}
     if a.json:

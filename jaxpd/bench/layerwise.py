@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 
+from jaxpd.bench.host import describe_host, host_line
 from jaxpd.bench.args import positive_int
 from jaxpd.bench.workers import start_all
 
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     summary = summarize(rows)
+    print(host_line(describe_host()))
     print(format_summary(summary))
     if args.json:
         with open(args.json, "w") as f:

@@ -37,6 +37,7 @@ import time
 
 import numpy as np
 
+from jaxpd.bench.host import describe_host, host_line
 from jaxpd.bench.driver import FIRST_ORDINARY_ID, greedy, stats_delta, timeline_of
 from jaxpd.bench.workload import parse_length_mix
 from jaxpd.engine.background_compile import settle
@@ -188,8 +189,10 @@ def run_prefix_bench(args: argparse.Namespace, model_dir: str, meshes: list[str]
         runs[-1]["outputs_identical"] = all(o == outputs["off"] for o in outputs.values())
     if args.processes is not None:
         runs += _serve_deployment(args, model_dir, chats, output_len, engine_options)
+    host = describe_host()
+    print(host_line(host))
     print(format_prefix_table(runs))
-    return {"workload": args.workload, "runs": runs}
+    return {"workload": args.workload, "runs": runs, "host": host}
 
 
 def _serve_deployment(args: argparse.Namespace, model_dir: str, chats: list[Chat],

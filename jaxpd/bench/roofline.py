@@ -27,6 +27,7 @@ from typing import Callable
 
 import numpy as np
 
+from jaxpd.bench.host import host_line
 from jaxpd.bench.args import describe_devices, positive_floats, positive_int
 
 
@@ -282,6 +283,7 @@ def run_roofline(model_dir: str, args: argparse.Namespace) -> dict:
     result = {"machine": machine, "rows": rows, "model": model_dir,
               "num_params": cfg.num_params, "num_active_params": cfg.num_active_params,
               "device": describe_devices()}
+    print(host_line(result["device"]["host"]))
     print(format_roofline(machine, rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+from jaxpd.bench.host import describe_host, host_line
 from jaxpd.sharding.cpu_devices import xla_flags_with_count
 
 SHAPE_SKH = (16, 8, 128)
@@ -216,6 +217,7 @@ def bench(sizes_mib: list[int], num_runs: int, num_warmup: int) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
+    print(host_line(describe_host()))
     print(f"{'method':<16}{'KV MiB':>8}{'ms e2e':>10}{'ms place':>10}{'GB/s':>8}")
     for r in rows:
         print(f"{r['method']:<16}{r['size_mib']:>8}{r['seconds'] * 1e3:>10.1f}"

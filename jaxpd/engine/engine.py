@@ -30,7 +30,8 @@ from typing import Callable
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpd.config import EngineConfig, resolve_attention_impl
+from jaxpd.config import (EngineConfig, default_kv_cache_memory, kv_pools,
+                          resolve_attention_impl, resolve_context)
 from jaxpd.engine.decode_loop import DecodeLoop
 from jaxpd.engine.extend_loop import ExtendLoop
 from jaxpd.engine.host_store import HostStore
@@ -55,7 +56,7 @@ from jaxpd.models.hf_io import DTYPES
 from jaxpd.engine.placement import place_params
 from jaxpd.models.llama import layer_groups
 from jaxpd.request import Request, State
-from jaxpd.sharding import Meshes, build_meshes
+from jaxpd.sharding import Meshes, build_meshes, replicated_over_tp
 from jaxpd.stats import EngineStats, StatsCounter
 from jaxpd.transfer.compression import CompressingReceiver, CompressingSender
 from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
@@ -114,6 +115,9 @@ class Engine:
         started."""
         if lower_for is not None and warmup:
             raise ValueError("an engine built to be lowered (lower_for) runs no warm-up")
+        if not config.resolved:      # built directly: the same rule as `LLM`'s
+            config = resolve_context(config, model.cfg, default_kv_cache_memory(
+                jax.devices()[0], kv_pools(config, plan is not None)))
         self.model, self.lower_for = model, lower_for
         self._final_stats: EngineStats | None = None     # set by `shutdown`
         spec = config.mesh
@@ -232,6 +236,13 @@ class Engine:
         every call) unless `keep_quantized` (its prompts take `_prefill_product`).
         `scan`: runs of equal layers stacked, to be scanned."""
         platform = self.lower_for or mesh.devices.flat[0].platform
+        whole = replicated_over_tp(mesh, **self.model.cfg.logical_dims())
+        if whole:
+            # Replicated by design (`sharding.rules`): it serves, but the user asked for
+            # a split these dimensions do not get.
+            _log.warning("mesh %s: tp=%d does not divide %s: each tp device holds and "
+                         "computes them whole", dict(mesh.shape), mesh.shape["tp"],
+                         ", ".join(f"{k}={v}" for k, v in whole.items()))
         params = self.model.params
         if prefill_only and platform == "cpu" and not keep_quantized:
             from jaxpd.models import quant

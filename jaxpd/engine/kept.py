@@ -52,7 +52,7 @@ import jax
 from jax.experimental import serialize_executable
 from jax.sharding import NamedSharding
 
-from jaxpd.engine.program import Program
+from jaxpd.engine.program import Program, check_carried
 
 _log = logging.getLogger(__name__)
 
@@ -255,14 +255,22 @@ class KeptExecutables:
         (`Program.install`); a program without one compiles the jax way (lowered with
         its call's arguments, so the call finds it in jax's cache)."""
         if program.install is None:
-            program.fn.lower(*program.args).compile()
+            check_carried(program, program.fn.lower(*program.args).compile())
         else:
             program.install(self.compile(program))
 
     def compile(self, program: Program):
         """`program`'s executable (a `jax.stages.Compiled`): loaded when kept, else
         lowered and loaded by its lowered text when kept under that (another engine's,
-        of a config that lowers it the same), else compiled; kept under both keys."""
+        of a config that lowers it the same), else compiled; kept under both keys.
+        Refused (`LayoutMismatch`) where it returns carried state in another layout
+        than it takes it back (`check_carried`)."""
+        executable = self._compile(program)
+        check_carried(program, executable)
+        return executable
+
+    def _compile(self, program: Program):
+        """`compile` before the layout check."""
         key = self.key(program) if self.directory is not None else ""
         executable = self._load(self.path(program.name, key), key, program) if key else None
         if executable is not None:

@@ -82,7 +82,8 @@ def _gather_insert(runner):
         pool, slot = P(None, "dp"), P("dp")
         program = jax.jit(shard_map(insert, mesh=runner.mesh, axis_names={"dp"},
                                     in_specs=(pool, pool, pool, pool, P(), slot),
-                                    out_specs=(pool, pool)), donate_argnums=(0, 1))
+                                    out_specs=(pool, pool)), donate_argnums=(0, 1),
+                          out_shardings=(runner.pool_sharding, runner.pool_sharding))
         runner._gather_insert_program = program
     return program
 

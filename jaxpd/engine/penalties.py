@@ -92,7 +92,8 @@ class SlotPenalties:
         slot = P("dp")
         self._set_row = jax.jit(shard_map(
             set_row, mesh=mesh, axis_names={"dp"}, in_specs=(slot, slot, slot, P(), P()),
-            out_specs=(slot, slot)), donate_argnums=(0, 1))
+            out_specs=(slot, slot)), donate_argnums=(0, 1),
+            out_shardings=(self.sharding, self.sharding))
 
     def set_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         """Slot `slot`'s rows from its request's prompt and output so far. The rows are

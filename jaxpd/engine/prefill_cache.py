@@ -48,7 +48,7 @@ from jaxpd.engine.background_compile import BackgroundCompiler
 from jaxpd.engine.host_tier import HostTier
 from jaxpd.engine.kept import Executables, KeptExecutables, lowering
 from jaxpd.engine.kernels import prefill_attention, prefill_kernel, prefix_attention
-from jaxpd.engine.program import Program
+from jaxpd.engine.program import FIRST_TWO_IN_PLACE, POOLS_AFTER_PARAMS, Program
 from jaxpd.engine.page_allocator import CacheJournal, PageAllocator, page_hashes, pages_for
 from jaxpd.engine.penalties import prefill_context
 from jaxpd.engine.runner import CompileCounter, host_memory_kind
@@ -303,7 +303,8 @@ class PrefillCache:
         return Program(f"{self.name}_insert_m{m}", self._insert,
                        self._insert_args([0] * m, pages, pages),
                        note=functools.partial(self.counter.note, f"{self.name}_insert", m),
-                       install=functools.partial(self.executables.put, ("insert", m)))
+                       install=functools.partial(self.executables.put, ("insert", m)),
+                       carried=FIRST_TWO_IN_PLACE)
 
     def host_sizes(self) -> list[int]:
         """Padded page counts the host tier offloads and inserts (warm-up's)."""
@@ -416,7 +417,8 @@ class PrefillCache:
                        note=functools.partial(self.counter.note, self.name,
                                               (tokens.shape, prefix_tables.shape)),
                        install=functools.partial(self.executables.put,
-                                                 ("run", (tokens.shape, prefix_tables.shape))))
+                                                 ("run", (tokens.shape, prefix_tables.shape))),
+                       carried=POOLS_AFTER_PARAMS)
 
     def run_chunk(self, tokens: np.ndarray, start: int, length: int, prefix_table: np.ndarray,
                   new_table: np.ndarray, sampling: SamplingArrays, context: np.ndarray):
@@ -448,7 +450,8 @@ class PrefillCache:
         t, w = tokens.shape[1], prefix_table.shape[1]
         return Program(f"{self.name}_chunk_t{t}_w{w}", self._extend_chunk,
                        self._chunk_args(tokens, start, length, prefix_table, new_table,
-                                        sampling, context), self.kernel)
+                                        sampling, context), self.kernel,
+                       carried=POOLS_AFTER_PARAMS)
 
     def context_width(self) -> int:
         """Tokens of `run_chunk`'s `context`: the longest request's pages."""

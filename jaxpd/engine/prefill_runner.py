@@ -16,8 +16,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpd.engine.kept import Executables
+from jaxpd.engine.page_allocator import pages_for
 from jaxpd.engine.program import Program
-from jaxpd.sizes import coarse_ceil
+from jaxpd.sizes import coarse_ceil, coarse_sizes
 from jaxpd.engine.penalties import prefill_context
 from jaxpd.engine.sampler import SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
@@ -41,6 +42,7 @@ class PrefillRunner:
                  fused: bool = False, gather_pages: bool = False,
                  attention_impl: str = "reference", quant_matmul: Callable | None = None):
         self.cfg, self.params, self.mesh, self.page_size = cfg, params, mesh, page_size
+        self.dtype = dtype
         self.quant_matmul = quant_matmul
         self.counter, self.name = counter, name
         self._unstacked = None
@@ -93,7 +95,9 @@ class PrefillRunner:
                                                 out_shardings=(replicated, kv, kv))
         self._head = jax.jit(head, out_shardings=replicated)
         pages = replicated if gather_pages else kv
+        self._kv, self._cut = kv, pages
         self._take = jax.jit(self._take_pages, static_argnums=(3,), out_shardings=(pages, pages))
+        self._takes: dict[int, Callable] = {}
 
     def run(self, tokens: np.ndarray, lengths: np.ndarray, sampling: SamplingArrays):
         """tokens [B, T] -> (first tokens as numpy [B], their `Logprobs` as numpy when
@@ -185,7 +189,34 @@ class PrefillRunner:
         One program per bucket shape and padded count; where they start is an input."""
         padded = coarse_ceil(num_pages)
         self.counter.note(f"{self.name}_take_pages", (k.shape, padded))
-        return self._take(k, v, row, padded, first_page * self.page_size)
+        take = self.executables.get(("take", k.shape, padded))
+        if take is None:
+            return self._take(k, v, row, padded, first_page * self.page_size)
+        return take(k, v, np.int32(row), np.int32(first_page * self.page_size))
+
+    def take_programs(self, kv_shape: tuple[int, ...]) -> list[Program]:
+        """The programs `take_pages` dispatches for K and V of `kv_shape` [L, B, T, K, H]
+        (a batch's, or a layer group's): one per padded page count a row of T tokens
+        can send."""
+        k = jax.ShapeDtypeStruct(kv_shape, self.dtype, sharding=self._kv)
+        programs = []
+        for m in coarse_sizes(pages_for(kv_shape[2], self.page_size)):
+            programs.append(Program(
+                f"{self.name}_take_m{m}_l{kv_shape[0]}_b{kv_shape[1]}_t{kv_shape[2]}",
+                self._take_of(m), (k, k, np.int32(0), np.int32(0)),
+                host_sharding=self._replicated,
+                note=functools.partial(self.counter.note, f"{self.name}_take_pages",
+                                       (kv_shape, m)),
+                install=functools.partial(self.executables.put, ("take", kv_shape, m))))
+        return programs
+
+    def _take_of(self, num_pages: int) -> Callable:
+        """`_take` with `num_pages` bound: a function of arrays only, for compiling ahead."""
+        if num_pages not in self._takes:
+            self._takes[num_pages] = jax.jit(
+                lambda k, v, row, start: self._take_pages(k, v, row, num_pages, start),
+                out_shardings=(self._cut, self._cut))
+        return self._takes[num_pages]
 
     def _take_pages(self, k, v, row, num_pages, start):
         n = num_pages * self.page_size

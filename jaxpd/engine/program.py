@@ -27,7 +27,10 @@ class Program:
     a program compiled ahead of its first call (`warmup.compile_programs`).
     `install`: puts an executable of this program where its serving call runs it (the
     runner's `kept.Executables` table, under the key the call computes); None: the
-    call runs `fn`, so compiling ahead must fill jax's own cache."""
+    call runs `fn`, so compiling ahead must fill jax's own cache.
+    `carried`: (argument, output) index pairs of the state a call returns for the next
+    call to take back (pools, penalty counts, previous tokens), whose layouts must be
+    one (`check_carried`)."""
     name: str
     fn: Callable
     args: tuple
@@ -35,6 +38,7 @@ class Program:
     host_sharding: jax.sharding.Sharding | None = None
     note: Callable[[], None] | None = None
     install: Callable[[object], None] | None = None
+    carried: tuple[tuple[int, int], ...] = ()
 
     def abstract_args(self) -> tuple:
         """`args` as `jax.ShapeDtypeStruct`s with their shardings (what lowering needs)."""
@@ -42,6 +46,36 @@ class Program:
             sharding = getattr(x, "sharding", None) or self.host_sharding
             return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
         return jax.tree.map(spec, self.args)
+
+
+# `Program.carried` of the usual shapes: a program whose first two arguments come back
+# as its first two outputs (a page insert, the penalty update), and a prefill with
+# context taking (params, k_pool, v_pool, ...) and returning (tokens, logprobs,
+# k_pool, v_pool).
+FIRST_TWO_IN_PLACE = ((0, 0), (1, 1))
+POOLS_AFTER_PARAMS = ((1, 2), (2, 3))
+
+
+class LayoutMismatch(ValueError):
+    """A program returns state in another layout than the one its next call takes."""
+
+
+def check_carried(program: Program, executable) -> None:
+    """Raise `LayoutMismatch` naming the program and the argument where `executable`
+    (`program` compiled or loaded) returns carried state (`Program.carried`) laid out
+    otherwise than it takes it back: an executable refuses an argument of another
+    layout, so the state's next call would fail in a request instead of at start."""
+    if not program.carried:
+        return
+    ins, _ = executable.input_shardings
+    outs = executable.output_shardings
+    for arg, out in program.carried:
+        takes, returns = ins[arg], outs[out]
+        if not takes.is_equivalent_to(returns, len(np.shape(program.args[arg]))):
+            raise LayoutMismatch(
+                f"program {program.name}: argument {arg} is taken as {takes}, but output "
+                f"{out}, which the next call takes back as that argument, comes out as "
+                f"{returns}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpd.engine.background_compile import BackgroundCompiler
 from jaxpd.engine.kept import Executables, KeptExecutables, lowering
-from jaxpd.engine.program import Program
+from jaxpd.engine.program import FIRST_TWO_IN_PLACE, POOLS_AFTER_PARAMS, Program
 from jaxpd.sizes import coarse_ceil
 from jaxpd.engine.penalties import SlotPenalties, count_sampled
 from jaxpd.engine.sampler import Logprobs, SamplingArrays, sample
@@ -94,7 +94,7 @@ class DecodeRunner:
         self.page_spec = P(None, None, None, kv_axis, None)          # one shard's pages
         shape = (cfg.num_layers, self.num_shards * pages_per_shard, page_size,
                  cfg.num_kv_heads, cfg.head_dim)
-        pool_sharding = NamedSharding(mesh, self.pool_spec)
+        pool_sharding = self.pool_sharding = NamedSharding(mesh, self.pool_spec)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool_sharding)
         self.k_pool, self.v_pool = zeros(), zeros()
         self.slot_sharding = NamedSharding(mesh, P("dp"))
@@ -134,11 +134,16 @@ class DecodeRunner:
         # Params whole on every dp shard, but a mixture's experts split over dp where
         # the rules split them (`engine.experts`).
         weights = param_specs(params, rules)
+        # The state a call returns is the next call's input, so its layout is fixed
+        # here: over `tp` (left to the compiler by a `shard_map` manual over `dp`) it
+        # would be the compiler's choice, which a kept executable then refuses.
+        slots = self.slot_sharding
         self._step = jax.jit(shard_map(
             step, mesh=mesh, axis_names={"dp"}, check_vma=check_vma,
             in_specs=(weights, pool, pool) + (slot,) * 9,
             out_specs=(slot, slot, pool, pool, slot, slot)),
-            donate_argnums=(1, 2, 3, 5))
+            donate_argnums=(1, 2, 3, 5),
+            out_shardings=(slots, slots, pool_sharding, pool_sharding, slots, slots))
         self.slots_per_shard = num_slots // self.num_shards
 
         def extend(params, k_pool, v_pool, counts, prompt, tokens, starts, lengths,
@@ -156,7 +161,8 @@ class DecodeRunner:
             extend, mesh=mesh, axis_names={"dp"},
             check_vma=quant_matmul is None and prefix_core is None,
             in_specs=(weights, pool, pool, slot, slot) + (slot,) * 7,
-            out_specs=(slot, slot, pool, pool)), donate_argnums=(1, 2))
+            out_specs=(slot, slot, pool, pool)), donate_argnums=(1, 2),
+            out_shardings=(slots, slots, pool_sharding, pool_sharding))
 
         def insert(k_pool, v_pool, k_new, v_new, page_ids):
             return k_pool.at[:, page_ids].set(k_new), v_pool.at[:, page_ids].set(v_new)
@@ -164,7 +170,7 @@ class DecodeRunner:
         self._insert = jax.jit(shard_map(
             insert, mesh=mesh, axis_names={"dp"},
             in_specs=(pool, pool, pool, pool, slot), out_specs=(pool, pool)),
-            donate_argnums=(0, 1))
+            donate_argnums=(0, 1), out_shardings=(pool_sharding, pool_sharding))
         # A decode mesh beside a prefill mesh compiles its programs with a prefix on
         # demand, in the background (`start_background_extend`), and runs each once
         # before a request does (`prime_extend`): extend keys that have run, and those
@@ -216,7 +222,8 @@ class DecodeRunner:
                        (self.k_pool, self.v_pool, pages, pages,
                         jax.device_put(ids, self.slot_sharding)),
                        note=functools.partial(self.counter.note, "insert", m),
-                       install=functools.partial(self.executables.put, ("insert", m)))
+                       install=functools.partial(self.executables.put, ("insert", m)),
+                       carried=FIRST_TWO_IN_PLACE)
 
     def pages_shape(self, m: int) -> tuple[int, ...]:
         """[L, m, S, K, H]: `m` pages of this pool."""
@@ -264,7 +271,8 @@ class DecodeRunner:
         p = self.penalties
         return Program("penalties_set_slot", p.set_row_program, p.set_slot_args(0, [], []),
                        note=functools.partial(self.counter.note, "set_penalties", ()),
-                       install=functools.partial(self.executables.put, ("set_penalties", ())))
+                       install=functools.partial(self.executables.put, ("set_penalties", ())),
+                       carried=FIRST_TWO_IN_PLACE)
 
     def set_penalties(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         """The penalty context of the request just inserted at `slot` (one with penalties)."""
@@ -302,7 +310,8 @@ class DecodeRunner:
                                        sampling, rows), self.kernel, self.slot_sharding,
                        note=functools.partial(self.counter.note, "decode", block_tables.shape),
                        install=functools.partial(self.executables.put,
-                                                 ("decode", block_tables.shape)))
+                                                 ("decode", block_tables.shape)),
+                       carried=((1, 2), (2, 3), (3, 4), (5, 5)))
 
     def every_slot(self) -> np.ndarray:
         """`step`'s rows for every slot, in order: each shard's local slot ids."""
@@ -345,7 +354,8 @@ class DecodeRunner:
                        note=functools.partial(self.counter.note, "extend",
                                               (tokens.shape, prefix_tables.shape)),
                        install=functools.partial(self.executables.put,
-                                                 ("extend", (tokens.shape, prefix_tables.shape))))
+                                                 ("extend", (tokens.shape, prefix_tables.shape))),
+                       carried=POOLS_AFTER_PARAMS)
 
     def start_background_extend(self, keep: KeptExecutables | None = None) -> None:
         """From now on `extend_ready` asks for a program it lacks, compiled on a thread

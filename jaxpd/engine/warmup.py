@@ -147,7 +147,22 @@ def _prefill(loop) -> list[ProgramSpec]:
         else:
             specs.append(ProgramSpec(describe, lambda args=args: runner.run(*args),
                                      lambda args=args: [runner.run_program(*args)]))
+        specs.append(_takes(loop, b, t))
     return specs
+
+
+def _takes(loop, b: int, t: int) -> ProgramSpec:
+    """The page takes of a b x t batch prefilled whole (`PrefillRunner.take_pages`, one
+    per padded page count a row can send; of each layer group's K/V when layer-wise).
+    A role spanning processes cuts its pages in a collective its followers replay
+    after the batch's prefill, so it takes them where they run (`warm` does nothing)."""
+    runner, cfg = loop.runner, loop.runner.cfg
+    sizes = (sorted({stop - start for start, stop in loop.layerwise})
+             if loop.uses_layerwise(t) else [cfg.num_layers])
+    shapes = [(size, b, t, cfg.num_kv_heads, cfg.head_dim) for size in sizes]
+    return ProgramSpec(f"{runner.name}: page takes of a batch of {b} x {t} tokens",
+                       lambda: None,
+                       lambda: [p for shape in shapes for p in runner.take_programs(shape)])
 
 
 def chunk_shapes(loop) -> list[tuple[int, int]]:

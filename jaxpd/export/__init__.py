@@ -106,7 +106,7 @@ def export_programs(platform: str, mesh: str = "prefill=4,decode=4", model: str 
     ensure_cpu_devices(str(spec))
 
     import jax
-    from jaxpd.config import EngineConfig, resolve_attention_impl
+    from jaxpd.config import EngineConfig, resolve_attention_impl, resolve_context
     from jaxpd.engine.engine import Engine
     from jaxpd.engine.warmup import serving_programs
     from jaxpd.model_registry import resolve_model
@@ -125,13 +125,16 @@ def export_programs(platform: str, mesh: str = "prefill=4,decode=4", model: str 
     except ValueError as e:
         raise ValueError(f"--attention_impl {attention_impl!r} with --dtype {dtype} on "
                          f"--platform {platform}: {e}") from e
-    max_model_len = max_model_len or cfg.max_position_embeddings
-    if max_model_len > cfg.max_position_embeddings:
+    if max_model_len and max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"--max_model_len {max_model_len} exceeds the model's "
                          f"max_position_embeddings={cfg.max_position_embeddings}")
     try:
-        config = EngineConfig(mesh=spec, dtype=dtype, attention_impl=impl,
-                              max_model_len=max_model_len, **engine_options)
+        # The target's memory is not this host's: no budget cuts the context or pool,
+        # so every slot can reach the context (`resolve_context`).
+        config = resolve_context(
+            EngineConfig(mesh=spec, dtype=dtype, attention_impl=impl,
+                         max_model_len=max_model_len or None, **engine_options),
+            cfg, kv_cache_memory=1 << 62)
     except ValueError as e:
         raise ValueError(f"engine options: {e}") from e
 

@@ -3,7 +3,8 @@ and /metrics, served by uvicorn (FastAPI, the convention of vLLM and SGLang).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streamed as Server-Sent
 Events with `stream: true`, ending `data: [DONE]`; `stream_options.include_usage` adds
-a last chunk with the usage), `GET /v1/models`, `GET /health`, `GET /metrics`.
+a last chunk with the usage, and with vLLM's `continuous_usage_stats` every chunk has
+the usage so far), `GET /v1/models`, `GET /health`, `GET /metrics`.
 
 Every field is mapped to what `SamplingParams` has (max_tokens / max_completion_tokens,
 temperature, top_p, seed, stop, presence/frequency penalties, logprobs / top_logprobs,
@@ -245,21 +246,26 @@ async def _stream(svc: OpenAIService, requests: list[Request], outputs: AsyncOut
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + requests[0].request_id,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": svc.model_id}
-    usage = body.stream_options is not None and body.stream_options.include_usage
+    options = body.stream_options
+    usage = options is not None and options.include_usage
+    continuous = usage and options.continuous_usage_stats
     offsets = [0] * len(requests)    # text already sent per choice (logprobs' text_offset)
+    streamed = [0]                   # output tokens generated so far, every choice
 
     def chunk(i: int, text: str | None, finish: str | None, ids=(), logprobs=None,
               role: bool = False) -> bytes:
         c = api.choice(i, text, finish, list(ids), logprobs, body, tokenizer,
                        offset=offsets[i], stream=True, role=role)
         offsets[i] += len(text or "")
-        return api.sse({**head, "choices": [c], **({"usage": None} if usage else {})})
+        so_far = api.usage(requests, body, streamed[0]) if continuous else None
+        return api.sse({**head, "choices": [c], **({"usage": so_far} if usage else {})})
 
     try:
         if chat:
             for i in range(len(requests)):
                 yield chunk(i, "", None, role=True)
         async for i, d in svc.deltas(requests, outputs):
+            streamed[0] += len(d.token_ids)
             if d.finish_reason == "abort":
                 yield api.sse(_aborted(requests[i]).body())
                 break

@@ -166,7 +166,7 @@ def _define_role_flags(fv: flags.FlagValues) -> None:
                        "router probes --prefill_workers/--decode_workers as often).",
                        lower_bound=0.01, flag_values=fv)
     flags.DEFINE_float("lease_s", None, "router role: drop a worker whose last heartbeat is "
-                       "older than this, failing its requests over (default: 3 x "
+                       "older than this, failing its requests over (default: 5 x "
                        "--heartbeat_s).", lower_bound=0.01, flag_values=fv)
     flags.DEFINE_float("stall_timeout_s", 5.0, "router role: a decode stream that sends "
                        "nothing (workers send a keepalive each second) for this long is a "

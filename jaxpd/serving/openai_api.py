@@ -21,8 +21,12 @@ RETRY_AFTER_S = "1"
 # ---- the request bodies -------------------------------------------------------------
 
 class StreamOptions(BaseModel):
+    """`include_usage`: a last chunk with the usage (OpenAI). `continuous_usage_stats`
+    (vLLM's extension, which benchmark clients send): with `include_usage`, every chunk
+    carries the usage so far (the tokens streamed until then)."""
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class Body(BaseModel):
@@ -241,10 +245,12 @@ def whole_response(outputs: list, body: Body, model_id: str, tokenizer) -> dict:
                       "total_tokens": prompt_tokens + completion_tokens}}
 
 
-def usage(requests: list[Request], body: Body) -> dict:
-    """Usage of a request's samples (each prompt counted once, as OpenAI does)."""
+def usage(requests: list[Request], body: Body, completion: int | None = None) -> dict:
+    """Usage of a request's samples (each prompt counted once, as OpenAI does);
+    `completion`: the output tokens to count (None: every one generated)."""
     prompt = sum(len(r.prompt_ids) for r in _first_samples(requests, body))
-    completion = sum(len(r.output_ids) for r in requests)
+    if completion is None:
+        completion = sum(len(r.output_ids) for r in requests)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 

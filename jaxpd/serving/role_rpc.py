@@ -303,9 +303,9 @@ class AsyncRoleClient:
         self._prefill, self._decode, self._reprefill, self._abort = _request_calls(call)
         self._migrate = call("unary_unary", "Migrate")
 
-    def prefill(self, request: dict, destination: str, timeout: float, epoch: int = 1
+    def prefill(self, request: dict, destination: str, timeout: float | None, epoch: int = 1
                 ) -> grpc.aio.UnaryUnaryCall:
-        """Awaiting it gives {"status": ...}."""
+        """Awaiting it gives {"status": ...} (`timeout` None: no deadline)."""
         return self._prefill(_msg(request=request, destination=destination, epoch=epoch),
                              timeout=timeout, metadata=self._metadata)
 
@@ -325,12 +325,13 @@ class AsyncRoleClient:
                                    timeout=timeout, metadata=self._metadata)
         return bool(answer["aborted"])
 
-    async def migrate(self, request_id: str, destination: str, timeout: float,
-                      epoch: int = 1) -> None:
+    def migrate(self, request_id: str, destination: str, timeout: float | None,
+                epoch: int = 1) -> grpc.aio.UnaryUnaryCall:
         """Have this (draining) decode worker send `request_id`'s KV to the decode
-        worker at KV address `destination`. Raises grpc.aio.AioRpcError saying why not."""
-        await self._migrate(_msg(request_id=request_id, destination=destination, epoch=epoch),
-                            timeout=timeout, metadata=self._metadata)
+        worker at KV address `destination`: awaiting the call raises
+        grpc.aio.AioRpcError saying why not."""
+        return self._migrate(_msg(request_id=request_id, destination=destination,
+                                  epoch=epoch), timeout=timeout, metadata=self._metadata)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -342,13 +343,25 @@ def register(router_address: str, info: WorkerInfo, load: dict, auth: InternalAu
     prefix caches hold (`CacheJournal.take`) when it has them, and why it takes no new
     request (`draining`) while it drains. Raises grpc.RpcError while the router is not
     up, or when it refuses this worker."""
+    return send_register(router_address, register_body(info, load, prefix, draining), auth,
+                         timeout)
+
+
+def register_body(info: WorkerInfo, load: dict, prefix: dict | None = None,
+                  draining: str | None = None) -> dict:
+    """A Register call's body (see `register`)."""
     fields = {} if prefix is None else {"prefix": prefix}
     if draining is not None:
         fields["draining"] = draining
+    return _msg(**info.to_wire(), load=load, **fields)
+
+
+def send_register(router_address: str, body: dict, auth: InternalAuth, timeout: float) -> dict:
+    """Send a Register `body` (`register_body`) to the router; its answer."""
     with auth.channel(router_address) as channel:
         call = channel.unary_unary(f"/{ROUTER_SERVICE}/Register", request_serializer=pack,
                                    response_deserializer=unpack)
-        return call(_msg(**info.to_wire(), load=load, **fields), timeout=timeout)
+        return call(body, timeout=timeout)
 
 
 def _msg(**fields) -> dict:

@@ -30,7 +30,8 @@ SwitchRole drains and rebuilds, Migrate sends a held request's KV) are plain
 functions grpc runs on a small pool. A handler refuses a call by raising `Refusal`.
 Threads, whatever the number of calls: `jaxpd-worker-loop` (the event loop: every call, health), `jaxpd-worker-rpc-*` (the
 blocking handlers, at most `RPC_THREADS`, idle ones exit) and `jaxpd-register`
-(register, then heartbeat every `heartbeat_s`; a refusal from the router is final).
+(register, then heartbeat every `heartbeat_s`; a refusal from the router is final),
+with a sidecar process that beats in its place while the GIL is held (`heartbeat`).
 """
 from __future__ import annotations
 
@@ -52,9 +53,11 @@ from jaxpd.request import Request, State
 from jaxpd.serving.pool import ShrinkingThreadPool
 from jaxpd.serving.migration import MIGRATING, MigrationOutbox, NotHeld
 from jaxpd.serving.role_switch import RoleSwitch
+from jaxpd.serving.heartbeat import HeartbeatSidecar
 from jaxpd.serving.role_rpc import (MAX_ADDRESS_LEN, MAX_REASON_LEN, ROLE_SERVICE,
-                                    SERVER_KEEPALIVE, Refusal, WorkerInfo, register,
-                                    router_identity, stream_handler, unary_handler)
+                                    SERVER_KEEPALIVE, Refusal, WorkerInfo, register_body,
+                                    router_identity, send_register, stream_handler,
+                                    unary_handler)
 from jaxpd.validation import check_request_id
 
 _log = logging.getLogger(__name__)
@@ -362,6 +365,7 @@ class RoleServer:
         self._watch: asyncio.Task | None = None
         self.refused: str | None = None     # why the router refused this worker
         self._router: tuple[str, float] | None = None   # (address, heartbeat_s) once registering
+        self._sidecar: HeartbeatSidecar | None = None    # while the heartbeat loop runs
 
     def _on_loop(self, coro, timeout: float | None = 60.0):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -389,13 +393,28 @@ class RoleServer:
         _log.error("engine failed (%r): health NOT_SERVING", self.service.error)
 
     def register_with(self, router_address: str, heartbeat_s: float = 1.0,
-                      on_refused: Callable[[str], None] | None = None) -> threading.Thread:
+                      on_refused: Callable[[str], None] | None = None,
+                      sidecar_beats: bool = True) -> threading.Thread:
         """Announce this worker to the router and heartbeat every `heartbeat_s` with its
         load (the router drops a worker whose lease runs out). Retries with backoff while
         the router does not answer (workers and router may start in any order); a
         refusal (mismatched model or limits, bad credentials) is logged, kept in
-        `refused`, passed to `on_refused`, and ends the loop."""
+        `refused`, passed to `on_refused`, and ends the loop. `sidecar_beats`: a
+        `HeartbeatSidecar` beats in this loop's place while the worker makes progress
+        but its own beats are late (the GIL is held), until the loop ends."""
         def loop():
+            # Beats in this thread's place while a long C++ call holds the GIL (`heartbeat`).
+            sidecar = HeartbeatSidecar.start(router_address, heartbeat_s, self.auth) \
+                if sidecar_beats else None
+            self._sidecar = sidecar
+            try:
+                beat(sidecar)
+            finally:
+                self._sidecar = None
+                if sidecar is not None:
+                    sidecar.close()
+
+        def beat(sidecar):
             delay, registered = heartbeat_s, False
             while not self._stop.is_set():
                 if self.service.error is not None:
@@ -405,9 +424,14 @@ class RoleServer:
                 journal = self.service.engine.cache_journal
                 try:
                     prefix = journal.take() if journal is not None else None
-                    answer = register(router_address, info, self.service.load(), self.auth,
-                                      timeout=max(heartbeat_s, 2.0), prefix=prefix,
-                                      draining=self.service.draining)
+                    load, draining = self.service.load(), self.service.draining
+                    if sidecar is not None:
+                        # What it repeats (never the prefix), handed over before the
+                        # send: a repeat after a role switch must say the new role.
+                        sidecar.update(register_body(info, load, None, draining))
+                    answer = send_register(router_address,
+                                           register_body(info, load, prefix, draining),
+                                           self.auth, timeout=max(heartbeat_s, 2.0))
                     if not registered:
                         _log.info("registered with router %s", router_address)
                     registered, delay = True, heartbeat_s
@@ -445,9 +469,13 @@ class RoleServer:
         if self._router is None or self.refused is not None or self.service.error is not None:
             return None
         address, heartbeat_s = self._router
+        body = register_body(self.service.info(self.address), self.service.load(),
+                             draining=why)
+        sidecar = self._sidecar
+        if sidecar is not None:
+            sidecar.update(body)
         try:
-            answer = register(address, self.service.info(self.address), self.service.load(),
-                              self.auth, timeout=max(heartbeat_s, 2.0), draining=why)
+            answer = send_register(address, body, self.auth, timeout=max(heartbeat_s, 2.0))
         except grpc.RpcError as e:
             _log.warning("could not tell router %s that this worker drains: %s", address,
                          e.code())

@@ -39,8 +39,9 @@ If the decode stream breaks (the worker died, lost its lease, or sent nothing --
 even its once-a-second {"alive"} -- for `stall_timeout_s`), the request is re-run on
 another decode worker from prompt + tokens so far (same greedy output: recompute);
 with none left it is aborted with a reason. Nothing is dropped silently, nothing waits
-forever: every unary RPC has a deadline, a stream is watched, and every call is
-cancelled on abort.
+forever: every unary RPC has a deadline or (Prefill, Migrate: how long they take depends
+on the worker's queue and compiles) ends when its worker's or destination's lease does,
+a stream is watched, and every call is cancelled on abort.
 
 A worker changes role on `switch_role(address, role)` (`role_switch`): the
 router stops choosing it at once, the worker drains and rebuilds, and its next

@@ -5,21 +5,30 @@ from __future__ import annotations
 
 import dataclasses
 
+LEASE_BEATS = 5     # heartbeats a worker may miss before it is dropped (`RouterConfig`)
+
 
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
     """The limits the router validates requests against (a worker's own limits must be
     at least as large: it is refused otherwise), what it reports as its mesh, and its
-    liveness clocks. dtype "auto": the first worker admitted fixes it for the rest."""
+    liveness clocks. dtype "auto": the first worker admitted fixes it for the rest.
+
+    The lease defaults to `LEASE_BEATS` heartbeats. A busy worker's beats come late,
+    not never: while a long call holds its GIL its sidecar beats instead
+    (`serving.heartbeat`), which it does once the worker's own beats are 1.5 heartbeats
+    late, at the next quarter-heartbeat tick, over a new connection to a router that
+    may itself wait for a core on a loaded host; three heartbeats would leave a
+    fraction of one for all that. A worker silent for five is dead or frozen."""
     max_model_len: int = 1024
     max_prompt_len: int | None = None
     max_queued: int = 4096
-    rpc_timeout_s: float = 10.0
-    prefill_timeout_s: float = 120.0   # per prompt in the prefill worker's line
+    rpc_timeout_s: float = 10.0        # Reprefill and Abort; Prefill and Migrate end
+                                       # with their workers' leases instead
     dtype: str = "auto"
     page_size: int = 16
     heartbeat_s: float = 1.0           # how often static workers are probed
-    lease_s: float | None = None       # default: 3 * heartbeat_s
+    lease_s: float | None = None       # default: LEASE_BEATS * heartbeat_s
     stall_timeout_s: float = 5.0       # a decode stream silent this long is a lost worker
     info_timeout_s: float = 1.0        # Info fan-out of stats()
     # Score workers by the prefix their caches advertise (`RequestFlow.choose_decoder`);
@@ -31,11 +40,11 @@ class RouterConfig:
         if self.max_prompt_len is None:
             object.__setattr__(self, "max_prompt_len", self.max_model_len - 1)
         if self.lease_s is None:
-            object.__setattr__(self, "lease_s", 3 * self.heartbeat_s)
+            object.__setattr__(self, "lease_s", LEASE_BEATS * self.heartbeat_s)
         for name in ("max_model_len", "max_prompt_len", "max_queued"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("rpc_timeout_s", "prefill_timeout_s", "heartbeat_s", "lease_s",
+        for name in ("rpc_timeout_s", "heartbeat_s", "lease_s",
                      "stall_timeout_s", "info_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -180,16 +180,24 @@ class RequestFlow:
         """Have draining `source` send r's KV to `target` (where r is registered and
         waits for it); True once sent. False, with the reason logged and counted, when
         the move failed: the caller prefills r again instead."""
+        # No deadline either (see `_prefill`): the call ends with either worker's lease.
+        call = self._track(r, source, self.client(source).migrate(
+            r.request_id, target.info.kv_address, timeout=None, epoch=source.info.epoch),
+            watched=False, destination=target)
         try:
-            await self.client(source).migrate(r.request_id, target.info.kv_address,
-                                              timeout=self.config.prefill_timeout_s,
-                                              epoch=source.info.epoch)
-        except grpc.RpcError as e:
-            why = f"{e.code()}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else repr(e)
+            await call.handle
+        except (grpc.RpcError, asyncio.CancelledError) as e:
+            if isinstance(e, asyncio.CancelledError) and not _cancelled_by_us():
+                call.handle.cancel()
+                raise
+            why = call.why or (f"{e.code()}: {e.details()}"
+                               if isinstance(e, grpc.aio.AioRpcError) else repr(e))
             _log.warning("moving %s from %s to %s failed (%s); prefilling it again",
                          r.request_id, source.address, target.address, why)
             self.counters.add(migration_fallbacks=1)
             return False
+        finally:
+            self.workers.untrack(call)
         self.counters.add(migrations=1)
         return True
 
@@ -240,18 +248,20 @@ class RequestFlow:
             return n - restorable + (w.load["queue"] + w.num_calls) * n, -cached
         return sorted(workers, key=cost)
 
-    def prefill_deadline_s(self, p: Worker) -> float:
-        """A Prefill call's deadline on `p`: `prefill_timeout_s` for each prompt in its
-        line, this one included (its queue at its last heartbeat and our calls open on
-        it). A deadline counted from the send alone would take a busy worker's queue for a
-        stuck worker, cancel the call, and have the prompt computed again elsewhere."""
-        return self.config.prefill_timeout_s * (1 + p.load["queue"] + p.num_calls)
-
     async def _prefill(self, r: Request, decoder: Worker, query: PrefixQuery | None) -> None:
+        """Have a prefill worker send r's KV to `decoder`, trying them cheapest first;
+        the decode worker prefills r itself when none can.
+
+        A Prefill call has no deadline: how long it takes depends on the prompts queued
+        ahead of it and on compiles, and a slow call on a live worker is cancelled only
+        to be computed again elsewhere. Liveness is what ends it: the call is tracked on
+        its worker and its destination, so a worker whose lease lapses (or that the
+        router drops for any reason) cancels it and the request fails over, and a worker
+        whose process dies breaks the call's channel at once."""
         client = self.client(decoder)
         for p in self.prefill_order(r, decoder, query):
             call = self._track(r, p, self.client(p).prefill(
-                r.to_wire(), decoder.info.kv_address, timeout=self.prefill_deadline_s(p),
+                r.to_wire(), decoder.info.kv_address, timeout=None,
                 epoch=p.info.epoch), watched=False, destination=decoder)
             try:
                 out = await call.handle
