@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpd import host_memory, kv_budget
 from jaxpd.models.source import QUANTIZATIONS
 from jaxpd.sharding.spec import MeshSpec, parse_mesh_spec
 
@@ -114,10 +115,6 @@ def prefix_caching_by_default(mesh: str | MeshSpec, layerwise_min_tokens: int = 
             and kv_transfer_dtype is None and processes == 1)
 
 
-CPU_KV_CACHE_BYTES = 2 << 30      # a pool's default budget on CPU
-ACCELERATOR_KV_FRACTION = 0.5      # of a device's memory, where it reports its size
-
-
 def kv_page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
                   dtype: str) -> int:
     """Bytes of one page of K and V over every layer."""
@@ -179,7 +176,7 @@ class EngineConfig:
     page_size: int = knob(16, "Tokens per KV-cache page (a power of two).", lower_bound=1)
     max_model_len: int | None = knob(
         None, "Prompt + generated tokens per request (default: the model's "
-        "max_position_embeddings, capped by what --kv_cache_gb holds: `resolve_context`).",
+        "max_position_embeddings, capped by what --kv_cache_memory holds: `resolve_context`).",
         lower_bound=2)
     max_prompt_len: int | None = knob(
         None, "Longest prompt in tokens (default: max_model_len - 1).", lower_bound=1)
@@ -208,7 +205,7 @@ class EngineConfig:
         8, "A decode step computes its context in multiples of this many pages (one "
         "compiled program per width).", lower_bound=1)
     pages_per_shard: int | None = knob(
-        None, "KV pages per decode dp shard's pool (default: what --kv_cache_gb holds, at "
+        None, "KV pages per decode dp shard's pool (default: what --kv_cache_memory holds, at "
         "most enough for every slot to reach max_model_len).", lower_bound=2)
     max_queued: int = knob(4096, "Requests waiting for prefill (on a router and behind "
                            "the HTTP API: requests in flight) before new ones get "
@@ -444,14 +441,27 @@ class EngineConfig:
         return length_buckets(self._context(), self.min_bucket)
 
 
-def default_kv_cache_memory(device) -> int:
-    """A KV pool's budget in bytes when none is given: `CPU_KV_CACHE_BYTES` on CPU; on an
-    accelerator `ACCELERATOR_KV_FRACTION` of the memory `device` (a jax device) reports
-    (that budget on one that reports none)."""
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"] * ACCELERATOR_KV_FRACTION)
-    return CPU_KV_CACHE_BYTES
+def kv_pools(config: EngineConfig, multi_process: bool = False) -> int:
+    """KV pools an engine of `config` holds (`kv_budget.num_pools`): one per decode dp
+    shard, and the prefill mesh's own where it computes into one."""
+    return kv_budget.num_pools(config.mesh, kv_budget.has_prefill_pool(
+        config.mesh, config.enable_prefix_caching, config.layerwise_min_tokens, multi_process))
+
+
+def default_kv_cache_memory(device, pools: int = 1, available: int | None = None) -> int:
+    """A KV pool's budget in bytes when none is given (`kv_budget.default_budget`): on
+    CPU `kv_budget.CPU_KV_FRACTION` of the host's available memory (`available`, read
+    from /proc/meminfo when None) split over the engine's `pools` (`kv_pools`), each at
+    most `kv_budget.CPU_KV_CACHE_BYTES`; on an accelerator
+    `kv_budget.ACCELERATOR_KV_FRACTION` of the memory `device` (a jax device) reports
+    (the CPU cap on one that reports none)."""
+    if device.platform == "cpu":
+        if available is None:
+            available = host_memory.available_bytes()
+        return kv_budget.default_budget("cpu", pools, available)
+    stats = device.memory_stats()
+    return kv_budget.default_budget(device.platform, pools, None,
+                                    stats.get("bytes_limit") if stats else None)
 
 
 def resolve_context(config: EngineConfig, model_cfg, kv_cache_memory: int) -> EngineConfig:

@@ -6,7 +6,8 @@ from typing import Callable, Sequence
 
 import jax
 
-from jaxpd.config import (EngineConfig, default_kv_cache_memory, kv_page_bytes,
+from jaxpd import host_memory, kv_budget
+from jaxpd.config import (EngineConfig, default_kv_cache_memory, kv_page_bytes, kv_pools,
                           prebuild_native, resolve_context, resolve_dtype)
 from jaxpd.engine import elastic
 from jaxpd.engine.engine import Engine
@@ -26,17 +27,48 @@ from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
 _log = logging.getLogger("jaxpd.llm")
 
 
-def _log_context(asked: EngineConfig, config: EngineConfig, cfg, budget: int) -> None:
-    """One line: the context and pool `resolve_context` came to, and the budget."""
+def _kv_budget(asked: EngineConfig, kv_cache_memory: int | str | None,
+               multi_process: bool) -> tuple[int | None, str, int]:
+    """(bytes per pool, where that came from, pools) for `asked` (`jaxpd.kv_budget`):
+    `kv_cache_memory` parsed and checked against the host's available memory, or the
+    default share of it; None bytes when `pages_per_shard` is given instead. ValueError
+    naming the field for a budget that is not a size, or whose pools exceed the host's
+    available memory."""
+    budget = None if kv_cache_memory is None else \
+        kv_budget.parse_kv_cache_memory(kv_cache_memory)
+    pools = kv_pools(asked, multi_process)
     if asked.pages_per_shard is not None:
-        return
+        if budget is not None:
+            raise ValueError("give kv_cache_memory or pages_per_shard, not both "
+                             "(kv_cache_memory sets pages_per_shard)")
+        return None, "pages_per_shard", pools
+    device = jax.devices()[0]
+    available = host_memory.available_bytes() if device.platform == "cpu" else None
+    if budget is not None:
+        if not multi_process:       # a mesh across processes holds a part of them here
+            kv_budget.check_fits(budget, pools, available)
+        return budget, f"kv_cache_memory={kv_budget.gib(budget)} per pool", pools
+    budget = default_kv_cache_memory(device, pools, available)
+    if device.platform != "cpu" or not available:
+        return budget, "default", pools
+    return budget, (f"default: {kv_budget.CPU_KV_FRACTION:.0%} of {kv_budget.gib(available)} "
+                    f"available over {pools} pools, at most "
+                    f"{kv_budget.gib(kv_budget.CPU_KV_CACHE_BYTES)} each"), pools
+
+
+def _log_plan(asked: EngineConfig, config: EngineConfig, cfg, budget: int | None,
+              source: str, pools: int) -> None:
+    """One line, as vLLM logs its KV cache: pools x pages x bytes per page, where the
+    budget came from, the context, and the requests the pools hold at full context."""
     page = kv_page_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.page_size,
                          config.dtype)
-    _log.info("jaxpd: max_model_len %d%s; a KV pool of %d pages of %d tokens per shard "
-              "(%.2f GB of a %.2f GB budget)", config.max_model_len,
-              " (the model's)" if config.max_model_len == cfg.max_position_embeddings
-              and asked.max_model_len is None else "", config.pages_per_shard,
-              config.page_size, config.pages_per_shard * page / 1e9, budget / 1e9)
+    plan = kv_budget.KVPlan(
+        pools=pools, pages=config.pages_per_shard, page_bytes=page, page_size=config.page_size,
+        max_model_len=config.max_model_len, decode_shards=config.mesh.decode_dp,
+        slots_per_shard=config.slots_per_shard, budget=budget or 0, source=source,
+        models_context=config.max_model_len == cfg.max_position_embeddings
+        and asked.max_model_len is None)
+    _log.info("jaxpd: %s", plan.describe())
 
 
 def _log_weights(asked: str, loaded) -> None:
@@ -70,10 +102,15 @@ class LLM(Frontend):
     "none" leaves jax as configured). plan: a prefill or decode role's mesh spans processes
     (`engine.multihost.PlanChannel`; `python -m jaxpd.launch --num_processes` sets it
     up). kv_cache_memory: bytes of KV each pool may hold (each decode dp shard's and the
-    prefill mesh's; default `default_kv_cache_memory`); it sets `pages_per_shard` when
-    that is not given, and caps the default `max_model_len`, the model's own context
-    (`config.fit_context`). Other keyword arguments go to `EngineConfig` (page_size,
-    max_model_len, slots_per_shard, ...).
+    prefill mesh's), an int or a size such as "4GiB", "512MiB" or "2GB"
+    (`kv_budget.parse_kv_cache_memory`); default `config.default_kv_cache_memory`: on CPU
+    `kv_budget.CPU_KV_FRACTION` of the host's available memory split over the pools,
+    each at most 2 GiB. It sets `pages_per_shard` (give one or the other) and caps the
+    default `max_model_len`, the model's own context (`config.resolve_context`); a budget
+    whose pools exceed the host's available memory is a ValueError. The plan is logged at
+    start: pools x pages x bytes per page, the context, the concurrency at full context.
+    Other keyword arguments go to `EngineConfig` (page_size, max_model_len,
+    slots_per_shard, ...).
     """
 
     def __init__(self, model: str | None = None, mesh: str = "auto",
@@ -81,7 +118,7 @@ class LLM(Frontend):
                  progress: Callable[[str], None] | None = None,
                  connector: Connector | KVSender | KVReceiver | None = None,
                  compilation_cache_dir: str | None = None, plan=None,
-                 kv_cache_memory: int | None = None, **engine_options):
+                 kv_cache_memory: int | str | None = None, **engine_options):
         if compilation_cache_dir is None:
             xla_cache.enable_default()
         else:
@@ -103,13 +140,10 @@ class LLM(Frontend):
         _log_weights(quantization, loaded)
         self.weights_read = loaded.weights_read
         dtype = resolve_dtype(dtype, jax.default_backend())
-        if kv_cache_memory is not None and kv_cache_memory < 1:
-            raise ValueError(f"kv_cache_memory must be a positive number of bytes, "
-                             f"got {kv_cache_memory}")
-        budget = kv_cache_memory or default_kv_cache_memory(jax.devices()[0])
         asked = EngineConfig(mesh=mesh, dtype=dtype, **engine_options)
-        self.config = resolve_context(asked, loaded.cfg, budget)
-        _log_context(asked, self.config, loaded.cfg, budget)
+        budget, source, pools = _kv_budget(asked, kv_cache_memory, plan is not None)
+        self.config = resolve_context(asked, loaded.cfg, budget or 0)
+        _log_plan(asked, self.config, loaded.cfg, budget, source, pools)
         self.model_config = loaded.cfg
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer

@@ -23,14 +23,15 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 from concurrent import futures
 from typing import Callable
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpd.config import (EngineConfig, default_kv_cache_memory, resolve_attention_impl,
-                          resolve_context)
+from jaxpd.config import (EngineConfig, default_kv_cache_memory, kv_pools,
+                          resolve_attention_impl, resolve_context)
 from jaxpd.engine.decode_loop import DecodeLoop
 from jaxpd.engine.extend_loop import ExtendLoop
 from jaxpd.engine.host_store import HostStore
@@ -48,6 +49,7 @@ from jaxpd.engine.scheduler import DecodeScheduler, PrefillScheduler
 from jaxpd.engine.topology import Topology
 from jaxpd.engine.kept import KeptExecutables
 from jaxpd.engine.warmup import warm_up
+from jaxpd import host_memory
 from jaxpd.models.checkpoint import LoadedModel
 from jaxpd.models.fingerprint import model_fingerprint, short
 from jaxpd.models.hf_io import DTYPES
@@ -88,6 +90,13 @@ class Phases:
 
 _PHASE_FIELDS = frozenset(f.name for f in dataclasses.fields(Phases))
 
+# The engines of this process that serve (started, not shut down). jax's caches of
+# traced and compiled programs are the process's, and they hold every program an
+# engine ran after its runners are gone: the last engine to stop clears them (sooner,
+# the others would trace and compile again).
+_serving: weakref.WeakSet = weakref.WeakSet()
+_serving_lock = threading.Lock()
+
 
 class Engine:
     """Runs whichever phases this process's mesh spec has: both (one process, or
@@ -107,8 +116,10 @@ class Engine:
         if lower_for is not None and warmup:
             raise ValueError("an engine built to be lowered (lower_for) runs no warm-up")
         if not config.resolved:      # built directly: the same rule as `LLM`'s
-            config = resolve_context(config, model.cfg, default_kv_cache_memory(jax.devices()[0]))
+            config = resolve_context(config, model.cfg, default_kv_cache_memory(
+                jax.devices()[0], kv_pools(config, plan is not None)))
         self.model, self.lower_for = model, lower_for
+        self._final_stats: EngineStats | None = None     # set by `shutdown`
         spec = config.mesh
         if plan is not None and (spec.has_prefill == spec.has_decode or
                                  config.enable_prefix_caching):
@@ -158,6 +169,9 @@ class Engine:
             self.kept = KeptExecutables.for_engine(self.fingerprint, config)
             warm_up(self.phases, progress or (lambda msg: None),
                     spans_processes=self.plan is not None, keep=self.kept)
+            # What its compiles freed would stay in the C heap, counted as this
+            # process's, for as long as it serves.
+            host_memory.give_back()
         self.warmed = warmup
         self.prepared_splits: dict = {}        # an elastic split's (`engine.elastic`)
         self._stop = threading.Event()
@@ -166,6 +180,8 @@ class Engine:
         self._error: BaseException | None = None
         self._threads: list[threading.Thread] = []
         if lower_for is None:
+            with _serving_lock:
+                _serving.add(self)
             self.resume_threads()
 
     def __getattr__(self, name: str):
@@ -489,6 +505,9 @@ class Engine:
             and not (self.prefill_loop and self.prefill_loop.busy)
 
     def stats(self) -> EngineStats:
+        """The engine's counts now; after `shutdown`, as they stood when it stopped."""
+        if self._final_stats is not None:
+            return self._final_stats
         spec = self.config.mesh
         slots = self.decode_scheduler.slots if self.decode_scheduler else []
         allocators = self.decode_scheduler.allocators if self.decode_scheduler else []
@@ -547,6 +566,46 @@ class Engine:
         # Transfer threads still placing end within their connector's timeout.
         self._transfers.shutdown(wait=True, cancel_futures=True)
         self.connector.close()
+        self._release()
+
+    def _release(self) -> None:
+        """Give back what a stopped engine holds: its pools, params, executables and
+        compile threads' results go with the runners, caches and loops that own them,
+        and the weights with the model; what `stats` reports is kept as it stands. The
+        engine sits in reference cycles (its bound methods are `Routing`'s callbacks,
+        its runners' programs point back at their runners), so dropping the references
+        and the callbacks here, not waiting for the collector, is what frees them. The last engine of the
+        process to stop clears jax's caches (`_serving`), and `host_memory.give_back`
+        then hands the freed heap back to the OS. Idempotent."""
+        if self._final_stats is not None:
+            return
+        if any(t.is_alive() for t in self._threads):
+            _log.warning("an engine thread did not stop: its runners and pools are kept")
+            return
+        self._final_stats = self.stats()
+        old = self.phases
+        # The schedulers (plain Python, their books as they stood) stay for callers
+        # that read them after the stop; what holds device memory goes.
+        self.phases = Phases(old.config, dataclasses.replace(self.model, params={}),
+                             old.meshes, old.topology,
+                             prefill_scheduler=old.prefill_scheduler,
+                             local_scheduler=old.local_scheduler,
+                             decode_scheduler=old.decode_scheduler)
+        self.model = self.phases.model
+        self.kept = None
+        self.prepared_splits.clear()
+        if isinstance(self.connector, DevicePutConnector):
+            self.connector.stage_on(None)
+        # Routing's callbacks are this engine's bound methods: the last cycle through
+        # it. Nothing routes after the stop (`submit` refuses first).
+        routing = self.requests.routing
+        routing.cached_tokens, routing.extend_ready = None, lambda new, cached: False
+        del old
+        with _serving_lock:
+            _serving.discard(self)
+            if not _serving:
+                jax.clear_caches()
+        host_memory.give_back()
 
     # ---- threads ------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ import sys
 
 from absl import flags
 
+from jaxpd import kv_budget
 from jaxpd.serving.config_flags import config_options, define_config_flags
 
 
@@ -73,10 +74,19 @@ def _define_serving_flags(fv: flags.FlagValues) -> None:
 def _define_engine_flags(fv: flags.FlagValues) -> None:
     """Engine options beside `EngineConfig`'s fields (whose flags `config_flags`
     generates): the KV budget, the compile cache, admission SLOs, the elastic split."""
-    flags.DEFINE_float("kv_cache_gb", None, "GB of KV each pool may hold (each decode dp "
-                       "shard's and the prefill mesh's; default: 2 on CPU, half a device's "
-                       "memory on accelerators); sets the pages per shard.", lower_bound=0.001,
-                       flag_values=fv)
+    flags.DEFINE(_SizeParser(), "kv_cache_memory", None,
+                 "KV each pool may hold (each decode dp shard's and the prefill mesh's): "
+                 "bytes, or a size such as 4GiB, 512MiB or 2GB. Default: on CPU "
+                 f"{kv_budget.CPU_KV_FRACTION:.0%} of the host's available memory split "
+                 "over the pools, at most 2 GiB each; half a device's memory on "
+                 "accelerators. Sets the pages per shard.", flag_values=fv)
+    flags.DEFINE(_SizeParser(unit="GB"), "kv_cache_gb", None,
+                 "Deprecated spelling of --kv_cache_memory in GB (a bare number is GB).",
+                 flag_values=fv)
+    flags.register_multi_flags_validator(
+        ["kv_cache_memory", "kv_cache_gb"],
+        lambda given: given["kv_cache_memory"] is None or given["kv_cache_gb"] is None,
+        "give --kv_cache_memory or --kv_cache_gb, not both", flag_values=fv)
     flags.DEFINE_float("slo_ttft_ms", 0.0, "Reject (RESOURCE_EXHAUSTED) a request whose "
                        "predicted TTFT exceeds this; 0 = off.", lower_bound=0, flag_values=fv)
     flags.DEFINE_float("slo_tpot_ms", 0.0, "With --elastic: the time-per-output-token SLO "
@@ -103,6 +113,25 @@ def _define_engine_flags(fv: flags.FlagValues) -> None:
                         "load them on the next start ('none': off). Default: "
                         "$JAX_COMPILATION_CACHE_DIR, else $JAXPD_CACHE/compiled (jaxpd.paths).",
                         flag_values=fv)
+
+
+class _SizeParser(flags.ArgumentParser):
+    """A KV budget's flag: the value `kv_budget.parse_kv_cache_memory` gives `LLM`'s
+    `kv_cache_memory`, refused with its message; `unit` is a bare number's."""
+
+    syntactic_help = "bytes, or a size such as 4GiB, 512MiB or 2GB"
+
+    def __init__(self, unit: str = ""):
+        self.unit = unit
+
+    def parse(self, argument) -> int:
+        text = str(argument).strip()
+        if self.unit and text.replace(".", "", 1).isdigit():
+            text += self.unit
+        return kv_budget.parse_kv_cache_memory(text)
+
+    def flag_type(self) -> str:
+        return "size"
 
 
 def _define_role_flags(fv: flags.FlagValues) -> None:
@@ -269,6 +298,7 @@ def engine_options(fv: flags.FlagValues) -> dict:
     """`LLM` keyword arguments from the flags: `EngineConfig`'s (`config_flags`) and the
     KV budget (unset ones keep the LLM's defaults)."""
     options = config_options(fv, processes=fv.num_processes)
-    if fv.kv_cache_gb is not None:
-        options["kv_cache_memory"] = int(fv.kv_cache_gb * 1e9)
+    budget = fv.kv_cache_memory if fv.kv_cache_memory is not None else fv.kv_cache_gb
+    if budget is not None:
+        options["kv_cache_memory"] = budget
     return options
