@@ -28,9 +28,11 @@ def warm_up(engine, progress: Callable[[str], None],
             spans_processes: bool = False, keep: KeptExecutables | None = None) -> None:
     """Every prefill (batch, length) bucket, every decode (rows, context width),
     every padded insert, take and host-tier offload size, and the penalty context
-    update. Runs before the engine's threads start. Programs with a cached prefix
-    compile in the background on first demand, and long-prompt chunks at once (both
-    started here, once the rest are compiled).
+    update. Runs before the engine's threads start. Programs with a cached prefix are
+    among them where the prefix is read in place (`PrefillCache.prefix_in_place`); the
+    others, and the decode mesh's extends beside a prefill mesh, compile in the
+    background on first demand, and long-prompt chunks at once (both started here,
+    once the rest are compiled).
 
     `engine`: the `Phases` to warm up. XLA compiles a program on one core, so the
     programs compile on `compile_threads` threads (`compile_programs`) and none runs:
