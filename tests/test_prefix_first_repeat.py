@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxpd import LLM
+from jaxpd.engine.warmup import likely_prefix_shapes, serving_programs
 from jaxpd.models import native_attention
 from tests.engine_fixtures import XlaCompiles
 from tests.support.prefix_chats import check_pool, greedy
@@ -81,3 +82,27 @@ def test_multiturn_chats_compute_under_half_from_the_first_repeat(hf_models, mes
     assert computed[False] == prompts
     assert computed[True] <= 0.45 * computed[False], computed
     assert answers[True] == answers[False]
+
+
+def test_the_prefill_cache_warms_every_prefix_program_with_no_more_programs():
+    """Built-in model (head dim 32): with the prefix read in place, the prefill cache's
+    programs are one per (rows, new tokens) at one width, all warmed up, as many as the
+    cache-off pool's; nothing of its own is left to the background."""
+    if not native_attention.prefill_available(32):
+        pytest.skip("the native prefix kernel needs AVX-512 here")
+    programs = {}
+    for cache in (False, True):
+        with LLM(mesh="prefill=1,decode=1", max_model_len=256, slots_per_shard=2,
+                 enable_prefix_caching=cache, warmup=False) as llm:
+            specs = [s for s in serving_programs(llm.engine)
+                     if s.describe.startswith("prefill_cached:")]
+            warmed = [s for s in specs if not s.background]
+            programs[cache] = len(warmed)
+            if cache:
+                assert warmed == specs
+                max_pages = llm.engine.prefill_cache.max_pages
+                assert all(s.describe.endswith(f" {max_pages} pages of prefix") for s in specs)
+                assert likely_prefix_shapes(llm.engine)[0] == []
+            else:    # (a pool without reuse never runs those with a prefix it lists)
+                assert all(s.describe.endswith(" 0 pages of prefix") for s in warmed)
+    assert programs[True] == programs[False]

@@ -135,7 +135,8 @@ class PrefillCache:
         # table's width (a layer with a window or softcap gathers the table instead):
         # then one width, the longest request's, serves every prefix and none, and a
         # program per (rows, new tokens) serves every batch, all compiled by warm-up.
-        self.prefix_in_place = prefix_core is not None and not any(
+        # (Without reuse no batch has a prefix: the prompt core, as ever.)
+        self.prefix_in_place = self.reuse and prefix_core is not None and not any(
             attention_options(cfg, i) for i in range(cfg.num_layers))
         model = Llama(cfg, dtype, fused, prefill_attention=attention,
                       prefix_attention=prefix_core, qmatmul=quant_matmul)
