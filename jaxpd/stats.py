@@ -33,7 +33,13 @@ class EngineStats(collections.abc.Mapping):
         "Programs compiled (distinct shapes over all jitted functions).",
         metric="jaxpd_compiled_programs_total")
     prefill_batches: int = _counter("Prefill batches run.")
-    prefill_tokens: int = _counter("Prompt tokens prefilled.")
+    prefill_tokens: int = _counter("Prompt tokens prefilled (the same count as "
+                                   "prefill_computed_tokens).")
+    prefill_computed_tokens: int = _counter(
+        "Tokens whose KV a prefill or extend program computed, on every path (the prefill "
+        "mesh, its chunks, the decode mesh's own prefills and extends, colocated), padding "
+        "excluded; a cached prefix is not computed, so cache on against off shows what "
+        "the cache saved.")
     prefill_padded_tokens: int = _counter("Prefill tokens computed, bucket padding included.")
     local_prefills: int = _counter("Requests prefilled on the decode mesh (no transfer).")
     transfers: int = _counter("KV-cache transfers from prefill to decode.")

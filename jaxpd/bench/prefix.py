@@ -24,7 +24,8 @@ cache off and on, each started afresh; its counters are its workers' (`worker_co
 Answers are `--output_lens`' first length, greedy, EOS ignored. Per run: TTFT and ITL
 percentiles, output tokens/s, SLO attainment against `--slo_ttft`/`--slo_tpot` and the
 goodput (requests that met both SLOs per second of the run: the chats' closed loop sets
-the rate, so there is no rate to search), prompt tokens computed, the cache's hit rate,
+the rate, so there is no rate to search), prompt tokens computed
+(`prefill_computed_tokens`: padding excluded, on every prefill path), the cache's hit rate,
 KV bytes moved between meshes and KV bytes a handoff did not carry because the decode
 side held them ("not sent"); the greedy outputs of the two runs of a mesh are compared.
 """
@@ -129,7 +130,7 @@ def serve(llm, chats: list[Chat], output_len: int, think_s: float, stats=None,
         "itl_s": summarize(x for t in timelines for x in t.itls),
         "output_tok_s": sum(t.num_tokens for t in timelines) / max(duration, 1e-9),
         "prompt_tokens": sum(len(r.prompt_ids) for _, _, r, _ in done),
-        "prefill_tokens": stats["prefill_tokens"],
+        "prefill_tokens": stats["prefill_computed_tokens"],
         "hit_rate": stats.get("prefix_hit_tokens", 0) / queried if queried else 0.0,
         "host_hit_rate": stats.get("prefix_host_hit_tokens", 0) / queried if queried else 0.0,
         "host_restored_pages": stats.get("host_tier_restored_pages", 0),

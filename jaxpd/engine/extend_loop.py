@@ -325,8 +325,9 @@ class ExtendLoop:
                 r.timings.prefill_start = time.perf_counter()
             r.timings.local_prefill = True
             index_of.append(i)
-        self.stats.add(prefill_batches=1, prefill_tokens=sum(row.count for row in batch),
-                       prefill_padded_tokens=tokens.size,
+        computed = sum(row.count for row in batch)
+        self.stats.add(prefill_batches=1, prefill_tokens=computed,
+                       prefill_computed_tokens=computed, prefill_padded_tokens=tokens.size,
                        local_prefills=sum(row.final for row in batch))
         first, logprobs = self.runner.extend(tokens, starts, lengths, prefix_tables, new_tables,
                                              row_slots, sampling)

@@ -54,7 +54,7 @@ from jaxpd.engine.penalties import prefill_context
 from jaxpd.engine.runner import CompileCounter, host_memory_kind
 from jaxpd.engine.sampler import SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
-from jaxpd.models.llama import Llama
+from jaxpd.models.llama import Llama, attention_options
 from jaxpd.request import Request
 from jaxpd.sizes import coarse_ceil, coarse_sizes
 
@@ -130,10 +130,16 @@ class PrefillCache:
         self.k_pool, self.v_pool = zeros(), zeros()
         attention = prefill_attention(attention_impl, mesh, rules, cfg.head_dim)
         self.kernel = prefill_kernel(attention)
+        prefix_core = prefix_attention(attention_impl, mesh, rules, cfg.head_dim)
+        # The native prefix core reads each row's real prefix in place, whatever its
+        # table's width (a layer with a window or softcap gathers the table instead):
+        # then one width, the longest request's, serves every prefix and none, and a
+        # program per (rows, new tokens) serves every batch, all compiled by warm-up.
+        # (Without reuse no batch has a prefix: the prompt core, as ever.)
+        self.prefix_in_place = self.reuse and prefix_core is not None and not any(
+            attention_options(cfg, i) for i in range(cfg.num_layers))
         model = Llama(cfg, dtype, fused, prefill_attention=attention,
-                      prefix_attention=prefix_attention(attention_impl, mesh, rules,
-                                                        cfg.head_dim),
-                      qmatmul=quant_matmul)
+                      prefix_attention=prefix_core, qmatmul=quant_matmul)
 
         def extend(params, k_pool, v_pool, tokens, starts, lengths, prefix_tables, new_tables,
                    sampling):
@@ -227,9 +233,10 @@ class PrefillCache:
     def ready(self, rows: int, length: int, width: int) -> bool:
         """Whether a batch of `rows` x `length` new tokens after `width` pages of prefix
         runs without compiling first: always before `start_background` (it compiles
-        where it runs, as warm-up does) and for no prefix (warm-up compiled those); else
-        once the background compile is done (asked for here, the first time)."""
-        if self.compiler is None or width == 0:
+        where it runs, as warm-up does), for no prefix and with `prefix_in_place`
+        (warm-up compiled those); else once the background compile is done (asked for
+        here, the first time)."""
+        if self.compiler is None or width == 0 or self.prefix_in_place:
             return True
         return self.compiler.ready(((rows, length), (rows, width)),
                                    lambda: self._lower(rows, length, width))
@@ -489,12 +496,21 @@ class PrefillCache:
 
     def new_buckets(self, length: int, buckets: list[int]) -> list[int]:
         """Padded lengths of the uncached tokens a batch in the `length` bucket may
-        compute, ascending: the bucket itself, then every fourth power of two below it,
-        and the smallest bucket. Coarser than the prefill buckets (at most 4x the
+        compute, ascending. With `prefix_in_place`, every bucket up to `length`: a
+        batch of b rows in a smaller bucket is a shape the scheduler forms anyway
+        (`shapes`), so they add no program. Else `coarse_new_buckets`."""
+        if self.prefix_in_place:
+            return [b for b in buckets if b <= length]
+        return self.coarse_new_buckets(length, buckets)
+
+    def coarse_new_buckets(self, length: int, buckets: list[int]) -> list[int]:
+        """The bucket `length` itself, then every fourth power of two below it, and the
+        smallest bucket, ascending. Coarser than the prefill buckets (at most 4x the
         padding of the new tokens) because each is one more program per (batch, bucket)
-        for warm-up to compile. A batch that lands in the bucket itself computes every
-        token, with no prefix (`PrefillLoop._run_cached`): at most a quarter of the
-        bucket is worth a prefix's attention."""
+        to compile. Without `prefix_in_place`, a batch that lands in the bucket itself
+        computes every token, with no prefix (`PrefillLoop._run_cached`): at most a
+        quarter of the bucket is worth a prefix's attention, which reads the whole
+        table's width."""
         out, t = [], length
         while t >= buckets[0]:
             out.append(t)
@@ -504,13 +520,23 @@ class PrefillCache:
         return sorted(out)
 
     def width(self, length: int) -> int:
-        """Block-table width (pages) of a batch in the `length` bucket."""
+        """Block-table width (pages) of a batch in the `length` bucket that reads a
+        prefix: the longest request's pages with `prefix_in_place`, else the bucket's."""
+        if self.prefix_in_place:
+            return self.max_pages
         return min(pages_for(length, self.page_size), self.max_pages)
+
+    def fresh_width(self, length: int) -> int:
+        """Block-table width of a batch in the `length` bucket that computes every
+        token: the same program as with a prefix where it is read in place (no
+        program of its own), else none."""
+        return self.width(length) if self.prefix_in_place else 0
 
     def shapes(self, length: int, buckets: list[int]) -> list[tuple[int, int]]:
         """(new tokens, prefix pages) of every program a batch in the `length` bucket
         may run: the bucket itself without a prefix, each smaller new-token bucket
-        after a prefix as wide as the bucket."""
-        return [(t, 0 if t == length else self.width(length))
+        after a prefix as wide as the bucket (with `prefix_in_place`, every one of
+        them at the one width)."""
+        return [(t, self.fresh_width(length) if t == length else self.width(length))
                 for t in self.new_buckets(length, buckets)]
 

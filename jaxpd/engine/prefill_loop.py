@@ -132,8 +132,9 @@ class PrefillLoop:
                 self._run_cached(live, batch)
                 return True, 0.0
             tokens, lengths, sampling = self._inputs(batch, live)
-            self.stats.add(prefill_batches=1, prefill_tokens=int(lengths[:len(live)].sum()),
-                           prefill_padded_tokens=tokens.size)
+            computed = int(lengths[:len(live)].sum())
+            self.stats.add(prefill_batches=1, prefill_tokens=computed,
+                           prefill_computed_tokens=computed, prefill_padded_tokens=tokens.size)
             if self.uses_layerwise(batch.length):
                 self._run_layerwise(live, tokens, lengths, sampling)
             else:
@@ -167,7 +168,8 @@ class PrefillLoop:
             ids = r.prefill_ids
             n, start = len(ids), c.done
             new = min(self.chunk_tokens, n - start)
-            length = next(t for t in cache.new_buckets(self.chunk_tokens, self.scheduler.buckets)
+            length = next(t for t in cache.coarse_new_buckets(self.chunk_tokens,
+                                                              self.scheduler.buckets)
                           if t >= new)
             width = chunk_width(start // page_size, self.chunk_tokens // page_size,
                                 cache.max_pages)
@@ -185,7 +187,8 @@ class PrefillLoop:
             first, logprobs = cache.run_chunk(tokens, start, new, prefix, new_table, sampling,
                                               context)
             c.done += new
-            self.stats.add(prefill_tokens=new, prefill_padded_tokens=tokens.size)
+            self.stats.add(prefill_tokens=new, prefill_computed_tokens=new,
+                           prefill_padded_tokens=tokens.size)
             if c.done < n:
                 return True, 0.0
             self.stats.add(prefill_batches=1, prefill_cache_query_tokens=n if cache.reuse else 0,
@@ -251,10 +254,12 @@ class PrefillLoop:
 
     def _run_cached(self, live: list[Request], batch: PrefillBatch) -> None:
         """Prefill with context through the cache (`PrefillCache`): each row computes
-        only the tokens after its cached prefix; its pages are cut from the pool. A
-        batch whose new tokens still need the whole bucket computes all its tokens with
-        no prefix: its hits would save nothing and cost the prefix's attention. So does
-        a batch whose program with a prefix is still compiling (`PrefillCache.ready`)."""
+        only the tokens after its cached prefix; its pages are cut from the pool. Unless
+        the prefix is read in place (`PrefillCache.prefix_in_place`), a batch whose new
+        tokens still need the whole bucket computes all its tokens with no prefix: its
+        hits would save nothing and cost the prefix's attention over the table's whole
+        width. So does a batch whose program with a prefix is still compiling
+        (`PrefillCache.ready`; never with the prefix read in place)."""
         cache, page_size = self.cache, self.page_size
         # Pool pages now; host tier pages only once the batch will use its prefix.
         admitted = cache.admit(live, restore=False)
@@ -268,19 +273,22 @@ class PrefillLoop:
                                                          cache.width(batch.length)):
                 length = batch.length          # its program compiles in the background
                 self.stats.add(prefill_cache_cold_batches=1)
-            if length < batch.length and hint != [c for _, c, _ in admitted]:
+            with_prefix = length < batch.length or cache.prefix_in_place
+            if with_prefix and hint != [c for _, c, _ in admitted]:
                 admitted = cache.restore(live, admitted)
                 if needed([c for _, c, _ in admitted]) > length:
                     length = batch.length      # the store held less than it said
         except BaseException:
             cache.release([pages for pages, _, _ in admitted])
             raise
-        if length == batch.length and any(c for _, c, _ in admitted):
+        if length == batch.length and not cache.prefix_in_place and \
+                any(c for _, c, _ in admitted):
             cache.release([pages for pages, _, _ in admitted])
             admitted = cache.admit(live, share=False)
         try:
             rows = batch.batch_size
-            width = 0 if length == batch.length else cache.width(batch.length)
+            width = cache.fresh_width(batch.length) if length == batch.length else \
+                cache.width(batch.length)
             tokens = np.zeros((rows, length), np.int32)
             starts = np.zeros(rows, np.int32)
             lengths = np.ones(rows, np.int32)  # padding rows: one token, to the null page
@@ -295,8 +303,9 @@ class PrefillLoop:
                 own = pages[cached // page_size:]
                 new_tables[i, :len(own)] = own
                 sampling.set_row(i, r)
-            self.stats.add(prefill_batches=1, prefill_tokens=int(lengths[:len(live)].sum()),
-                           prefill_padded_tokens=tokens.size,
+            computed = int(lengths[:len(live)].sum())
+            self.stats.add(prefill_batches=1, prefill_tokens=computed,
+                           prefill_computed_tokens=computed, prefill_padded_tokens=tokens.size,
                            prefill_cache_query_tokens=sum(r.num_tokens for r in live)
                            if cache.reuse else 0,
                            prefill_cache_hit_tokens=sum(c for _, c, _ in admitted)

@@ -28,9 +28,11 @@ def warm_up(engine, progress: Callable[[str], None],
             spans_processes: bool = False, keep: KeptExecutables | None = None) -> None:
     """Every prefill (batch, length) bucket, every decode (rows, context width),
     every padded insert, take and host-tier offload size, and the penalty context
-    update. Runs before the engine's threads start. Programs with a cached prefix
-    compile in the background on first demand, and long-prompt chunks at once (both
-    started here, once the rest are compiled).
+    update. Runs before the engine's threads start. Programs with a cached prefix are
+    among them where the prefix is read in place (`PrefillCache.prefix_in_place`); the
+    others, and the decode mesh's extends beside a prefill mesh, compile in the
+    background on first demand, and long-prompt chunks at once (both started here,
+    once the rest are compiled).
 
     `engine`: the `Phases` to warm up. XLA compiles a program on one core, so the
     programs compile on `compile_threads` threads (`compile_programs`) and none runs:
@@ -171,7 +173,8 @@ def chunk_shapes(loop) -> list[tuple[int, int]]:
     each new-token bucket after each prefix width."""
     cache, chunk = loop.cache, loop.chunk_tokens
     widths = chunk_widths(chunk // loop.page_size, cache.max_pages)
-    return [(chunk, 0)] + [(t, w) for t in cache.new_buckets(chunk, loop.scheduler.buckets)
+    return [(chunk, 0)] + [(t, w) for t in cache.coarse_new_buckets(chunk,
+                                                                    loop.scheduler.buckets)
                            for w in widths]
 
 
@@ -198,9 +201,10 @@ def _chunks(loop) -> list[ProgramSpec]:
 def _prefill_cached(loop, shapes) -> list[ProgramSpec]:
     """A cached prefill batch in bucket `t` runs one of `PrefillCache.shapes(t)` (new
     tokens, prefix pages) (`PrefillLoop._run_cached`). Warm-up compiles those without a
-    prefix (what a batch computes when nothing it holds pays, as with the cache off);
-    those with one compile in the background on first demand (`background`).
-    Padding rows write the null page."""
+    prefix (what a batch computes when nothing it holds pays, as with the cache off),
+    and with `prefix_in_place` every one (one width for all: no more programs than
+    without a prefix); else those with one compile in the background on first demand
+    (`background`). Padding rows write the null page."""
     cache, page_size = loop.cache, loop.page_size
     specs = []
     for b, t, w in _cached_shapes(loop, shapes):
@@ -210,7 +214,7 @@ def _prefill_cached(loop, shapes) -> list[ProgramSpec]:
         specs.append(ProgramSpec(f"{cache.name}: batch {b} x {t} tokens, {w} pages of prefix",
                                  lambda args=args: cache.run(*args),
                                  lambda args=args: [cache.run_program(*args)],
-                                 background=w > 0))
+                                 background=w > 0 and not cache.prefix_in_place))
     for m in cache.take_sizes():
         specs.append(ProgramSpec(f"{cache.name} page take for {m} pages",
                                  lambda m=m: cache.take([0] * m),
@@ -343,7 +347,10 @@ def likely_prefix_shapes(engine) -> tuple[list[tuple[int, int, int]],
 
     cached, extended = [], []
     loop = engine.prefill_loop
-    if loop is not None and loop.cache is not None and loop.cache.reuse:
+    # (None of the prefill cache's when it reads its prefix in place: warm-up compiled
+    # them all.)
+    if loop is not None and loop.cache is not None and loop.cache.reuse and \
+            not loop.cache.prefix_in_place:
         cached = sorted(filter(likely, _cached_shapes(loop, _batch_shapes(loop))),
                         key=lambda s: (s[2], s[0], s[1]))
     extend = engine.decode_loop.extend if engine.decode_loop is not None else None
