@@ -241,7 +241,6 @@ COLD_TESTS = {
                                "two per case: " + _CI_TIME,
     "test_api.py": "front-door checks and the built-in model's dtype and `mesh='auto'`: "
                    + _CI_TIME,
-    "test_chat.py": "chat templates and text on a module engine: " + _CI_TIME,
     "test_chunked_prefill.py": "contexts up to 1024 tokens: warm-up would compile every "
                                "bucket and chunk program for scheduling checks",
     "test_colocated_chunks.py": "chunk scheduling of long prompts: " + _CI_TIME,
