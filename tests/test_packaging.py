@@ -272,7 +272,6 @@ COLD_TESTS = {
     "test_role_switch.py": "an engine rebuilt for each role it switches to: " + _CI_TIME,
     "test_sampling_options.py": "sampling options and their wire form: " + _CI_TIME,
     "test_server_fuzz.py": "malformed requests against a module engine: " + _CI_TIME,
-    "test_stop_and_n.py": "stop strings and n on a module engine: " + _CI_TIME,
     "test_warmup.py": "about warm-up: a cold engine against a warmed one",
 }
 
