@@ -234,6 +234,8 @@ COLD_TESTS = {
     "support/deployments.py": "launcher processes for router, fault and soak tests "
                               "(the launcher warms up in test_server's launch test): "
                               + _CI_TIME,
+    "support/gil_worker.py": "a prefill worker whose prefills hold the GIL, for "
+                             "heartbeat tests: " + _CI_TIME,
     "support/internal_plane.py": "role engines under internal-plane checks (auth, peer "
                                  "input): " + _CI_TIME,
     "support/prefix_chats.py": _PREFIX,
@@ -258,6 +260,8 @@ COLD_TESTS = {
     "test_layerwise.py": "layer-wise transfer and its faults (dropping and aborting "
                          "connectors): " + _CI_TIME,
     "test_migration.py": "engines of two roles per case, moved between: " + _CI_TIME,
+    "test_mesh.py": "a tp that divides neither heads nor vocabulary, against a "
+                    "one-device mesh: " + _CI_TIME,
     "test_multihost.py": "processes joined into one mesh, a follower killed: " + _CI_TIME,
     "test_native_attention.py": "the reference-core engine only gives the expected "
                                 "tokens; the default-core engine beside it warms up",
