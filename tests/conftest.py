@@ -22,7 +22,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # numpy's BLAS) when first imported, here and in every process a test starts.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Serializing every test engine's fresh compiles costs CI time and serves no later test:
-# kept executables are tested where they are asked for (test_kept).
+# kept executables are on where a test serves at the library's defaults (it sets this
+# back to "1" with monkeypatch) and in test_kept.
 os.environ.setdefault("JAXPD_KEEP_EXECUTABLES", "0")
 # One persistent XLA compilation cache for the session and every process it starts
 # (launch subprocesses inherit it): the same tiny-model programs compile once, not in

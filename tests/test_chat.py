@@ -4,6 +4,7 @@ import pytest
 from jaxpd import LLM, SamplingParams, default_model_dir
 from jaxpd.chat import ChatTemplateError, check_messages, render_chat
 from jaxpd.models.tokenizer import Tokenizer
+from tests.engine_fixtures import XlaCompiles
 
 # The shape of a real instruct template (ChatML-like): system/user/assistant turns,
 # the generation prompt, a refusal through raise_exception, a bos token and tojson.
@@ -87,14 +88,20 @@ def test_the_default_model_has_a_template():
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(mesh="colocated=1", max_model_len=64, slots_per_shard=2, warmup=False) as llm:
-        yield llm
+    """The built-in model at the library's defaults but for the sizes: warm-up and kept
+    executables on."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JAXPD_KEEP_EXECUTABLES", "1")      # off for the rest of the suite
+        with LLM(mesh="colocated=1", max_model_len=64, slots_per_shard=2) as llm:
+            yield llm
 
 
 @pytest.mark.slow
 def test_llm_chat_is_generate_on_the_rendered_prompt(llm):
     params = SamplingParams(max_tokens=6, temperature=0.0)
-    (out,) = llm.chat(CONVERSATION, params)
+    with XlaCompiles(on_request_threads=True) as xla:
+        (out,) = llm.chat(CONVERSATION, params)
+    assert xla.count == 0                                 # served by warm-up's programs
     (ref,) = llm.generate(llm.chat_prompt(CONVERSATION), params)
     assert out.token_ids == ref.token_ids and out.text == ref.text
     assert out.prompt_token_ids == llm.tokenizer.encode(

@@ -11,10 +11,12 @@ from tests.engine_fixtures import (XlaCompiles, assert_all_pages_free, build_hf_
                                    mixed_prompts, reference)
 
 NUM_REQUESTS = 28
-# prefill=1,decode=1 is held to transformers' tokens by test_handoff_stall and the
-# sampling, penalty and layer-wise tests; these are the meshes only this test covers.
-MESHES = [pytest.param("prefill=4,decode=4", marks=pytest.mark.matrix), "prefill=2,decode=2x2",
-          "colocated=4"]
+# prefill=1,decode=1 and prefill=2,decode=2 are held to transformers' tokens at the
+# defaults by test_handoff_stall (and by the sampling, penalty and layer-wise tests);
+# these are the meshes only this test covers.
+MESHES = [pytest.param("prefill=4,decode=4", marks=pytest.mark.matrix),
+          pytest.param("prefill=4,decode=2x2", marks=pytest.mark.matrix),
+          "prefill=2,decode=2x2", "colocated=4"]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Qwen3, Gemma 2/3 and the mixtures of experts served end to end: greedy tokens equal
 transformers' on the same tiny random weights, on disaggregated and colocated meshes,
-with prefix caching on and off; their configs and checkpoints are checked at load."""
+with prefix caching on and off, at the library's defaults (warm-up, kept executables,
+nothing compiled while serving); their configs and checkpoints are checked at load."""
 import json
 import os
 import shutil
@@ -14,7 +15,7 @@ from jaxpd import LLM, SamplingParams
 from jaxpd.models import checkpoint
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.llama import Llama
-from tests.engine_fixtures import assert_all_pages_free
+from tests.engine_fixtures import XlaCompiles, assert_all_pages_free
 from tests.hf_fixtures import hf_greedy, hf_logits
 
 FAMILIES = ["qwen3", "gemma3", "gemma2", "qwen3_moe", "mixtral", "qwen2_moe"]
@@ -49,34 +50,41 @@ def test_forward_logits_match_transformers(hf_models, name):
                                rtol=1e-4)
 
 
-def _serve(path, mesh, prefix_caching, prompts):
+def _serve(path, mesh, prefix_caching, prompts, monkeypatch):
+    """What a user's `LLM()` runs but for the sizes (and `prefix_caching`, None for the
+    default): warm-up and kept executables on, no program compiled by a request."""
+    monkeypatch.setenv("JAXPD_KEEP_EXECUTABLES", "1")      # off for the rest of the suite
     with LLM(path, mesh=mesh, max_model_len=64, slots_per_shard=2,
-             enable_prefix_caching=prefix_caching, warmup=False) as llm:
+             enable_prefix_caching=prefix_caching) as llm, \
+            XlaCompiles(on_request_threads=True) as xla:
         got = _greedy(llm, prompts)
         # Again: with the cache on, the second pass reuses the first's pages.
         again = _greedy(llm, prompts)
         assert_all_pages_free(llm)
+        assert xla.count == 0
     return got, again
 
 
 @pytest.mark.slow
 @pytest.mark.matrix     # the default run's `COVERING` cases include these meshes
 @pytest.mark.parametrize("name", ["qwen3", "gemma3", "qwen3_moe"])
-def test_greedy_matches_transformers_disaggregated(hf_models, name):
+def test_greedy_matches_transformers_disaggregated(hf_models, name, monkeypatch):
     """One representative per family on prefill=2,decode=2 (the decode mesh's experts
     spread over tp only where it has tp: see the matrix)."""
     path, hf_model = hf_models(name)
     prompts = _prompts(256)
     expected = [hf_greedy(hf_model, p, NUM_NEW) for p in prompts]
-    got, again = _serve(path, "prefill=2,decode=2", True, prompts)
+    got, again = _serve(path, "prefill=2,decode=2", True, prompts, monkeypatch)
     assert got == expected
     assert again == expected
 
 
-# Every family on every mesh, cache on and off, is the `matrix` marker's (by hand:
-# `-m matrix`); the default run covers each family once, the meshes and the cache
-# settings spread over them.
-COVERING = {(name, MESHES[i % 3], i % 2 == 0) for i, name in enumerate(FAMILIES)}
+# Every family on every mesh, prefix caching at its default (on for a disaggregated
+# mesh, off for a colocated one) and the other way, is the `matrix` marker's (by hand:
+# `-m matrix`). The default run serves every family on prefill=2,decode=2x2 (dp and tp
+# on the decode mesh) and each other mesh once, all at the defaults.
+COVERING = {(name, "prefill=2,decode=2x2", None) for name in FAMILIES} | {
+    ("qwen3", "prefill=2,decode=2", None), ("qwen2_moe", "colocated=4", None)}
 
 
 def _matrix_case(name, mesh, caching):
@@ -87,29 +95,32 @@ def _matrix_case(name, mesh, caching):
 
 @pytest.mark.parametrize("name,mesh,prefix_caching", [
     _matrix_case(name, mesh, caching) for name in FAMILIES for mesh in MESHES
-    for caching in (False, True)])
-def test_greedy_matches_transformers_on_every_mesh(hf_models, name, mesh, prefix_caching):
+    for caching in (None, mesh.startswith("colocated"))])
+def test_greedy_matches_transformers_on_every_mesh(hf_models, name, mesh, prefix_caching,
+                                                   monkeypatch):
     path, hf_model = hf_models(name)
     prompts = _prompts(256, seed=1)
     expected = [hf_greedy(hf_model, p, NUM_NEW) for p in prompts]
-    got, again = _serve(path, mesh, prefix_caching, prompts)
+    got, again = _serve(path, mesh, prefix_caching, prompts, monkeypatch)
     assert got == expected
     assert again == expected
 
 
 @pytest.mark.slow
 @pytest.mark.matrix     # the runner-level check is the default run's (below)
-def test_decode_mesh_prefills_short_prompts_of_a_mixture(hf_models):
+def test_decode_mesh_prefills_short_prompts_of_a_mixture(hf_models, monkeypatch):
     """Prompts under 16 tokens prefilled on the decode mesh (experts over dp x tp, each
     device running its own on every token), the rest handed off: transformers' tokens."""
     path, hf_model = hf_models("qwen3_moe")
     prompts = _prompts(256, seed=2)
     expected = [hf_greedy(hf_model, p, NUM_NEW) for p in prompts]
+    monkeypatch.setenv("JAXPD_KEEP_EXECUTABLES", "1")
     with LLM(path, mesh="prefill=2,decode=2x2", max_model_len=64, slots_per_shard=2,
-             local_prefill_below=16, warmup=False) as llm:
+             local_prefill_below=16) as llm, XlaCompiles(on_request_threads=True) as xla:
         assert _greedy(llm, prompts) == expected
         assert llm.stats()["local_prefills"] == sum(len(p) < 16 for p in prompts) > 0
         assert_all_pages_free(llm)
+        assert xla.count == 0
 
 
 @pytest.mark.slow

@@ -217,18 +217,23 @@ def test_k_quant_experts_stay_quantized(tmp_path, hf_models, bpe, caplog):
 @pytest.mark.parametrize("name,mesh", [("qwen2_moe_gguf", "prefill=2,decode=2x2"),
                                        ("qwen3_moe", "colocated=4"),
                                        ("gemma3_gguf", "prefill=2,decode=2")])
-def test_llm_serves_a_q8_0_file(tmp_path, hf_models, bpe, name, mesh):
+def test_llm_serves_a_q8_0_file(tmp_path, hf_models, bpe, name, mesh, monkeypatch):
+    """At the library's defaults but for the sizes: warm-up, kept executables, no
+    program compiled by a request."""
     from jaxpd import LLM, SamplingParams
-    from tests.engine_fixtures import assert_all_pages_free
+    from tests.engine_fixtures import XlaCompiles, assert_all_pages_free
 
     _, model = _source(hf_models, bpe, name)
     path = write_family(tmp_path, hf_models, bpe, name, Q.Q8_0)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, len(bpe[0]), size=n).tolist() for n in (1, 9, PROMPT_LEN)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    with LLM(path, mesh=mesh, max_model_len=64, slots_per_shard=2, warmup=False) as llm:
+    monkeypatch.setenv("JAXPD_KEEP_EXECUTABLES", "1")      # off for the rest of the suite
+    with LLM(path, mesh=mesh, max_model_len=64, slots_per_shard=2) as llm, \
+            XlaCompiles(on_request_threads=True) as xla:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=[params] * len(prompts))
         assert_all_pages_free(llm)
+        assert xla.count == 0
     reference = _rounded_through(model, Q.Q8_0)
     assert [list(o.token_ids) for o in outs] == [hf_greedy(reference, p, 6) for p in prompts]
 

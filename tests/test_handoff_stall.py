@@ -13,7 +13,7 @@ from jaxpd import LLM, SamplingParams
 from jaxpd.transfer import device_put as device_put_module
 from jaxpd.transfer.connector import KVHandoff
 from jaxpd.transfer.device_put import DevicePutConnector
-from tests.engine_fixtures import assert_all_pages_free, reference
+from tests.engine_fixtures import XlaCompiles, assert_all_pages_free, reference
 
 
 def _devices(*arrays) -> set:
@@ -66,12 +66,17 @@ class _CopySpy:
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["prefill=1,decode=1", "prefill=2,decode=2"])
 def test_a_short_handoff_leaves_before_the_next_long_prefill(tiny_hf_model, monkeypatch, mesh):
+    """At the library's defaults (warm-up, kept executables): transformers' tokens, no
+    program compiled by a request, and the copies of the requests' pages in order."""
     path, hf_model = tiny_hf_model
     short, long = [5, 9, 11, 3], list(range(3, 103))          # 1 page; 7 pages of 16
     expected = reference(hf_model, [short, long], [6, 6])
     events: list = []
     monkeypatch.setattr(device_put_module, "jax", _CopySpy(events))
-    with LLM(path, mesh=mesh, max_model_len=160, slots_per_shard=4, warmup=False) as llm:
+    monkeypatch.setenv("JAXPD_KEEP_EXECUTABLES", "1")      # off for the rest of the suite
+    with LLM(path, mesh=mesh, max_model_len=160, slots_per_shard=4) as llm, \
+            XlaCompiles(on_request_threads=True) as xla:
+        events.clear()                                  # warm-up's own copies
         engine = llm.engine
         prefill_devices = set(engine.meshes.prefill.devices.flat)
         decode_devices = set(engine.meshes.decode.devices.flat)
@@ -91,6 +96,7 @@ def test_a_short_handoff_leaves_before_the_next_long_prefill(tiny_hf_model, monk
         outs = [llm._wait(first), llm._wait(second)]
         assert [o.token_ids for o in outs] == expected
         assert_all_pages_free(llm)
+        assert xla.count == 0
 
     prefills = [i for i, e in enumerate(events) if e[0] == "prefill"]
     copies = [e for e in events if e[0] == "copy"]

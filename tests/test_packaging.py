@@ -218,3 +218,84 @@ def test_installed_wheel_has_no_top_level_models(wheel, tmp_path):
     file, missing = run.stdout.splitlines()
     assert file.startswith(str(site / "jaxpd" / "models"))
     assert missing == "no models"
+
+
+# Every test file that serves without warm-up (`warmup=False`, the launcher's
+# `--nowarmup`), and why. The path users take (`LLM()`, the launcher) warms up and
+# keeps its executables: a test leaves it only when warm-up is what it is about, when
+# it needs programs compiled on demand, or when warming up would cost CI time the test
+# does not need because the same mesh and model run at the defaults elsewhere.
+_CI_TIME = ("CI time: its requests run a few of the programs warm-up would compile; "
+            "the path at the defaults is held by the parity tests")
+_PREFIX = ("prefix-cache tests: hit counts assume each prefill with a prefix runs a "
+           "program compiled on demand (after warm-up they compile in the background, "
+           "serving the cache-off way meanwhile)")
+COLD_TESTS = {
+    "support/deployments.py": "launcher processes for router, fault and soak tests "
+                              "(the launcher warms up in test_server's launch test): "
+                              + _CI_TIME,
+    "support/gil_worker.py": "a prefill worker whose prefills hold the GIL, for "
+                             "heartbeat tests: " + _CI_TIME,
+    "support/internal_plane.py": "role engines under internal-plane checks (auth, peer "
+                                 "input): " + _CI_TIME,
+    "support/prefix_chats.py": _PREFIX,
+    "support/quant_blocks.py": "float and kept-block engines compared to each other, "
+                               "two per case: " + _CI_TIME,
+    "test_api.py": "front-door checks and the built-in model's dtype and `mesh='auto'`: "
+                   + _CI_TIME,
+    "test_chunked_prefill.py": "contexts up to 1024 tokens: warm-up would compile every "
+                               "bucket and chunk program for scheduling checks",
+    "test_colocated_chunks.py": "chunk scheduling of long prompts: " + _CI_TIME,
+    "test_elastic.py": "an elastic mesh warms every split it builds (two per re-split): "
+                       + _CI_TIME,
+    "test_engine.py": "preemption, failure, shutdown, local prefill, compression on "
+                      "engines beside the mesh test, which runs at the defaults: " + _CI_TIME,
+    "test_gguf.py": "a GGUF file at the model's own context on colocated=1: " + _CI_TIME,
+    "test_handoff_identity.py": "a decode-only engine built for its receiver's identity, "
+                                "no request served",
+    "test_handoff_stall.py": "the order of a pulling connector's waits and sends; the "
+                             "same mesh's parity runs at the defaults in this file",
+    "test_host_tier.py": _PREFIX,
+    "test_http.py": "HTTP protocol on a module engine and launcher processes: " + _CI_TIME,
+    "test_layerwise.py": "layer-wise transfer and its faults (dropping and aborting "
+                         "connectors): " + _CI_TIME,
+    "test_migration.py": "engines of two roles per case, moved between: " + _CI_TIME,
+    "test_mesh.py": "a tp that divides neither heads nor vocabulary, against a "
+                    "one-device mesh: " + _CI_TIME,
+    "test_multihost.py": "processes joined into one mesh, a follower killed: " + _CI_TIME,
+    "test_native_attention.py": "the reference-core engine only gives the expected "
+                                "tokens; the default-core engine beside it warms up",
+    "test_pallas_attention.py": "interpreted Pallas kernels: compiling every serving "
+                                "program in interpret mode costs minutes",
+    "test_plan_decode.py": "an engine built for its decode runner, shut down before any "
+                           "request",
+    "test_prefill_cache.py": _PREFIX,
+    "test_prefix_cache.py": _PREFIX,
+    "test_quant.py": "float and quantized engines compared to each other: " + _CI_TIME,
+    "test_quant_dot.py": "int8 activations against float: " + _CI_TIME,
+    "test_role_switch.py": "an engine rebuilt for each role it switches to: " + _CI_TIME,
+    "test_sampling_options.py": "sampling options and their wire form: " + _CI_TIME,
+    "test_server_fuzz.py": "malformed requests against a module engine: " + _CI_TIME,
+    "test_warmup.py": "about warm-up: a cold engine against a warmed one",
+}
+
+
+def test_every_cold_test_says_why():
+    """A file that serves without warm-up is listed in `COLD_TESTS` with its reason,
+    and a listed file still does (a stale entry is an error too)."""
+    import re
+
+    cold = re.compile(r"warmup\s*=\s*False|--nowarmup")
+    tests = os.path.join(ROOT, "tests")
+    found = set()
+    for dirpath, _, files in os.walk(tests):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            if not name.endswith(".py") or path == os.path.abspath(__file__):
+                continue
+            with open(path) as f:
+                if cold.search(f.read()):
+                    found.add(os.path.relpath(path, tests).replace(os.sep, "/"))
+    assert sorted(found - COLD_TESTS.keys()) == [], "cold without a reason in COLD_TESTS"
+    assert sorted(COLD_TESTS.keys() - found) == [], "stale: no longer cold"
+    assert all(reason.strip() for reason in COLD_TESTS.values())

@@ -15,7 +15,7 @@ from jaxpd.models.config import ModelConfig
 from jaxpd.models.layout import (abstract_params, fuse_params, is_stacked, quantize_params,
                                  stack_layers, unstack_layers)
 from jaxpd.models.llama import Llama, layer_runs, stack_key
-from tests.engine_fixtures import assert_all_pages_free
+from tests.engine_fixtures import XlaCompiles, assert_all_pages_free
 from tests.hf_fixtures import hf_greedy
 from tests.support.quant_experts import quantized_experts
 
@@ -115,19 +115,22 @@ def test_scanned_equals_unrolled(params, layout):
 @pytest.mark.parametrize("name,mesh", [("qwen3_moe", "prefill=2,decode=2x2"),
                                        ("gemma3", "colocated=4"),
                                        ("gemma2", "prefill=2,decode=2")])
-def test_every_mesh_scanned_serves_transformers_tokens(hf_models, name, mesh):
-    """`scan_layers="all"` through the engine: stacked params placed and sharded per
-    layer (experts over dp x tp), the pools in the scan's carry, greedy tokens those of
-    transformers and every page freed."""
+def test_every_mesh_scanned_serves_transformers_tokens(hf_models, name, mesh, monkeypatch):
+    """`scan_layers="all"` through the engine, warm-up and kept executables on: stacked
+    params placed and sharded per layer (experts over dp x tp), the pools in the scan's
+    carry, greedy tokens those of transformers, no program compiled by a request and
+    every page freed."""
     path, hf_model = hf_models(name)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 9, 17, 40)]
     expected = [hf_greedy(hf_model, p, 6) for p in prompts]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    with LLM(path, mesh=mesh, max_model_len=64, slots_per_shard=2, scan_layers="all",
-             warmup=False) as llm:
+    monkeypatch.setenv("JAXPD_KEEP_EXECUTABLES", "1")      # off for the rest of the suite
+    with LLM(path, mesh=mesh, max_model_len=64, slots_per_shard=2, scan_layers="all") as llm, \
+            XlaCompiles(on_request_threads=True) as xla:
         runs = layer_runs(llm.model_config)
         assert is_stacked(llm.engine.decode_runner.params) == any(b - a > 1 for a, b in runs)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=[params] * len(prompts))
         assert [list(o.token_ids) for o in outs] == expected
         assert_all_pages_free(llm)
+        assert xla.count == 0

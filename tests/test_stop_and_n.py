@@ -31,8 +31,12 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(mesh="prefill=1,decode=1", max_model_len=64, slots_per_shard=4, warmup=False) as llm:
-        yield llm
+    """The built-in model at the library's defaults but for the sizes: warm-up and kept
+    executables on."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JAXPD_KEEP_EXECUTABLES", "1")      # off for the rest of the suite
+        with LLM(mesh="prefill=1,decode=1", max_model_len=64, slots_per_shard=4) as llm:
+            yield llm
 
 
 def wait_free(llm) -> None:
