@@ -227,9 +227,10 @@ def test_installed_wheel_has_no_top_level_models(wheel, tmp_path):
 # does not need because the same mesh and model run at the defaults elsewhere.
 _CI_TIME = ("CI time: its requests run a few of the programs warm-up would compile; "
             "the path at the defaults is held by the parity tests")
-_PREFIX = ("prefix-cache tests: hit counts assume each prefill with a prefix runs a "
-           "program compiled on demand (after warm-up they compile in the background, "
-           "serving the cache-off way meanwhile)")
+_PREFIX = ("prefix-cache tests: their hit and routing counts assume the decode mesh's "
+           "prefills with a prefix compile on first demand (after warm-up they compile "
+           "in the background and requests go the cache-off way meanwhile); the "
+           "defaults' path is test_prefix_first_repeat's")
 COLD_TESTS = {
     "support/deployments.py": "launcher processes for router, fault and soak tests "
                               "(the launcher warms up in test_server's launch test): "
@@ -260,6 +261,8 @@ COLD_TESTS = {
     "test_layerwise.py": "layer-wise transfer and its faults (dropping and aborting "
                          "connectors): " + _CI_TIME,
     "test_migration.py": "engines of two roles per case, moved between: " + _CI_TIME,
+    "test_memory.py": "what shutdown drops, on an engine that served one request; the "
+                      "cycles test beside it runs at the defaults",
     "test_mesh.py": "a tp that divides neither heads nor vocabulary, against a "
                     "one-device mesh: " + _CI_TIME,
     "test_multihost.py": "processes joined into one mesh, a follower killed: " + _CI_TIME,
@@ -271,6 +274,9 @@ COLD_TESTS = {
                            "request",
     "test_prefill_cache.py": _PREFIX,
     "test_prefix_cache.py": _PREFIX,
+    "test_prefix_first_repeat.py": "an engine built to list its serving programs, no "
+                                   "request served; the chats test beside it runs at the "
+                                   "defaults",
     "test_quant.py": "float and quantized engines compared to each other: " + _CI_TIME,
     "test_quant_dot.py": "int8 activations against float: " + _CI_TIME,
     "test_role_switch.py": "an engine rebuilt for each role it switches to: " + _CI_TIME,

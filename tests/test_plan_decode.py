@@ -234,8 +234,8 @@ def test_insert_from_host_writes_exactly_the_pages_on_their_shard(tiny_hf_model)
 
     llm = LLM(tiny_hf_model[0], mesh="prefill=1,decode=2x2", max_model_len=64,
               slots_per_shard=2, warmup=False)
+    runner = llm.engine.decode_runner      # kept past the stop, which lets go of it
     llm.shutdown()
-    runner = llm.engine.decode_runner
     pool = runner.k_pool
     shape = (pool.shape[0], 3) + pool.shape[2:]
     rng = np.random.default_rng(0)
