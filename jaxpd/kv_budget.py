@@ -111,6 +111,9 @@ def default_budget(platform: str, pools: int, available: int | None,
             else CPU_KV_CACHE_BYTES
     if not available:
         return CPU_KV_CACHE_BYTES
+    # A prefill role that pages nothing (layer-wise, or spanning processes) has no pool:
+    # its budget bounds nothing, and counts as one pool's.
+    pools = max(pools, 1)
     return min(CPU_KV_CACHE_BYTES, coarse_floor(int(available * CPU_KV_FRACTION) // pools))
 
 

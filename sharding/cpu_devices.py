@@ -14,22 +14,6 @@ import re
 from jaxpd.sharding.spec import AUTO, auto_mesh, parse_mesh_spec
 
 COUNT_FLAG = "--xla_force_host_platform_device_count"
-# XLA:CPU sizes its intra-op pool (the threads every device's programs and the native
-# kernels compute on) and its client pool as max($NPROC, or else the CPUs the process
-# may use; the device count), whichever route set the count. Virtual devices beyond
-# the cores therefore add threads, and a mesh's speed would follow a count that has
-# nothing to do with it; jaxpd sets NPROC so that the pool is the same for every count
-# up to INTRA_OP_THREADS_MIN.
-NPROC = "NPROC"
-# NPROC as jaxpd set it: a process started with this equal to NPROC inherited
-# jaxpd's choice (sized for its parent's CPUs) and may make its own; anything else in
-# NPROC is the user's.
-NPROC_SET_BY = "JAXPD_NPROC"
-# Enough threads that a prefill and a decode program on one pool each keep threads of
-# their own rather than queueing behind the other's tasks (paid for in CPU: idle pool
-# threads search for work), and the count the bench and tests ask for, so those and
-# `auto` share one pool size (BENCHMARKS.md, session 28).
-INTRA_OP_THREADS_MIN = 8
 
 
 def cpu_devices_needed(mesh: str, processes: int = 1) -> int:
@@ -51,8 +35,7 @@ def ensure_cpu_devices(mesh: str, environ=os.environ) -> int | None:
     jax as it is: the platforms exclude cpu; the user chose a count (`COUNT_FLAG` in
     $XLA_FLAGS, or jax_num_cpu_devices / $JAX_NUM_CPU_DEVICES); or the backends are up
     already, their devices fixed (the caller then fits the mesh to them or says why it
-    cannot). Either way, on CPU it sizes XLA's intra-op pool first
-    (`set_intra_op_threads`): the same for every device count and route.
+    cannot).
 
     Nothing here starts a backend: finding out which platform jax will pick would start
     a GPU or TPU one. On such a machine the count applies to its CPU backend only,
@@ -61,7 +44,6 @@ def ensure_cpu_devices(mesh: str, environ=os.environ) -> int | None:
 
     if not platforms_allow_cpu(jax.config.jax_platforms or environ.get("JAX_PLATFORMS")):
         return None
-    set_intra_op_threads(environ)
     if COUNT_FLAG in environ.get("XLA_FLAGS", "") or jax.config.jax_num_cpu_devices >= 0:
         return None
     num = cpu_devices_needed(mesh)
@@ -84,25 +66,6 @@ def set_cpu_device_count(mesh: str, environ=os.environ, processes: int = 1) -> i
         return None
     num = cpu_devices_needed(mesh, processes)
     environ["XLA_FLAGS"] = xla_flags_with_count(environ.get("XLA_FLAGS", ""), num)
-    set_intra_op_threads(environ)
-    return num
-
-
-def intra_op_threads(num_cpus: int) -> int:
-    """The threads of XLA:CPU's intra-op pool jaxpd asks for on `num_cpus` CPUs: at
-    least `INTRA_OP_THREADS_MIN`, so a device count up to that leaves it unchanged."""
-    return max(num_cpus, INTRA_OP_THREADS_MIN)
-
-
-def set_intra_op_threads(environ=os.environ, num_cpus: int | None = None) -> int | None:
-    """Size XLA:CPU's intra-op pool (`NPROC`, read when jax starts its CPU backend) at
-    `intra_op_threads` of the CPUs this process may use (`num_cpus`: that count
-    instead), unless the user set NPROC. Returns the count set, or None. Call it after
-    pinning the process (`pin_cpus`) and before jax starts."""
-    if NPROC in environ and environ.get(NPROC_SET_BY) != environ[NPROC]:
-        return None
-    num = intra_op_threads(len(os.sched_getaffinity(0)) if num_cpus is None else num_cpus)
-    environ[NPROC] = environ[NPROC_SET_BY] = str(num)
     return num
 
 

@@ -95,36 +95,6 @@ def test_llm_on_one_cpu_device_already_running_fits_auto_and_refuses_a_bigger_me
     assert len(said) == 1 and "1 cpu device(s)" in said[0] and "colocated=1" in said[0]
 
 
-def test_the_intra_op_pool_is_the_same_whichever_count_and_route():
-    # XLA:CPU sizes its intra-op pool as max(NPROC or the CPUs, the device count):
-    # unset, 8 virtual devices would give 8 threads on any host with fewer cores, and 2
-    # give the cores. LLM's setup must leave one size for every count up to the floor,
-    # set through jax's config (LLM's route) or XLA_FLAGS (the bench's and a user's).
-    probe = ("import os\n"
-             "from jaxpd.sharding.cpu_devices import ensure_cpu_devices, intra_op_threads\n"
-             "ensure_cpu_devices('auto')\n"
-             "import jax, jax.numpy as jnp\n"
-             "jax.jit(lambda x: x @ x)(jnp.ones((64, 64))).block_until_ready()\n"
-             "names = [open(f'/proc/self/task/{t}/comm').read().strip()\n"
-             "         for t in os.listdir('/proc/self/task')]\n"
-             "print(jax.device_count(), names.count('tf_XLAEigen'),\n"
-             "      intra_op_threads(len(os.sched_getaffinity(0))))\n")
-    flag = "--xla_force_host_platform_device_count="
-    seen = {}
-    for route, env in (("auto", {}), ("flag 2", {"XLA_FLAGS": flag + "2"}),
-                       ("flag 8", {"XLA_FLAGS": flag + "8"}),
-                       ("config 8", {"JAX_NUM_CPU_DEVICES": "8"})):
-        out = run_python(probe, JAX_PLATFORMS="cpu", **env)
-        assert out.returncode == 0, out.stderr
-        devices, threads, chosen = map(int, out.stdout.split())
-        seen[route] = devices, threads
-        assert threads == chosen, (route, out.stdout)
-    assert [d for d, _ in seen.values()] == [2, 2, 8, 8]
-    # A user's NPROC is the user's.
-    out = run_python(probe, JAX_PLATFORMS="cpu", NPROC="3")
-    assert out.stdout.split()[:2] == ["2", "3"], out.stderr
-
-
 def test_a_device_count_the_user_set_or_a_platform_without_cpu_is_left_alone():
     probe = ("from jaxpd.sharding.cpu_devices import ensure_cpu_devices\n"
              "print(ensure_cpu_devices('prefill=2,decode=2'))\n"

@@ -4,8 +4,7 @@ import dataclasses
 import pytest
 
 from jaxpd.config import EngineConfig, fit_context, kv_page_bytes, resolve_dtype
-from jaxpd.sharding.cpu_devices import (INTRA_OP_THREADS_MIN, set_cpu_device_count,
-                                        set_intra_op_threads)
+from jaxpd.sharding.cpu_devices import set_cpu_device_count
 from jaxpd.sharding.spec import auto_mesh, parse_mesh_spec
 
 
@@ -47,19 +46,6 @@ def test_auto_mesh_refuses_bad_input_and_the_launcher_makes_its_devices():
     environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --other"}
     assert set_cpu_device_count("auto", environ) == 2
     assert environ["XLA_FLAGS"] == "--other --xla_force_host_platform_device_count=2"
-
-
-def test_intra_op_threads_have_a_floor_and_leave_the_users_nproc():
-    environ = {}
-    assert set_intra_op_threads(environ, num_cpus=2) == INTRA_OP_THREADS_MIN
-    assert environ["NPROC"] == str(INTRA_OP_THREADS_MIN)
-    assert set_intra_op_threads(environ, num_cpus=64) == 64   # inherited: sized again
-    assert environ["NPROC"] == "64"
-    environ = {"NPROC": "3"}
-    assert set_intra_op_threads(environ, num_cpus=2) is None and environ == {"NPROC": "3"}
-    environ = {"XLA_FLAGS": ""}
-    set_cpu_device_count("auto", environ)       # the launcher's route sizes it too
-    assert int(environ["NPROC"]) >= INTRA_OP_THREADS_MIN
 
 
 @pytest.mark.parametrize("mesh, options, on", [

@@ -112,6 +112,8 @@ def test_the_default_splits_a_fraction_of_available_memory_over_the_pools():
     assert default_budget("cpu", 3, 24 * GIB) == default_budget("cpu", 3, 24 * GIB - (200 << 20))
     assert default_budget("cpu", 1, 1000 * GIB) == CPU_KV_CACHE_BYTES      # the cap
     assert default_budget("cpu", 3, None) == CPU_KV_CACHE_BYTES            # unknown host
+    # A prefill role paging nothing (layer-wise, or across processes) has no pool.
+    assert default_budget("cpu", 0, 24 * GIB) == default_budget("cpu", 1, 24 * GIB)
     assert default_budget("gpu", 3, None, device_bytes=80 * GIB) == 40 * GIB
     assert default_budget("tpu", 3, None, device_bytes=None) == CPU_KV_CACHE_BYTES
     assert [coarse_floor(n) for n in (1, 8, 9, 10, 11, 13, 1000)] == [1, 8, 8, 10, 10, 12, 896]

@@ -299,12 +299,10 @@ def ensure_cpu_devices(num_devices: int) -> None:
 
     Only effective before jax initialises its backend (the first `jax.devices()`),
     which is why the CLIs parse their flags and call this before touching jax. It
-    only concerns the host platform; accelerators ignore the flag. XLA's intra-op
-    pool is sized as `LLM` sizes it (`set_intra_op_threads`).
+    only concerns the host platform; accelerators ignore the flag.
     """
     import os
 
-    from jaxpd.sharding.cpu_devices import set_intra_op_threads, xla_flags_with_count
+    from jaxpd.sharding.cpu_devices import xla_flags_with_count
     os.environ["XLA_FLAGS"] = xla_flags_with_count(os.environ.get("XLA_FLAGS", ""),
                                                    num_devices, at_least=True)
-    set_intra_op_threads()
