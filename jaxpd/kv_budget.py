@@ -150,7 +150,10 @@ class KVPlan:
     models_context: bool = False     # max_model_len is the model's own
 
     def __post_init__(self):
-        for name in ("pools", "pages", "page_bytes", "page_size", "max_model_len"):
+        # No pool: a prefill role that pages nothing (layer-wise, or across processes).
+        if self.pools < 0:
+            raise ValueError(f"KVPlan.pools must be >= 0, got {self.pools}")
+        for name in ("pages", "page_bytes", "page_size", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KVPlan.{name} must be positive, got {getattr(self, name)}")
 
