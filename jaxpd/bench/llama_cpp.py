@@ -42,6 +42,20 @@ def available() -> bool:
     return True
 
 
+def gguf_file(baseline: str, model: str) -> str:
+    """The GGUF file of `model` for `--compare baseline`; SystemExit saying what is
+    missing when llama-cpp-python is not installed or the model is no GGUF file."""
+    if not available():
+        raise SystemExit(f"--compare {baseline} needs llama-cpp-python: pip install "
+                         "'jaxpd[llama-cpp]' (see the README for building it)")
+    from jaxpd.models.source import checkpoint_path, is_gguf
+
+    path = checkpoint_path(model)
+    if not is_gguf(path):
+        raise SystemExit(f"--compare {baseline} serves GGUF files only; --model is {path}")
+    return path
+
+
 def build_info() -> dict:
     """What the installed llama.cpp build runs on this host: its system-info line and
     whether it uses AVX-512, beside whether the host has it."""
@@ -64,15 +78,8 @@ class LlamaCppBackend:
 
     def __init__(self, gguf_path: str, n_ctx: int = 2048, n_threads: int | None = None,
                  warmup_requests: Sequence[BenchRequest] = ()):
-        if not available():
-            raise SystemExit("--compare llama_cpp needs llama-cpp-python: pip install "
-                             "'jaxpd[llama-cpp]' (see the README for building it)")
+        path = gguf_file(NAME, gguf_path)
         import llama_cpp
-        from jaxpd.models.source import checkpoint_path, is_gguf
-
-        path = checkpoint_path(gguf_path)
-        if not is_gguf(path):
-            raise SystemExit(f"--compare llama_cpp serves GGUF files only; --model is {path}")
         self.n_threads = n_threads or len(os.sched_getaffinity(0))
         self.model = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=self.n_threads,
                                      n_threads_batch=self.n_threads, verbose=False)
@@ -124,15 +131,8 @@ class LlamaCppBatchedBackend:
     def __init__(self, gguf_path: str, n_seq: int, n_ctx: int = 2048,
                  n_threads: int | None = None, n_batch: int = 2048,
                  warmup_requests: Sequence[BenchRequest] = ()):
-        if not available():
-            raise SystemExit("--compare llama_cpp_batched needs llama-cpp-python: pip install "
-                             "'jaxpd[llama-cpp]' (see the README for building it)")
+        path = gguf_file(BATCHED, gguf_path)
         import llama_cpp as lc
-        from jaxpd.models.source import checkpoint_path, is_gguf
-
-        path = checkpoint_path(gguf_path)
-        if not is_gguf(path):
-            raise SystemExit(f"--compare {BATCHED} serves GGUF files only; --model is {path}")
         self.lc, self.n_seq, self.n_batch = lc, n_seq, n_batch
         self.n_threads = n_threads or len(os.sched_getaffinity(0))
         lc.llama_backend_init()
