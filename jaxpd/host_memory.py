@@ -11,18 +11,26 @@ import gc
 import os
 
 
+def _kib_field(path: str, key: str) -> int | None:
+    """The "key: N kB" line of a /proc file in bytes; None where it is unreadable."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     """Memory the host can give new allocations without swapping, in bytes: the
     kernel's MemAvailable (page cache it can drop counts as available); where that is
     unreadable, free physical pages (fewer: nothing of the cache counts); None where
     neither is known."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    found = _kib_field(meminfo, "MemAvailable")
+    if found is not None:
+        return found
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
@@ -31,14 +39,7 @@ def available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
 
 def rss_bytes(status: str = "/proc/self/status") -> int | None:
     """This process's resident set (VmRSS), in bytes; None where it is unknown."""
-    try:
-        with open(status) as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return _kib_field(status, "VmRSS")
 
 
 @functools.lru_cache(maxsize=1)
