@@ -96,7 +96,6 @@ class PrefillRunner:
         self._head = jax.jit(head, out_shardings=replicated)
         pages = replicated if gather_pages else kv
         self._kv, self._cut = kv, pages
-        self._take = jax.jit(self._take_pages, static_argnums=(3,), out_shardings=(pages, pages))
         self._takes: dict[int, Callable] = {}
 
     def run(self, tokens: np.ndarray, lengths: np.ndarray, sampling: SamplingArrays):
@@ -189,9 +188,7 @@ class PrefillRunner:
         One program per bucket shape and padded count; where they start is an input."""
         padded = coarse_ceil(num_pages)
         self.counter.note(f"{self.name}_take_pages", (k.shape, padded))
-        take = self.executables.get(("take", k.shape, padded))
-        if take is None:
-            return self._take(k, v, row, padded, first_page * self.page_size)
+        take = self.executables.get(("take", k.shape, padded), self._take_of(padded))
         return take(k, v, np.int32(row), np.int32(first_page * self.page_size))
 
     def take_programs(self, kv_shape: tuple[int, ...]) -> list[Program]:
@@ -211,7 +208,8 @@ class PrefillRunner:
         return programs
 
     def _take_of(self, num_pages: int) -> Callable:
-        """`_take` with `num_pages` bound: a function of arrays only, for compiling ahead."""
+        """`_take_pages` with `num_pages` bound, jitted once per count: a function of
+        arrays only, so warm-up can compile it ahead (`take_programs`)."""
         if num_pages not in self._takes:
             self._takes[num_pages] = jax.jit(
                 lambda k, v, row, start: self._take_pages(k, v, row, num_pages, start),
