@@ -21,7 +21,11 @@ class JaxEvents:
         return self
 
     def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self)
+        unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+        if unregister is None:          # older jax keeps it private
+            from jax._src import monitoring
+            unregister = monitoring._unregister_event_duration_listener_by_callback
+        unregister(self)
 
 
 class XlaCompiles(JaxEvents):
