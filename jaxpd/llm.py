@@ -20,7 +20,8 @@ from jaxpd.request import Request
 from jaxpd.sampling_params import SamplingParams
 from jaxpd.stats import EngineStats
 from jaxpd.models import checkpoint
-from jaxpd.sharding.cpu_devices import cpu_devices_needed, ensure_cpu_devices
+from jaxpd.sharding.cpu_devices import (cpu_devices_needed, ensure_cpu_devices,
+                                        say_if_oversubscribed)
 from jaxpd.sharding.spec import AUTO, auto_mesh
 from jaxpd.transfer.connector import Connector, KVReceiver, KVSender
 
@@ -127,6 +128,8 @@ class LLM(Frontend):
             ensure_cpu_devices(mesh)
         if mesh == AUTO:
             mesh = _auto_mesh()
+        if jax.default_backend() == "cpu":
+            say_if_oversubscribed(jax.local_device_count())
         # A mesh across processes: each process reads only the weight shards its
         # devices hold, straight onto the mesh.
         shardings = None if plan is None else lambda cfg: role_shardings(cfg, mesh)

@@ -8,12 +8,15 @@ launcher uses it before jax is imported.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 
 from jaxpd.sharding.spec import AUTO, auto_mesh, parse_mesh_spec
 
 COUNT_FLAG = "--xla_force_host_platform_device_count"
+_log = logging.getLogger("jaxpd.cpu_devices")
+_said: set[tuple[int, int]] = set()
 
 
 def cpu_devices_needed(mesh: str, processes: int = 1) -> int:
@@ -105,3 +108,28 @@ def pin_cpus(spec: str | None) -> set[int] | None:
     cpus = parse_cpus(spec)
     os.sched_setaffinity(0, cpus)
     return cpus
+
+
+def compute_threads(devices: int, environ=os.environ) -> tuple[int, int]:
+    """(threads XLA:CPU computes on, CPUs this process may use) with `devices` CPU
+    devices. XLA sizes its intra-op pool, the threads every device's programs and
+    jaxpd's native kernels share, as max($NPROC or the CPUs, the device count): the
+    count, whichever route asked for it (jax's config or `COUNT_FLAG`), widens it."""
+    cpus = len(os.sched_getaffinity(0))
+    nproc = environ.get("NPROC", "")
+    return max(int(nproc) if nproc.isdigit() and int(nproc) > 0 else cpus, devices), cpus
+
+
+def say_if_oversubscribed(devices: int, environ=os.environ) -> int:
+    """Log once per (threads, CPUs) when `devices` CPU devices make XLA compute on more
+    threads than this process has CPUs; returns the thread count. On an idle host one
+    thread per CPU is the faster pool (the threads beyond it spin looking for work and
+    time-slice the cores), so a mesh or count larger than the CPUs costs speed."""
+    threads, cpus = compute_threads(devices, environ)
+    if threads > cpus and (threads, cpus) not in _said:
+        _said.add((threads, cpus))
+        _log.warning("XLA:CPU computes on %d threads on %d CPU(s): it sizes its pool by the "
+                     "device count (%d) when that exceeds the CPUs; for one thread per CPU, "
+                     "ask for no more devices than the mesh needs (the default) and a mesh "
+                     "of at most %d devices", threads, cpus, devices, cpus)
+    return threads

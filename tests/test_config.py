@@ -1,5 +1,6 @@
 """EngineConfig, the serving dtype and the "auto" mesh (plain Python, no model)."""
 import dataclasses
+import os
 
 import pytest
 
@@ -180,3 +181,22 @@ def test_one_rule_resolves_the_context_for_a_config_built_directly_or_by_llm():
     assert (given.max_model_len, given.pages_per_shard) == (8192, 600)
     with pytest.raises(ValueError, match="pages_per_shard=100 cannot hold one request"):
         resolve_context(dataclasses.replace(unset, pages_per_shard=100), _model(), 1)
+
+
+def test_xla_compute_threads_follow_the_device_count_above_the_cpus(caplog):
+    """XLA:CPU's pool is max($NPROC or the CPUs, the device count): a count above the
+    CPUs is said once, in one line naming both; a user's NPROC is read as XLA reads it."""
+    from jaxpd.sharding import cpu_devices
+    cpus = len(os.sched_getaffinity(0))
+    assert cpu_devices.compute_threads(1, {}) == (cpus, cpus)
+    assert cpu_devices.compute_threads(cpus + 6, {}) == (cpus + 6, cpus)
+    assert cpu_devices.compute_threads(1, {"NPROC": "3"}) == (3, cpus)
+    assert cpu_devices.compute_threads(2, {"NPROC": "zero"}) == (max(cpus, 2), cpus)
+    cpu_devices._said.clear()
+    with caplog.at_level("WARNING", logger="jaxpd.cpu_devices"):
+        assert cpu_devices.say_if_oversubscribed(cpus, {}) == cpus
+        assert not caplog.records
+        for _ in range(2):
+            assert cpu_devices.say_if_oversubscribed(cpus + 6, {}) == cpus + 6
+    assert len(caplog.records) == 1
+    assert f"{cpus + 6} threads on {cpus} CPU(s)" in caplog.records[0].getMessage()

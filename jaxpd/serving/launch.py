@@ -33,7 +33,7 @@ from absl import app, flags
 from jaxpd.serving.launch_flags import (role_auth, define_flags, engine_options,  # noqa: F401
                                         elastic_error, internal_auth, multihost_error)
 from jaxpd.sharding.cpu_devices import (parse_cpus, pin_cpus,  # noqa: F401
-                                        set_cpu_device_count)
+                                        say_if_oversubscribed, set_cpu_device_count)
 from jaxpd.sharding.spec import AUTO, auto_mesh
 
 
@@ -69,10 +69,12 @@ def run(fv: flags.FlagValues) -> int:
         print(error, file=sys.stderr)
         return 2
     try:
-        set_cpu_device_count(fv.mesh, processes=fv.num_processes)
+        count = set_cpu_device_count(fv.mesh, processes=fv.num_processes)
     except ValueError as e:
         print(f"--mesh: {e}", file=sys.stderr)
         return 2
+    if count is not None:
+        say_if_oversubscribed(count)
     group = None
     if fv.num_processes > 1:                 # before any jax backend comes up
         from jaxpd.engine.multihost import ProcessGroup, initialize
