@@ -149,15 +149,19 @@ class Frontend:
         conversations = list(messages) if batch else [messages]
         return self.generate([self.chat_prompt(c) for c in conversations], sampling_params)
 
-    def chat_prompt(self, messages: Sequence[dict]) -> str:
-        """The prompt text the model's chat template makes of one conversation."""
+    def chat_prompt(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                    template_kwargs: dict | None = None) -> str:
+        """The prompt text the model's chat template makes of one conversation, with
+        the function `tools` the model may call and more template variables
+        (`jaxpd.chat.render_chat`)."""
         if self.tokenizer is None:
             raise ValueError("messages: this model has no tokenizer.json, so no chat template")
         tok = self.tokenizer
         eos_ids = self.model_config.eos_token_ids
         return render_chat(tok.chat_template, messages,
                            bos_token=tok.id_to_token(tok.bos_token_id) or "",
-                           eos_token=(tok.id_to_token(eos_ids[0]) if eos_ids else None) or "")
+                           eos_token=(tok.id_to_token(eos_ids[0]) if eos_ids else None) or "",
+                           tools=tools, template_kwargs=template_kwargs)
 
     def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                prompt_token_ids: Sequence[int] | None = None) -> Iterator[StreamDelta]:

@@ -125,3 +125,39 @@ def test_llm_chat_without_a_template_is_a_clear_error(llm, monkeypatch):
     monkeypatch.setattr(llm.tokenizer, "chat_template", None)
     with pytest.raises(ValueError, match="no chat template"):
         llm.chat(CONVERSATION)
+
+
+TOOL_TEMPLATE = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+                 "{% for m in messages %}{{ m.role }}:{{ m.content or '' }}"
+                 "{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}{% endfor %}"
+                 "{% if think is defined %}({{ think }}){% endif %};{% endfor %}")
+
+
+def test_tools_calls_and_template_kwargs_reach_the_template():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    messages = [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "f", "arguments": '{"a": "ü"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "y"}]
+    assert render_chat(TOOL_TEMPLATE, messages, tools=tools, template_kwargs={"think": 0}) == \
+        '[f]user:x(0);assistant:{"a": "ü"}(0);tool:y(0);'
+    assert render_chat(TOOL_TEMPLATE, messages[:1]) == "user:x;"   # no tools: unset
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([{"role": "user", "content": None, "tool_calls": []}], r"messages\[0\]\.tool_calls: only"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}],
+     r"messages\[0\]\.tool_calls\[0\] must be"),
+    ([{"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "f", "arguments": "[1]"}}]}], "must be a JSON object"),
+    ([{"role": "assistant", "content": None}], r"messages\[0\]\.content must be a string"),
+])
+def test_bad_tool_calls_in_messages_are_value_errors(messages, match):
+    with pytest.raises(ValueError, match=match):
+        check_messages(messages)
+
+
+def test_template_kwargs_cannot_replace_what_the_renderer_sets():
+    with pytest.raises(ValueError, match="chat_template_kwargs: messages, tools"):
+        render_chat(CHATML, CONVERSATION, template_kwargs={"tools": [], "messages": []})

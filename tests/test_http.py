@@ -14,7 +14,7 @@ import pytest
 from jaxpd import LLM, SamplingParams
 from jaxpd.errors import QueueFull
 from jaxpd.frontend import Frontend
-from jaxpd.request import Request
+from jaxpd.request import Request, State
 from jaxpd.serving.http import HttpServer, OpenAIService
 
 MODEL = "default_model"
@@ -257,6 +257,108 @@ def test_health_and_metrics(server, llm):
     assert "jaxpd_ttft_seconds_count" in text and "jaxpd_pages_total" in text
 
 
+# ---- tools: rendered through the template, refused when asked for what cannot be ---
+
+# The default model's template taught tools: each tool's name and description in the
+# system turn, an assistant's calls and the tool's answers.
+TOOLS_TEMPLATE = (
+    "{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}: "
+    "{{ t.function.description }}{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}User: {{ message['content'] }}\n"
+    "{% elif message['role'] == 'tool' %}Tool {{ message['tool_call_id'] }}: "
+    "{{ message['content'] }}\n"
+    "{% elif message['role'] == 'assistant' %}Assistant:"
+    "{% for c in message['tool_calls'] or [] %} call {{ c.function.name }} "
+    "{{ c.function.arguments | tojson }}{% endfor %}{{ message['content'] or '' }}"
+    "{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+TOOL_TURN = [{"role": "user", "content": "Oslo?"},
+             {"role": "assistant", "content": None, "tool_calls": [{
+                 "id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "sun"}]
+
+
+@pytest.fixture
+def tools_template(llm, monkeypatch):
+    monkeypatch.setattr(llm.tokenizer, "chat_template", TOOLS_TEMPLATE)
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "none"])
+def test_tools_and_tool_turns_are_rendered_by_the_chat_template(client, llm, tools_template,
+                                                                 tool_choice):
+    out = client.chat.completions.create(model=MODEL, messages=TOOL_TURN, tools=[WEATHER],
+                                         tool_choice=tool_choice, parallel_tool_calls=True,
+                                         **GREEDY, extra_body={"return_token_ids": True})
+    prompt = llm.chat_prompt(TOOL_TURN, [WEATHER])
+    assert prompt.startswith("Tools: get_weather: Weather\n")
+    assert 'Assistant: call get_weather {"city": "Oslo"}' in prompt   # arguments as an object
+    assert "Tool call_1: sun\n" in prompt
+    (choice,) = out.choices
+    assert choice.model_extra["prompt_token_ids"] == llm.tokenizer.encode(prompt)
+    # the tiny model writes no call: its text is the content, as without tools
+    ref = llm.generate(prompt, SamplingParams(**GREEDY))[0]
+    assert choice.message.content == ref.text and not choice.message.tool_calls
+    assert choice.finish_reason == ref.finish_reason
+
+
+def test_chat_template_kwargs_reach_the_template(client, llm, monkeypatch):
+    monkeypatch.setattr(llm.tokenizer, "chat_template",
+                        "{% if shout %}LOUD {% endif %}" + TOOLS_TEMPLATE)
+    for kwargs, head in (({"shout": True}, "LOUD User:"), ({}, "User:")):
+        out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
+                                             extra_body={"chat_template_kwargs": kwargs,
+                                                         "return_token_ids": True})
+        prompt = llm.chat_prompt(CHAT, template_kwargs=kwargs)
+        assert prompt.startswith(head)
+        assert out.choices[0].model_extra["prompt_token_ids"] == llm.tokenizer.encode(prompt)
+
+
+def _tool(**function):
+    return [{"type": "function", "function": function}]
+
+
+@pytest.mark.parametrize("kwargs, param, says", [
+    (dict(tools=_tool(description="no name")), "tools.0.function.name", "required"),
+    (dict(tools=_tool(name="f", parameters="a string")), "tools.0.function.parameters",
+     "dictionary"),
+    (dict(tools=_tool(name="bad name!")), "tools.0.function.name", "pattern"),
+    (dict(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools.0.type", "function"),
+    (dict(tools=_tool(name="f") + _tool(name="f")), "tools", "twice"),
+    (dict(tools=_tool(name="f"), tool_choice={"type": "function", "function": {"name": "g"}}),
+     "tool_choice", "'g', which is not in tools"),
+    (dict(tools=_tool(name="f"), tool_choice="sometimes"), "tool_choice", "must be"),
+    (dict(tools=_tool(name="f"), extra_body={"tool_call_parser": "qwen"}), "tool_call_parser",
+     "unknown parser 'qwen'"),
+    (dict(extra_body={"chat_template_kwargs": {"messages": []}}), "chat_template_kwargs",
+     "cannot be set"),
+    (dict(messages=[{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]),
+     "messages", "not valid JSON"),
+])
+def test_bad_tool_fields_are_400_naming_the_field(client, kwargs, param, says):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**{"model": MODEL, "messages": CHAT, "max_tokens": 1,
+                                          **kwargs})
+    assert e.value.body["param"] == param, e.value.body
+    assert says in e.value.body["message"]
+
+
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "f"}}])
+def test_tool_choice_needing_constrained_decoding_is_refused_clearly(client, tool_choice):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
+                                       tools=_tool(name="f"), tool_choice=tool_choice)
+    assert e.value.body["param"] == "tool_choice"
+    assert e.value.body["code"] == "unsupported_parameter"
+    assert "not support" in e.value.body["message"]
+
+
 # ---- a fake front end: overload, loading, shutdown, disconnects --------------------
 
 class FakeFrontend(Frontend):
@@ -364,6 +466,121 @@ def test_stop_drains_then_aborts_streams_with_shutdown(fake):
         list(chunks)   # the stream's last event is the error
     stopper.join(30)
     assert r.abort_reason == "shutdown"
+
+
+# ---- tool calls and reasoning parsed from a model's output, through the server ------
+
+class CharTokenizer:
+    """One token per character (its code point): the fake's events spell any text."""
+    bos_token_id = None
+
+    def __init__(self, chat_template: str):
+        self.chat_template = chat_template
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+    def id_to_token(self, token_id):
+        return None if token_id is None else chr(token_id)
+
+
+# Qwen3's shape: the template speaks of <tool_call> (hermes) and <think> (reasoning).
+QWEN3_TEMPLATE = ("{% if tools %}# Tools{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
+                  "Answer with <tool_call>{...}</tool_call>.\n{% endif %}"
+                  "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                  "{% endfor %}{{ '<|im_start|>assistant\\n<think>\\n' }}")
+QWEN3_OUTPUT = ("The user wants Oslo's weather.\n</think>\n\nLet me look.\n"
+                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+                '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Bergen"}}\n'
+                "</tool_call>")
+
+
+@pytest.fixture
+def qwen3_fake(fake):
+    fe, server, client = fake
+    fe.tokenizer = CharTokenizer(QWEN3_TEMPLATE)
+    fe.config = types.SimpleNamespace(max_prompt_len=2048, max_model_len=4096, mesh="fake=1")
+    fe.model_config = types.SimpleNamespace(vocab_size=1 << 16, eos_token_ids=(2,))
+    server.attach(fe)
+    return fe, client
+
+
+def _answer(fe, n_requests: int, text: str, pieces: int):
+    """The next request the server submits writes `text` in `pieces` events."""
+    wait_for(lambda: len(fe.submitted) == n_requests)
+    r = fe.submitted[-1]
+    ids = [ord(c) for c in text]
+    step = -(-len(ids) // pieces)
+    for i in range(0, len(ids), step):
+        r.events.put((ids[i:i + step], None))
+    r.output_ids = ids
+    r.finish_reason = "stop"
+    assert r.transition(State.FINISHED)
+    r.events.put(([], "stop"))
+
+
+def test_tool_calls_and_reasoning_are_parsed_whole_and_streamed(qwen3_fake):
+    fe, client = qwen3_fake
+    ask = dict(model="fake", messages=[{"role": "user", "content": "Weather in Oslo?"}],
+               tools=[WEATHER], max_tokens=400)
+    answer = threading.Thread(target=_answer, args=(fe, 1, QWEN3_OUTPUT, 1))
+    answer.start()
+    whole = client.chat.completions.create(**ask)
+    answer.join()
+    prompt = "".join(map(chr, fe.submitted[0].prompt_ids))
+    assert '{"type": "function", "function": {"name": "get_weather"' in prompt
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n")   # the output starts thinking
+    (choice,) = whole.choices
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me look."
+    assert choice.message.model_extra["reasoning_content"] == "The user wants Oslo's weather.\n"
+    calls = [(c.type, c.function.name, json.loads(c.function.arguments))
+             for c in choice.message.tool_calls]
+    assert calls == [("function", "get_weather", {"city": "Oslo"}),
+                     ("function", "get_weather", {"city": "Bergen"})]
+    assert len({c.id for c in choice.message.tool_calls}) == 2
+
+    # streamed a few characters an event: the deltas add up to the whole answer
+    answer = threading.Thread(target=_answer, args=(fe, 2, QWEN3_OUTPUT, 37))
+    answer.start()
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    answer.join()
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(d.content or "" for d in deltas) == "Let me look."
+    assert "".join((d.model_extra or {}).get("reasoning_content", "") for d in deltas) == \
+        choice.message.model_extra["reasoning_content"]
+    streamed: dict = {}
+    for d in deltas:
+        for call in d.tool_calls or ():
+            if call.id is not None:
+                assert call.index not in streamed and call.function.name
+                streamed[call.index] = [call.function.name, ""]
+            streamed[call.index][1] += call.function.arguments or ""
+    assert [(name, json.loads(args)) for name, args in streamed.values()] == \
+        [(name, args) for _, name, args in calls]
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "tool_calls"
+    assert not any(c.choices[0].finish_reason for c in chunks[:-1])
+
+
+def test_tool_choice_none_and_no_tools_parse_no_calls(qwen3_fake):
+    fe, client = qwen3_fake
+    for n, extra in enumerate(({"tools": [WEATHER], "tool_choice": "none"}, {}), start=1):
+        answer = threading.Thread(target=_answer, args=(fe, n, QWEN3_OUTPUT, 5))
+        answer.start()
+        out = client.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "Hi"}], max_tokens=400,
+            **extra)
+        answer.join()
+        prompt = "".join(map(chr, fe.submitted[-1].prompt_ids))
+        assert ("get_weather" in prompt) == bool(extra)      # rendered, yet not parsed
+        (choice,) = out.choices
+        assert choice.finish_reason == "stop" and not choice.message.tool_calls
+        assert choice.message.content == QWEN3_OUTPUT.split("</think>\n\n")[1]
+        assert choice.message.model_extra["reasoning_content"] == \
+            "The user wants Oslo's weather.\n"
 
 
 # ---- a router deployment answers like a single process ------------------------------

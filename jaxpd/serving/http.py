@@ -10,6 +10,11 @@ Every field is mapped to what `SamplingParams` has (max_tokens / max_completion_
 temperature, top_p, seed, stop, presence/frequency penalties, logprobs / top_logprobs,
 n, and vLLM's top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos); a
 completions request may carry a list of prompts (choices are prompt-major, `n` each).
+A chat request may carry `tools` (rendered by the chat template, with
+`chat_template_kwargs`), `tool_choice` `auto` or `none` and `parallel_tool_calls`; its
+output is split by `jaxpd.parsing` into `reasoning_content`, `content` and `tool_calls`
+(`finish_reason: "tool_calls"`), streamed as OpenAI streams them. `tool_choice`
+`required` or a named function needs constrained decoding: a 400 until there is one.
 Nothing is silently ignored: a field we do not know is a 400, and so is a known one
 asking for what jaxpd cannot do (`logit_bias`, `echo`, `suffix`, `best_of` > n);
 `user` alone is accepted and ignored (it only labels the caller). Errors have OpenAI's
@@ -31,11 +36,12 @@ frees their slots and pages; one that stops reading a stream is cut off past
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
 
 import uvicorn
 from fastapi import FastAPI, Request as HttpRequest
@@ -43,6 +49,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
 from jaxpd.output_sink import AsyncOutputs
+from jaxpd.parsing import OutputDelta, OutputParser, output_parser, parse_output
+from jaxpd.parsing.reasoning import reasoning_parser_for
+from jaxpd.parsing.tool_calls import tool_parser_for
 from jaxpd.request import Request
 from jaxpd.serving import openai_api as api
 from jaxpd.serving.openai_service import OpenAIService
@@ -66,16 +75,21 @@ _START_TIMEOUT_S = 30.0
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids",
                     "prompt", "prompt_token_ids", "token_ids", "messages", "request_id", "stop",
                     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p",
-                    "logprobs", "n", "top_logprobs")
+                    "logprobs", "n", "top_logprobs", "chat_template_kwargs",
+                    "tool_call_parser")
 MAX_PROMPTS = 64   # prompts in one completions request
 
+MakeParser = Callable[[], OutputParser]
 
-def _prompts(svc: OpenAIService, body: api.CompletionBody | api.ChatBody) -> list[list[int]]:
-    """Each prompt's token ids: given, tokenized, or the chat template's rendering."""
+
+def _prompts(svc: OpenAIService, body: api.CompletionBody | api.ChatBody
+             ) -> tuple[list[list[int]], MakeParser | None]:
+    """Each prompt's token ids (given, tokenized, or the chat template's rendering), and
+    for a chat whose output is split (reasoning, tool calls) a maker of each choice's
+    output parser."""
     fe = svc.require_frontend()
     if isinstance(body, api.ChatBody):
-        messages = [api.flatten_content(m) for m in body.messages]
-        return [_encode(fe, fe.chat_prompt(messages))]
+        return _chat_prompt(svc, fe, body)
     prompt = body.prompt
     batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
     prompts = prompt if batch else [prompt]
@@ -92,7 +106,22 @@ def _prompts(svc: OpenAIService, body: api.CompletionBody | api.ChatBody) -> lis
             out.append(list(p))
         else:
             out.append(_encode(fe, p))
-    return out
+    return out, None
+
+
+def _chat_prompt(svc: OpenAIService, fe: Frontend, body: api.ChatBody
+                 ) -> tuple[list[list[int]], MakeParser | None]:
+    tools, parse_tools = api.tool_options(body)
+    messages = [api.flatten_content(m) for m in body.messages]
+    text = fe.chat_prompt(messages, tools, body.chat_template_kwargs)
+    template = fe.tokenizer.chat_template if fe.tokenizer is not None else None
+    tool_parser = tool_parser_for(body.tool_call_parser or svc.tool_call_parser, template)
+    reasoning_parser = reasoning_parser_for(svc.reasoning_parser, template)
+    if not parse_tools and reasoning_parser == "none":
+        return [_encode(fe, text)], None
+    max_calls = 1 if body.parallel_tool_calls is False else None
+    return [_encode(fe, text)], functools.partial(
+        output_parser, template, text, tool_parser, reasoning_parser, parse_tools, max_calls)
 
 
 def _encode(fe: Frontend, text) -> list[int]:
@@ -110,9 +139,11 @@ def _encode(fe: Frontend, text) -> list[int]:
 
 
 def _prepare(svc: OpenAIService, body: api.CompletionBody | api.ChatBody,
-             loop: asyncio.AbstractEventLoop) -> tuple[list[Request], AsyncOutputs]:
-    """Validate, tokenize, admit and submit (blocking): the requests in choice order
-    and where their events go."""
+             loop: asyncio.AbstractEventLoop
+             ) -> tuple[list[Request], AsyncOutputs, MakeParser | None]:
+    """Validate, tokenize, admit and submit (blocking): the requests in choice order,
+    where their events go, and the maker of each choice's output parser (None: the
+    text is the content)."""
     svc.require_frontend()
     svc.check_model(body.model)
     field = api.unsupported(body)
@@ -126,13 +157,13 @@ def _prepare(svc: OpenAIService, body: api.CompletionBody | api.ChatBody,
     if chat and body.logprobs:
         rename["logprobs"] = "top_logprobs"
     try:
-        prompts = _prompts(svc, body)
+        prompts, make_parser = _prompts(svc, body)
         params = api.sampling_params(body, max(map(len, prompts)),
                                      svc.frontend.config.max_model_len)
         if len(prompts) * params.n > svc.max_concurrent:
             raise api.bad(f"n: {len(prompts)} prompts x n={params.n} samples is more than "
                           f"the {svc.max_concurrent} requests this server runs at once", "n")
-        return svc.start(prompts, params, loop)
+        return (*svc.start(prompts, params, loop), make_parser)
     except ValueError as e:
         raise api.value_error(e, _SAMPLING_FIELDS, rename) from None
 
@@ -206,9 +237,10 @@ def build_app(svc: OpenAIService, render_metrics: Callable[[], str] | None = Non
             body = kind.model_validate(data)
         except ValidationError as e:
             raise api.validation_error(e) from None
-        requests, outputs = await svc.run(_prepare, svc, body, asyncio.get_running_loop())
+        requests, outputs, make_parser = await svc.run(_prepare, svc, body,
+                                                       asyncio.get_running_loop())
         if body.stream:
-            return StreamingResponse(_stream(svc, requests, outputs, body),
+            return StreamingResponse(_stream(svc, requests, outputs, body, make_parser),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
@@ -223,7 +255,9 @@ def build_app(svc: OpenAIService, render_metrics: Callable[[], str] | None = Non
             raise _aborted(failed)
         fe = svc.frontend
         outputs = [fe.completion(r) for r in requests]
-        return api.whole_response(outputs, body, svc.model_id, fe.tokenizer)
+        parsers = ([parse_output(o.text or "", make_parser()) for o in outputs]
+                   if make_parser else None)
+        return api.whole_response(outputs, body, svc.model_id, fe.tokenizer, parsers)
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
@@ -237,10 +271,12 @@ def build_app(svc: OpenAIService, render_metrics: Callable[[], str] | None = Non
 
 
 async def _stream(svc: OpenAIService, requests: list[Request], outputs: AsyncOutputs,
-                  body: api.Body) -> AsyncIterator[bytes]:
+                  body: api.Body, make_parser: MakeParser | None = None
+                  ) -> AsyncIterator[bytes]:
     """The SSE chunks of a request's samples (each chunk carries one choice, by index);
     closing it (the client left: Starlette cancels the response) aborts what still
-    runs."""
+    runs. With `make_parser`, each choice's text is split as it comes: reasoning and
+    content deltas, then each tool call's deltas in chunks of their own."""
     chat = isinstance(body, api.ChatBody)
     tokenizer = svc.frontend.tokenizer
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + requests[0].request_id,
@@ -251,14 +287,30 @@ async def _stream(svc: OpenAIService, requests: list[Request], outputs: AsyncOut
     continuous = usage and options.continuous_usage_stats
     offsets = [0] * len(requests)    # text already sent per choice (logprobs' text_offset)
     streamed = [0]                   # output tokens generated so far, every choice
+    parsers = [make_parser() for _ in requests] if make_parser else None
 
     def chunk(i: int, text: str | None, finish: str | None, ids=(), logprobs=None,
-              role: bool = False) -> bytes:
+              role: bool = False, parsed: OutputDelta | None = None) -> bytes:
         c = api.choice(i, text, finish, list(ids), logprobs, body, tokenizer,
-                       offset=offsets[i], stream=True, role=role)
+                       offset=offsets[i], stream=True, role=role, parsed=parsed)
         offsets[i] += len(text or "")
         so_far = api.usage(requests, body, streamed[0]) if continuous else None
         return api.sse({**head, "choices": [c], **({"usage": so_far} if usage else {})})
+
+    def parsed_chunks(i: int, d) -> Iterator[bytes]:
+        parsed = parsers[i].feed(d.text)
+        if d.finish_reason is not None:
+            last = parsers[i].finish()
+            parsed = OutputDelta(parsed.reasoning + last.reasoning,
+                                 parsed.content + last.content,
+                                 parsed.tool_calls + last.tool_calls)
+        text_part = OutputDelta(parsed.reasoning, parsed.content)
+        if text_part or d.token_ids and (body.return_token_ids or d.logprobs is not None):
+            yield chunk(i, None, None, d.token_ids, d.logprobs, parsed=text_part)
+        for call in parsed.tool_calls:
+            yield chunk(i, None, None, parsed=OutputDelta(tool_calls=(call,)))
+        if d.finish_reason is not None:
+            yield chunk(i, None, "tool_calls" if parsers[i].calls else d.finish_reason)
 
     try:
         if chat:
@@ -269,6 +321,10 @@ async def _stream(svc: OpenAIService, requests: list[Request], outputs: AsyncOut
             if d.finish_reason == "abort":
                 yield api.sse(_aborted(requests[i]).body())
                 break
+            if parsers is not None:
+                for c in parsed_chunks(i, d):
+                    yield c
+                continue
             if d.text or d.token_ids and (body.return_token_ids or d.logprobs is not None):
                 yield chunk(i, d.text, None, d.token_ids, d.logprobs)
             if d.finish_reason is not None:

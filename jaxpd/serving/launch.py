@@ -155,7 +155,9 @@ def _start_http(fv: flags.FlagValues, role: str, server):
     names = (fv.model,) if fv.model and not os.path.exists(fv.model) else ()
     service = OpenAIService(role, names, server.servicer.admission, server.metrics,
                             server.servicer.stats, fv.max_queued,
-                            2 * fv.max_prompt_bytes + 64 * 1024 if fv.max_prompt_bytes else None)
+                            2 * fv.max_prompt_bytes + 64 * 1024 if fv.max_prompt_bytes else None,
+                            tool_call_parser=fv.tool_call_parser,
+                            reasoning_parser=fv.reasoning_parser)
     return HttpServer(service, fv.host, fv.http_port, ssl=_public_tls(fv)[1])
 
 

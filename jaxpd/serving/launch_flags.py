@@ -10,6 +10,7 @@ import sys
 from absl import flags
 
 from jaxpd import kv_budget
+from jaxpd.parsing import REASONING_PARSERS, TOOL_CALL_PARSERS
 from jaxpd.serving.config_flags import config_options, define_config_flags
 
 
@@ -65,6 +66,16 @@ def _define_serving_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("max_prompt_bytes", 0, "Longest prompt or Tokenize text in UTF-8 "
                          "bytes, refused before tokenizing; 0 = 32 bytes per token of "
                          "max_prompt_len, at least 64 KiB.", lower_bound=0, flag_values=fv)
+    flags.DEFINE_enum("tool_call_parser", "auto", list(TOOL_CALL_PARSERS),
+                      "How the HTTP chat API finds tool calls in the output: hermes "
+                      "(Qwen2.5/Qwen3 <tool_call>), llama3_json, mistral ([TOOL_CALLS]), "
+                      "json (any call-shaped JSON object), none; auto chooses from the "
+                      "chat template. A request may name another (tool_call_parser).",
+                      flag_values=fv)
+    flags.DEFINE_enum("reasoning_parser", "auto", list(REASONING_PARSERS),
+                      "How the HTTP chat API splits thinking into reasoning_content: qwen3 "
+                      "(<think>...</think>), none; auto: qwen3 when the chat template has "
+                      "<think>.", flag_values=fv)
     flags.DEFINE_string("once", None, "Instead of serving, generate greedily for this prompt, "
                         "print the completion and exit (default: unset, serve).", flag_values=fv)
     flags.DEFINE_integer("once_max_tokens", 32, "Tokens to generate with --once.",

@@ -7,11 +7,12 @@ import json
 import math
 import re
 import time
-from typing import Union
+from typing import Literal, Union
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from jaxpd.parsing import OutputDelta, OutputParser
 from jaxpd.request import Request
 from jaxpd.sampling_params import SamplingParams
 
@@ -62,11 +63,33 @@ class CompletionBody(Body):
     suffix: str | None = None
 
 
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None      # a JSON Schema object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """A function the model may call (OpenAI's `tools` entry)."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: ToolFunction
+
+
 class ChatBody(Body):
     messages: list[dict]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's extra body fields: variables for the chat template, and (jaxpd's) the
+    # tool-call parser for this request instead of the server's
+    chat_template_kwargs: dict | None = None
+    tool_call_parser: str | None = None
 
 
 def unsupported(body: Body) -> str | None:
@@ -76,6 +99,38 @@ def unsupported(body: Body) -> str | None:
         asks += [("echo", body.echo), ("best_of", body.best_of not in (None, 1, body.n)),
                  ("suffix", bool(body.suffix))]
     return next((field for field, asked in asks if asked), None)
+
+
+def tool_options(body: ChatBody) -> tuple[list[dict] | None, bool]:
+    """(the tools for the chat template, whether to parse calls in the output) of a
+    chat body; ApiError naming `tools` or `tool_choice` for what is wrong, or asks for
+    what needs constrained decoding (`required`, a named function): not supported yet."""
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+    names = [t["function"]["name"] for t in tools]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise bad(f"tools: the function {twice[0]!r} is defined twice", "tools")
+    choice = body.tool_choice
+    needs_grammar = "needs constrained decoding, which jaxpd does not support yet; use " \
+                    "'auto' (the model chooses) or 'none'"
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise bad("tool_choice: a named choice is {'type': 'function', 'function': "
+                      "{'name': ...}}", "tool_choice")
+        if name not in names:
+            raise bad(f"tool_choice: names the function {name!r}, which is not in tools",
+                      "tool_choice")
+        raise bad(f"tool_choice: a named function {needs_grammar}", "tool_choice",
+                  "unsupported_parameter")
+    if choice == "required":
+        raise bad(f"tool_choice: 'required' {needs_grammar}", "tool_choice",
+                  "unsupported_parameter")
+    if choice not in (None, "auto", "none"):
+        raise bad(f"tool_choice: must be 'auto', 'none', 'required' or a named function, "
+                  f"got {choice!r}", "tool_choice")
+    return tools or None, bool(tools) and choice != "none"
 
 
 # ---- errors -------------------------------------------------------------------------
@@ -205,16 +260,23 @@ def chat_logprobs(tokenizer, ids: list[int], entries: list) -> dict:
 
 def choice(index: int, text: str, finish: str | None, ids: list[int], logprobs,
            body: Body, tokenizer, offset: int = 0, stream: bool = False,
-           role: bool = False) -> dict:
-    """One entry of `choices` (a whole answer's, or a stream chunk's)."""
+           role: bool = False, parsed: OutputDelta | OutputParser | None = None) -> dict:
+    """One entry of `choices` (a whole answer's, or a stream chunk's). `parsed`: the
+    chat output split into reasoning, content and tool calls (a stream chunk's
+    `OutputDelta`, or a whole answer's `OutputParser`); None: `text` is the content."""
     out: dict = {"index": index}
     if isinstance(body, ChatBody):
         if stream:
-            out["delta"] = {} if text is None else {"content": text}
+            out["delta"] = ({} if text is None else {"content": text}) if parsed is None \
+                else _delta(parsed)
             if role:
                 out["delta"]["role"] = "assistant"
         else:
             out["message"] = {"role": "assistant", "content": text}
+            if parsed is not None:
+                out["message"] = _message(parsed)
+                if parsed.calls:
+                    finish = "tool_calls"
         out["logprobs"] = None if logprobs is None else chat_logprobs(tokenizer, ids, logprobs)
     else:
         out["text"] = text or ""
@@ -226,13 +288,37 @@ def choice(index: int, text: str, finish: str | None, ids: list[int], logprobs,
     return out
 
 
-def whole_response(outputs: list, body: Body, model_id: str, tokenizer) -> dict:
-    """The non-streamed answer: `outputs` are the `CompletionOutput`s, in choice order."""
+def _delta(parsed: OutputDelta) -> dict:
+    delta: dict = {}
+    if parsed.reasoning:
+        delta["reasoning_content"] = parsed.reasoning
+    if parsed.content:
+        delta["content"] = parsed.content
+    if parsed.tool_calls:
+        delta["tool_calls"] = [d.to_openai() for d in parsed.tool_calls]
+    return delta
+
+
+def _message(parsed: OutputParser) -> dict:
+    """With tool calls and nothing else said, `content` is null (as OpenAI answers)."""
+    message = {"role": "assistant",
+               "content": parsed.content if parsed.content or not parsed.calls else None}
+    if parsed.reasoning:
+        message["reasoning_content"] = parsed.reasoning
+    if parsed.calls:
+        message["tool_calls"] = [c.to_openai() for c in parsed.calls]
+    return message
+
+
+def whole_response(outputs: list, body: Body, model_id: str, tokenizer,
+                   parsers: list[OutputParser] | None = None) -> dict:
+    """The non-streamed answer: `outputs` are the `CompletionOutput`s, in choice order;
+    `parsers`: each chat output's, having read its whole text (None: text as content)."""
     chat = isinstance(body, ChatBody)
     choices = []
     for i, out in enumerate(outputs):
         c = choice(i, out.text or "", out.finish_reason, out.token_ids, out.logprobs, body,
-                   tokenizer)
+                   tokenizer, parsed=parsers[i] if parsers else None)
         if body.return_token_ids:
             c["prompt_token_ids"] = out.prompt_token_ids
         choices.append(c)

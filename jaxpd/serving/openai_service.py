@@ -20,6 +20,8 @@ from fastapi import Request as HttpRequest
 from jaxpd.errors import QueueFull
 from jaxpd.output_sink import MAX_BUFFERED, AsyncOutputs
 from jaxpd.outputs import RequestMetrics, StreamDelta
+from jaxpd.parsing.reasoning import reasoning_parser_for
+from jaxpd.parsing.tool_calls import tool_parser_for
 from jaxpd.request import Request, State
 from jaxpd.sampling_params import SamplingParams
 from jaxpd.serving import openai_api as api
@@ -45,14 +47,18 @@ class OpenAIService:
     `max_concurrent`: requests in flight at once (beyond it 429); below it, what the
     front end cannot run yet waits in its own bounded queue (`max_queued`).
     `max_buffered`: events of one request the client has not read yet; past it the
-    request aborts (`SLOW_READER`)."""
+    request aborts (`SLOW_READER`). `tool_call_parser`, `reasoning_parser`: how chat
+    outputs are split (`jaxpd.parsing`; "auto": chosen from the chat template)."""
 
     def __init__(self, role: str = "single", model_names: tuple[str, ...] = (),
                  admission: AdmissionController | None = None,
                  metrics: ServingMetrics | None = None,
                  base_stats: Callable[[], dict] | None = None,
                  max_concurrent: int = MAX_IN_FLIGHT, max_body_bytes: int | None = None,
-                 max_buffered: int = MAX_BUFFERED):
+                 max_buffered: int = MAX_BUFFERED, tool_call_parser: str = "auto",
+                 reasoning_parser: str = "auto"):
+        tool_parser_for(tool_call_parser, None)      # ValueError for an unknown name
+        reasoning_parser_for(reasoning_parser, None)
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
         if max_body_bytes is not None and max_body_bytes < 1:
@@ -61,6 +67,7 @@ class OpenAIService:
         self.admission = admission or AdmissionController()
         self.metrics = metrics or ServingMetrics()
         self.max_concurrent, self.max_buffered = max_concurrent, max_buffered
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.pool = ShrinkingThreadPool(_PREP_THREADS, "jaxpd-http-prep")
         self._model_names = tuple(n for n in model_names if n)
         self._base_stats = base_stats
