@@ -348,13 +348,16 @@ def test_bad_tool_fields_are_400_naming_the_field(client, kwargs, param, says):
     assert says in e.value.body["message"]
 
 
-@pytest.mark.parametrize("tool_choice", [
-    "required", {"type": "function", "function": {"name": "f"}}])
-def test_tool_choice_needing_constrained_decoding_is_refused_clearly(client, tool_choice):
+@pytest.mark.parametrize("tools, tool_choice, param", [
+    (_tool(name="f"), "required", "tool_choice"),
+    (_tool(name="f"), {"type": "function", "function": {"name": "f"}}, "tool_choice"),
+    (_tool(name="f") + _tool(name="g", strict=True), "auto", "tools.1.function.strict"),
+])
+def test_what_needs_constrained_decoding_is_refused_clearly(client, tools, tool_choice, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
-                                       tools=_tool(name="f"), tool_choice=tool_choice)
-    assert e.value.body["param"] == "tool_choice"
+                                       tools=tools, tool_choice=tool_choice)
+    assert e.value.body["param"] == param
     assert e.value.body["code"] == "unsupported_parameter"
     assert "not support" in e.value.body["message"]
 
@@ -563,6 +566,13 @@ def test_tool_calls_and_reasoning_are_parsed_whole_and_streamed(qwen3_fake):
         [(name, args) for _, name, args in calls]
     assert [c.choices[0].finish_reason for c in chunks][-1] == "tool_calls"
     assert not any(c.choices[0].finish_reason for c in chunks[:-1])
+
+
+def test_the_server_refuses_unknown_parser_names():
+    with pytest.raises(ValueError, match="tool_call_parser: unknown parser 'qwen'"):
+        OpenAIService(tool_call_parser="qwen")
+    with pytest.raises(ValueError, match="reasoning_parser: unknown parser 'o1'"):
+        OpenAIService(reasoning_parser="o1")
 
 
 def test_tool_choice_none_and_no_tools_parse_no_calls(qwen3_fake):

@@ -32,9 +32,11 @@ GOLDEN = [
      "", [call(0, "a", x=1), call(1, "b", s="</tool_call> is text")]),
     ("hermes", "No tools needed: 2 + 2 = 4. A <tag> is not <tool_call", "No tools needed: "
      "2 + 2 = 4. A <tag> is not <tool_call", []),
-    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"x": }\n</tool_call>\nSorry.',   # bad JSON
+    # bad JSON: left as content
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"x": }\n</tool_call>\nSorry.',
      '<tool_call>\n{"name": "f", "arguments": {"x": }\n</tool_call>\nSorry.', []),
-    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"q": "ü"}}',     # no end marker: whole JSON
+    # no end marker, but the JSON is whole: a call
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"q": "ü"}}',
      "", [call(0, "f", q="ü")]),
     ("hermes", '<tool_call>\n{"name": "f", "argum',                        # cut off mid-call
      '<tool_call>\n{"name": "f", "argum', []),
@@ -52,6 +54,9 @@ GOLDEN = [
     ("mistral", '[TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, 42]',
      '[TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, 42]', []),
     ("mistral", '[TOOL_CALLS] not json', "[TOOL_CALLS] not json", []),
+    ("mistral", ' [{"name": "a", "arguments": {"x": 1}}]', "", [call(0, "a", x=1)]),
+    ("mistral", '[1] says so; [TOOL_CALLS][{"name": "a", "arguments": {}}]',
+     "[1] says so;", [call(0, "a")]),
     ("json", 'I will call {"name": "lookup", "arguments": {"q": "{x}"}} then {x} ok',
      "I will call then {x} ok", [call(0, "lookup", q="{x}")]),
     ("json", 'A set {1, 2} and {"name": "n"} and { open', 'A set {1, 2} and {"name": "n"} '

@@ -5,7 +5,9 @@
 - `llama3_json` (Llama 3.1-3.3): the output is a JSON object `{"name": ...,
   "parameters"|"arguments": ...}`, perhaps after `<|python_tag|>`, several separated
   by `;`; a call is recognised only at the start of the output, as Meta's format has it.
-- `mistral`: `[TOOL_CALLS]` followed by a JSON array of `{"name", "arguments"}` objects.
+- `mistral`: `[TOOL_CALLS]` followed by a JSON array of `{"name", "arguments"}` objects
+  (or that array opening the output: decoding skips `[TOOL_CALLS]` where the tokenizer
+  makes it a special token).
 - `json`: the fallback: any JSON object in the text with exactly a `name` and its
   `arguments` (or `parameters`).
 
@@ -18,8 +20,8 @@ any chunking of the same text gives the same content and calls. A call is sent o
 JSON is complete, as OpenAI's streamed deltas: one with `index`, `id` and the name,
 then one with the arguments. Without constrained decoding the JSON may be malformed;
 then the whole call text, markers included, is left as content (nothing is lost, and
-the client sees what the model wrote). Whitespace before a call, and after the last one, belongs to the call.
-Plain Python.
+the client sees what the model wrote). Whitespace before a call, and after the last
+one, belongs to the call. Plain Python.
 """
 from __future__ import annotations
 
@@ -69,14 +71,15 @@ class ToolCallDelta:
 @dataclasses.dataclass(frozen=True)
 class Family:
     """How one model family writes calls. `starts`: the markers that open a call
-    (`{` or `[` opens the JSON itself); `end`: the marker that closes it (None: the JSON
-    value's end does); `at_start_only`: calls only open the output; `separators`:
-    characters dropped between calls; `needs_arguments`: an object without
-    `arguments`/`parameters` is not a call (where no marker says it is one)."""
+    anywhere (`{` or `[` opens the JSON itself); `openings`: those that open one only
+    at the start of the output (or right after a call, past `separators`); `end`: the
+    marker that closes a call (None: the JSON value's end does); `arrays`: a JSON array
+    holds several calls; `needs_arguments`: an object without `arguments`/`parameters`
+    is not a call (where no marker says it is one)."""
     name: str
-    starts: tuple[str, ...]
+    starts: tuple[str, ...] = ()
     end: str | None = None
-    at_start_only: bool = False
+    openings: tuple[str, ...] = ()
     separators: str = ""
     arrays: bool = False
     needs_arguments: bool = False
@@ -84,9 +87,11 @@ class Family:
 
 FAMILIES = {f.name: f for f in (
     Family("hermes", ("<tool_call>",), end="</tool_call>"),
-    Family("llama3_json", ("<|python_tag|>", "{"), at_start_only=True, separators=";",
+    Family("llama3_json", openings=("<|python_tag|>", "{"), separators=";",
            needs_arguments=True),
-    Family("mistral", ("[TOOL_CALLS]",), arrays=True),
+    # [TOOL_CALLS] is a special token to newer Mistral tokenizers, which decoding skips:
+    # then the output opens with the array itself
+    Family("mistral", ("[TOOL_CALLS]",), openings=("[",), arrays=True),
     Family("json", ("{",), needs_arguments=True),
 )}
 
@@ -151,7 +156,8 @@ class ToolCallParser:
         self._new_id, self._max_calls = new_id, max_calls
         self._buf = ""             # received, not yet sent
         self._marker: str | None = None   # the marker of the call being read
-        self._possible = True      # may a call still begin (at_start_only, max_calls)
+        self._possible = True      # may a call still begin (max_calls, or no openings left)
+        self._at_start = bool(family.openings)   # may one of `openings` still open a call
         self._after_call = False   # only space (and separators) since the last call
         self._space = ""           # whitespace before the call being read: content if it is not one
 
@@ -190,16 +196,18 @@ class ToolCallParser:
                 return None
             out, self._buf = self._buf, ""
             return self._content(out)
-        if f.at_start_only:
+        if self._at_start:
             head = self._buf.lstrip(_SPACE + (f.separators if self._after_call else ""))
-            marker = next((m for m in f.starts if head.startswith(m)), None)
+            markers = f.openings + f.starts
+            marker = next((m for m in markers if head.startswith(m)), None)
             if marker is not None:
                 self._space = self._buf[:len(self._buf) - len(head)]
                 self._buf, self._marker = head, marker
                 return "", []
-            if any(m.startswith(head) for m in f.starts):    # empty or a marker's beginning
+            if any(m.startswith(head) for m in markers):    # empty or a marker's beginning
                 return None
-            self._possible = False
+            self._at_start = False
+            self._possible = bool(f.starts)
             return "", []
         hits = [(i, m) for m in f.starts if (i := self._buf.find(m)) >= 0]
         if hits:
@@ -255,12 +263,12 @@ class ToolCallParser:
         return 0 if self._marker in ("{", "[") else len(self._marker)
 
     def _not_a_call(self, length: int) -> tuple[str, list]:
-        """The first `length` characters are content after all; at_start_only families
-        then expect no call (their calls open the output)."""
+        """The first `length` characters are content after all: no call opens the
+        output now."""
         out = self._space + self._buf[:length]
         self._buf, self._marker, self._space = self._buf[length:], None, ""
-        if self.family.at_start_only:
-            self._possible = False
+        self._at_start = False
+        self._possible = bool(self.family.starts)
         return out, []
 
     # ---- reading a call ----
@@ -308,6 +316,7 @@ class ToolCallParser:
             deltas += [ToolCallDelta(index, call.id, name),
                        ToolCallDelta(index, arguments=arguments)]
         self._after_call, self._space = True, ""
+        self._at_start = bool(self.family.openings and self.family.separators)
         if self._max_calls is not None and len(self.calls) >= self._max_calls:
             self._possible = False
         return deltas

@@ -111,8 +111,13 @@ def tool_options(body: ChatBody) -> tuple[list[dict] | None, bool]:
     if twice:
         raise bad(f"tools: the function {twice[0]!r} is defined twice", "tools")
     choice = body.tool_choice
-    needs_grammar = "needs constrained decoding, which jaxpd does not support yet; use " \
-                    "'auto' (the model chooses) or 'none'"
+    needs_grammar = "needs constrained decoding, which jaxpd does not support yet"
+    strict = next((i for i, t in enumerate(tools) if t["function"].get("strict")), None)
+    if strict is not None:
+        raise bad(f"tools.{strict}.function.strict: arguments that follow the schema "
+                  f"exactly {needs_grammar}", f"tools.{strict}.function.strict",
+                  "unsupported_parameter")
+    needs_grammar += "; use 'auto' (the model chooses) or 'none'"
     if isinstance(choice, dict):
         function = choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
