@@ -36,7 +36,8 @@ def _python(code: str, *flags: str, cwd: str = ROOT, env=None) -> subprocess.Com
                                     "jaxpd.models.config", "jaxpd.models.tokenizer",
                                     "jaxpd.transfer.wire", "jaxpd.serving.router",
                                     "jaxpd.paths", "jaxpd.serving.config_flags",
-                                    "jaxpd.sharding.cpu_devices", "jaxpd.models.fingerprint"])
+                                    "jaxpd.sharding.cpu_devices", "jaxpd.models.fingerprint",
+                                    "jaxpd.engine.scheduling.buckets"])
 def test_pure_modules_load_no_jax(module):
     out = _python(f"import {module}; {SHOW_HEAVY}")
     assert out.returncode == 0, out.stderr
