@@ -437,7 +437,7 @@ class EngineConfig:
     def buckets(self) -> list[int]:
         # Up to max_model_len, not max_prompt_len: a preempted request is recomputed from
         # prompt + generated tokens.
-        from jaxpd.engine.scheduler import length_buckets
+        from jaxpd.engine.scheduling.buckets import length_buckets
         return length_buckets(self._context(), self.min_bucket)
 
 

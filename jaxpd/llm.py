@@ -11,7 +11,7 @@ from jaxpd.config import (EngineConfig, default_kv_cache_memory, kv_page_bytes, 
                           prebuild_native, resolve_context, resolve_dtype)
 from jaxpd.engine import elastic
 from jaxpd.engine.engine import Engine
-from jaxpd.engine.placement import role_shardings
+from jaxpd.engine.programs.placement import role_shardings
 from jaxpd import xla_cache
 from jaxpd.frontend import Frontend
 from jaxpd.model_registry import resolve_model
@@ -101,7 +101,7 @@ class LLM(Frontend):
     there and load them next time (`jaxpd.xla_cache`; None: the cache jax already uses,
     e.g. the launcher's or $JAX_COMPILATION_CACHE_DIR, else `~/.cache/jaxpd/compiled`;
     "none" leaves jax as configured). plan: a prefill or decode role's mesh spans processes
-    (`engine.multihost.PlanChannel`; `python -m jaxpd.launch --num_processes` sets it
+    (`engine.multihost.plan_channel.PlanChannel`; `python -m jaxpd.launch --num_processes` sets it
     up). kv_cache_memory: bytes of KV each pool may hold (each decode dp shard's and the
     prefill mesh's), an int or a size such as "4GiB", "512MiB" or "2GB"
     (`kv_budget.parse_kv_cache_memory`); default `config.default_kv_cache_memory`: on CPU

@@ -8,7 +8,7 @@ def coarse_ceil(n: int) -> int:
     while the number of distinct sizes (one compiled program each) grows with the
     logarithm of the largest. A handoff carries `coarse_ceil` of its pages
     (`transfer.connector.KVHandoff`), and a decode step's context width is a multiple
-    of it (`engine.scheduler.context_width`)."""
+    of it (`engine.scheduling.buckets.context_width`)."""
     if n < 1:
         raise ValueError(f"coarse_ceil needs a positive count, got {n}")
     step = 1 << max(n.bit_length() - 3, 0)

@@ -6,7 +6,7 @@ jax's own thresholds skip programs that compile in under a second, which is ever
 program of a small model; unless the environment sets them, both are 0 here.
 
 Warm-up keeps its programs' executables whole beside it (`kept_dir`,
-`engine.kept`): found without tracing, on the same switch as this cache.
+`engine.compile.executable_cache`): found without tracing, on the same switch as this cache.
 """
 from __future__ import annotations
 
@@ -52,9 +52,9 @@ def enable(path: str | None) -> str | None:
 
 
 def kept_dir() -> str | None:
-    """Where warm-up keeps executables (`engine.kept`): `jaxpd-executables/` inside the
-    compilation cache jax uses now; None when it uses none, or when
-    `$JAXPD_KEEP_EXECUTABLES` is 0."""
+    """Where warm-up keeps executables (`engine.compile.executable_cache`):
+    `jaxpd-executables/` inside the compilation cache jax uses now; None when it uses
+    none, or when `$JAXPD_KEEP_EXECUTABLES` is 0."""
     import jax
 
     path = jax.config.jax_compilation_cache_dir

@@ -31,7 +31,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from jaxpd import LLM, SamplingParams
-    from jaxpd.engine.background_compile import settle
+    from jaxpd.engine.compile.background import settle
     from jaxpd.model_registry import resolve_model
 
     path = resolve_model(a.model)

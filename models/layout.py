@@ -5,7 +5,7 @@ q/k/v, gate/up and a 3-D `o_proj`. From it:
 
 - `fuse_params`      the fused layout `Llama(fused=True)` reads (one q/k/v weight, one
                      gate/up weight, a 2-D `o_proj`), prepared once where the engine
-                     places params (`engine/placement.py`);
+                     places params (`engine/programs/placement.py`);
 - `stack_layers`     each run of equal layers (`llama.layer_runs`) under one
                      `stack_<start>_<stop>` entry with a leading L axis, which the
                      forward passes scan; `unstack_layers` is its inverse;

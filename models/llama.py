@@ -14,7 +14,7 @@ function of `params` once wrapped by `model.apply`:
 This module declares the checkpoint layout of the params (separate projections);
 `models/layout.py` holds every transform of that tree. The engine's decode meshes run
 `fused=True` on params `layout.fuse_params` prepared once at load (one q/k/v matmul,
-one gate/up matmul, a 2-D `o_proj`: `engine/placement.py`).
+one gate/up matmul, a 2-D `o_proj`: `engine/programs/placement.py`).
 
 Runs of equal layers may be *scanned*: `layout.stack_layers` stacks each run's params
 under `stack_<start>_<stop>` (a leading L axis on every leaf, quantized weights too), and
@@ -163,7 +163,7 @@ class Block(nn.Module):
 
     def _expert_param(self, name: str, shape, axes):
         """An expert weight: declared whole at init; applied as given, since inside an
-        expert-parallel program (`engine.experts`) a device holds only its experts."""
+        expert-parallel program (`engine.programs.experts`) a device holds only its experts."""
         if self.is_initializing() or not self.has_variable("params", name):
             return _param(self, name, shape, axes, self.dtype)
         return self.get_variable("params", name)
@@ -267,7 +267,7 @@ class Llama(nn.Module):
     # (`models/pallas_attention.decode_attention`), all with the reference's signature.
     decode_attention: Callable = paged_attention
     # A prompt's causal attention without a cached prefix: the reference or the native
-    # kernel (`engine.kernels.prefill_attention`), (q, k, v) -> out as the reference.
+    # kernel (`engine.programs.kernels.prefill_attention`), (q, k, v) -> out as the reference.
     prefill_attention: Callable = causal_attention
     # A prefill with context's attention after a cached prefix read in place from the
     # pools, (q, k, v, k_pool, v_pool, layer, prefix_tables, prefix_len) -> out as
@@ -276,7 +276,7 @@ class Llama(nn.Module):
     # Layers with a window or a softcap always take the reference.
     prefix_attention: Callable | None = None
     # A sparse layer's experts: `moe.grouped_experts` or an expert-parallel wrapper of it
-    # (`engine.experts`).
+    # (`engine.programs.experts`).
     experts: Callable = grouped_experts
     # The product of a quantized weight (`models.quant.project`'s `native`) or None:
     # the engine gives decode meshes the native CPU kernel where it serves.

@@ -18,7 +18,7 @@ picked per platform when the program is lowered (`jax.lax.platform_dependent`):
 
 `grouped_experts` can be handed a slice of the experts (`first_expert`): pairs routed
 elsewhere are sorted past the last group and weigh nothing. Summing every slice's output
-over the devices that hold the slices is expert parallelism (`jaxpd.engine.experts`).
+over the devices that hold the slices is expert parallelism (`jaxpd.engine.programs.experts`).
 
 Each expert weight is a float array or a `models.quant.QuantizedWeight` kept in its
 GGUF block format (`EXPERT_IN_DIMS`: gate/up [E, D, F'] and down [E, F', D], each

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import jaxpd
-import jaxpd.engine.requests
+import jaxpd.engine.scheduling.registry
 import jaxpd.frontend
 from jaxpd import LLM, SamplingParams
 
@@ -26,7 +26,7 @@ def test_one_shot_generate_with_the_default_model():
 def test_text_and_token_prompts_agree_and_stream_text_adds_up(monkeypatch):
     checks = []
     counted = lambda check: lambda *a, **k: checks.append(1) or check(*a, **k)
-    for module in (jaxpd.frontend, jaxpd.engine.requests):
+    for module in (jaxpd.frontend, jaxpd.engine.scheduling.registry):
         monkeypatch.setattr(module, "check_request", counted(module.check_request))
     with LLM(mesh="prefill=2,decode=2", max_model_len=64, warmup=False) as llm:
         params = SamplingParams(max_tokens=12, temperature=0.0)

@@ -50,7 +50,7 @@ def test_a_load_onto_a_mesh_reads_each_shard_alone_and_equals_the_whole(hf_dir, 
     read in tp parts of 1/tp each, from the file (`make_array_from_callback`: a process
     of a mesh spanning several asks only for its own shards); a replicated one once.
     Values and placement equal the whole load's."""
-    from jaxpd.engine.placement import checkpoint_shardings
+    from jaxpd.engine.programs.placement import checkpoint_shardings
     from jaxpd.models.hf_io import load_hf_params
     whole = checkpoint.load(hf_dir)
     mesh = build_meshes(f"prefill={tp}").prefill

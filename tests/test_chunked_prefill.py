@@ -8,9 +8,9 @@ import pytest
 
 from jaxpd import LLM, SamplingParams
 from jaxpd.config import kv_page_bytes
-from jaxpd.engine.background_compile import settle
-from jaxpd.engine.prefill_cache import chunk_width, chunk_widths
-from jaxpd.engine.scheduler import PrefillScheduler
+from jaxpd.engine.compile.background import settle
+from jaxpd.engine.kv.paged_prefill import chunk_width, chunk_widths
+from jaxpd.engine.scheduling.scheduler import PrefillScheduler
 from jaxpd.request import Request, State
 from tests.engine_fixtures import assert_all_pages_free
 from tests.hf_fixtures import hf_greedy

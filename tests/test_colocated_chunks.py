@@ -9,7 +9,7 @@ import pytest
 
 from jaxpd import LLM, SamplingParams
 from jaxpd.config import EngineConfig
-from jaxpd.engine.background_compile import settle
+from jaxpd.engine.compile.background import settle
 from jaxpd.request import Request, State
 from tests.engine_fixtures import assert_all_pages_free
 from tests.hf_fixtures import hf_greedy

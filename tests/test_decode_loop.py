@@ -220,7 +220,7 @@ def test_a_remote_first_token_waits_in_the_stream_until_its_request_decodes(pool
 def test_a_first_token_streams_only_once_its_pages_are_in_the_pool(pool, monkeypatch):
     """The insert is dispatched, not done, when the loop moves on: the first token
     waits for it, so the gap before the second token is one step's."""
-    from jaxpd.engine import decode_loop
+    from jaxpd.engine.loops import decode_loop
     env = make(pool, remote=True)
     [mirror] = remote_mirrors(env, [30])
     waits = []

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from jaxpd import LLM, SamplingParams
-from jaxpd.engine.background_compile import settle
+from jaxpd.engine.compile.background import settle
 from jaxpd.sizes import coarse_sizes
 from tests.engine_fixtures import (XlaCompiles, assert_all_pages_free, build_hf_model,
                                    mixed_prompts, reference)

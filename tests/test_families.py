@@ -264,7 +264,7 @@ def test_held_experts_run_where_they_lie():
 
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from jaxpd.engine.experts import held_experts
+    from jaxpd.engine.programs.experts import held_experts
     from jaxpd.models.moe import grouped_experts, route
     from jaxpd.sharding import logical_rules
 
@@ -294,10 +294,10 @@ def test_decode_mesh_prefill_runs_experts_where_they_lie():
 
     from jax.sharding import Mesh
 
-    from jaxpd.engine.placement import place_params
-    from jaxpd.engine.prefill_runner import PrefillRunner
-    from jaxpd.engine.runner import CompileCounter
-    from jaxpd.engine.sampler import SamplingArrays
+    from jaxpd.engine.programs.placement import place_params
+    from jaxpd.engine.programs.prefill_runner import PrefillRunner
+    from jaxpd.engine.programs.decode_runner import CompileCounter
+    from jaxpd.engine.programs.sampler import SamplingArrays
     from jaxpd.models.layout import init_params
 
     cfg = ModelConfig.from_hf_dict({

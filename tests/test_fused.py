@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jaxpd.engine.placement import place_params
+from jaxpd.engine.programs.placement import place_params
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.layout import abstract_params, fuse_params, init_params
 from jaxpd.models.llama import Llama, prefill_blocks

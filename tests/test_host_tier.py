@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxpd import LLM
-from jaxpd.engine.host_store import HostStore
+from jaxpd.engine.kv.host_store import HostStore
 from tests.hf_fixtures import hf_greedy
 from tests.support.prefix_chats import check_pool, greedy
 
@@ -69,10 +69,10 @@ def host_llm(tiny_hf_model):
     null page), with the host tier on, warmed up; and its compile counts then. Its
     offloads land in pinned host memory, as on an accelerator (CPU devices have that
     memory kind too; the engine keeps it for other backends)."""
-    from jaxpd.engine import runner
+    from jaxpd.engine.programs import decode_runner
     path, _ = tiny_hf_model
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(runner, "host_memory_kind", lambda mesh: "pinned_host")
+        patch.setattr(decode_runner, "host_memory_kind", lambda mesh: "pinned_host")
         llm = LLM(path, mesh="colocated=1", max_model_len=64, slots_per_shard=1,
                   max_prefill_batch=1, pages_per_shard=5, enable_prefix_caching=True,
                   kv_host_cache_gb=0.001, warmup=True)
@@ -192,7 +192,7 @@ def test_host_tier_pages_are_advertised_and_scored_apart_from_the_pool():
     "host_drop"); the router's index counts them as restorable, never as held (a
     handoff may leave out only pool pages), and picks the decode worker that can
     restore the longest prefix, its pool's pages breaking ties."""
-    from jaxpd.engine.page_allocator import CacheJournal, PageAllocator, page_hashes
+    from jaxpd.engine.scheduling.page_allocator import CacheJournal, PageAllocator, page_hashes
     from jaxpd.serving.prefix_index import PrefixIndex
     from jaxpd.serving.router import RouterConfig
     from jaxpd.serving.router_flow import RequestFlow
@@ -264,7 +264,7 @@ def test_prefill_host_tier_pages_are_scored_apart_from_the_pool():
     """The router ranks prefill workers by the tokens each would compute, counting the
     pages its host tier advertises as restorable (never as held), its pool's pages
     breaking ties, then its queue."""
-    from jaxpd.engine.page_allocator import page_hashes
+    from jaxpd.engine.scheduling.page_allocator import page_hashes
     from jaxpd.serving.prefix_index import PrefixIndex
     from jaxpd.serving.router import RouterConfig
     from jaxpd.serving.router_flow import RequestFlow
@@ -351,7 +351,7 @@ def test_prefill_host_tier_restores_an_evicted_prompt_prefix(tiny_hf_model):
         check_pool(llm)
         # What ran is what warm-up compiles: one offload and one restore program per
         # padded page count.
-        from jaxpd.engine.warmup import serving_programs
+        from jaxpd.engine.compile.warmup import serving_programs
         described = {s.describe for s in serving_programs(llm.engine)}
         for m in cache.host_sizes():
             assert f"prefill_cached page offload to the host tier for {m} pages" in described
@@ -397,8 +397,8 @@ def test_host_tier_routed_turn_whose_program_is_cold_goes_to_the_prefill_mesh():
     nothing is compiled on the decode thread and no page stays held; a row whose
     program with the rows already in the call is not compiled waits for the next call."""
     import queue as queue_mod
-    from jaxpd.engine.extend_loop import ExtendLoop
-    from jaxpd.engine.scheduler import DecodeScheduler
+    from jaxpd.engine.loops.extend_loop import ExtendLoop
+    from jaxpd.engine.scheduling.scheduler import DecodeScheduler
     from jaxpd.request import Request, State
     from jaxpd.sampling_params import SamplingParams
     from jaxpd.stats import StatsCounter

@@ -1,6 +1,7 @@
-"""Kept executables (`engine.kept`): a program compiled once is loaded on the next start
-without tracing or compiling, runs where its serving call runs it, and is refused (and
-compiled again) when its file is damaged or anything in its key changed."""
+"""Kept executables (`engine.compile.executable_cache`): a program compiled once is
+loaded on the next start without tracing or compiling, runs where its serving call runs
+it, and is refused (and compiled again) when its file is damaged or anything in its key
+changed."""
 from __future__ import annotations
 
 import logging
@@ -15,10 +16,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpd import LLM, SamplingParams
 from jaxpd.config import EngineConfig
-from jaxpd.engine import kept
-from jaxpd.engine.kept import KeptExecutables, context_digest
-from jaxpd.engine.program import Program
-from jaxpd.engine.warmup import serving_programs
+from jaxpd.engine.compile import executable_cache
+from jaxpd.engine.compile.executable_cache import KeptExecutables, context_digest
+from jaxpd.engine.programs.program import Program
+from jaxpd.engine.compile.warmup import serving_programs
 from jaxpd.sharding.compat import shard_map
 from tests.engine_fixtures import JaxEvents, XlaCompiles
 from tests.hf_fixtures import hf_greedy
@@ -78,7 +79,7 @@ def test_a_kept_program_loads_without_tracing_and_runs_the_same(tmp_path):
     first = KeptExecutables(str(tmp_path), "context")
     first.install(program)
     assert (first.loaded, first.compiled, first.refused) == (0, 1, 0)
-    files = sorted(tmp_path.glob(f"*{kept.SUFFIX}"))      # by its key, by its text's
+    files = sorted(tmp_path.glob(f"*{executable_cache.SUFFIX}"))      # by its key, by its text's
     assert [f.name.split("-")[0] for f in files] == ["lowered", "pool_update"]
     second = KeptExecutables(str(tmp_path), "context")
     with XlaCompiles() as compiles, Events() as traces:
@@ -100,8 +101,8 @@ def test_a_damaged_kept_file_is_refused_with_a_warning(tmp_path, caplog, damage)
     width = {"truncated": 4, "corrupt": 5, "other key": 6}[damage]
     program, installed = _pool_program(width)
     KeptExecutables(str(tmp_path), "context").install(program)
-    by_key, = tmp_path.glob(f"pool_update-*{kept.SUFFIX}")
-    by_text, = tmp_path.glob(f"lowered-*{kept.SUFFIX}")
+    by_key, = tmp_path.glob(f"pool_update-*{executable_cache.SUFFIX}")
+    by_text, = tmp_path.glob(f"lowered-*{executable_cache.SUFFIX}")
     for path in (by_key, by_text):
         data = path.read_bytes()
         if damage == "truncated":
@@ -113,7 +114,7 @@ def test_a_damaged_kept_file_is_refused_with_a_warning(tmp_path, caplog, damage)
             data = data[:start] + b"0" * 64 + data[start + 64:]
         path.write_bytes(data)
         keep = KeptExecutables(str(tmp_path), "context")
-        with caplog.at_level(logging.WARNING, logger="jaxpd.engine.kept"):
+        with caplog.at_level(logging.WARNING, logger="jaxpd.engine.compile.executable_cache"):
             keep.install(program)
         assert f"{path.name} refused" in caplog.text
         if path is by_key:
@@ -137,7 +138,7 @@ def test_a_change_of_config_or_source_misses(tmp_path, monkeypatch):
                 "dtype": context_digest("fp", EngineConfig(mesh="prefill=1,decode=1",
                                                            page_size=16, dtype="bfloat16")),
                 "model": context_digest("other fp", base)}
-    monkeypatch.setattr(kept, "source_digest", lambda: "edited source")
+    monkeypatch.setattr(executable_cache, "source_digest", lambda: "edited source")
     contexts["source"] = context_digest("fp", base)
     assert len(set(contexts.values())) == len(contexts)
     KeptExecutables(str(tmp_path), contexts["base"]).install(program)
@@ -147,12 +148,13 @@ def test_a_change_of_config_or_source_misses(tmp_path, monkeypatch):
         # Another context misses its key, so lowers the program; it lowers the same, so
         # it is loaded by its text's key, and kept under its own.
         assert (keep.loaded, keep.refused, keep.lowered) == (1, 0, int(name != "base")), name
-    assert len(list(tmp_path.glob(f"pool_update-*{kept.SUFFIX}"))) == len(contexts)
+    assert len(list(tmp_path.glob(f"pool_update-*{executable_cache.SUFFIX}"))) == len(contexts)
 
 
 def test_source_digest_covers_the_python_and_the_native_kernels():
-    kept.source_digest.cache_clear()
-    assert len(kept.source_digest()) == 64 and kept.source_digest() == kept.source_digest()
+    executable_cache.source_digest.cache_clear()
+    digest = executable_cache.source_digest()
+    assert len(digest) == 64 and executable_cache.source_digest() == digest
 
 
 _ENGINE = dict(mesh="prefill=1,decode=1", max_model_len=32, max_prefill_batch=1,

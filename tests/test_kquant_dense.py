@@ -146,7 +146,7 @@ def test_dense_k_quants_shard_like_their_float_weights(loaded):
     over tp, scales and mins with them; the same logits as unsharded."""
     import flax.linen as nn
     from jax.sharding import Mesh
-    from jaxpd.engine.placement import place_params
+    from jaxpd.engine.programs.placement import place_params
 
     kept = loaded["auto"]
     prompt = kept.tokenizer.encode(PROMPTS[1])

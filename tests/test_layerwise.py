@@ -169,7 +169,7 @@ def test_runner_layerwise_pages_equal_fused_prefill(tiny):
     with LLM(path, mesh="prefill=4,decode=4", max_model_len=160, layerwise_min_tokens=0,
              warmup=False) as llm:
         runner = llm.engine.prefill_runner
-        from jaxpd.engine.sampler import SamplingArrays
+        from jaxpd.engine.programs.sampler import SamplingArrays
         rng = np.random.default_rng(0)
         tokens = rng.integers(3, 256, (2, 64)).astype(np.int32)
         lengths = np.array([64, 37], np.int32)

@@ -1,4 +1,4 @@
-"""Live migration of decoding requests between decode engines (`engine.migration`): a
+"""Live migration of decoding requests between decode engines (`engine.kv.migration`): a
 request cut out of one engine's pool goes on at another from its next token, through a
 real KV connector (the gRPC stream), with the same tokens as if it had not moved
 (greedy and seeded), no prefill of its prompt there, and no page held on either side.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxpd import LLM, SamplingParams
-from jaxpd.engine.migration import MOVED, moved, take_decoding
+from jaxpd.engine.kv.migration import MOVED, moved, take_decoding
 from jaxpd.request import Request, State
 from jaxpd.serving.migration import MigrationOutbox
 from jaxpd.serving.role_rpc import ROLE_SERVICE
@@ -335,7 +335,7 @@ def test_a_migration_whose_pull_fails_counts_as_a_failed_move_and_prefills_again
     kv = fake_pages(LAYERS, -(-n // PAGE_SIZE), 1.0, PAGE_SIZE)
     env.receiver.push(KVHandoff("moving-1", n, 7, kv, kv,
                                 {**moving.to_wire(num_tokens=n), MOVED: True}))
-    with caplog.at_level(logging.WARNING, logger="jaxpd.engine.decode_loop"):
+    with caplog.at_level(logging.WARNING, logger="jaxpd.engine.loops.decode_loop"):
         run_env(env, lambda: moving.state is State.WAITING)
     counts = env.stats.snapshot()
     assert counts["migration_failures"] == 1 and counts["transfer_failures"] == 0

@@ -5,7 +5,7 @@ over gloo), behind the router, beside a one-process decode worker and a prefill 
 
 SIGTERM to the role's leader while it decodes moves its requests to the other decode
 worker with their KV: the leader cuts each one's pages with a plan op its follower
-replays (`engine.multihost_decode`, `cut`), and the handoff leaves from the leader as
+replays (`engine.multihost.decode`, `cut`), and the handoff leaves from the leader as
 in one process. SIGTERM to the one-process worker moves its requests into the role (a
 handoff lands there as a prefill worker's does). Every stream finishes with the tokens
 of an unmoved run (greedy: transformers'; seeded sampling: the same requests run

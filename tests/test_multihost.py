@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from jaxpd.engine.page_allocator import pages_for
+from jaxpd.engine.scheduling.page_allocator import pages_for
 from jaxpd.serving.role_rpc import RoleClient
 from tests.engine_fixtures import mixed_prompts, reference
 from tests.support.checkpoints import negated_copy

@@ -1,6 +1,6 @@
 """A decode role whose mesh spans two processes (jax.distributed; gloo on CPU), behind
 the router, with a prefill role of one process (of two, for `decode=2x2`): 2 processes
-x 1 virtual device = one dp=2 decode mesh, led by process 0 (`engine.multihost_decode`).
+x 1 virtual device = one dp=2 decode mesh, led by process 0 (`engine.multihost.decode`).
 
 Greedy tokens must equal transformers', the KV moved must be exactly the requests'
 pages, the decode leader's slots and pages must all come back, and a killed follower
@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 
-from jaxpd.engine.page_allocator import pages_for
+from jaxpd.engine.scheduling.page_allocator import pages_for
 from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
 from jaxpd.serving.role_rpc import RoleClient
 from tests.engine_fixtures import mixed_prompts, reference

@@ -12,7 +12,7 @@ import pytest
 from jaxpd import LLM, SamplingParams
 from jaxpd.config import resolve_attention_impl
 from jaxpd.models import native_attention
-from jaxpd.engine.kernels import prefill_attention
+from jaxpd.engine.programs.kernels import prefill_attention
 from jaxpd.models.attention import causal_attention, paged_attention
 from jaxpd.models.native_attention import paged_attention_native
 from tests.engine_fixtures import XlaCompiles, assert_all_pages_free

@@ -37,7 +37,7 @@ def _python(code: str, *flags: str, cwd: str = ROOT, env=None) -> subprocess.Com
                                     "jaxpd.transfer.wire", "jaxpd.serving.router",
                                     "jaxpd.paths", "jaxpd.serving.config_flags",
                                     "jaxpd.sharding.cpu_devices", "jaxpd.models.fingerprint",
-                                    "jaxpd.parsing"])
+                                    "jaxpd.parsing", "jaxpd.engine.scheduling.buckets"])
 def test_pure_modules_load_no_jax(module):
     out = _python(f"import {module}; {SHOW_HEAVY}")
     assert out.returncode == 0, out.stderr

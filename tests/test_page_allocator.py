@@ -1,6 +1,6 @@
 import pytest
 
-from jaxpd.engine.page_allocator import OutOfPages, PageAllocator, pages_for
+from jaxpd.engine.scheduling.page_allocator import OutOfPages, PageAllocator, pages_for
 
 
 def test_null_page_is_never_handed_out():

@@ -20,8 +20,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from jaxpd.engine.prefill_loop import PrefillLoop
-from jaxpd.engine.scheduler import PrefillScheduler
+from jaxpd.engine.loops.prefill_loop import PrefillLoop
+from jaxpd.engine.scheduling.scheduler import PrefillScheduler
 from jaxpd.request import Request, State, logprobs_from_wire
 from jaxpd.sampling_params import SamplingParams
 from jaxpd.transfer import grpc_stream, jax_compat

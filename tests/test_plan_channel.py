@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from absl import flags
 
-from jaxpd.engine.multihost import Follower, FollowerWatch, PlanChannel, PlanError, ProcessGroup
-from jaxpd.engine.multihost_prefill import LeaderPrefillRunner, PrefillReplay
-from jaxpd.engine.sampler import SamplingArrays
+from jaxpd.engine.multihost.plan_channel import (Follower, FollowerWatch, PlanChannel, PlanError,
+                                                 ProcessGroup)
+from jaxpd.engine.multihost.prefill import LeaderPrefillRunner, PrefillReplay
+from jaxpd.engine.programs.sampler import SamplingArrays
 from jaxpd.serving.launch_flags import define_flags, multihost_error
 from tests.support.plan_store import TOKEN, Store, pair
 

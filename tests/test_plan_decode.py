@@ -1,5 +1,5 @@
 """The leader-to-follower plan of a multi-process decode role
-(`engine.multihost_decode`), over `test_plan_channel`'s in-memory store: a leader's
+(`engine.multihost.decode`), over `test_plan_channel`'s in-memory store: a leader's
 decode-runner calls replayed in order with the same arrays, page bytes sent only where
 a follower needs them, every malformed field refused by name (PlanError), and the
 host-built insert equal to the pages it was given."""
@@ -10,10 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpd.engine import multihost_decode
-from jaxpd.engine.multihost import Follower, PlanError
-from jaxpd.engine.multihost_decode import DecodeReplay, LeaderDecodeRunner, insert_from_host
-from jaxpd.engine.sampler import SamplingArrays
+from jaxpd.engine.multihost import decode as multihost_decode
+from jaxpd.engine.multihost.plan_channel import Follower, PlanError
+from jaxpd.engine.multihost.decode import DecodeReplay, LeaderDecodeRunner, insert_from_host
+from jaxpd.engine.programs.sampler import SamplingArrays
 from tests.support.plan_store import Store, pair
 
 SLOTS, PAGES, WIDTH, VOCAB = 4, 8, 3, 50

@@ -1,4 +1,4 @@
-"""The prefill mesh's own prefix cache (`engine.prefill_cache`): only the
+"""The prefill mesh's own prefix cache (`engine.kv.paged_prefill`): only the
 uncached tokens computed, on every mesh of the engine test, against transformers.
 (Split from test_prefix_cache.py, sharing its helpers in tests/support, so that xdist's
 one-file-per-worker scheduling has two halves to balance.)"""

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from jaxpd import LLM, SamplingParams
-from jaxpd.engine.background_compile import settle
-from jaxpd.engine.warmup import likely_prefix_shapes
+from jaxpd.engine.compile.background import settle
+from jaxpd.engine.compile.warmup import likely_prefix_shapes
 from jaxpd.models import native_attention
-from jaxpd.engine.page_allocator import PageAllocator, page_hashes
-from jaxpd.engine.scheduler import DecodeScheduler
+from jaxpd.engine.scheduling.page_allocator import PageAllocator, page_hashes
+from jaxpd.engine.scheduling.scheduler import DecodeScheduler
 from jaxpd.request import Request, State
 from tests.engine_fixtures import XlaCompiles
 from tests.hf_fixtures import hf_greedy
@@ -373,7 +373,7 @@ def test_prefix_index_records_per_worker_and_forgets_a_dropped_one():
 def test_a_workers_journal_advertises_its_publishes_and_evictions_as_changes():
     """`CacheJournal`: a full list first, then only what changed; a page held by two
     allocators is dropped only when both evict it; `resync` sends everything again."""
-    from jaxpd.engine.page_allocator import CacheJournal
+    from jaxpd.engine.scheduling.page_allocator import CacheJournal
     journal = CacheJournal(ROOT)
     allocs = [PageAllocator(4, journal), PageAllocator(4, journal)]
     hashes = page_hashes(list(range(12)), 4, ROOT)        # 3 pages
@@ -402,7 +402,7 @@ def test_a_workers_journal_advertises_its_publishes_and_evictions_as_changes():
 def test_a_journal_advertisement_is_bounded(monkeypatch):
     """More held keys than one advertisement carries: a full one lists `ADVERTISED_MAX`
     of them; more changes than that since the last one make the next one full."""
-    from jaxpd.engine import page_allocator
+    from jaxpd.engine.scheduling import page_allocator
     monkeypatch.setattr(page_allocator, "ADVERTISED_MAX", 2)
     journal = page_allocator.CacheJournal(ROOT)
     alloc = PageAllocator(8, journal)
@@ -577,8 +577,8 @@ def test_warmup_covers_every_prefill_with_context_a_colocated_chat_needs(tiny_hf
 def test_closing_a_background_compiler_waits_for_the_compile_in_progress():
     import threading
 
-    from jaxpd.engine.background_compile import BackgroundCompiler
-    from jaxpd.engine.runner import CompileCounter
+    from jaxpd.engine.compile.background import BackgroundCompiler
+    from jaxpd.engine.programs.decode_runner import CompileCounter
     started, release = threading.Event(), threading.Event()
 
     class Lowered:                       # what `lower()` returns: compiled on the thread
@@ -602,8 +602,8 @@ def test_closing_a_background_compiler_waits_for_the_compile_in_progress():
 def test_a_program_a_batch_asks_for_compiles_before_those_anticipated():
     import threading
 
-    from jaxpd.engine.background_compile import BackgroundCompiler
-    from jaxpd.engine.runner import CompileCounter
+    from jaxpd.engine.compile.background import BackgroundCompiler
+    from jaxpd.engine.programs.decode_runner import CompileCounter
     order, release = [], threading.Event()
 
     def lowered(key):
@@ -656,7 +656,7 @@ def test_a_program_compiled_in_the_background_runs_once_before_a_request_does():
     once, any other only while no slot decodes, so streams are not delayed for a
     program no request needs."""
     import queue as queue_mod
-    from jaxpd.engine.extend_loop import ExtendLoop
+    from jaxpd.engine.loops.extend_loop import ExtendLoop
     from jaxpd.sampling_params import SamplingParams
     from jaxpd.stats import StatsCounter
 

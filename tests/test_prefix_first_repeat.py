@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxpd import LLM
-from jaxpd.engine.warmup import likely_prefix_shapes, serving_programs
+from jaxpd.engine.compile.warmup import likely_prefix_shapes, serving_programs
 from jaxpd.models import native_attention
 from tests.engine_fixtures import XlaCompiles
 from tests.support.prefix_chats import check_pool, greedy

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpd.engine.kept import KeptExecutables
-from jaxpd.engine.program import FIRST_TWO_IN_PLACE, LayoutMismatch, Program, check_carried
+from jaxpd.engine.compile.executable_cache import KeptExecutables
+from jaxpd.engine.programs.program import (FIRST_TWO_IN_PLACE, LayoutMismatch, Program,
+                                          check_carried)
 
 
 @pytest.fixture(scope="module")

@@ -271,7 +271,7 @@ def test_unknown_quantization_is_refused():
 @pytest.mark.slow
 def test_quantized_weights_shard_like_their_float_weights(tmp_path, hf_llama, bpe):
     from jax.sharding import Mesh
-    from jaxpd.engine.placement import place_params
+    from jaxpd.engine.programs.placement import place_params
 
     path = write(tmp_path, hf_llama, Q.Q4_1, bpe)
     kept = checkpoint.load(path, quantization="auto")
@@ -366,7 +366,7 @@ def test_roofline_counts_stored_weight_bytes():
 
 
 def test_decode_steps_of_the_native_product_start_at_one_row():
-    from jaxpd.engine.scheduler import decode_batch_sizes
+    from jaxpd.engine.scheduling.buckets import decode_batch_sizes
     assert decode_batch_sizes(32) == [8, 16, 32]
     assert decode_batch_sizes(32, from_one=True) == [1, 2, 4, 8, 16, 32]
 

@@ -79,7 +79,7 @@ def test_kept_experts_equal_their_float_weights(qtype):
     pytest.param(4, 1, 4, "dp", marks=pytest.mark.matrix)])
 def test_kept_experts_split_over_a_decode_mesh(dp, tp, num_experts, axis):
     """Placed as the engine places them (`quant.place`, each part where the float
-    weight's experts go), dispatched by `engine.experts` inside the dp `shard_map`."""
+    weight's experts go), dispatched by `engine.programs.experts` inside the dp `shard_map`."""
     mesh = Mesh(np.array(jax.devices()[:dp * tp]).reshape(dp, tp), ("dp", "tp"))
     rules = logical_rules(mesh, num_heads=4, num_kv_heads=2, intermediate_size=64,
                           vocab_size=64, num_experts=num_experts, moe_intermediate_size=F)

@@ -17,8 +17,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from jaxpd.engine.penalties import apply_penalties, prefill_context
-from jaxpd.engine.sampler import SamplingArrays, sample
+from jaxpd.engine.programs.penalties import apply_penalties, prefill_context
+from jaxpd.engine.programs.sampler import SamplingArrays, sample
 from jaxpd.request import Request, State, logprobs_from_wire
 from jaxpd.sampling_params import SamplingParams
 from tests.engine_fixtures import XlaCompiles, assert_all_pages_free
@@ -170,7 +170,7 @@ def _asking(n: int) -> Request:
 @pytest.mark.parametrize("top_k", [True, False])
 def test_both_top_n_paths_agree_with_numpy(monkeypatch, top_k):
     """`lax.top_k` (new jax) and the stable sort (jax 0.6, see `_TOP_K_IN_SHARD_MAP`)."""
-    from jaxpd.engine import sampler
+    from jaxpd.engine.programs import sampler
     monkeypatch.setattr(sampler, "_TOP_K_IN_SHARD_MAP", top_k)
     raw = np.random.default_rng(3).normal(size=(5, 300)).astype(np.float32)
     raw[0, 7] = raw[0, 9] = raw[0].max() + 1       # a tie: the lower id first

@@ -4,9 +4,9 @@ import pytest
 from jaxpd.request import Request, State
 from jaxpd.sampling_params import SamplingParams
 from jaxpd.sizes import coarse_ceil
-from jaxpd.engine.scheduler import (DecodeScheduler, PrefillScheduler, batch_buckets,
-                                    context_width,
-                                    context_widths, length_buckets)
+from jaxpd.engine.scheduling.buckets import (batch_buckets, context_width, context_widths,
+                                           length_buckets)
+from jaxpd.engine.scheduling.scheduler import DecodeScheduler, PrefillScheduler
 
 
 def free_pages(d: DecodeScheduler) -> int:

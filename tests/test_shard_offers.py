@@ -1,4 +1,4 @@
-"""Per-shard KV offers (`engine.shard_offers`), in one process: which process owns which
+"""Per-shard KV offers (`engine.multihost.shard_offers`), in one process: which process owns which
 kv heads, the Offer's pieces and their checks, a follower's piece through the
 coordination store (signed), the decode side joining pieces, and what is ended when
 nobody pulls. Across real processes: `test_multihost`."""
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpd.engine import shard_offers
-from jaxpd.engine.multihost import PlanChannel, PlanError, ProcessGroup
-from jaxpd.engine.multihost_prefill import PrefillReplay, _base
+from jaxpd.engine.multihost import shard_offers
+from jaxpd.engine.multihost.plan_channel import PlanChannel, PlanError, ProcessGroup
+from jaxpd.engine.multihost.prefill import PrefillReplay, _base
 from jaxpd.transfer import jax_compat
 from jaxpd.transfer.checksum import ChecksumMismatchError, page_checksums
 from jaxpd.transfer.connector import KVHandoff

@@ -8,7 +8,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxpd.engine.background_compile import BackgroundCompiler
+from jaxpd.engine.compile.background import BackgroundCompiler
 from jaxpd.serving.proto import jaxpd_pb2, jaxpd_pb2_grpc
 from jaxpd.serving.server import SERVICE_NAME
 

@@ -3,7 +3,7 @@
 import pytest
 
 from jaxpd.config import EngineConfig
-from jaxpd.engine.routing import Inbox, Routing
+from jaxpd.engine.scheduling.inboxes import Inbox, Routing
 from jaxpd.engine.topology import Topology
 from jaxpd.request import Request
 from jaxpd import SamplingParams

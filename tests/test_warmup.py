@@ -12,8 +12,8 @@ import pytest
 
 from jaxpd import LLM, SamplingParams
 from jaxpd.config import EngineConfig
-from jaxpd.engine.program import ProgramSpec
-from jaxpd.engine.warmup import compile_programs, compile_threads, serving_programs
+from jaxpd.engine.programs.program import ProgramSpec
+from jaxpd.engine.compile.warmup import compile_programs, compile_threads, serving_programs
 from jaxpd.request import Request, State
 from tests.engine_fixtures import XlaCompiles, assert_all_pages_free
 

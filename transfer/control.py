@@ -57,7 +57,7 @@ MAX_PIECES = 64      # kv-head ranges of one Offer (a tp wider than this is not 
 class Piece:
     """Some kv heads of an Offer's pages, waiting in one process's transfer server under
     `uuid`: a prefill mesh spanning processes offers each process's own shards
-    (`engine.shard_offers`). The pull is `k` then `v`, one array per range of `heads`
+    (`engine.multihost.shard_offers`). The pull is `k` then `v`, one array per range of `heads`
     ([start, stop) in order), each [L, P, S, stop - start, H]; `k_checksums[i]` are the
     crc32s of `k[i]`'s pages (None: the sender has checksums off)."""
     transfer_address: str
@@ -122,7 +122,7 @@ class Offer:
     `k_checksums`/`v_checksums`: the crc32 of each page (`transfer.checksum`; None when
     the sender does not compute them); they travel with `first_token` on the
     authenticated control plane and bind the data plane's bytes to it.
-    `pieces` (a prefill mesh spanning processes, `engine.shard_offers`): the pages wait
+    `pieces` (a prefill mesh spanning processes, `engine.multihost.shard_offers`): the pages wait
     in several transfer servers, each piece some kv heads; `k` and `v` then describe
     the whole arrays, `uuid` names the Offer (and the sender's own piece), and the
     pieces' heads cover every kv head exactly once.

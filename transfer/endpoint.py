@@ -50,7 +50,7 @@ class TransferServerOptions:
       host it came from (a peer with the cluster token still cannot point the decode
       side at a third machine); off for senders behind address translation.
     offer_hosts: the hosts an Offer's pieces may also come from (a prefill mesh spanning
-      hosts offers each host's own shards, `engine.shard_offers`): its other hosts.
+      hosts offers each host's own shards, `engine.multihost.shard_offers`): its other hosts.
     """
     transfer_address: str = "127.0.0.1:0"
     transport_addresses: tuple[str, ...] = ("127.0.0.1:0",)

@@ -19,7 +19,7 @@ Decode side (`TransferServerReceiver`):
   pulls exactly the sender's layout onto this process's first N devices, under a
   watchdog, reshards onto `sharding` with `jax.device_put`, and acks.
 
-Pieces (the leader of a prefill mesh spanning processes, `engine.shard_offers`): the
+Pieces (the leader of a prefill mesh spanning processes, `engine.multihost.shard_offers`): the
 Offer lists where each range of kv heads waits -- this process's own shards under the
 Offer's uuid, each follower's under its own -- and `k`/`v` describe the whole arrays.
 The receiver pulls every piece from its owner at once, checks each, joins them along
@@ -108,7 +108,7 @@ class TransferServerSender(Endpoint):
     """`KVSender` to decode sides in other processes or hosts: offers go to each
     handoff's `destination` (a `TransferServerReceiver.control_address`), or to
     `decode_control_address` when it has none. A handoff whose k and v are
-    `engine.shard_offers.ShardedPages` (the leader of a prefill mesh spanning
+    `engine.multihost.shard_offers.ShardedPages` (the leader of a prefill mesh spanning
     processes) is offered as pieces: this process's shards, and the followers'."""
 
     def __init__(self, *, control_address: str = "127.0.0.1:0",
@@ -174,7 +174,7 @@ class TransferServerSender(Endpoint):
     def _pieces_offer(self, handoff: KVHandoff, fields: dict) -> tuple[Offer, list]:
         """The Offer of a handoff of `ShardedPages`: this process's piece (offered under
         the Offer's uuid) and each follower's, as it described it; and our arrays."""
-        from jaxpd.engine.shard_offers import make_piece, whole_layout
+        from jaxpd.engine.multihost.shard_offers import make_piece, whole_layout
         k, v = handoff.k.array, handoff.v.array
         whole = whole_layout(k), whole_layout(v)
         own, arrays = make_piece(self.transfer_address, fields["uuid"], k, v,

@@ -262,7 +262,7 @@ class EngineBackend(FrontendBackend):
         return self.llm.engine.is_idle()
 
     def settle(self) -> None:
-        from jaxpd.engine.background_compile import settle
+        from jaxpd.engine.compile.background import settle
         settle(self.llm.engine)
 
     def counters(self) -> dict:

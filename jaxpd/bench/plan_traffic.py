@@ -3,7 +3,7 @@
 Starts a leader and a follower (`engine.multihost`: jax.distributed on this machine,
 no model), and has the leader publish the plan of prefill batches of each shape: a
 `run` (tokens, lengths, sampling rows) and a `take` (every row's pages); then a decode
-role's (`engine.multihost_decode`): a `step` for each (slots, block-table width), and
+role's (`engine.multihost.decode`): a `step` for each (slots, block-table width), and
 an `insert` of n pages bound for a follower's dp shard (the page bytes ride along) for
 each page shape. Prints tables (bytes per message, publish time, leader -> follower
 latency) and saves JSON.
@@ -32,9 +32,10 @@ PAGES = [("default", (6, 16, 4, 32), "float32", (1, 4, 16)),
 
 
 def _role(process_id: int, coordinator: str, repeats: int, token: str) -> None:
-    from jaxpd.engine.multihost import PlanChannel, ProcessGroup, pack_array, initialize
-    from jaxpd.engine.multihost_decode import insert_message, step_message
-    from jaxpd.engine.sampler import SamplingArrays
+    from jaxpd.engine.multihost.plan_channel import (PlanChannel, ProcessGroup, initialize,
+                                                     pack_array)
+    from jaxpd.engine.multihost.decode import insert_message, step_message
+    from jaxpd.engine.programs.sampler import SamplingArrays
     group = ProcessGroup(2, process_id, coordinator)
     initialize(group)
     channel = PlanChannel(group, token.encode())

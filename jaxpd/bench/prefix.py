@@ -41,7 +41,7 @@ import numpy as np
 from jaxpd.bench.host import describe_host, host_line
 from jaxpd.bench.driver import FIRST_ORDINARY_ID, greedy, stats_delta, timeline_of
 from jaxpd.bench.workload import parse_length_mix
-from jaxpd.engine.background_compile import settle
+from jaxpd.engine.compile.background import settle
 from jaxpd.metrics import meets_slo, summarize
 from jaxpd.sharding.spec import parse_mesh_spec
 

@@ -129,7 +129,7 @@ def worker_flags(deployment: Deployment, model_dir: str, options: dict,
 
 def settle_workers(router, timeout_s: float = 300.0) -> None:
     """Wait until no worker of `router`'s deployment compiles in the background (the
-    prefix cache's programs its warm-up asked for: `engine.background_compile`)."""
+    prefix cache's programs its warm-up asked for: `engine.compile.background`)."""
     deadline = time.monotonic() + timeout_s
     while any(info.get("compiles_pending", 0) for workers in router.stats()["workers"].values()
               for info in workers):
@@ -174,7 +174,7 @@ class ProcessesBackend(FrontendBackend):
                            f"{READY_TIMEOUT_S:.0f} s: {self.front.live_workers()}")
 
     def prefill_shapes(self, prompt_lens: Sequence[int]) -> list[tuple[int, int]]:
-        from jaxpd.engine.scheduler import batch_buckets
+        from jaxpd.engine.scheduling.buckets import batch_buckets
         sizes = batch_buckets(self.options.get("max_prefill_batch", 8))
         return [(n, size) for n in sorted(set(prompt_lens)) for size in sizes]
 

@@ -167,11 +167,11 @@ def _row(kind: str, shape: dict, flops: float, nbytes: float, seconds: float,
 def time_prefill(cfg, params, length: int, repeats: int,
                  attention_impl: str = "reference") -> float:
     """Best time of one prompt's prefill, its attention as the engine's prefill runs it
-    on one device for a resolved `attention_impl` (`engine.kernels.prefill_attention`)."""
+    on one device for a resolved `attention_impl` (`engine.programs.kernels.prefill_attention`)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh
-    from jaxpd.engine.kernels import prefill_attention
+    from jaxpd.engine.programs.kernels import prefill_attention
     from jaxpd.models.llama import Llama
     mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
     model = Llama(cfg, prefill_attention=prefill_attention(attention_impl, mesh, (),
@@ -189,7 +189,7 @@ def time_decode(cfg, params, batch: int, context: int, page_size: int, repeats: 
     quantized weights, as `Engine._quant_matmul` picks it."""
     import jax
     import jax.numpy as jnp
-    from jaxpd.engine.experts import decode_experts
+    from jaxpd.engine.programs.experts import decode_experts
     from jaxpd.models.llama import Llama
     from jaxpd.models.pallas_attention import decode_attention
     # Experts as a decode mesh of one device runs them (kept ones through `qmatmul`).
@@ -239,7 +239,7 @@ def run_roofline(model_dir: str, args: argparse.Namespace) -> dict:
     """Measure the machine, time the model's calls, print the table, write --json."""
     import jax
     from jaxpd.config import resolve_attention_impl
-    from jaxpd.engine.scheduler import length_buckets
+    from jaxpd.engine.scheduling.buckets import length_buckets
     from jaxpd.models import checkpoint
     from jaxpd.models.layout import fuse_params
 

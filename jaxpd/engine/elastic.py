@@ -31,9 +31,9 @@ import logging
 import time
 from typing import Callable
 
-from jaxpd.engine.page_allocator import pages_for
-from jaxpd.engine.kept import KeptExecutables
-from jaxpd.engine.warmup import warm_up
+from jaxpd.engine.scheduling.page_allocator import pages_for
+from jaxpd.engine.compile.executable_cache import KeptExecutables
+from jaxpd.engine.compile.warmup import warm_up
 from jaxpd.request import State
 from jaxpd.sharding.spec import MeshSpec
 from jaxpd.transfer.connector import KVHandoff

@@ -32,28 +32,28 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpd.config import (EngineConfig, default_kv_cache_memory, kv_pools,
                           resolve_attention_impl, resolve_context)
-from jaxpd.engine.decode_loop import DecodeLoop
-from jaxpd.engine.extend_loop import ExtendLoop
-from jaxpd.engine.host_store import HostStore
-from jaxpd.engine.host_tier import HostTier
-from jaxpd.engine.multihost import Follower, PlanChannel
-from jaxpd.engine.multihost_decode import lead, replay_for
-from jaxpd.engine.page_allocator import CacheJournal, prefix_root
-from jaxpd.engine.prefill_cache import PrefillCache, cache_pages
-from jaxpd.engine.prefill_loop import PrefillLoop
-from jaxpd.engine.requests import Limits, Requests
-from jaxpd.engine.routing import Routing
-from jaxpd.engine.prefill_runner import PrefillRunner
-from jaxpd.engine.runner import CompileCounter, DecodeRunner
-from jaxpd.engine.scheduler import DecodeScheduler, PrefillScheduler
+from jaxpd.engine.loops.decode_loop import DecodeLoop
+from jaxpd.engine.loops.extend_loop import ExtendLoop
+from jaxpd.engine.kv.host_store import HostStore
+from jaxpd.engine.kv.host_tier import HostTier
+from jaxpd.engine.multihost.plan_channel import Follower, PlanChannel
+from jaxpd.engine.multihost.decode import lead, replay_for
+from jaxpd.engine.scheduling.page_allocator import CacheJournal, prefix_root
+from jaxpd.engine.kv.paged_prefill import PrefillCache, cache_pages
+from jaxpd.engine.loops.prefill_loop import PrefillLoop
+from jaxpd.engine.scheduling.registry import Limits, Requests
+from jaxpd.engine.scheduling.inboxes import Routing
+from jaxpd.engine.programs.prefill_runner import PrefillRunner
+from jaxpd.engine.programs.decode_runner import CompileCounter, DecodeRunner
+from jaxpd.engine.scheduling.scheduler import DecodeScheduler, PrefillScheduler
 from jaxpd.engine.topology import Topology
-from jaxpd.engine.kept import KeptExecutables
-from jaxpd.engine.warmup import warm_up
+from jaxpd.engine.compile.executable_cache import KeptExecutables
+from jaxpd.engine.compile.warmup import warm_up
 from jaxpd import host_memory
 from jaxpd.models.checkpoint import LoadedModel
 from jaxpd.models.fingerprint import model_fingerprint, short
 from jaxpd.models.hf_io import DTYPES
-from jaxpd.engine.placement import place_params
+from jaxpd.engine.programs.placement import place_params
 from jaxpd.models.llama import layer_groups
 from jaxpd.request import Request, State
 from jaxpd.sharding import Meshes, build_meshes, replicated_over_tp
@@ -163,7 +163,8 @@ class Engine:
         self.phases = self.build_phases(config)
         if topology.in_process_handoffs and isinstance(self.connector, DevicePutConnector):
             self.connector.stage_on(self._staging_sharding())
-        # Where warm-up keeps its executables, and loads them from (`engine.kept`).
+        # Where warm-up keeps its executables, and loads them from
+        # (`engine.compile.executable_cache`).
         self.kept: KeptExecutables | None = None
         if warmup and not self.is_follower:     # a follower replays the leader's warm-up
             self.kept = KeptExecutables.for_engine(self.fingerprint, config)
@@ -229,7 +230,7 @@ class Engine:
 
     def _params_on(self, c: EngineConfig, mesh, fuse: bool, prefill_only: bool = False,
                    scan: bool = False, keep_quantized: bool = False):
-        """(params on `mesh`, its logical rules, whether fused: `engine.placement`; the
+        """(params on `mesh`, its logical rules, whether fused: `engine.programs.placement`; the
         attention kernels for its devices: `resolve_attention_impl`). A CPU mesh that
         only prefills gets quantized weights as float (a prompt's many rows are
         compute-bound, and XLA:CPU's product of the jnp form unpacks every weight on

@@ -46,7 +46,7 @@ def register_pytrees() -> None:
     if _registered:
         return
     from jax import export
-    from jaxpd.engine.sampler import Logprobs, SamplingArrays
+    from jaxpd.engine.programs.sampler import Logprobs, SamplingArrays
 
     export.register_pytree_node_serialization(
         SamplingArrays, serialized_name="jaxpd.SamplingArrays",
@@ -108,7 +108,7 @@ def export_programs(platform: str, mesh: str = "prefill=4,decode=4", model: str 
     import jax
     from jaxpd.config import EngineConfig, resolve_attention_impl, resolve_context
     from jaxpd.engine.engine import Engine
-    from jaxpd.engine.warmup import serving_programs
+    from jaxpd.engine.compile.warmup import serving_programs
     from jaxpd.model_registry import resolve_model
     from jaxpd.models import checkpoint
 

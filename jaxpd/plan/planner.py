@@ -40,7 +40,7 @@ from jaxpd.bench.args import (length_mix, positive_float, positive_floats, posit
                               resolve_model, serving_mesh, whole_numbers)
 from jaxpd.bench.driver import ensure_cpu_devices
 from jaxpd.bench.workload import make_workload, parse_length_mix
-from jaxpd.engine.scheduler import length_buckets
+from jaxpd.engine.scheduling.buckets import length_buckets
 from jaxpd.metrics import find_goodput, slo_attainment, summarize
 from jaxpd.plan.simulator import (DecodeModel, PrefillModel, fit_decode, fit_prefill,
                                   simulate_colocated, simulate_disaggregated)

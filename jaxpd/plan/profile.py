@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jaxpd.config import EngineConfig
-from jaxpd.engine.scheduler import context_width
+from jaxpd.engine.scheduling.buckets import context_width
 
 Sample = tuple[list[int], float]
 
@@ -41,7 +41,7 @@ class MeshProfiler:
     """Times the engine's prefill and decode programs on meshes of given shapes."""
 
     def __init__(self, model_dir: str, page_size: int = 16, repeats: int = 3):
-        from jaxpd.engine.runner import CompileCounter
+        from jaxpd.engine.programs.decode_runner import CompileCounter
         from jaxpd.models import checkpoint
 
         loaded = checkpoint.load(model_dir, dtype="float32")
@@ -54,7 +54,7 @@ class MeshProfiler:
         attention kernels the engine's default serves with on its devices."""
         import jax.numpy as jnp
         from jaxpd.config import resolve_attention_impl
-        from jaxpd.engine.placement import place_params
+        from jaxpd.engine.programs.placement import place_params
         attention = resolve_attention_impl("auto", mesh.devices.flat[0].platform)
         return (*place_params(self.cfg, self.params, mesh, jnp.float32, fuse=fuse), attention)
 
@@ -72,8 +72,8 @@ class MeshProfiler:
         """Samples of prefill batches on a `tp`-device mesh (every batch x length,
         skipping those over `max_tokens` padded tokens, as the scheduler would)."""
         from jax.sharding import Mesh
-        from jaxpd.engine.prefill_runner import PrefillRunner
-        from jaxpd.engine.sampler import SamplingArrays
+        from jaxpd.engine.programs.prefill_runner import PrefillRunner
+        from jaxpd.engine.programs.sampler import SamplingArrays
 
         mesh = Mesh(np.array(self._devices(tp)), ("tp",))
         params, rules, fused, attention = self._place(mesh, fuse=False)
@@ -96,8 +96,8 @@ class MeshProfiler:
                batches: Sequence[int]) -> list[Sample]:
         """Samples of decode steps on a `dp x tp` mesh with `dp * slots_per_shard` slots."""
         from jax.sharding import Mesh
-        from jaxpd.engine.runner import DecodeRunner
-        from jaxpd.engine.sampler import SamplingArrays
+        from jaxpd.engine.programs.decode_runner import DecodeRunner
+        from jaxpd.engine.programs.sampler import SamplingArrays
 
         mesh = Mesh(np.array(self._devices(dp * tp)).reshape(dp, tp), ("dp", "tp"))
         params, rules, fused, attention = self._place(mesh, fuse=True)

@@ -44,7 +44,7 @@ def follow_leader(role: str, model: str | None, plan, stop: threading.Event, say
     """A follower process: the same engine on the same global mesh, replaying the
     leader's programs until it says stop (0), `grace_s` after `stop` is set (0), or
     until it cannot be followed (1)."""
-    from jaxpd.engine.multihost import Follower, PlanError
+    from jaxpd.engine.multihost.plan_channel import Follower, PlanError
     from jaxpd.llm import LLM
 
     group = plan.group

@@ -77,7 +77,7 @@ def run(fv: flags.FlagValues) -> int:
         say_if_oversubscribed(count)
     group = None
     if fv.num_processes > 1:                 # before any jax backend comes up
-        from jaxpd.engine.multihost import ProcessGroup, initialize
+        from jaxpd.engine.multihost.plan_channel import ProcessGroup, initialize
         group = ProcessGroup(fv.num_processes, fv.process_id, fv.coordinator)
         initialize(group)
     from jaxpd import xla_cache

@@ -4,7 +4,7 @@ KV (`--migrate_on_drain`), instead of being prefilled again there.
 The worker side, `MigrationOutbox`:
 1. `drain(deadline)` refuses new calls (`draining`), then, until its engine is idle or
    the deadline passes, cuts every decoding request out of the pool
-   (`engine.migration.take_decoding`) and holds its handoff, and ends the request's
+   (`engine.kv.migration.take_decoding`) and holds its handoff, and ends the request's
    Decode stream with a {"migrating"} event, after every token it made.
 2. The router, reading that event, opens a Decode stream for the request at another
    decode worker (a mirror waiting for KV, holding every token the client has seen) and
@@ -36,7 +36,7 @@ import time
 from typing import Callable
 
 from jaxpd.auth import NO_AUTH, InternalAuth
-from jaxpd.engine.migration import Migrant, has_decoding, take_decoding
+from jaxpd.engine.kv.migration import Migrant, has_decoding, take_decoding
 
 _log = logging.getLogger(__name__)
 

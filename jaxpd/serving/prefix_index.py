@@ -19,7 +19,7 @@ What a worker holds, the router learns two ways:
   worker advertises, a belief lasts two of its advertisements (by then the worker has
   said whether it holds those pages), then only the advertised set counts.
 
-A worker's host tier (`engine.host_store`) is advertised apart ("host_add",
+A worker's host tier (`engine.kv.host_store`) is advertised apart ("host_add",
 "host_drop"): pages it can restore into its pool rather than compute. `cached_tokens`
 counts only what the pool holds (a handoff may leave out only those pages);
 `restorable_tokens` continues that prefix through the host tier's pages, and the
@@ -46,7 +46,7 @@ import collections
 import dataclasses
 import threading
 
-from jaxpd.engine.page_allocator import ADVERTISED_BYTES, page_hashes
+from jaxpd.engine.scheduling.page_allocator import ADVERTISED_BYTES, page_hashes
 
 _ROOT = b"jaxpd-router-prefix-index"      # beliefs of a worker that never advertised
 MAX_ADVERTISED = 1 << 20                  # keys one worker may hold here (8 MiB)

@@ -44,7 +44,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from jaxpd.auth import NO_AUTH, InternalAuth
-from jaxpd.engine.background_compile import compilers
+from jaxpd.engine.compile.background import compilers
 from jaxpd.engine.engine import Engine
 from jaxpd.errors import DuplicateRequest, QueueFull
 from jaxpd.output_sink import MAX_BUFFERED, AsyncOutputs

@@ -27,18 +27,18 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
     (0: a free port, printed), as on the router and a single process. `group`: this
     process's place in a prefill or decode mesh spanning processes (`engine.multihost`): process 0
     serves as the worker, the others follow it (a prefill role's offer their own KV shards,
-    `engine.shard_offers`, unless `kv_offers` is "gather"). `kv_offer_hosts`:
+    `engine.multihost.shard_offers`, unless `kv_offers` is "gather"). `kv_offer_hosts`:
     `TransferServerOptions.offer_hosts`. Once stopped, calls in flight may run
     `shutdown_timeout_s` before they are cut (the router fails them over);
     `wait_for_compiles` False leaves a background compile running (the caller ends the
     process with `os._exit`)."""
-    from jaxpd.engine.multihost import PlanError
+    from jaxpd.engine.multihost.plan_channel import PlanError
     from jaxpd.llm import LLM
 
     plan = None
     if group is not None and group.multi:
-        from jaxpd.engine import shard_offers
-        from jaxpd.engine.multihost import PlanChannel
+        from jaxpd.engine.multihost import shard_offers
+        from jaxpd.engine.multihost.plan_channel import PlanChannel
         from jaxpd.serving.follower import follow_leader
         plan = PlanChannel(group, auth.token.encode() if auth.token else None)
         if role == "prefill" and kv_offers == "shards" and shard_offers.applies(
@@ -57,7 +57,7 @@ def serve_role(role: str, model: str | None, host: str, port: int, router: str |
     connector, kv_address = make_connector(role, transport, host, auth, kv_offer_hosts)
     watch = None
     if plan is not None:
-        from jaxpd.engine.multihost import BEAT_S, FollowerWatch
+        from jaxpd.engine.multihost.plan_channel import BEAT_S, FollowerWatch
         from jaxpd.serving.follower import mesh_failed, role_lost
         watch = FollowerWatch(plan, role_lost(role), dead_s=follower_timeout_s)
         plan.on_failure = mesh_failed(role_lost(role), follower_timeout_s + 4 * BEAT_S)

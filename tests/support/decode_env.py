@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 import types
 
-from jaxpd.engine.decode_loop import DecodeLoop
-from jaxpd.engine.requests import Limits, Requests
-from jaxpd.engine.routing import Routing
-from jaxpd.engine.scheduler import DecodeScheduler
+from jaxpd.engine.loops.decode_loop import DecodeLoop
+from jaxpd.engine.scheduling.registry import Limits, Requests
+from jaxpd.engine.scheduling.inboxes import Routing
+from jaxpd.engine.scheduling.scheduler import DecodeScheduler
 from jaxpd.stats import StatsCounter
 from jaxpd.transfer.inbound import HandoffSpec, InboundQueue
 from tests.fake_runner import FakeReceiver, FakeRunner

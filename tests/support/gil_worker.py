@@ -30,7 +30,7 @@ def hold_gil(seconds: float) -> float:
 
 def main():
     model, router, hold_s, sidecar = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
-    from jaxpd.engine.prefill_loop import PrefillLoop
+    from jaxpd.engine.loops.prefill_loop import PrefillLoop
     from jaxpd.llm import LLM
     from jaxpd.serving.role_server import RoleServer, RoleService, make_connector
     from tests.support.internal_plane import AUTH

@@ -2,7 +2,7 @@
 `PlanChannel`s over it (`pair`): the multi-process plan without processes."""
 import threading
 
-from jaxpd.engine.multihost import PlanChannel, ProcessGroup
+from jaxpd.engine.multihost.plan_channel import PlanChannel, ProcessGroup
 
 TOKEN = b"plan-token-0123456789abcdef"
 

@@ -25,11 +25,11 @@ def quantized_experts(w_EIO: np.ndarray, qtype: gguf.GGMLQuantizationType,
 
 
 def dispatched(params, rules, mesh, names, x, ids, weights):
-    """`engine.experts.decode_experts` over `params["layers_0"]`'s expert weights
+    """`engine.programs.experts.decode_experts` over `params["layers_0"]`'s expert weights
     `names`, run as a decode step runs it: inside the dp `shard_map`, rows split over dp."""
     from jax.sharding import PartitionSpec as P
 
-    from jaxpd.engine.experts import decode_experts, param_specs
+    from jaxpd.engine.programs.experts import decode_experts, param_specs
     from jaxpd.sharding.compat import shard_map
     experts = decode_experts(rules)
 

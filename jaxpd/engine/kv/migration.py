@@ -9,7 +9,7 @@ there from its next token without a prefill.
 2. **Cut.** For each decoding request: its pages are copied out of the pool
    (`DecodeRunner.take`, padded like a prefill's handoff; on a mesh spanning processes
    the leader publishes the take for its followers to replay and gets the pages
-   all-gathered, `multihost_decode`), it becomes TRANSFERRING, its slot is released
+   all-gathered, `multihost.decode`), it becomes TRANSFERRING, its slot is released
    (its pages go back to the allocator, full ones to the prefix cache) and it leaves
    this engine's registry: from here it lives where its handoff lands.
 3. **Resume.** The threads start again; the pause is one gather per request.
@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from jaxpd.engine.page_allocator import pages_for
+from jaxpd.engine.scheduling.page_allocator import pages_for
 from jaxpd.request import Request, State
 from jaxpd.transfer.connector import KVHandoff
 

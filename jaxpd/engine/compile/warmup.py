@@ -1,7 +1,7 @@
 """The programs an engine serves, listed once (`serving_programs`): warm-up compiles
-them before the engine serves (or loads them where they were kept: `engine.kept`), so
-steady state compiles nothing (`Engine.counter` proves it in tests), and `jaxpd.export`
-lowers the same list for a TPU or GPU."""
+them before the engine serves (or loads them where they were kept:
+`engine.compile.executable_cache`), so steady state compiles nothing (`Engine.counter`
+proves it in tests), and `jaxpd.export` lowers the same list for a TPU or GPU."""
 from __future__ import annotations
 
 import logging
@@ -12,12 +12,12 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jaxpd.engine.kept import KeptExecutables
-from jaxpd.engine.program import ProgramSpec
-from jaxpd.engine.sampler import SamplingArrays
-from jaxpd.engine.page_allocator import pages_for
-from jaxpd.engine.prefill_cache import chunk_widths
-from jaxpd.engine.scheduler import context_widths
+from jaxpd.engine.compile.executable_cache import KeptExecutables
+from jaxpd.engine.programs.program import ProgramSpec
+from jaxpd.engine.programs.sampler import SamplingArrays
+from jaxpd.engine.scheduling.page_allocator import pages_for
+from jaxpd.engine.kv.paged_prefill import chunk_widths
+from jaxpd.engine.scheduling.buckets import context_widths
 from jaxpd.models.hf_io import DTYPES
 from jaxpd.sizes import coarse_sizes
 
@@ -37,12 +37,12 @@ def warm_up(engine, progress: Callable[[str], None],
     `engine`: the `Phases` to warm up. XLA compiles a program on one core, so the
     programs compile on `compile_threads` threads (`compile_programs`) and none runs:
     each serving call finds its executable installed in its runner's table, loaded
-    where `keep` kept it (`engine.kept`; None: compiled, not kept), and so do the
-    background compiles. Only a spec that is not `ahead` runs once here, compiling
-    where it runs, and one to `run_once` (the decode thread's programs, on padding rows
-    and the null page). A role `spans_processes` runs every program once on this thread
-    instead, touching only the null page: its followers compile by replaying each
-    dispatch in the leader's order."""
+    where `keep` kept it (`engine.compile.executable_cache`; None: compiled, not kept),
+    and so do the background compiles. Only a spec that is not `ahead` runs once here,
+    compiling where it runs, and one to `run_once` (the decode thread's programs, on
+    padding rows and the null page). A role `spans_processes` runs every program once
+    on this thread instead, touching only the null page: its followers compile by
+    replaying each dispatch in the leader's order."""
     keep = keep or KeptExecutables(None)
     specs = [s for s in serving_programs(engine) if not s.background]
     if spans_processes:
@@ -277,7 +277,7 @@ def _decode(engine) -> list[ProgramSpec]:
         specs.append(ProgramSpec(f"page insert for {m} pages", warm,
                                  lambda m=m: [runner.insert_program(m)], run_once=True))
     if engine.host_tier is not None:
-        # Evicted pages are copied off the pool for the host tier (`engine.host_tier`);
+        # Evicted pages are copied off the pool for the host tier (`engine.kv.host_tier`);
         # restoring them runs the inserts above.
         for m in engine.host_tier.sizes():
             specs.append(ProgramSpec(f"page offload to the host tier for {m} pages",
@@ -285,7 +285,7 @@ def _decode(engine) -> list[ProgramSpec]:
                                      lambda m=m: [runner.offload_program(m)], run_once=True))
     if cfg.mesh.elastic or cfg.migrate_on_drain:
         # A re-split or a migration cuts each decoding request's pages out of the pool
-        # (`engine.elastic`, `engine.migration`).
+        # (`engine.elastic`, `engine.kv.migration`).
         for m in coarse_sizes(cfg.pages_per_slot):
             specs.append(ProgramSpec(f"page take for {m} pages",
                                      lambda m=m: runner.take(0, [0] * m),

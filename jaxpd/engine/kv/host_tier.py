@@ -24,7 +24,7 @@ import numpy as np
 
 from typing import Protocol
 
-from jaxpd.engine.host_store import HostStore
+from jaxpd.engine.kv.host_store import HostStore
 from jaxpd.sizes import coarse_ceil, coarse_sizes
 from jaxpd.stats import StatsCounter
 

@@ -6,8 +6,8 @@ must then dispatch the same programs, with the same inputs, in the same order. P
 router registration). Each **follower** builds the same runner on the same global mesh
 and replays the leader's runner calls, which the leader publishes as a numbered
 sequence of small messages (the *plan*: a prefill batch's tokens, lengths and sampling
-rows; which pages to cut, `multihost_prefill`; a decode role's steps, page inserts,
-penalty contexts and migrations' page cuts, `multihost_decode`) through the key-value
+rows; which pages to cut, `multihost.prefill`; a decode role's steps, page inserts,
+penalty contexts and migrations' page cuts, `multihost.decode`) through the key-value
 store of the coordination service that `jax.distributed` already runs. No port or
 protocol of our own, and the store's blocking get is exactly a follower's wait for its
 next step.
@@ -138,7 +138,7 @@ class PlanChannel:
         # The leader's answer to its engine failing (`Engine.fail`): a mesh across
         # processes cannot go on once a program failed on it (set by the worker).
         self.on_failure: Callable[[BaseException], None] | None = None
-        # A prefill role's per-shard KV offers (`engine.shard_offers`): the leader's
+        # A prefill role's per-shard KV offers (`engine.multihost.shard_offers`): the leader's
         # `Board`, a follower's `Offerer`; None: the leader sends gathered pages.
         self.offers = None
 
@@ -357,8 +357,8 @@ class Follower:
         self._done.set()
 
     def run(self, replay: Callable[[dict], None], stop: threading.Event) -> str:
-        """Replay the plan (`replay(message)` for each: `multihost_prefill.PrefillReplay`, or
-        `multihost_decode.DecodeReplay`) until the leader says stop ("stopped") or
+        """Replay the plan (`replay(message)` for each: `multihost.prefill.PrefillReplay`, or
+        `multihost.decode.DecodeReplay`) until the leader says stop ("stopped") or
         `stop` is set ("interrupted"). Raises PlanError for a bad plan, and jax's
         runtime error when the coordinator is gone."""
         while True:

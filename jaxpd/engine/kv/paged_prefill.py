@@ -21,7 +21,7 @@ runs):
            allocator needs room.
 
 With a host tier (`attach_host`, `prefill_host_cache_gb`), the pages the allocator
-evicts are copied to host memory (`engine.host_tier`), and `restore` (or `admit`
+evicts are copied to host memory (`engine.kv.host_tier`), and `restore` (or `admit`
 itself) brings back the ones that continue a request's pooled prefix into its own
 pages (one insert program), then publishes them: the batch computes only what
 follows, as after a pool hit. The prefill loop restores only for a batch that will
@@ -44,15 +44,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpd.engine.background_compile import BackgroundCompiler
-from jaxpd.engine.host_tier import HostTier
-from jaxpd.engine.kept import Executables, KeptExecutables, lowering
-from jaxpd.engine.kernels import prefill_attention, prefill_kernel, prefix_attention
-from jaxpd.engine.program import FIRST_TWO_IN_PLACE, POOLS_AFTER_PARAMS, Program
-from jaxpd.engine.page_allocator import CacheJournal, PageAllocator, page_hashes, pages_for
-from jaxpd.engine.penalties import prefill_context
-from jaxpd.engine.runner import CompileCounter, host_memory_kind
-from jaxpd.engine.sampler import SamplingArrays, sample
+from jaxpd.engine.compile.background import BackgroundCompiler
+from jaxpd.engine.kv.host_tier import HostTier
+from jaxpd.engine.compile.executable_cache import Executables, KeptExecutables, lowering
+from jaxpd.engine.programs.kernels import prefill_attention, prefill_kernel, prefix_attention
+from jaxpd.engine.programs.program import FIRST_TWO_IN_PLACE, POOLS_AFTER_PARAMS, Program
+from jaxpd.engine.scheduling.page_allocator import (CacheJournal, PageAllocator, page_hashes,
+                                                   pages_for)
+from jaxpd.engine.programs.penalties import prefill_context
+from jaxpd.engine.programs.decode_runner import CompileCounter, host_memory_kind
+from jaxpd.engine.programs.sampler import SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
 from jaxpd.models.llama import Llama, attention_options
 from jaxpd.request import Request

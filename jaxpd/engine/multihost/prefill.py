@@ -1,7 +1,7 @@
 """A prefill mesh across processes (`engine.multihost`): the leader's prefill runner,
 which publishes each program it dispatches (`LeaderPrefillRunner`), and a follower's
 replay of those calls (`PrefillReplay`) -- for a prefill role, and for the decode
-mesh's own prefill of a decode role (`multihost_decode`). With per-shard offers
+mesh's own prefill of a decode role (`multihost.decode`). With per-shard offers
 (`shard_offers`) the pages stay where they were computed and each process offers its
 own; else they are gathered for the leader to send.
 """
@@ -11,8 +11,8 @@ import secrets
 
 import numpy as np
 
-from jaxpd.engine.multihost import PlanChannel, PlanError, pack_array, unpack_array
-from jaxpd.engine.sampler import SamplingArrays
+from jaxpd.engine.multihost.plan_channel import PlanChannel, PlanError, pack_array, unpack_array
+from jaxpd.engine.programs.sampler import SamplingArrays
 
 
 class LeaderPrefillRunner:

@@ -1,6 +1,6 @@
 """The decode mesh's jitted programs and the state they own, and what every runner
 shares (`CompileCounter`, `host_memory_kind`); the prefill mesh's are
-`engine.prefill_runner`.
+`engine.programs.prefill_runner`.
 
 `DecodeRunner`   decode mesh (dp x tp): owns the paged KV pool and the slots' penalty
                  context (`penalties.SlotPenalties`), donated into every call so updates
@@ -24,15 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpd.engine.background_compile import BackgroundCompiler
-from jaxpd.engine.kept import Executables, KeptExecutables, lowering
-from jaxpd.engine.program import FIRST_TWO_IN_PLACE, POOLS_AFTER_PARAMS, Program
+from jaxpd.engine.compile.background import BackgroundCompiler
+from jaxpd.engine.compile.executable_cache import Executables, KeptExecutables, lowering
+from jaxpd.engine.programs.program import FIRST_TWO_IN_PLACE, POOLS_AFTER_PARAMS, Program
 from jaxpd.sizes import coarse_ceil
-from jaxpd.engine.penalties import SlotPenalties, count_sampled
-from jaxpd.engine.sampler import Logprobs, SamplingArrays, sample
+from jaxpd.engine.programs.penalties import SlotPenalties, count_sampled
+from jaxpd.engine.programs.sampler import Logprobs, SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
-from jaxpd.engine.kernels import extend_attention, kernel_per_tp_shard
-from jaxpd.engine.experts import decode_experts, param_specs
+from jaxpd.engine.programs.kernels import extend_attention, kernel_per_tp_shard
+from jaxpd.engine.programs.experts import decode_experts, param_specs
 from jaxpd.models.llama import Llama
 from jaxpd.models.pallas_attention import decode_attention
 from jaxpd.sharding.compat import shard_map
@@ -132,7 +132,7 @@ class DecodeRunner:
         slot = P("dp")
         pool = P(None, "dp")
         # Params whole on every dp shard, but a mixture's experts split over dp where
-        # the rules split them (`engine.experts`).
+        # the rules split them (`engine.programs.experts`).
         weights = param_specs(params, rules)
         # The state a call returns is the next call's input, so its layout is fixed
         # here: over `tp` (left to the compiler by a `shard_map` manual over `dp`) it

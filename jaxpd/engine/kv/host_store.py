@@ -17,7 +17,7 @@ import zlib
 
 import numpy as np
 
-from jaxpd.engine.page_allocator import CacheJournal
+from jaxpd.engine.scheduling.page_allocator import CacheJournal
 
 
 def checksum(k: np.ndarray, v: np.ndarray) -> int:

@@ -26,7 +26,7 @@ import secrets
 import threading
 from typing import Any
 
-from jaxpd.engine.routing import Inbox, Routing
+from jaxpd.engine.scheduling.inboxes import Inbox, Routing
 from jaxpd.errors import DuplicateRequest, QueueFull
 from jaxpd.request import Request, State
 from jaxpd.stats import StatsCounter
@@ -46,7 +46,7 @@ _GOES_BACK = (State.PREFILLING, State.TRANSFERRING, State.DECODING)
 
 
 class Requests:
-    """`routing` decides which inbox a prompt goes to (`engine.routing`);
+    """`routing` decides which inbox a prompt goes to (`engine.scheduling.inboxes`);
     `remote_decode`: the decode side is another process (handoffs carry the wire form;
     a handed-off request is forgotten here)."""
 

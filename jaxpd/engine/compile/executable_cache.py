@@ -52,7 +52,7 @@ import jax
 from jax.experimental import serialize_executable
 from jax.sharding import NamedSharding
 
-from jaxpd.engine.program import Program, check_carried
+from jaxpd.engine.programs.program import Program, check_carried
 
 _log = logging.getLogger(__name__)
 

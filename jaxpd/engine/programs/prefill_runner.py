@@ -15,18 +15,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpd.engine.kept import Executables
-from jaxpd.engine.page_allocator import pages_for
-from jaxpd.engine.program import Program
+from jaxpd.engine.compile.executable_cache import Executables
+from jaxpd.engine.scheduling.page_allocator import pages_for
+from jaxpd.engine.programs.program import Program
 from jaxpd.sizes import coarse_ceil, coarse_sizes
-from jaxpd.engine.penalties import prefill_context
-from jaxpd.engine.sampler import SamplingArrays, sample
+from jaxpd.engine.programs.penalties import prefill_context
+from jaxpd.engine.programs.sampler import SamplingArrays, sample
 from jaxpd.models.config import ModelConfig
-from jaxpd.engine.kernels import prefill_attention, prefill_kernel
-from jaxpd.engine.experts import held_experts
+from jaxpd.engine.programs.kernels import prefill_attention, prefill_kernel
+from jaxpd.engine.programs.experts import held_experts
 from jaxpd.models.layout import is_stacked, unstack_layers
 from jaxpd.models.llama import Llama, layer_kinds, prefill_blocks
-from jaxpd.engine.runner import CompileCounter
+from jaxpd.engine.programs.decode_runner import CompileCounter
 
 
 class PrefillRunner:

@@ -26,14 +26,14 @@ import time
 import jax
 import numpy as np
 
-from jaxpd.engine.extend_loop import ExtendLoop
-from jaxpd.engine.migration import moved
-from jaxpd.engine.page_allocator import pages_for
-from jaxpd.engine.requests import Requests
-from jaxpd.engine.runner import DecodeRunner
-from jaxpd.engine.sampler import Logprobs, SamplingArrays
-from jaxpd.engine.scheduler import (DecodeScheduler, StepPlan, context_width,
-                                    decode_batch_sizes)
+from jaxpd.engine.loops.extend_loop import ExtendLoop
+from jaxpd.engine.kv.migration import moved
+from jaxpd.engine.scheduling.page_allocator import pages_for
+from jaxpd.engine.scheduling.registry import Requests
+from jaxpd.engine.programs.decode_runner import DecodeRunner
+from jaxpd.engine.programs.sampler import Logprobs, SamplingArrays
+from jaxpd.engine.scheduling.buckets import context_width, decode_batch_sizes
+from jaxpd.engine.scheduling.scheduler import DecodeScheduler, StepPlan
 from jaxpd.request import Request, State, handoff_logprobs
 from jaxpd.stats import StatsCounter
 from jaxpd.transfer.connector import TransferError
@@ -350,7 +350,7 @@ class DecodeLoop:
 
     def _count_failure(self, r: Request, error: Exception, payload) -> None:
         """A transfer of `r` failed and it is prefilled again. A migration's (its
-        handoff came from another decode worker's pool, `engine.migration`) counts as
+        handoff came from another decode worker's pool, `engine.kv.migration`) counts as
         the failed move it is, and `r` keeps the reason for its Decode stream."""
         if moved(payload):
             r.move_failure = f"{type(error).__name__}: {error}"

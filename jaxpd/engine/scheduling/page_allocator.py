@@ -21,7 +21,7 @@ capacity` (`check`).
 the journal its allocators share, and the worker's heartbeat carries what changed since
 the last one (or, after a failed heartbeat or when the router asks, all it holds), so
 the router's `PrefixIndex` knows what each worker's caches hold; pages a host tier holds
-(`engine.host_store`) are noted and advertised apart, as restorable rather than held.
+(`engine.kv.host_store`) are noted and advertised apart, as restorable rather than held.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpd.engine.penalties import apply_penalties, has_penalty
+from jaxpd.engine.programs.penalties import apply_penalties, has_penalty
 from jaxpd.request import Request, TokenLogprobs
 from jaxpd.sampling_params import MAX_LOGPROBS
 

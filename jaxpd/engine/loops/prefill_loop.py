@@ -15,12 +15,12 @@ import time
 import jax
 import numpy as np
 
-from jaxpd.engine.page_allocator import pages_for
-from jaxpd.engine.prefill_cache import PrefillCache, chunk_width
-from jaxpd.engine.requests import Requests
-from jaxpd.engine.prefill_runner import PrefillRunner
-from jaxpd.engine.sampler import Logprobs, SamplingArrays
-from jaxpd.engine.scheduler import PrefillBatch, PrefillScheduler
+from jaxpd.engine.scheduling.page_allocator import pages_for
+from jaxpd.engine.kv.paged_prefill import PrefillCache, chunk_width
+from jaxpd.engine.scheduling.registry import Requests
+from jaxpd.engine.programs.prefill_runner import PrefillRunner
+from jaxpd.engine.programs.sampler import Logprobs, SamplingArrays
+from jaxpd.engine.scheduling.scheduler import PrefillBatch, PrefillScheduler
 from jaxpd.request import Request, State
 from jaxpd.stats import StatsCounter
 from jaxpd.transfer.connector import KVHandoff, KVPart, KVSender, TransferError

@@ -33,10 +33,11 @@ import numpy as np
 
 import dataclasses
 
-from jaxpd.engine.host_tier import HostTier
-from jaxpd.engine.runner import DecodeRunner
-from jaxpd.engine.sampler import SamplingArrays
-from jaxpd.engine.scheduler import DecodeScheduler, batch_buckets
+from jaxpd.engine.kv.host_tier import HostTier
+from jaxpd.engine.programs.decode_runner import DecodeRunner
+from jaxpd.engine.programs.sampler import SamplingArrays
+from jaxpd.engine.scheduling.buckets import batch_buckets
+from jaxpd.engine.scheduling.scheduler import DecodeScheduler
 from jaxpd.request import Request, State
 from jaxpd.stats import StatsCounter
 

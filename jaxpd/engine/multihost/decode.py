@@ -1,7 +1,7 @@
 """A decode role whose mesh spans processes (`engine.multihost`): what its leader
 publishes for each `DecodeRunner` call, and how a follower replays it.
 
-Plan ops (beside the decode mesh's own prefill, `multihost_prefill.PrefillReplay`):
+Plan ops (beside the decode mesh's own prefill, `multihost.prefill.PrefillReplay`):
   step       a decode step's host inputs: tokens, fed_from_host, positions [B], block
              tables [B, W], sampling rows; every process then also dispatches the
              all-gather of its outputs (`_gathered`), the leader's only way to read
@@ -38,11 +38,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpd.engine.multihost import PlanChannel, PlanError, pack_array, unpack_array
-from jaxpd.engine.multihost_prefill import LeaderPrefillRunner, PrefillReplay
-from jaxpd.engine.runner import DecodeRunner
-from jaxpd.engine.sampler import SamplingArrays
-from jaxpd.engine.scheduler import decode_batch_sizes
+from jaxpd.engine.multihost.plan_channel import PlanChannel, PlanError, pack_array, unpack_array
+from jaxpd.engine.multihost.prefill import LeaderPrefillRunner, PrefillReplay
+from jaxpd.engine.programs.decode_runner import DecodeRunner
+from jaxpd.engine.programs.sampler import SamplingArrays
+from jaxpd.engine.scheduling.buckets import decode_batch_sizes
 from jaxpd.sharding.compat import shard_map
 from jaxpd.sizes import coarse_ceil
 
@@ -213,7 +213,7 @@ class LeaderDecodeRunner:
         self._runner.set_penalties(slot, prompt_ids, output_ids)
 
     def take(self, shard: int, page_ids: list[int]):
-        """A migration's pages (`engine.migration`), as this process's own copy: on one
+        """A migration's pages (`engine.kv.migration`), as this process's own copy: on one
         of its devices, whatever processes hold the shard."""
         self.channel.publish({"op": "cut", "shard": shard, "ids": [int(i) for i in page_ids]})
         k, v = gathered_take(self._runner, shard, page_ids)

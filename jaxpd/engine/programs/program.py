@@ -26,7 +26,7 @@ class Program:
     `note`: records in the runner's `CompileCounter` what its serving call records, for
     a program compiled ahead of its first call (`warmup.compile_programs`).
     `install`: puts an executable of this program where its serving call runs it (the
-    runner's `kept.Executables` table, under the key the call computes); None: the
+    runner's `executable_cache.Executables` table, under the key the call computes); None: the
     call runs `fn`, so compiling ahead must fill jax's own cache.
     `carried`: (argument, output) index pairs of the state a call returns for the next
     call to take back (pools, penalty counts, previous tokens), whose layouts must be
