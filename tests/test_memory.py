@@ -9,7 +9,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-CYCLES = 5
+CYCLES = 3
 GROWTH_BYTES = 300 << 20
 
 # Each cycle at the library's defaults: the built-in model, mesh "auto", warm-up on and

@@ -47,7 +47,8 @@ def _serving_counts(llm: LLM) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", ["prefill=2,decode=2", "prefill=1,decode=1"])
+@pytest.mark.parametrize("mesh", [
+    pytest.param("prefill=2,decode=2", marks=pytest.mark.matrix), "prefill=1,decode=1"])
 def test_multiturn_chats_compute_under_half_from_the_first_repeat(hf_models, mesh):
     # Head dim 32: the prefill mesh's prefix core is native (AVX-512) and reads any
     # prefix in place, so warm-up compiles every program a prefix hit runs.
